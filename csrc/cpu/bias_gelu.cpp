@@ -1,0 +1,124 @@
+// CPU kernels for megapp::bias_gelu_fwd / bias_gelu_bwd.
+//
+// x is [..., h] and is viewed as [rows, h]; bias is [h]. Math runs in at::opmath_type
+// (float for bf16/half, the input type otherwise) using the formulas in megapp/gelu.h.
+#include <ATen/ATen.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <tuple>
+#include <vector>
+
+#include "megapp/gelu.h"
+
+namespace megapp {
+namespace {
+
+// grad_bias is reduced over at most this many fixed row blocks; the blocking depends only on
+// the shape, never on the thread count, so the result is bitwise reproducible.
+constexpr int64_t kMaxBiasBlocks = 64;
+
+void check_inputs(const char* op, const at::Tensor& x, const at::Tensor& bias) {
+  TORCH_CHECK(bias.dim() == 1, op, ": bias must be 1-D [h], got shape ", bias.sizes());
+  TORCH_CHECK(x.dim() >= 1, op, ": x must be [..., h], got a 0-d tensor");
+  TORCH_CHECK(x.size(-1) == bias.size(0), op, ": last dim of x (", x.size(-1),
+              ") must equal the bias size (", bias.size(0), "); x shape ", x.sizes());
+  TORCH_CHECK(x.scalar_type() == bias.scalar_type(), op,
+              ": x and bias must have the same dtype, got ", x.scalar_type(), " and ",
+              bias.scalar_type());
+  TORCH_CHECK(x.device() == bias.device(), op, ": x and bias must be on the same device, got ",
+              x.device(), " and ", bias.device());
+}
+
+int64_t rows_grain(int64_t cols) { return std::max<int64_t>(1, at::internal::GRAIN_SIZE / cols); }
+
+at::Tensor bias_gelu_fwd(const at::Tensor& x_in, const at::Tensor& bias_in) {
+  check_inputs("bias_gelu_fwd", x_in, bias_in);
+  const at::Tensor x = x_in.contiguous();
+  const at::Tensor bias = bias_in.contiguous();
+  at::Tensor y = at::empty_like(x, at::MemoryFormat::Contiguous);
+  const int64_t cols = bias.numel();
+  const int64_t rows = cols == 0 ? 0 : x.numel() / cols;
+
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "bias_gelu_fwd", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    const scalar_t* xp = x.const_data_ptr<scalar_t>();
+    const scalar_t* bp = bias.const_data_ptr<scalar_t>();
+    scalar_t* yp = y.mutable_data_ptr<scalar_t>();
+    at::parallel_for(0, rows, rows_grain(cols), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const scalar_t* xr = xp + r * cols;
+        scalar_t* yr = yp + r * cols;
+        for (int64_t c = 0; c < cols; ++c) {
+          const acc_t z = static_cast<acc_t>(xr[c]) + static_cast<acc_t>(bp[c]);
+          yr[c] = static_cast<scalar_t>(gelu_tanh_fwd<acc_t>(z));
+        }
+      }
+    });
+  });
+  return y;
+}
+
+std::tuple<at::Tensor, at::Tensor> bias_gelu_bwd(const at::Tensor& grad_in,
+                                                 const at::Tensor& x_in,
+                                                 const at::Tensor& bias_in) {
+  check_inputs("bias_gelu_bwd", x_in, bias_in);
+  TORCH_CHECK(grad_in.sizes() == x_in.sizes(), "bias_gelu_bwd: grad shape ", grad_in.sizes(),
+              " must equal x shape ", x_in.sizes());
+  TORCH_CHECK(grad_in.scalar_type() == x_in.scalar_type(),
+              "bias_gelu_bwd: grad and x must have the same dtype, got ", grad_in.scalar_type(),
+              " and ", x_in.scalar_type());
+  const at::Tensor grad = grad_in.contiguous();
+  const at::Tensor x = x_in.contiguous();
+  const at::Tensor bias = bias_in.contiguous();
+  at::Tensor grad_input = at::empty_like(x, at::MemoryFormat::Contiguous);
+  at::Tensor grad_bias = at::empty_like(bias, at::MemoryFormat::Contiguous);
+  const int64_t cols = bias.numel();
+  const int64_t rows = cols == 0 ? 0 : x.numel() / cols;
+  // Fixed row blocks of about GRAIN_SIZE elements each, at most kMaxBiasBlocks of them.
+  const int64_t num_blocks =
+      std::clamp<int64_t>(at::divup(rows * cols, at::internal::GRAIN_SIZE), 1, kMaxBiasBlocks);
+  const int64_t block_rows = std::max<int64_t>(1, at::divup(rows, num_blocks));
+
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "bias_gelu_bwd", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    const scalar_t* gp = grad.const_data_ptr<scalar_t>();
+    const scalar_t* xp = x.const_data_ptr<scalar_t>();
+    const scalar_t* bp = bias.const_data_ptr<scalar_t>();
+    scalar_t* gip = grad_input.mutable_data_ptr<scalar_t>();
+    // partial[b * cols + c]: sum of the (unrounded) grad_input of column c over row block b.
+    std::vector<acc_t> partial(num_blocks * cols, acc_t(0));
+    at::parallel_for(0, num_blocks, 1, [&](int64_t block_begin, int64_t block_end) {
+      for (int64_t b = block_begin; b < block_end; ++b) {
+        acc_t* acc = partial.data() + b * cols;
+        const int64_t row_end = std::min(rows, (b + 1) * block_rows);
+        for (int64_t r = b * block_rows; r < row_end; ++r) {
+          const int64_t off = r * cols;
+          for (int64_t c = 0; c < cols; ++c) {
+            const acc_t z = static_cast<acc_t>(xp[off + c]) + static_cast<acc_t>(bp[c]);
+            const acc_t g = static_cast<acc_t>(gp[off + c]) * gelu_tanh_grad<acc_t>(z);
+            gip[off + c] = static_cast<scalar_t>(g);
+            acc[c] += g;
+          }
+        }
+      }
+    });
+    // Reduce the blocks into block 0 in a fixed order (b = 1, 2, ...).
+    for (int64_t b = 1; b < num_blocks; ++b) {
+      for (int64_t c = 0; c < cols; ++c) partial[c] += partial[b * cols + c];
+    }
+    scalar_t* gbp = grad_bias.mutable_data_ptr<scalar_t>();
+    for (int64_t c = 0; c < cols; ++c) gbp[c] = static_cast<scalar_t>(partial[c]);
+  });
+  return {grad_input, grad_bias};
+}
+
+}  // namespace
+}  // namespace megapp
+
+TORCH_LIBRARY_IMPL(megapp, CPU, m) {
+  m.impl("bias_gelu_fwd", &megapp::bias_gelu_fwd);
+  m.impl("bias_gelu_bwd", &megapp::bias_gelu_bwd);
+}

@@ -1,0 +1,108 @@
+"""Fused bias + GeLU (tanh approximation), as in the MLP of a transformer layer.
+
+``y = gelu(x + bias)`` with ``gelu(z) = 0.5·z·(1 + tanh(√(2/π)·(z + 0.044715·z³)))``.
+x is the output of the first MLP linear without its bias, e.g. ``[s, b, 4h]`` (or ``[s, b, 4h/tp]``
+under tensor parallelism); bias is ``[4h]``. The compiled kernels compute in float32 (float64 for
+float64 inputs), like the reference.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.autograd.function import FunctionCtx, once_differentiable
+
+from megapp.fusions.extension import select_tier
+
+_OP = "bias_gelu"
+_BETA = math.sqrt(2.0 / math.pi)
+_KAPPA = 0.044715
+
+
+def _check_inputs(x: torch.Tensor, bias: torch.Tensor) -> None:
+    if bias.dim() != 1 or x.dim() == 0 or x.shape[-1] != bias.shape[0]:
+        raise ValueError(
+            f"bias_gelu: bias must be [h] and x [..., h]; got x {tuple(x.shape)}, "
+            f"bias {tuple(bias.shape)}"
+        )
+    if x.dtype != bias.dtype:
+        raise ValueError(f"bias_gelu: x and bias dtypes differ: {x.dtype} vs {bias.dtype}")
+
+
+def _acc(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    # float32 math for low-precision inputs (as the kernels), float64 stays float64.
+    dtype = torch.promote_types(x.dtype, torch.float32)
+    return x.to(dtype) + bias.to(dtype)
+
+
+def bias_gelu_reference(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """Pure-PyTorch ``gelu_tanh(x + bias)``; x ``[..., h]``, bias ``[h]`` -> ``[..., h]``."""
+    z = _acc(x, bias)
+    # Same operation order as csrc/include/megapp/gelu.h so fp32 results agree to round-off.
+    z_cube = z * z * z
+    y = 0.5 * z * (1.0 + torch.tanh(_BETA * (z + _KAPPA * z_cube)))
+    return y.to(x.dtype)
+
+
+def bias_gelu_reference_backward(
+    grad: torch.Tensor, x: torch.Tensor, bias: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of :func:`bias_gelu_reference`: (grad_input ``[..., h]``, grad_bias ``[h]``)."""
+    z = _acc(x, bias)
+    z_sq = z * z
+    t = torch.tanh(_BETA * (z + _KAPPA * (z_sq * z)))
+    dgelu = 0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * _BETA * (1.0 + 3.0 * _KAPPA * z_sq)
+    grad_input = grad.to(z.dtype) * dgelu
+    # Sum the unrounded grad_input, as the kernels do.
+    grad_bias = grad_input.reshape(-1, bias.shape[0]).sum(dim=0)
+    return grad_input.to(x.dtype), grad_bias.to(bias.dtype)
+
+
+class BiasGeLUFunction(torch.autograd.Function):
+    """Autograd for ``gelu_tanh(x + bias)`` that saves only x and bias.
+
+    Backward recomputes gelu' from the pre-activation instead of keeping the output: one
+    ``[..., h]`` activation less per layer for a cheap elementwise recompute.
+    """
+
+    @staticmethod
+    def forward(ctx: FunctionCtx, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        tier = select_tier(_OP, x)
+        ctx.tier = tier
+        ctx.save_for_backward(x, bias)
+        if tier == "reference":
+            return bias_gelu_reference(x, bias)
+        return torch.ops.megapp.bias_gelu_fwd(x, bias)
+
+    @staticmethod
+    @once_differentiable
+    def backward(
+        ctx: FunctionCtx, grad: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        x, bias = ctx.saved_tensors
+        if ctx.tier == "reference":
+            grad_input, grad_bias = bias_gelu_reference_backward(grad, x, bias)
+        else:
+            grad_input, grad_bias = torch.ops.megapp.bias_gelu_bwd(grad, x, bias)
+        return (
+            grad_input if ctx.needs_input_grad[0] else None,
+            grad_bias if ctx.needs_input_grad[1] else None,
+        )
+
+
+def bias_gelu(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """Fused ``gelu_tanh(x + bias)``; x ``[..., h]`` (e.g. ``[s, b, h]``), bias ``[h]``.
+
+    Uses the CUDA or CPU kernel when built and applicable, else the PyTorch reference.
+    """
+    _check_inputs(x, bias)
+    return BiasGeLUFunction.apply(x, bias)
+
+
+__all__ = [
+    "BiasGeLUFunction",
+    "bias_gelu",
+    "bias_gelu_reference",
+    "bias_gelu_reference_backward",
+]

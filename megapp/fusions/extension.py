@@ -1,0 +1,114 @@
+"""Loading of megapp's compiled op libraries and the choice of implementation tier.
+
+``megapp._C`` defines every ``torch.ops.megapp`` op and registers the CPU kernels;
+``megapp._C_cuda`` (optional) registers CUDA kernels for the same ops. Neither has a Python
+module init: they are located with ``importlib`` and loaded with ``torch.ops.load_library``.
+
+Each fused op runs in one of three tiers: ``"cuda"``, ``"cpu"`` (compiled kernels) or
+``"reference"`` (pure PyTorch). ``MEGAPP_FUSED=0`` forces the reference everywhere.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import logging
+import os
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+CPU_EXTENSION = "megapp._C"
+CUDA_EXTENSION = "megapp._C_cuda"
+
+# Dtypes each compiled tier implements, per op.
+_FLOATS = frozenset({torch.float32, torch.bfloat16, torch.float16})
+KERNEL_DTYPES: dict[str, dict[str, frozenset[torch.dtype]]] = {
+    "bias_gelu": {"cpu": _FLOATS | {torch.float64}, "cuda": _FLOATS},
+}
+
+
+def _library_path(name: str) -> str | None:
+    try:
+        spec = importlib.util.find_spec(name)
+    except ModuleNotFoundError:  # the parent package itself is missing
+        return None
+    return spec.origin if spec is not None else None
+
+
+@functools.cache
+def _load_library(name: str) -> bool:
+    path = _library_path(name)
+    if path is None:
+        return False
+    try:
+        torch.ops.load_library(path)
+    except OSError as err:  # e.g. built against another torch; fall back to the reference
+        logger.warning("megapp: could not load %s from %s: %s", name, path, err)
+        return False
+    return True
+
+
+@functools.cache
+def cpu_ops_available() -> bool:
+    """Whether ``megapp._C`` is built and loaded (``torch.ops.megapp`` CPU kernels)."""
+    return _load_library(CPU_EXTENSION)
+
+
+@functools.cache
+def cuda_ops_available() -> bool:
+    """Whether a CUDA device is usable and ``megapp._C_cuda`` is built and loaded."""
+    # _C_cuda only registers kernels for ops that _C defines, so _C must load first.
+    return torch.cuda.is_available() and cpu_ops_available() and _load_library(CUDA_EXTENSION)
+
+
+def built_tiers() -> frozenset[str]:
+    """The compiled tiers usable in this process: a subset of ``{"cpu", "cuda"}``."""
+    tiers = set()
+    if cpu_ops_available():
+        tiers.add("cpu")
+    if cuda_ops_available():
+        tiers.add("cuda")
+    return frozenset(tiers)
+
+
+def fused_enabled() -> bool:
+    """False when the environment sets ``MEGAPP_FUSED=0``."""
+    return os.environ.get("MEGAPP_FUSED", "1") != "0"
+
+
+def choose_tier(
+    op: str,
+    device_type: str,
+    dtype: torch.dtype,
+    built: frozenset[str],
+    *,
+    enabled: bool | None = None,
+) -> str:
+    """Pick ``"cuda"``, ``"cpu"`` or ``"reference"`` for one call of ``op``.
+
+    Pure: ``built`` says which compiled tiers exist (see :func:`built_tiers`); ``enabled``
+    defaults to :func:`fused_enabled`. A compiled tier is chosen only when it was built, matches
+    the device type and implements ``dtype``.
+    """
+    if op not in KERNEL_DTYPES:
+        raise ValueError(f"unknown fused op {op!r}; known: {sorted(KERNEL_DTYPES)}")
+    if enabled is None:
+        enabled = fused_enabled()
+    if enabled and device_type in built and dtype in KERNEL_DTYPES[op].get(device_type, ()):
+        return device_type
+    return "reference"
+
+
+def select_tier(op: str, x: torch.Tensor) -> str:
+    """:func:`choose_tier` for a tensor argument, logging each new choice once."""
+    tier = choose_tier(op, x.device.type, x.dtype, built_tiers())
+    _log_tier(op, x.device.type, x.dtype, tier)
+    return tier
+
+
+@functools.cache
+def _log_tier(op: str, device_type: str, dtype: torch.dtype, tier: str) -> None:
+    # Cached: logs once per (op, device type, dtype) and again only if the tier changes.
+    logger.info("megapp: %s on %s/%s uses the %s implementation", op, device_type, dtype, tier)

@@ -1,0 +1,264 @@
+"""Torch process groups built from a :class:`ProcessGrid`, with Megatron-named getters.
+
+Layers and engines take the groups they use as arguments; the getters here are
+a thin convenience over one module-level state for scripts that expect
+Megatron's API. ``destroy_model_parallel()`` tears the groups down so the same
+processes can initialize another layout.
+
+Run ``python -m megapp.parallel_state --world-size 16 --tp 2 --pp 4`` to print
+where every rank goes before launching.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+from megapp.process_grid import GROUP_NAMES, ProcessGrid
+
+__all__ = [
+    "ProcessGrid",
+    "destroy_model_parallel",
+    "get_data_parallel_group",
+    "get_data_parallel_rank",
+    "get_data_parallel_world_size",
+    "get_embedding_group",
+    "get_grid",
+    "get_group",
+    "get_group_ranks",
+    "get_model_parallel_group",
+    "get_pipeline_model_parallel_group",
+    "get_pipeline_model_parallel_next_rank",
+    "get_pipeline_model_parallel_prev_rank",
+    "get_pipeline_model_parallel_rank",
+    "get_pipeline_model_parallel_world_size",
+    "get_position_embedding_group",
+    "get_tensor_model_parallel_group",
+    "get_tensor_model_parallel_rank",
+    "get_tensor_model_parallel_src_rank",
+    "get_tensor_model_parallel_world_size",
+    "get_virtual_pipeline_model_parallel_rank",
+    "get_virtual_pipeline_model_parallel_world_size",
+    "initialize_model_parallel",
+    "is_pipeline_first_stage",
+    "is_pipeline_last_stage",
+    "model_parallel_is_initialized",
+    "set_virtual_pipeline_model_parallel_rank",
+]
+
+
+@dataclass
+class _State:
+    grid: ProcessGrid
+    rank: int
+    groups: dict[str, dist.ProcessGroup] = field(default_factory=dict)
+    ranks: dict[str, list[int]] = field(default_factory=dict)
+    virtual_pipeline_rank: int | None = None
+
+
+_STATE: _State | None = None
+
+
+def initialize_model_parallel(
+    tensor_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    virtual_pipeline_model_parallel_size: int | None = None,
+    order: str = "tp-dp-pp",
+) -> ProcessGrid:
+    """Create the tp, pp, dp, mp, embedding and position-embedding groups.
+
+    Needs an initialized default group; every rank must call it with the same
+    arguments. The groups use the default group's backend (gloo on CPU, NCCL
+    on GPU). Returns the grid.
+    """
+    global _STATE
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "torch.distributed is not initialized; call "
+            "torch.distributed.init_process_group() (or launch with torchrun) first"
+        )
+    if _STATE is not None:
+        raise RuntimeError(
+            "model parallel groups are already initialized; call destroy_model_parallel() "
+            "before initializing another layout"
+        )
+    grid = ProcessGrid(
+        dist.get_world_size(),
+        tensor_model_parallel_size,
+        pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size,
+        order,
+    )
+    state = _State(grid=grid, rank=dist.get_rank())
+    if grid.vpp is not None:
+        state.virtual_pipeline_rank = 0
+    for name in GROUP_NAMES:
+        # Every rank creates every group, in the same order, as new_group requires.
+        for members in grid.groups(name):
+            group = dist.new_group(members)
+            if state.rank in members:
+                state.groups[name] = group
+                state.ranks[name] = members
+    _STATE = state
+    return grid
+
+
+def destroy_model_parallel() -> None:
+    """Destroy the groups made by :func:`initialize_model_parallel` (no-op if none)."""
+    global _STATE
+    if _STATE is None:
+        return
+    for group in _STATE.groups.values():
+        dist.destroy_process_group(group)
+    _STATE = None
+
+
+def model_parallel_is_initialized() -> bool:
+    return _STATE is not None
+
+
+def _state() -> _State:
+    if _STATE is None:
+        raise RuntimeError(
+            "model parallel groups are not initialized; call initialize_model_parallel()"
+        )
+    return _STATE
+
+
+def get_grid() -> ProcessGrid:
+    return _state().grid
+
+
+def get_group(name: str) -> dist.ProcessGroup:
+    """This rank's group of kind ``name`` (see :meth:`ProcessGrid.groups`)."""
+    state = _state()
+    if name not in state.groups:
+        raise RuntimeError(f"rank {state.rank} is in no {name!r} group")
+    return state.groups[name]
+
+
+def get_group_ranks(name: str) -> list[int]:
+    """Global ranks of this rank's group of kind ``name``."""
+    get_group(name)
+    return list(_state().ranks[name])
+
+
+def get_tensor_model_parallel_group() -> dist.ProcessGroup:
+    return get_group("tp")
+
+
+def get_pipeline_model_parallel_group() -> dist.ProcessGroup:
+    return get_group("pp")
+
+
+def get_data_parallel_group() -> dist.ProcessGroup:
+    return get_group("dp")
+
+
+def get_model_parallel_group() -> dist.ProcessGroup:
+    return get_group("mp")
+
+
+def get_embedding_group() -> dist.ProcessGroup:
+    return get_group("embedding")
+
+
+def get_position_embedding_group() -> dist.ProcessGroup:
+    return get_group("position_embedding")
+
+
+def get_tensor_model_parallel_world_size() -> int:
+    return get_grid().tp
+
+
+def get_pipeline_model_parallel_world_size() -> int:
+    return get_grid().pp
+
+
+def get_data_parallel_world_size() -> int:
+    return get_grid().dp
+
+
+def get_tensor_model_parallel_rank() -> int:
+    state = _state()
+    return state.grid.coords(state.rank)["tp"]
+
+
+def get_pipeline_model_parallel_rank() -> int:
+    state = _state()
+    return state.grid.coords(state.rank)["pp"]
+
+
+def get_data_parallel_rank() -> int:
+    state = _state()
+    return state.grid.coords(state.rank)["dp"]
+
+
+def get_tensor_model_parallel_src_rank() -> int:
+    """Global rank of tensor-parallel rank 0 in this rank's tp group (broadcast source)."""
+    return get_group_ranks("tp")[0]
+
+
+def get_pipeline_model_parallel_next_rank() -> int:
+    state = _state()
+    return state.grid.next_pipeline_rank(state.rank)
+
+
+def get_pipeline_model_parallel_prev_rank() -> int:
+    state = _state()
+    return state.grid.prev_pipeline_rank(state.rank)
+
+
+def get_virtual_pipeline_model_parallel_world_size() -> int | None:
+    return get_grid().vpp
+
+
+def get_virtual_pipeline_model_parallel_rank() -> int | None:
+    return _state().virtual_pipeline_rank
+
+
+def set_virtual_pipeline_model_parallel_rank(rank: int) -> None:
+    """Select the model chunk the first/last-stage tests refer to."""
+    state = _state()
+    vpp = state.grid.vpp
+    if vpp is None or not 0 <= rank < vpp:
+        raise ValueError(f"virtual pipeline rank {rank} is outside [0, {vpp or 1})")
+    state.virtual_pipeline_rank = rank
+
+
+def is_pipeline_first_stage(ignore_virtual: bool = False) -> bool:
+    """True on the first pipeline stage (and, with virtual stages, its first chunk)."""
+    state = _state()
+    if not ignore_virtual and state.virtual_pipeline_rank not in (None, 0):
+        return False
+    return state.grid.is_first_stage(state.rank)
+
+
+def is_pipeline_last_stage(ignore_virtual: bool = False) -> bool:
+    """True on the last pipeline stage (and, with virtual stages, its last chunk)."""
+    state = _state()
+    vpp = state.grid.vpp
+    if not ignore_virtual and vpp is not None and state.virtual_pipeline_rank != vpp - 1:
+        return False
+    return state.grid.is_last_stage(state.rank)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Print the rank layout of a DP × TP × PP grid.")
+    parser.add_argument("--world-size", type=int, required=True)
+    parser.add_argument("--tp", "--tensor-model-parallel-size", type=int, default=1, dest="tp")
+    parser.add_argument("--pp", "--pipeline-model-parallel-size", type=int, default=1, dest="pp")
+    parser.add_argument("--vpp", "--virtual-pipeline-model-parallel-size", type=int, dest="vpp")
+    parser.add_argument("--order", default="tp-dp-pp")
+    args = parser.parse_args(argv)
+    try:
+        grid = ProcessGrid(args.world_size, args.tp, args.pp, args.vpp, args.order)
+    except ValueError as err:
+        parser.error(str(err))
+    print(grid.describe())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,78 @@
+"""The distributed test harness itself: results, tracebacks, hangs and recovery."""
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megapp.testing import DistributedTestError, distributed, get_world
+
+
+def _rank_and_sum():
+    t = torch.tensor([dist.get_rank() + 1.0])
+    dist.all_reduce(t)
+    return dist.get_rank(), os.getpid(), t.item()
+
+
+def _fail_on_rank_one():
+    if dist.get_rank() == 1:
+        raise ValueError("rank one says no")
+    return "fine"
+
+
+def _hang_on_rank_one():
+    if dist.get_rank() == 1:
+        time.sleep(60)
+
+
+def _die_on_rank_zero():
+    if dist.get_rank() == 0:
+        os._exit(3)
+
+
+def test_results_come_back_by_rank_from_the_same_processes():
+    world = get_world(4)
+    first = world.run(_rank_and_sum)
+    second = world.run(_rank_and_sum)
+    assert [r for r, _, _ in first] == [0, 1, 2, 3]
+    assert all(total == 10.0 for _, _, total in first)
+    assert [pid for _, pid, _ in first] == [pid for _, pid, _ in second]  # processes reused
+
+
+def test_a_failing_rank_fails_with_its_traceback():
+    world = get_world(2)
+    with pytest.raises(DistributedTestError) as info:
+        world.run(_fail_on_rank_one)
+    message = str(info.value)
+    assert "rank 1 (error)" in message and "ValueError: rank one says no" in message
+    assert "rank 0" not in message  # rank 0 succeeded and is not blamed
+    assert world.alive  # nothing hung, so the world is kept
+    assert [r for r, _, _ in world.run(_rank_and_sum)] == [0, 1]
+
+
+def test_a_hung_rank_times_out_with_its_stack_and_the_world_restarts():
+    world = get_world(2)
+    start = time.monotonic()
+    with pytest.raises(DistributedTestError) as info:
+        world.run(_hang_on_rank_one, timeout=2)
+    assert time.monotonic() - start < 15
+    message = str(info.value)
+    assert "ranks [1] did not finish within 2 s" in message
+    assert "_hang_on_rank_one" in message  # the hung rank's stack is in the report
+    assert not world.alive
+    assert world.run(_rank_and_sum)[1][2] == 3.0  # a fresh world serves the next call
+
+
+def test_a_dead_rank_is_reported():
+    world = get_world(2)
+    with pytest.raises(DistributedTestError, match=r"(?s)rank 0 \(died\).*exit code 3"):
+        world.run(_die_on_rank_zero, timeout=10)
+    assert world.run(_rank_and_sum)[0][2] == 3.0
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+@distributed()
+def test_decorator_takes_world_size_from_parameters(world_size):
+    assert dist.get_world_size() == world_size
