@@ -1,0 +1,155 @@
+"""Point-to-point transport between pipeline ranks.
+
+A :class:`Transport` posts one batch of sends and receives (``batch_isend_irecv``,
+one NCCL group) and waits for all of it, in the order the plan gives, so every
+channel stays FIFO-consistent. Activation shapes are either declared up front
+or negotiated: each activation is preceded by a small header (number of
+tensors, dtypes, shapes) exchanged in its own batch on a second process group
+over the same ranks, so headers never interleave with data on one channel.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+# Header layout: [num_tensors, then per tensor: dtype code, ndim, dims padded to _MAX_DIMS].
+_MAX_TENSORS = 8
+_MAX_DIMS = 6
+_HEADER_LEN = 1 + _MAX_TENSORS * (2 + _MAX_DIMS)
+_DTYPES = [
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+    torch.int64,
+    torch.int32,
+    torch.bool,
+    torch.uint8,
+]
+_CODE = {dtype: code for code, dtype in enumerate(_DTYPES)}
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Shape and dtype of one tensor of a stage's output."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def specs_of(tensors: Sequence[torch.Tensor]) -> tuple[TensorSpec, ...]:
+    return tuple(TensorSpec(tuple(t.shape), t.dtype) for t in tensors)
+
+
+def encode_header(specs: Sequence[TensorSpec]) -> torch.Tensor:
+    if len(specs) > _MAX_TENSORS:
+        raise ValueError(f"a stage may send at most {_MAX_TENSORS} tensors, got {len(specs)}")
+    header = torch.zeros(_HEADER_LEN, dtype=torch.int64)
+    header[0] = len(specs)
+    for i, spec in enumerate(specs):
+        if len(spec.shape) > _MAX_DIMS or spec.dtype not in _CODE:
+            raise ValueError(
+                f"cannot send a {spec.dtype} tensor of shape {spec.shape} between stages "
+                f"(at most {_MAX_DIMS} dims; dtypes {[str(d) for d in _DTYPES]})"
+            )
+        base = 1 + i * (2 + _MAX_DIMS)
+        header[base] = _CODE[spec.dtype]
+        header[base + 1] = len(spec.shape)
+        header[base + 2 : base + 2 + len(spec.shape)] = torch.tensor(spec.shape, dtype=torch.int64)
+    return header
+
+
+def decode_header(header: torch.Tensor) -> tuple[TensorSpec, ...]:
+    specs = []
+    for i in range(int(header[0])):
+        base = 1 + i * (2 + _MAX_DIMS)
+        ndim = int(header[base + 1])
+        shape = tuple(int(d) for d in header[base + 2 : base + 2 + ndim])
+        specs.append(TensorSpec(shape, _DTYPES[int(header[base])]))
+    return tuple(specs)
+
+
+_TWINS: dict[int, dist.ProcessGroup] = {}
+
+
+def _world_twin() -> dist.ProcessGroup:
+    key = id(dist.group.WORLD)
+    if key not in _TWINS:
+        _TWINS[key] = dist.new_group(list(range(dist.get_world_size())))
+    return _TWINS[key]
+
+
+class Transport:
+    """Batched sends and receives between ranks of one pipeline group.
+
+    Args:
+        group: the pipeline-parallel process group (``None``: the default group).
+        device: where received tensors are allocated.
+        on_wait: called with (start, end) of every wait, for timelines.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None, device: torch.device, on_wait=None):
+        self.group = group
+        self.device = device
+        self.on_wait = on_wait
+
+    def global_rank(self, group_rank: int) -> int:
+        """The global rank of a pipeline-group rank (what P2POp addresses, on any group)."""
+        return dist.get_global_rank(self.group, group_rank) if self.group else group_rank
+
+    @property
+    def meta_group(self) -> dist.ProcessGroup:
+        """A group over the same ranks with its own channels, for headers only.
+
+        For a pipeline group smaller than the world that is the world group;
+        when the pipeline is the whole world, a twin of it made once per process
+        (every rank must reach :meth:`prepare` together for that).
+        """
+        if self.group is not None and dist.get_world_size(self.group) < dist.get_world_size():
+            return dist.group.WORLD
+        return _world_twin()
+
+    def prepare(self) -> None:
+        """Create what header negotiation needs; call on every pipeline rank together."""
+        self.meta_group  # noqa: B018 (creates the twin group now, not mid-schedule)
+
+    def exchange(
+        self,
+        sends: Sequence[tuple[int, Sequence[torch.Tensor]]],
+        recvs: Sequence[tuple[int, Sequence[TensorSpec]]],
+        group: dist.ProcessGroup | None = None,
+    ) -> list[list[torch.Tensor]]:
+        """Send each ``(peer, tensors)`` and receive each ``(peer, specs)`` in one batch.
+
+        Peers are ranks within the pipeline group. Returns the received tensors,
+        one list per entry of ``recvs``.
+        """
+        group = group or self.group
+        ops, received = [], []
+        for peer, tensors in sends:
+            ops += [dist.P2POp(dist.isend, t, self.global_rank(peer), group) for t in tensors]
+        for peer, specs in recvs:
+            buffers = [torch.empty(s.shape, dtype=s.dtype, device=self.device) for s in specs]
+            ops += [dist.P2POp(dist.irecv, b, self.global_rank(peer), group) for b in buffers]
+            received.append(buffers)
+        if ops:
+            start = time.perf_counter()
+            for request in dist.batch_isend_irecv(ops):
+                request.wait()
+            if self.on_wait is not None:
+                self.on_wait(start, time.perf_counter())
+        return received
+
+    def exchange_headers(
+        self, sends: Sequence[tuple[int, Sequence[TensorSpec]]], recv_peers: Sequence[int]
+    ) -> list[tuple[TensorSpec, ...]]:
+        """Negotiate activation shapes: one header per send, one per receive."""
+        headers = [(peer, [encode_header(specs).to(self.device)]) for peer, specs in sends]
+        template = [TensorSpec((_HEADER_LEN,), torch.int64)]
+        received = self.exchange(headers, [(p, template) for p in recv_peers], self.meta_group)
+        return [decode_header(buffers[0].cpu()) for buffers in received]

@@ -1,0 +1,179 @@
+"""The point-to-point messages a schedule implies, and the order they are posted in.
+
+Both the engine and the simulator follow this plan, so what is validated is
+what runs. Each rank walks its actions; before action ``k`` it posts one
+batch holding the sends that action ``k - 1`` produced and the receive that
+action ``k`` needs, and waits for the whole batch (as Megatron's
+``send_forward_recv_backward`` does). A final batch flushes the last sends.
+
+Batching matters on NCCL: send/recv kernels between two ranks run in posting
+order on one stream and a send blocks until its receive is posted, so a lone
+send posted while the peer is itself sending would deadlock. NCCL also
+matches messages between two ranks purely by posting order (tags are
+ignored), so the sends one rank posts to another must come in exactly the
+order the other posts its receives: :func:`check_fifo` proves that.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megapp.pipeline_parallel.schedules import Action, Op, Schedule
+
+
+class ScheduleError(ValueError):
+    """A schedule that cannot run: out-of-order actions, a FIFO violation or a deadlock."""
+
+
+@dataclass(frozen=True)
+class Message:
+    """An activation (forward) or gradient (backward) of one microbatch between virtual stages."""
+
+    op: Op
+    microbatch: int
+    src_stage: int
+    dst_stage: int
+    src: int
+    dst: int
+
+    def __str__(self) -> str:
+        what = "activation" if self.op is Op.FORWARD else "gradient"
+        src = f"stage {self.src_stage} on rank {self.src}"
+        dst = f"stage {self.dst_stage} on rank {self.dst}"
+        return f"{what} of microbatch {self.microbatch} ({src} -> {dst})"
+
+
+@dataclass(frozen=True)
+class Step:
+    """Post ``sends`` and ``recvs`` together, wait for all of them, then run ``action``
+    (``None`` for the final flush)."""
+
+    sends: tuple[Message, ...]
+    recvs: tuple[Message, ...]
+    action: Action | None
+
+
+def _message(
+    schedule: Schedule, op: Op, microbatch: int, src_stage: int, dst_stage: int
+) -> Message:
+    return Message(
+        op,
+        microbatch,
+        src_stage,
+        dst_stage,
+        schedule.rank_of(src_stage),
+        schedule.rank_of(dst_stage),
+    )
+
+
+def incoming(schedule: Schedule, rank: int, action: Action) -> Message | None:
+    """The message ``action`` on ``rank`` must receive before it runs, if any."""
+    stage = schedule.virtual_stage(rank, action.chunk)
+    if action.op is Op.FORWARD and stage > 0:
+        return _message(schedule, Op.FORWARD, action.microbatch, stage - 1, stage)
+    if action.op is Op.BACKWARD and stage < schedule.num_virtual_stages - 1:
+        return _message(schedule, Op.BACKWARD, action.microbatch, stage + 1, stage)
+    return None
+
+
+def outgoing(schedule: Schedule, rank: int, action: Action) -> Message | None:
+    """The message ``action`` on ``rank`` sends after it runs, if any."""
+    stage = schedule.virtual_stage(rank, action.chunk)
+    if action.op is Op.FORWARD and stage < schedule.num_virtual_stages - 1:
+        return _message(schedule, Op.FORWARD, action.microbatch, stage, stage + 1)
+    if action.op is Op.BACKWARD and stage > 0:
+        return _message(schedule, Op.BACKWARD, action.microbatch, stage, stage - 1)
+    return None
+
+
+def _units(schedule: Schedule, rank: int) -> list[tuple[Action, ...]]:
+    """Groups of actions that share one batch of messages: steady forward/backward
+    pairs when the schedule pairs them, single actions otherwise."""
+    actions, warmup = schedule.actions[rank], schedule.warmup[rank]
+    if not schedule.paired_steady_state:
+        return [(a,) for a in actions]
+    forwards = sum(a.op is Op.FORWARD for a in actions)
+    steady_end = warmup + 2 * (forwards - warmup)
+    units = [(a,) for a in actions[:warmup]]
+    units += [actions[i : i + 2] for i in range(warmup, steady_end, 2)]
+    return units + [(a,) for a in actions[steady_end:]]
+
+
+def rank_plan(schedule: Schedule, rank: int) -> list[Step]:
+    """The steps of one rank: each action with the batch posted just before it."""
+    steps, pending = [], ()
+    for unit in _units(schedule, rank):
+        recvs = tuple(m for a in unit if (m := incoming(schedule, rank, a)))
+        for k, action in enumerate(unit):
+            steps.append(Step(pending, recvs, action) if k == 0 else Step((), (), action))
+        pending = tuple(m for a in unit if (m := outgoing(schedule, rank, a)))
+    steps.append(Step(pending, (), None))
+    return steps
+
+
+def communication_plan(schedule: Schedule) -> list[list[Step]]:
+    """:func:`rank_plan` for every rank, after :func:`check_actions` and :func:`check_fifo`."""
+    check_actions(schedule)
+    plan = [rank_plan(schedule, rank) for rank in range(schedule.num_stages)]
+    check_fifo(plan)
+    return plan
+
+
+def check_actions(schedule: Schedule) -> None:
+    """Every (microbatch, chunk) runs forward once then backward once, on every rank."""
+    ops = (Op.FORWARD,) if schedule.forward_only else (Op.FORWARD, Op.BACKWARD)
+    expected = {
+        (op, mb, chunk)
+        for op in ops
+        for mb in range(schedule.num_microbatches)
+        for chunk in range(schedule.num_chunks)
+    }
+    if len(schedule.actions) != schedule.num_stages:
+        raise ScheduleError(
+            f"{schedule.name}: {len(schedule.actions)} action lists for "
+            f"{schedule.num_stages} stages"
+        )
+    for rank, actions in enumerate(schedule.actions):
+        seen = [(a.op, a.microbatch, a.chunk) for a in actions]
+        if len(seen) != len(set(seen)) or set(seen) != expected:
+            missing = sorted(f"{op.value}{mb}.{c}" for op, mb, c in expected - set(seen))
+            raise ScheduleError(
+                f"{schedule.name}: rank {rank} must run every "
+                f"{' and '.join(o.name.lower() for o in ops)} exactly once; "
+                f"missing {missing[:6]}, {len(seen) - len(set(seen))} repeated"
+            )
+        done = set()
+        for action in actions:
+            if (
+                action.op is Op.BACKWARD
+                and (Op.FORWARD, action.microbatch, action.chunk) not in done
+            ):
+                raise ScheduleError(
+                    f"{schedule.name}: rank {rank} runs {action} before its forward"
+                )
+            done.add((action.op, action.microbatch, action.chunk))
+
+
+def check_fifo(plan: list[list[Step]]) -> None:
+    """Between every ordered pair of ranks, sends are posted in the order receives are."""
+    sent: dict[tuple[int, int], list[Message]] = {}
+    received: dict[tuple[int, int], list[Message]] = {}
+    for steps in plan:
+        for step in steps:
+            for msg in step.sends:
+                sent.setdefault((msg.src, msg.dst), []).append(msg)
+            for msg in step.recvs:
+                received.setdefault((msg.src, msg.dst), []).append(msg)
+    for pair in sorted(set(sent) | set(received)):
+        sends, recvs = sent.get(pair, []), received.get(pair, [])
+        for index, (s, r) in enumerate(zip(sends, recvs, strict=False)):
+            if s != r:
+                raise ScheduleError(
+                    f"rank {pair[0]} -> rank {pair[1]}: message #{index} is sent as the {s} "
+                    f"but received as the {r}; point-to-point messages between two ranks are "
+                    "matched in posting order, so this schedule would swap tensors"
+                )
+        if len(sends) != len(recvs):
+            raise ScheduleError(
+                f"rank {pair[0]} -> rank {pair[1]}: {len(sends)} sends but {len(recvs)} receives"
+            )

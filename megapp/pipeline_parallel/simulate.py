@@ -1,0 +1,140 @@
+"""Run a schedule's communication plan against a cost model, without processes.
+
+The simulator walks every rank's plan (:mod:`megapp.pipeline_parallel.plan`)
+exactly as the engine does: post a batch of sends and receives, wait until
+every message in it has met its peer, run the action. It returns every rank's
+timeline, the makespan, the bubble fraction and the peak number of
+microbatch activations each rank holds. A schedule whose ranks would wait on
+each other forever raises :class:`ScheduleError` naming what each stuck rank
+waits for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from megapp.pipeline_parallel.plan import Message, ScheduleError, communication_plan
+from megapp.pipeline_parallel.schedules import Action, Op, Schedule
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Time of one forward and one backward of one microbatch through one chunk.
+
+    ``forward``/``backward`` are a number (every chunk alike) or a table
+    ``[rank][chunk]`` for uneven stages. ``p2p_latency`` is added to every
+    message from the later of its two postings.
+    """
+
+    forward: float | Sequence[Sequence[float]] = 1.0
+    backward: float | Sequence[Sequence[float]] = 2.0
+    p2p_latency: float = 0.0
+
+    def time(self, rank: int, action: Action) -> float:
+        table = self.forward if action.op is Op.FORWARD else self.backward
+        if isinstance(table, int | float):
+            return float(table)
+        return float(table[rank][action.chunk])
+
+
+@dataclass(frozen=True)
+class Event:
+    """One interval on one rank: an action (``kind`` "compute") or a wait for messages."""
+
+    rank: int
+    kind: str  # "compute" or "wait"
+    name: str
+    start: float
+    end: float
+
+
+@dataclass
+class Timeline:
+    schedule: Schedule
+    events: list[Event] = field(default_factory=list)
+    peak_in_flight: list[int] = field(default_factory=list)
+
+    @property
+    def makespan(self) -> float:
+        return max((e.end for e in self.events), default=0.0)
+
+    def busy(self, rank: int) -> float:
+        return sum(e.end - e.start for e in self.events if e.rank == rank and e.kind == "compute")
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Idle share of all ranks' time over the iteration: 1 - busy / (p · makespan)."""
+        total = self.makespan * self.schedule.num_stages
+        busy = sum(self.busy(r) for r in range(self.schedule.num_stages))
+        return 0.0 if total == 0 else 1.0 - busy / total
+
+
+def simulate(schedule: Schedule, costs: CostModel | None = None) -> Timeline:
+    """Timeline of ``schedule`` under ``costs`` (default: forward 1, backward 2, no latency)."""
+    costs = costs or CostModel()
+    plan = communication_plan(schedule)
+    p = schedule.num_stages
+    posted: dict[tuple[str, Message], float] = {}  # ("send" | "recv", message) -> time
+    clock = [0.0] * p
+    cursor = [0] * p
+    is_posted = [False] * p
+    in_flight, peak = [0] * p, [0] * p
+    timeline = Timeline(schedule)
+
+    def peer_times(step) -> list[float] | None:
+        times = []
+        for msg in step.sends:
+            if ("recv", msg) not in posted:
+                return None
+            times.append(max(posted[("recv", msg)], posted[("send", msg)]))
+        for msg in step.recvs:
+            if ("send", msg) not in posted:
+                return None
+            times.append(max(posted[("send", msg)], posted[("recv", msg)]))
+        return times
+
+    progress = True
+    while progress:
+        progress = False
+        for rank in range(p):
+            while cursor[rank] < len(plan[rank]):
+                step = plan[rank][cursor[rank]]
+                if not is_posted[rank]:
+                    for msg in step.sends:
+                        posted[("send", msg)] = clock[rank]
+                    for msg in step.recvs:
+                        posted[("recv", msg)] = clock[rank]
+                    is_posted[rank] = True
+                times = peer_times(step)
+                if times is None:
+                    break  # a peer has not posted its side yet
+                ready = max([clock[rank], *(t + costs.p2p_latency for t in times)])
+                if ready > clock[rank]:
+                    timeline.events.append(Event(rank, "wait", "p2p", clock[rank], ready))
+                clock[rank] = ready
+                if step.action is not None:
+                    duration = costs.time(rank, step.action)
+                    timeline.events.append(
+                        Event(rank, "compute", str(step.action), ready, ready + duration)
+                    )
+                    clock[rank] = ready + duration
+                    if not schedule.forward_only:  # evaluation keeps no activations
+                        in_flight[rank] += 1 if step.action.op is Op.FORWARD else -1
+                        peak[rank] = max(peak[rank], in_flight[rank])
+                cursor[rank] += 1
+                is_posted[rank] = False
+                progress = True
+
+    stuck = [r for r in range(p) if cursor[r] < len(plan[r])]
+    if stuck:
+        lines = []
+        for rank in stuck:
+            step = plan[rank][cursor[rank]]
+            waits = [f"send of the {m}" for m in step.sends if ("recv", m) not in posted]
+            waits += [f"receive of the {m}" for m in step.recvs if ("send", m) not in posted]
+            before = f"before {step.action}" if step.action else "at the end"
+            lines.append(f"  rank {rank} {before} waits for: {'; '.join(waits)}")
+        raise ScheduleError(f"{schedule.name} deadlocks:\n" + "\n".join(lines))
+    timeline.peak_in_flight = peak
+    return timeline

@@ -1,0 +1,141 @@
+"""Schedules and the simulator, in one process: the theory's numbers, every p."""
+
+import dataclasses
+from fractions import Fraction
+
+import pytest
+
+from megapp.pipeline_parallel.plan import ScheduleError, communication_plan
+from megapp.pipeline_parallel.schedules import Action, Op, build_schedule
+from megapp.pipeline_parallel.simulate import CostModel, simulate
+
+F, B = Op.FORWARD, Op.BACKWARD
+
+
+def _uniform(v: int = 1) -> CostModel:
+    # each chunk holds 1/v of a stage's layers: tf = 1, tb = 2 per stage
+    return CostModel(forward=1.0 / v, backward=2.0 / v)
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("p", range(1, 9))
+def test_bubble_and_peak_without_virtual_stages(name, p):
+    for m in range(1, 17):
+        timeline = simulate(build_schedule(name, p, m), _uniform())
+        assert timeline.bubble_fraction == pytest.approx((p - 1) / (m + p - 1), abs=1e-12)
+        assert timeline.makespan == pytest.approx((m + p - 1) * 3.0)
+        expected = [m] * p if name == "gpipe" else [min(p - r, m) for r in range(p)]
+        assert timeline.peak_in_flight == expected, (name, p, m)
+
+
+@pytest.mark.parametrize("p", range(2, 9))
+@pytest.mark.parametrize("v", [2, 3, 4])
+def test_interleaved_bubble(p, v):
+    for m in range(p, 4 * p + 1, p):
+        timeline = simulate(build_schedule("interleaved-1f1b", p, m, v), _uniform(v))
+        assert timeline.bubble_fraction == pytest.approx((p - 1) / (v * m + p - 1), abs=1e-12)
+
+
+def test_seed_examples():
+    # p = 4: m = 8 gives 3/11 ≈ 27%, m = 32 gives 3/35 ≈ 8.6%
+    for m, expected in ((8, Fraction(3, 11)), (32, Fraction(3, 35))):
+        timeline = simulate(build_schedule("1f1b", 4, m))
+        assert timeline.bubble_fraction == pytest.approx(float(expected))
+
+
+def test_two_stages_two_chunks_validates():
+    schedule = build_schedule("interleaved-1f1b", 2, 4, 2)
+    plan = communication_plan(schedule)  # FIFO-consistent although next == prev rank
+    assert len(plan) == 2
+    assert schedule.actions[0][:5] == (
+        Action(F, 0, 0),
+        Action(F, 1, 0),
+        Action(F, 0, 1),
+        Action(F, 1, 1),
+        Action(F, 2, 0),
+    )
+    assert schedule.warmup == (4, 2)
+
+
+def test_1f1b_layout_matches_the_paper_figure():
+    schedule = build_schedule("1f1b", 4, 8)
+    assert [str(a) for a in schedule.actions[0][:6]] == ["F0", "F1", "F2", "F3", "B0", "F4"]
+    assert [str(a) for a in schedule.actions[3][:4]] == ["F0", "B0", "F1", "B1"]
+    assert schedule.warmup == (3, 2, 1, 0)
+
+
+def test_uneven_stage_costs():
+    # a last stage twice as slow sets the pace of the steady state
+    costs = CostModel(forward=[[1.0], [1.0], [2.0]], backward=[[2.0], [2.0], [4.0]])
+    timeline = simulate(build_schedule("1f1b", 3, 6), costs)
+    assert timeline.busy(2) == pytest.approx(36.0)
+    assert timeline.makespan >= 36.0 + 2 * 1.0 + 2 * 2.0  # fill and drain of the others
+
+
+def test_latency_adds_to_every_hop():
+    base = simulate(build_schedule("gpipe", 4, 1), CostModel(1.0, 2.0, 0.0)).makespan
+    slow = simulate(build_schedule("gpipe", 4, 1), CostModel(1.0, 2.0, 0.5)).makespan
+    assert slow - base == pytest.approx(6 * 0.5)  # 3 hops forward, 3 back
+
+
+def test_per_action_batches_deadlock_interleaved():
+    # Posting each action's messages on their own makes blocking sends wait in a cycle.
+    schedule = dataclasses.replace(
+        build_schedule("interleaved-1f1b", 2, 4, 2), paired_steady_state=False
+    )
+    with pytest.raises(ScheduleError, match="deadlocks") as info:
+        simulate(schedule)
+    assert "rank 0" in str(info.value) and "rank 1" in str(info.value)
+
+
+def test_swapped_messages_break_fifo():
+    schedule = build_schedule("1f1b", 2, 4)
+    rank1 = list(schedule.actions[1])
+    rank1[0], rank1[2] = rank1[2], rank1[0]  # rank 1 receives microbatch 1 before 0
+    rank1[1], rank1[3] = rank1[3], rank1[1]
+    broken = dataclasses.replace(schedule, actions=(schedule.actions[0], tuple(rank1)))
+    with pytest.raises(ScheduleError, match="matched in posting order"):
+        communication_plan(broken)
+
+
+def test_backward_before_forward_is_rejected():
+    schedule = build_schedule("gpipe", 2, 2)
+    rank0 = (Action(B, 0), *schedule.actions[0][1:2], Action(F, 0), *schedule.actions[0][3:])
+    broken = dataclasses.replace(schedule, actions=(rank0, schedule.actions[1]))
+    with pytest.raises(ScheduleError, match="before its forward"):
+        communication_plan(broken)
+
+
+def test_missing_action_is_rejected():
+    schedule = build_schedule("gpipe", 2, 2)
+    broken = dataclasses.replace(schedule, actions=(schedule.actions[0][:-1], schedule.actions[1]))
+    with pytest.raises(ScheduleError, match="exactly once"):
+        communication_plan(broken)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (("interleaved-1f1b", 4, 6, 2), "must be a multiple of 4; got 6, use 4 or 8"),
+        (("interleaved-1f1b", 4, 2, 2), "got 2, use 4"),
+        (("interleaved-1f1b", 4, 8, 1), "use 1f1b for one chunk per rank"),
+        (("interleaved-1f1b", 1, 4, 2), "at least 2 pipeline stages"),
+        (("1f1b", 4, 8, 2), "use interleaved-1f1b for virtual pipeline stages"),
+        (("gpipe", 4, 0, 1), "num_microbatches must be an integer >= 1, got 0"),
+        (("zb-h1", 4, 8, 1), "unknown schedule 'zb-h1'"),
+    ],
+)
+def test_bad_schedule_arguments(args, message):
+    with pytest.raises(ValueError) as info:
+        build_schedule(*args)
+    assert message in str(info.value)
+
+
+@pytest.mark.parametrize("name, v", [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2)])
+def test_forward_only_schedules_validate(name, v):
+    for p in range(2, 9):
+        for m in range(p, 3 * p + 1, p):
+            schedule = build_schedule(name, p, m, v).without_backward()
+            timeline = simulate(schedule, _uniform(v))
+            assert timeline.peak_in_flight == [0] * p  # evaluation keeps no activations
+            assert all(a.op is F for acts in schedule.actions for a in acts)
