@@ -6,6 +6,8 @@ contributions are summed, so 1e-12 relative is ample and still catches any
 lost, doubled or misrouted microbatch.
 """
 
+import itertools
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -250,3 +252,14 @@ def test_bad_arguments():
         )
     with pytest.raises(ValueError, match="no loss function"):
         forward_backward(lambda it, chunk, inp: (torch.ones(1), None), None, nn.Identity(), 1)
+
+
+@distributed(world_size=2)
+def test_recorded_timeline_follows_the_schedule():
+    result, *_, stage = _run(2, 2, 4, "interleaved-1f1b", record=True)
+    computes = [e for e in result.events if e.kind == "compute"]
+    expected = [str(a) for a in build_schedule("interleaved-1f1b", 2, 4, 2).actions[stage]]
+    assert [e.name for e in computes] == expected
+    assert all(e.rank == stage and e.end >= e.start for e in result.events)
+    assert all(a.end <= b.start for a, b in itertools.pairwise(computes))
+    assert any(e.kind == "wait" for e in result.events)

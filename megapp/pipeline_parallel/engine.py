@@ -20,6 +20,7 @@ import functools
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -168,6 +169,18 @@ class _Runner:
     def communicate(self, step: Step) -> None:
         if not step.sends and not step.recvs:
             return
+        try:
+            self._communicate(step)
+        except RuntimeError as err:
+            before = f"before {step.action}" if step.action else "at the end of the iteration"
+            what = [f"send of the {m}" for m in step.sends]
+            what += [f"receive of the {m}" for m in step.recvs]
+            raise RuntimeError(
+                f"pipeline rank {self.stage} {before} failed waiting for: {'; '.join(what)}. "
+                f"A peer rank may have failed or be stuck; look at its log first. ({err})"
+            ) from err
+
+    def _communicate(self, step: Step) -> None:
         specs = self._recv_specs(step)
         sends = [(self._peer(m), self.outbox.pop(m)) for m in step.sends]
         received = self.transport.exchange(
@@ -278,6 +291,7 @@ def forward_backward(
     hooks: PipelineHooks | None = None,
     record: bool = False,
     device: torch.device | str | None = None,
+    timeout: float | None = None,
 ) -> PipelineResult:
     """Run one iteration (forward and backward of ``num_microbatches``) on this rank.
 
@@ -296,6 +310,8 @@ def forward_backward(
         hooks: see :class:`PipelineHooks`.
         record: keep this rank's timeline of actions and waits in the result.
         device: where received tensors live (default: cuda if available, else cpu).
+        timeout: seconds to wait for one batch of messages before failing (default:
+            the process group's timeout), so a dead or stuck peer fails this rank too.
 
     Gradients accumulate into the chunks' parameters as ``d(mean loss)/dθ``.
     """
@@ -348,7 +364,12 @@ def forward_backward(
         if record and runner is not None:
             runner.events.append(Event(stage, "wait", "p2p", start - origin, end - origin))
 
-    transport = Transport(pp_group if distributed else None, torch.device(device), on_wait)
+    transport = Transport(
+        pp_group if distributed else None,
+        torch.device(device),
+        on_wait,
+        None if timeout is None else timedelta(seconds=timeout),
+    )
     if distributed and p > 1 and tensor_shapes is None:
         transport.prepare()
     runner = _Runner(

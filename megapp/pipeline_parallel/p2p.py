@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -91,12 +92,20 @@ class Transport:
         group: the pipeline-parallel process group (``None``: the default group).
         device: where received tensors are allocated.
         on_wait: called with (start, end) of every wait, for timelines.
+        timeout: longest wait for one batch (default: the process group's timeout).
     """
 
-    def __init__(self, group: dist.ProcessGroup | None, device: torch.device, on_wait=None):
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None,
+        device: torch.device,
+        on_wait=None,
+        timeout: timedelta | None = None,
+    ):
         self.group = group
         self.device = device
         self.on_wait = on_wait
+        self.timeout = timeout
 
     def global_rank(self, group_rank: int) -> int:
         """The global rank of a pipeline-group rank (what P2POp addresses, on any group)."""
@@ -140,7 +149,10 @@ class Transport:
         if ops:
             start = time.perf_counter()
             for request in dist.batch_isend_irecv(ops):
-                request.wait()
+                if self.timeout is None:
+                    request.wait()
+                else:
+                    request.wait(self.timeout)
             if self.on_wait is not None:
                 self.on_wait(start, time.perf_counter())
         return received

@@ -150,3 +150,12 @@ def measured_times(
         times.append(best)
         x = out.detach()
     return times
+
+
+def rank_chunks(stage_ranges: Sequence[range], num_ranks: int, rank: int) -> list[range]:
+    """The layer ranges of ``rank``'s model chunks: chunk ``c`` is virtual stage ``c·p + rank``."""
+    if len(stage_ranges) % num_ranks:
+        raise ValueError(
+            f"{len(stage_ranges)} virtual stages do not divide over {num_ranks} pipeline ranks"
+        )
+    return list(stage_ranges[rank::num_ranks])
