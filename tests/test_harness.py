@@ -18,6 +18,7 @@ def _rank_and_sum():
 
 def _fail_on_rank_one():
     if dist.get_rank() == 1:
+        print("rank one was here", flush=True)
         raise ValueError("rank one says no")
     return "fine"
 
@@ -47,6 +48,7 @@ def test_a_failing_rank_fails_with_its_traceback():
         world.run(_fail_on_rank_one)
     message = str(info.value)
     assert "rank 1 (error)" in message and "ValueError: rank one says no" in message
+    assert "rank 1 output ---\nrank one was here" in message  # what the rank printed
     assert "rank 0" not in message  # rank 0 succeeded and is not blamed
     assert world.alive  # nothing hung, so the world is kept
     assert [r for r, _, _ in world.run(_rank_and_sum)] == [0, 1]

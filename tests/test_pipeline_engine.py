@@ -263,3 +263,19 @@ def test_recorded_timeline_follows_the_schedule():
     assert all(e.rank == stage and e.end >= e.start for e in result.events)
     assert all(a.end <= b.start for a, b in itertools.pairwise(computes))
     assert any(e.kind == "wait" for e in result.events)
+
+
+def test_sent_activation_storage_is_dropped_only_when_backward_does_not_need_it():
+    from megapp.pipeline_parallel.engine import _drop_storage
+
+    w = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(3, 4, dtype=torch.float64)
+    residual = x + torch.tanh(x @ w)  # AddBackward saves nothing: droppable
+    _drop_storage(residual)
+    assert residual.numel() == 1 and residual.grad_fn is not None
+    squashed = torch.tanh(x @ w)  # TanhBackward saves its output: must be kept
+    _drop_storage(squashed)
+    assert squashed.shape == (3, 4)
+    view = (x @ w).view(12)  # a view shares storage with its base: kept
+    _drop_storage(view)
+    assert view.shape == (12,)

@@ -61,7 +61,8 @@ def _after_task() -> None:
 def _worker_main(
     rank: int, world_size: int, port: int, log_path: str, conn: Connection, num_threads: int
 ) -> None:
-    log = open(log_path, "w", buffering=1)  # noqa: SIM115 (lives as long as the process)
+    # Append mode, so truncating the log at each task restarts it cleanly for every writer.
+    log = open(log_path, "a", buffering=1)  # noqa: SIM115 (lives as long as the process)
     os.dup2(log.fileno(), 1)
     os.dup2(log.fileno(), 2)
     faulthandler.register(signal.SIGUSR1, file=log, all_threads=True)
@@ -86,6 +87,9 @@ def _worker_main(
         if task is None:
             break
         sys_path, module, qualname, args, kwargs = task
+        sys.stdout.flush()
+        sys.stderr.flush()
+        log.truncate(0)  # the log holds this task's output only
         sys.path[:0] = [p for p in sys_path if p not in sys.path]
         try:
             result = _resolve(module, qualname)(*args, **kwargs)
@@ -208,6 +212,9 @@ class World:
         for rank, (kind, payload) in sorted(replies.items()):
             if kind not in ("ok", "ready"):
                 parts.append(f"--- rank {rank} ({kind}) ---\n{payload}")
+                output = self._tail(rank, limit=3000).strip() if kind == "error" else ""
+                if output:
+                    parts.append(f"--- rank {rank} output ---\n{output}")
         if missing:
             for rank in missing:
                 with contextlib.suppress(ProcessLookupError):

@@ -1,0 +1,196 @@
+"""Cross entropy over vocabulary-parallel logits, without gathering the full vocabulary.
+
+Tensor-parallel rank ``r`` of ``tp`` holds ``logits_shard = logits[..., r·w:(r+1)·w]`` with
+``w = V_pad/tp`` (see :mod:`megapp.tensor_parallel.utils`); every rank holds the same targets.
+With ``z`` the logits, ``t`` the target id and ``K`` the real (unpadded) vocabulary size:
+
+    m       = max_k z_k                                all-reduce MAX  [..]
+    Z       = Σ_k exp(z_k − m)                         all-reduce SUM  [..]
+    z_t − m = the one shard's masked lookup            all-reduce SUM  [..]
+    loss    = log Z − (z_t − m)
+
+The two sums travel in one all-reduce, so the forward costs two collectives of ``[s, b]``-sized
+tensors whatever the vocabulary size. Padded ids (``>= K``) are set to −inf before the max, so
+they get zero probability and zero gradient.
+
+Label smoothing follows Megatron: with ``ε = label_smoothing · K/(K−1)``,
+
+    loss = (1 − ε)·(log Z − (z_t − m)) + ε·(log Z − (1/K)·Σ_{k<K} (z_k − m)),
+
+i.e. the target distribution is ``1 − label_smoothing`` on the target and
+``label_smoothing/(K−1)`` on every other real id. That equals
+``torch.nn.functional.cross_entropy(..., label_smoothing=ε)``, which spreads ``ε`` over all
+``K`` ids. The sum over the real ids rides in the same all-reduce as the other two.
+
+Backward needs no communication: ``∂loss/∂z_k = p_k − (1 − ε)·[k = t] − (ε/K)·[k < K]``, built
+in place in the saved float32 softmax.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.autograd.function import FunctionCtx, once_differentiable
+
+__all__ = ["vocab_parallel_cross_entropy"]
+
+Group = dist.ProcessGroup | None
+
+
+def _world_and_rank(group: Group) -> tuple[int, int]:
+    # No group means no tensor parallelism, as for every tensor-parallel mapping.
+    if group is None:
+        return 1, 0
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def _all_reduce(x: torch.Tensor, op: dist.ReduceOp, group: Group, world: int) -> None:
+    # Every rank has the same shapes, so skipping empty tensors is skipped everywhere.
+    if world > 1 and x.numel() > 0:
+        dist.all_reduce(x, op=op, group=group)
+
+
+def _check_target(target: torch.Tensor, vocab_size: int) -> None:
+    """Raise ValueError naming a target id outside ``[0, vocab_size)``; one min/max reduction."""
+    if target.numel() == 0:
+        return
+    lo, hi = torch.stack(torch.aminmax(target)).tolist()  # one device→host copy
+    if lo < 0 or hi >= vocab_size:
+        bad = lo if lo < 0 else hi
+        raise ValueError(
+            f"vocab_parallel_cross_entropy: target id {bad} is outside the vocabulary of size "
+            f"{vocab_size} (valid ids are [0, {vocab_size}))"
+        )
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Per-token loss ``[...]`` from ``logits_shard [..., w]``; saves only the softmax shard."""
+
+    @staticmethod
+    def forward(
+        ctx: FunctionCtx,
+        logits_shard: torch.Tensor,
+        target: torch.Tensor,
+        label_smoothing: float,
+        vocab_size: int,
+        group: Group,
+        world: int,
+        rank: int,
+    ) -> torch.Tensor:
+        width = logits_shard.shape[-1]
+        start = rank * width
+        real = min(max(vocab_size - start, 0), width)  # real (unpadded) ids in this shard
+        dtype = torch.promote_types(logits_shard.dtype, torch.float32)
+        # One float32 buffer of [..., w]: shifted logits, then exp, then the saved softmax.
+        buf = torch.empty_like(logits_shard, dtype=dtype, memory_format=torch.contiguous_format)
+        buf.copy_(logits_shard)
+        if real < width:
+            buf[..., real:] = float("-inf")  # padding: exp(−inf) = 0 probability and gradient
+        logits_max = buf.amax(dim=-1)
+        _all_reduce(logits_max, dist.ReduceOp.MAX, group, world)
+        buf.sub_(logits_max.unsqueeze(-1))  # max subtraction: exp never overflows
+
+        in_shard = (target >= start) & (target < start + width)
+        local_target = (target.to(torch.int64) - start).masked_fill_(~in_shard, 0)
+        target_logit = buf.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
+        partial = [target_logit.masked_fill_(~in_shard, 0.0)]
+        if label_smoothing > 0:
+            partial.append(buf[..., :real].sum(dim=-1))  # Σ_{k<K} (z_k − m), this shard's part
+        buf.exp_()
+        partial.insert(0, buf.sum(dim=-1))
+        sums = torch.stack(partial, dim=-1)
+        _all_reduce(sums, dist.ReduceOp.SUM, group, world)  # one collective for all the sums
+        sum_exp, target_logit, *sum_real = sums.unbind(dim=-1)
+
+        log_z = sum_exp.log()
+        loss = log_z - target_logit
+        eps = 0.0
+        if label_smoothing > 0:
+            eps = label_smoothing * vocab_size / (vocab_size - 1)
+            mean_nll = log_z - sum_real[0] / vocab_size  # mean over real ids of −log p_k
+            loss = (1.0 - eps) * loss + eps * mean_nll
+
+        buf.div_(sum_exp.unsqueeze(-1))  # softmax shard
+        ctx.save_for_backward(buf, local_target, in_shard)
+        ctx.eps, ctx.vocab_size, ctx.real = eps, vocab_size, real
+        ctx.input_dtype = logits_shard.dtype
+        ctx.consumed = False
+        return loss
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: FunctionCtx, grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        if ctx.consumed:
+            raise RuntimeError(
+                "vocab_parallel_cross_entropy: backward ran twice through the same loss; its "
+                "saved softmax becomes the gradient in place, so retain_graph is not supported"
+            )
+        ctx.consumed = True
+        softmax, local_target, in_shard = ctx.saved_tensors
+        grad = softmax  # its last use: build the gradient in place, no second [..., w] buffer
+        hit = (ctx.eps - 1.0) * in_shard.to(grad.dtype)  # −(1 − ε) where this shard has t
+        grad.scatter_add_(-1, local_target.unsqueeze(-1), hit.unsqueeze(-1))
+        if ctx.eps > 0 and ctx.real > 0:
+            grad[..., : ctx.real].sub_(ctx.eps / ctx.vocab_size)
+        grad.mul_(grad_loss.unsqueeze(-1).to(grad.dtype))
+        return grad.to(ctx.input_dtype), None, None, None, None, None, None
+
+
+def vocab_parallel_cross_entropy(
+    logits_shard: torch.Tensor,
+    target: torch.Tensor,
+    label_smoothing: float = 0.0,
+    tp_group: Group = None,
+    vocab_size: int | None = None,
+) -> torch.Tensor:
+    """Per-token cross entropy of vocabulary-parallel logits.
+
+    Args:
+        logits_shard: ``[s, b, V_pad/tp]`` (any ``[..., V_pad/tp]``, any float dtype), this
+            rank's contiguous block of the padded vocabulary: ids ``[r·V_pad/tp, (r+1)·V_pad/tp)``
+            on tensor-parallel rank ``r``.
+        target: ``[s, b]`` (``logits_shard.shape[:-1]``) integer global ids, the same on every
+            rank of ``tp_group``.
+        label_smoothing: Megatron's smoothing in ``[0, 1)``: the target keeps
+            ``1 − label_smoothing``, the other ``vocab_size − 1`` real ids share the rest.
+        tp_group: the tensor-parallel group; ``None`` means no tensor parallelism (the
+            logits are the whole vocabulary), as in every tensor-parallel layer.
+        vocab_size: the real vocabulary size ``K <= V_pad``; ids ``>= K`` are padding, with zero
+            probability and zero gradient. Default: ``V_pad`` (no padding).
+
+    Returns:
+        The loss per token, ``[s, b]``, float32 (float64 for float64 logits), identical on every
+        rank of ``tp_group``. Its gradient flows to ``logits_shard`` only.
+
+    Raises:
+        ValueError: a target id outside ``[0, vocab_size)`` (raised on every rank, before any
+            communication), or inconsistent shapes and sizes.
+    """
+    world, rank = _world_and_rank(tp_group)
+    if logits_shard.dim() == 0 or logits_shard.shape[-1] == 0:
+        raise ValueError(
+            f"logits_shard must be [..., V/tp] with V/tp >= 1, got {tuple(logits_shard.shape)}"
+        )
+    if tuple(target.shape) != tuple(logits_shard.shape[:-1]):
+        raise ValueError(
+            f"target must be logits_shard.shape[:-1] = {tuple(logits_shard.shape[:-1])}, "
+            f"got {tuple(target.shape)}"
+        )
+    if target.dtype == torch.bool or target.dtype.is_floating_point or target.is_complex():
+        raise ValueError(f"target must hold integer ids, got {target.dtype}")
+    padded = logits_shard.shape[-1] * world
+    if vocab_size is None:
+        vocab_size = padded
+    if not 1 <= vocab_size <= padded:
+        raise ValueError(
+            f"vocab_size {vocab_size} is outside [1, {padded}] (the sharded width "
+            f"{logits_shard.shape[-1]} × {world} tensor-parallel ranks)"
+        )
+    if not 0.0 <= label_smoothing < 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
+    if label_smoothing > 0 and vocab_size < 2:
+        raise ValueError("label smoothing needs a vocabulary of at least 2 ids")
+    _check_target(target, vocab_size)
+    return _VocabParallelCrossEntropy.apply(
+        logits_shard, target, float(label_smoothing), vocab_size, tp_group, world, rank
+    )

@@ -1,0 +1,107 @@
+"""Causal self-attention with heads (and key/value groups) split over tensor-parallel ranks."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megapp.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    init_method_normal,
+)
+from megapp.tensor_parallel.mappings import Group, _world
+from megapp.tensor_parallel.random import get_rng_tracker
+from megapp.transformer.config import TransformerConfig
+
+
+def core_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float, backend: str
+) -> torch.Tensor:
+    """Causal softmax(q kᵀ / √d) v on ``[b, heads, s, d]``; k and v may have fewer heads
+    (grouped-query attention), each shared by ``heads / groups`` query heads."""
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+    if backend == "sdpa":
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
+    scores = q.matmul(k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    s = q.shape[-2]
+    causal = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
+    probs = scores.masked_fill(causal, float("-inf")).softmax(dim=-1)
+    return F.dropout(probs, p=dropout).matmul(v)
+
+
+class ParallelAttention(nn.Module):
+    """Self-attention: a column-parallel fused QKV projection, core attention on this
+    rank's heads, a row-parallel output projection.
+
+    The QKV weight is laid out group by group (``[q heads of group g; k_g; v_g]``),
+    so a column split gives every rank whole query groups with their keys and
+    values. Input ``[s, b, h]`` (``[s/tp, b, h]`` with sequence parallelism);
+    returns ``(output, output-projection bias)``.
+    """
+
+    def __init__(self, config: TransformerConfig, tp_group: Group = None):
+        super().__init__()
+        self.config = config
+        tp = _world(tp_group)
+        for name in ("num_attention_heads", "num_query_groups"):
+            if getattr(config, name) % tp:
+                raise ValueError(
+                    f"{name} ({getattr(config, name)}) is not divisible by the tensor-parallel "
+                    f"size ({tp}); choose a tensor-parallel size that divides it"
+                )
+        self.heads_per_rank = config.num_attention_heads // tp
+        self.groups_per_rank = config.num_query_groups // tp
+        d = config.kv_channels
+        init = init_method_normal(config.init_method_std)
+        qkv_size = (config.num_attention_heads + 2 * config.num_query_groups) * d
+        self.linear_qkv = ColumnParallelLinear(
+            config.hidden_size,
+            qkv_size,
+            bias=config.add_bias_linear,
+            init_method=init,
+            sequence_parallel=config.sequence_parallel,
+            tp_group=tp_group,
+            params_dtype=config.params_dtype,
+        )
+        self.linear_proj = RowParallelLinear(
+            config.num_attention_heads * d,
+            config.hidden_size,
+            bias=config.add_bias_linear,
+            input_is_parallel=True,
+            init_method=init,
+            skip_bias_add=True,
+            sequence_parallel=config.sequence_parallel,
+            tp_group=tp_group,
+            params_dtype=config.params_dtype,
+        )
+
+    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """This rank's queries, keys and values as ``[b, heads, s, d]``."""
+        mixed, _ = self.linear_qkv(x)  # [s, b, groups/tp · (heads/groups + 2) · d]
+        s, b, _ = mixed.shape
+        d, groups = self.config.kv_channels, self.groups_per_rank
+        per_group = self.heads_per_rank // groups
+        mixed = mixed.view(s, b, groups, per_group + 2, d)
+        q, k, v = mixed.split([per_group, 1, 1], dim=3)
+        q = q.reshape(s, b, groups * per_group, d)
+        k, v = k.squeeze(3), v.squeeze(3)
+        return tuple(t.permute(1, 2, 0, 3) for t in (q, k, v))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        q, k, v = self.qkv(x)
+        dropout = self.config.attention_dropout if self.training else 0.0
+        # Heads differ per rank, so their dropout masks come from the per-rank stream.
+        rng = get_rng_tracker().fork() if dropout > 0 else contextlib.nullcontext()
+        with rng:
+            context = core_attention(q, k, v, dropout, self.config.attention_backend)
+        b, heads, s, d = context.shape
+        context = context.permute(2, 0, 1, 3).reshape(s, b, heads * d)
+        return self.linear_proj(context)

@@ -1,0 +1,111 @@
+"""The transformer's shape and behaviour in one validated dataclass (Megatron's names)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_ACTIVATIONS = ("gelu", "swiglu")
+_NORMS = ("LayerNorm", "RMSNorm")
+_POSITIONS = ("learned_absolute", "rope", "none")
+_GRANULARITIES = (None, "selective", "full")
+_METHODS = (None, "uniform", "block")
+_ATTENTION_BACKENDS = ("sdpa", "unfused")
+
+
+@dataclass
+class TransformerConfig:
+    num_layers: int
+    """Transformer layers in the whole model (all pipeline stages)."""
+    hidden_size: int
+    """Width ``h`` of the residual stream."""
+    num_attention_heads: int
+    """Query heads ``a``; must divide by the tensor-parallel size."""
+    num_query_groups: int | None = None
+    """Key/value heads for grouped-query attention; ``None`` means one per query head."""
+    ffn_hidden_size: int | None = None
+    """Width of the MLP's inner layer; ``None`` means ``4 h``."""
+    kv_channels: int | None = None
+    """Width of one attention head; ``None`` means ``h / a``."""
+    hidden_dropout: float = 0.1
+    """Dropout on the attention and MLP outputs before the residual add."""
+    attention_dropout: float = 0.1
+    """Dropout on the attention probabilities."""
+    activation: str = "gelu"
+    """MLP activation: ``gelu`` (tanh approximation) or ``swiglu``."""
+    add_bias_linear: bool = True
+    """Biases in the attention and MLP linear layers."""
+    normalization: str = "LayerNorm"
+    """``LayerNorm`` or ``RMSNorm``."""
+    layernorm_epsilon: float = 1e-5
+    """Epsilon of the normalization layers."""
+    position_embedding_type: str = "learned_absolute"
+    """``learned_absolute``, ``rope`` or ``none``."""
+    rotary_base: int = 10000
+    """Base of the rotary frequencies."""
+    attention_backend: str = "sdpa"
+    """Core attention: ``sdpa`` (torch's scaled_dot_product_attention) or ``unfused``."""
+    init_method_std: float = 0.02
+    """Standard deviation of the normal weight initialization."""
+    recompute_granularity: str | None = None
+    """``None``, ``selective`` (core attention only) or ``full`` (whole layers)."""
+    recompute_method: str | None = None
+    """With full recompute: ``uniform`` (groups of layers) or ``block`` (the first layers)."""
+    recompute_num_layers: int | None = None
+    """With full recompute: layers per group (uniform) or layers recomputed (block)."""
+    tensor_model_parallel_size: int = 1
+    """Ranks that split every layer; checked against the heads and widths."""
+    sequence_parallel: bool = False
+    """Split the activations outside the tensor-parallel regions along the sequence."""
+    params_dtype: torch.dtype = torch.float32
+    """Dtype of the parameters."""
+
+    def __post_init__(self) -> None:
+        if self.num_query_groups is None:
+            self.num_query_groups = self.num_attention_heads
+        if self.ffn_hidden_size is None:
+            self.ffn_hidden_size = 4 * self.hidden_size
+        if self.kv_channels is None:
+            if self.hidden_size % self.num_attention_heads:
+                raise ValueError(
+                    f"hidden_size ({self.hidden_size}) is not divisible by num_attention_heads "
+                    f"({self.num_attention_heads}); set kv_channels or change one of them"
+                )
+            self.kv_channels = self.hidden_size // self.num_attention_heads
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_attention_heads % self.num_query_groups:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_query_groups ({self.num_query_groups})"
+            )
+        tp = self.tensor_model_parallel_size
+        for name in ("num_attention_heads", "num_query_groups", "ffn_hidden_size"):
+            if getattr(self, name) % tp:
+                raise ValueError(
+                    f"{name} ({getattr(self, name)}) is not divisible by the tensor-parallel "
+                    f"size ({tp}); choose a tensor-parallel size that divides it"
+                )
+        for name, value, allowed in (
+            ("activation", self.activation, _ACTIVATIONS),
+            ("normalization", self.normalization, _NORMS),
+            ("position_embedding_type", self.position_embedding_type, _POSITIONS),
+            ("recompute_granularity", self.recompute_granularity, _GRANULARITIES),
+            ("recompute_method", self.recompute_method, _METHODS),
+            ("attention_backend", self.attention_backend, _ATTENTION_BACKENDS),
+        ):
+            if value not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+        for name in ("hidden_dropout", "attention_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+        if self.recompute_granularity == "full" and self.recompute_method is None:
+            raise ValueError("recompute_granularity='full' needs recompute_method uniform or block")
+        if self.recompute_method is not None and self.recompute_granularity != "full":
+            raise ValueError("recompute_method is only used with recompute_granularity='full'")
+        if self.recompute_method is not None and (self.recompute_num_layers or 0) < 1:
+            raise ValueError("recompute_method needs recompute_num_layers >= 1")
+        if self.sequence_parallel and tp == 1:
+            raise ValueError("sequence_parallel needs tensor_model_parallel_size > 1")
