@@ -266,7 +266,7 @@ def test_recorded_timeline_follows_the_schedule():
 
 
 def test_sent_activation_storage_is_dropped_only_when_backward_does_not_need_it():
-    from megapp.pipeline_parallel.engine import _drop_storage
+    from megapp.pipeline_parallel.runner import _drop_storage
 
     w = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
     x = torch.randn(3, 4, dtype=torch.float64)

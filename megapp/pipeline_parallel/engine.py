@@ -15,42 +15,23 @@ mapping that output to the microbatch's mean loss.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from megapp.pipeline_parallel.p2p import TensorSpec, Transport, specs_of
-from megapp.pipeline_parallel.plan import Message, Step, communication_plan, incoming, outgoing
-from megapp.pipeline_parallel.schedules import Action, Op, Schedule, build_schedule
+from megapp.pipeline_parallel.p2p import TensorSpec, Transport
+from megapp.pipeline_parallel.plan import Step, communication_plan
+from megapp.pipeline_parallel.runner import ForwardStepFunc, PipelineHooks, StageRunner
+from megapp.pipeline_parallel.schedules import Schedule, build_schedule
 from megapp.pipeline_parallel.simulate import Event
 
-LossFunc = Callable[[Any], torch.Tensor]
-ForwardStepFunc = Callable[
-    [Iterator | None, nn.Module, tuple[torch.Tensor, ...] | None], tuple[Any, LossFunc | None]
-]
-
-
-@dataclass
-class PipelineHooks:
-    """Callbacks for the training step.
-
-    before_backward(chunk, is_last): runs before every backward; ``is_last`` is
-        True for the chunk's last microbatch, when data-parallel gradient
-        reduction should be enabled for the backward that follows.
-    post_backward(): runs once after every backward of the iteration, e.g. to
-        all-reduce the tied embedding's gradient between first and last stage.
-    """
-
-    before_backward: Callable[[int, bool], None] | None = None
-    post_backward: Callable[[], None] | None = None
+__all__ = ["PipelineHooks", "PipelineResult", "forward_backward", "get_forward_backward_func"]
 
 
 @dataclass
@@ -73,209 +54,6 @@ class PipelineResult:
 @functools.lru_cache(maxsize=64)
 def _plan(schedule: Schedule) -> list[list[Step]]:
     return communication_plan(schedule)  # validated once per schedule
-
-
-def _as_tuple(output: Any, where: str) -> tuple[torch.Tensor, ...]:
-    outputs = output if isinstance(output, tuple | list) else (output,)
-    if not outputs or not all(isinstance(t, torch.Tensor) for t in outputs):
-        raise TypeError(f"{where} must return a tensor or a tuple of tensors, got {output!r}")
-    return tuple(outputs)
-
-
-def _storage_is_free_to_drop(t: torch.Tensor) -> bool:
-    """True if no autograd node can need ``t``'s values: it is no view, and the op
-    that made it did not save it for backward (as tanh or relu save their output)."""
-    node = t.grad_fn
-    if node is None or t._base is not None:
-        return False
-    for name in dir(node):
-        if name.startswith("_saved_"):
-            with contextlib.suppress(RuntimeError):
-                saved = getattr(node, name)
-                if isinstance(saved, torch.Tensor) and saved.data_ptr() == t.data_ptr():
-                    return False
-    return True
-
-
-def _drop_storage(t: torch.Tensor) -> None:
-    """Free a sent activation's memory but keep its autograd node (Megatron's trick):
-    backward only needs the node and the incoming gradient, not the values."""
-    if _storage_is_free_to_drop(t):
-        t.data = torch.empty((1,), device=t.device, dtype=t.dtype)
-
-
-def _run_backward(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:
-    # The engine call skips autograd's shape check, which a dropped output would fail.
-    pairs = [(o, g) for o, g in zip(outputs, grads, strict=True) if o.requires_grad]
-    if pairs:
-        torch.autograd.Variable._execution_engine.run_backward(
-            tuple(o for o, _ in pairs),
-            tuple(g for _, g in pairs),
-            keep_graph=False,
-            create_graph=False,
-            inputs=(),
-            allow_unreachable=True,
-            accumulate_grad=True,
-        )
-
-
-class _Runner:
-    """The state of one rank during one iteration."""
-
-    def __init__(self, schedule, stage, forward_step_func, iterators, chunks, transport, **opts):
-        self.schedule = schedule
-        self.stage = stage
-        self.forward_step_func = forward_step_func
-        self.iterators = iterators
-        self.chunks = chunks
-        self.transport = transport
-        self.tensor_shapes: Sequence[TensorSpec] | None = opts["tensor_shapes"]
-        self.hooks: PipelineHooks = opts["hooks"]
-        self.clock = opts["clock"]
-        self.inbox: dict[Message, list[torch.Tensor]] = {}
-        self.outbox: dict[Message, tuple[torch.Tensor, ...]] = {}
-        self.sent_specs: dict[tuple[int, int], tuple[TensorSpec, ...]] = {}
-        self.saved: dict[tuple[int, int], tuple[tuple, tuple]] = {}
-        self.losses: list[torch.Tensor] = []
-        self.backwards_left = [schedule.num_microbatches] * schedule.num_chunks
-        self.in_flight = self.peak = 0
-        self.events: list[Event] = []
-
-    # ----- communication ---------------------------------------------------
-    def _peer(self, msg: Message) -> int:
-        return msg.dst if msg.src == self.stage else msg.src
-
-    def _recv_specs(self, step: Step) -> list[tuple[TensorSpec, ...]]:
-        activations = [m for m in step.recvs if m.op is Op.FORWARD]
-        if self.tensor_shapes is not None:
-            negotiated = iter([tuple(self.tensor_shapes)] * len(activations))
-        else:
-            sends = [(self._peer(m), specs_of(self.outbox[m])) for m in step.sends]
-            sends = [s for s, m in zip(sends, step.sends, strict=True) if m.op is Op.FORWARD]
-            if sends or activations:
-                negotiated = iter(
-                    self.transport.exchange_headers(sends, [self._peer(m) for m in activations])
-                )
-        specs = []
-        for msg in step.recvs:
-            if msg.op is Op.FORWARD:
-                specs.append(next(negotiated))
-            else:  # gradients of what this rank sent: shapes it already knows
-                chunk = self.schedule.chunk_of(msg.dst_stage)
-                sent = self.sent_specs[(msg.microbatch, chunk)]
-                specs.append(tuple(s for s in sent if s.dtype.is_floating_point))
-        return specs
-
-    def communicate(self, step: Step) -> None:
-        if not step.sends and not step.recvs:
-            return
-        try:
-            self._communicate(step)
-        except RuntimeError as err:
-            before = f"before {step.action}" if step.action else "at the end of the iteration"
-            what = [f"send of the {m}" for m in step.sends]
-            what += [f"receive of the {m}" for m in step.recvs]
-            raise RuntimeError(
-                f"pipeline rank {self.stage} {before} failed waiting for: {'; '.join(what)}. "
-                f"A peer rank may have failed or be stuck; look at its log first. ({err})"
-            ) from err
-
-    def _communicate(self, step: Step) -> None:
-        specs = self._recv_specs(step)
-        sends = [(self._peer(m), self.outbox.pop(m)) for m in step.sends]
-        received = self.transport.exchange(
-            sends, [(self._peer(m), s) for m, s in zip(step.recvs, specs, strict=True)]
-        )
-        for msg, tensors in zip(step.recvs, received, strict=True):
-            self.inbox[msg] = tensors
-        for msg, (_, tensors) in zip(step.sends, sends, strict=True):
-            if msg.op is Op.FORWARD:
-                for t in tensors:
-                    _drop_storage(t)
-
-    # ----- compute ---------------------------------------------------------
-    def forward(self, action: Action) -> None:
-        schedule, chunk, mb = self.schedule, action.chunk, action.microbatch
-        stage = schedule.virtual_stage(self.stage, chunk)
-        is_last = stage == schedule.num_virtual_stages - 1
-        recv = incoming(schedule, self.stage, action)
-        inputs = tuple(self.inbox.pop(recv)) if recv else None
-        if inputs is not None and not schedule.forward_only:
-            for t in inputs:
-                if t.is_floating_point():
-                    t.requires_grad_()
-        grad_mode = torch.no_grad() if schedule.forward_only else contextlib.nullcontext()
-        with grad_mode:
-            output, loss_func = self.forward_step_func(
-                self.iterators[chunk], self.chunks[chunk], inputs
-            )
-            if is_last:
-                if loss_func is None:
-                    raise ValueError(
-                        "forward_step_func must return (output, loss_func) on the last "
-                        "pipeline stage; it returned no loss function"
-                    )
-                loss = loss_func(output)
-                loss = loss[0] if isinstance(loss, tuple) else loss
-                self.losses.append(loss.detach())
-                # The one place the iteration's loss is averaged over microbatches.
-                outputs = (loss / schedule.num_microbatches,)
-        if not is_last:
-            outputs = _as_tuple(output, "forward_step_func")
-            self._check_declared(outputs, stage)
-            send = outgoing(schedule, self.stage, action)
-            self.outbox[send] = outputs
-            self.sent_specs[(mb, chunk)] = specs_of(outputs)
-        if not schedule.forward_only:
-            self.saved[(mb, chunk)] = (inputs or (), outputs)
-            self.in_flight += 1
-            self.peak = max(self.peak, self.in_flight)
-
-    def backward(self, action: Action) -> None:
-        schedule, chunk, mb = self.schedule, action.chunk, action.microbatch
-        self.backwards_left[chunk] -= 1
-        if self.hooks.before_backward is not None:
-            self.hooks.before_backward(chunk, self.backwards_left[chunk] == 0)
-        inputs, outputs = self.saved.pop((mb, chunk))
-        recv = incoming(schedule, self.stage, action)
-        if recv is None:  # last stage: start from the scaled loss
-            _run_backward(outputs, [torch.ones_like(outputs[0])])
-        else:
-            floating = [o for o in outputs if o.is_floating_point()]
-            _run_backward(floating, self.inbox.pop(recv))
-        send = outgoing(schedule, self.stage, action)
-        if send is not None:
-            self.outbox[send] = tuple(
-                t.grad if t.grad is not None else torch.zeros_like(t)
-                for t in inputs
-                if t.is_floating_point()
-            )
-        self.in_flight -= 1
-
-    def _check_declared(self, outputs: tuple[torch.Tensor, ...], stage: int) -> None:
-        if self.tensor_shapes is None:
-            return
-        got = specs_of(outputs)
-        if got != tuple(self.tensor_shapes):
-            raise ValueError(
-                f"stage {stage} produced {[(s.shape, s.dtype) for s in got]} but tensor_shapes "
-                f"declares {[(s.shape, s.dtype) for s in self.tensor_shapes]}; fix the declared "
-                "shapes or pass tensor_shapes=None to negotiate them"
-            )
-
-    # ----- the loop --------------------------------------------------------
-    def run(self, steps: list[Step]) -> None:
-        for step in steps:
-            self.communicate(step)
-            action = step.action
-            if action is None:
-                continue
-            start = self.clock()
-            if action.op is Op.FORWARD:
-                self.forward(action)
-            else:
-                self.backward(action)
-            self.events.append(Event(self.stage, "compute", str(action), start, self.clock()))
 
 
 def forward_backward(
@@ -358,7 +136,7 @@ def forward_backward(
     def clock() -> float:
         return time.perf_counter() - origin
 
-    runner: _Runner | None = None
+    runner: StageRunner | None = None
 
     def on_wait(start: float, end: float) -> None:
         if record and runner is not None:
@@ -372,7 +150,7 @@ def forward_backward(
     )
     if distributed and p > 1 and tensor_shapes is None:
         transport.prepare()
-    runner = _Runner(
+    runner = StageRunner(
         sched,
         stage,
         forward_step_func,
