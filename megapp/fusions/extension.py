@@ -24,8 +24,15 @@ CUDA_EXTENSION = "megapp._C_cuda"
 
 # Dtypes each compiled tier implements, per op.
 _FLOATS = frozenset({torch.float32, torch.bfloat16, torch.float16})
+_ALL = {"cpu": _FLOATS | {torch.float64}, "cuda": _FLOATS}
 KERNEL_DTYPES: dict[str, dict[str, frozenset[torch.dtype]]] = {
-    "bias_gelu": {"cpu": _FLOATS | {torch.float64}, "cuda": _FLOATS},
+    "bias_gelu": _ALL,
+    "bias_swiglu": _ALL,
+    "bias_dropout_add": _ALL,
+    "scaled_masked_softmax": _ALL,
+    "layer_norm": _ALL,
+    "rms_norm": _ALL,
+    "rope": _ALL,
 }
 
 
