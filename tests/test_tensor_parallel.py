@@ -8,14 +8,14 @@ absolute is far above round-off and far below any real mistake.
 
 import pytest
 import torch
-import torch.distributed as dist
+from tests_support import full_grad as _full_grad
+from tests_support import gather as _gather
 
 from megapp import parallel_state as ps
 from megapp.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
-    unshard,
 )
 from megapp.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
@@ -38,22 +38,6 @@ S, B, H = 8, 2, 16
 
 def _randn(*shape, seed):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=F64)
-
-
-def _gather(t: torch.Tensor, group, dim: int, stride: int = 1) -> torch.Tensor:
-    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, t.contiguous(), group=group)
-    return unshard(parts, dim, stride)
-
-
-def _full_grad(param: torch.nn.Parameter, group) -> torch.Tensor:
-    """The gradient of the whole parameter, however it is split or replicated."""
-    if getattr(param, "tensor_model_parallel", False):
-        return _gather(param.grad, group, param.partition_dim, param.partition_stride)
-    grad = param.grad.clone()
-    if getattr(param, "sequence_parallel", False):  # each rank saw only its sequence shard
-        dist.all_reduce(grad, group=group)
-    return grad
 
 
 # ----- mappings ------------------------------------------------------------------
@@ -149,7 +133,7 @@ def _compare_module(build, tp: int, sequence_parallel: bool, seed: int = 0) -> N
     for (name, param), ref_param in zip(
         module.named_parameters(), reference.parameters(), strict=True
     ):
-        got = _full_grad(param, group) if tp > 1 else param.grad
+        got = _full_grad(param, group)
         torch.testing.assert_close(
             got, ref_param.grad, **TOL, msg=lambda m, name=name: f"gradient of {name}: {m}"
         )
@@ -255,7 +239,7 @@ def test_vocab_parallel_embedding_with_padded_vocabulary(tp, sp):
     if sp:
         out = _gather(out, group, 0)
     torch.testing.assert_close(out, ref_out, **TOL)
-    grad = _full_grad(embedding.weight, group) if tp > 1 else embedding.weight.grad
+    grad = _full_grad(embedding.weight, group)
     torch.testing.assert_close(grad[:vocab], reference.weight.grad, **TOL)
     assert torch.all(grad[vocab:] == 0)  # padded rows are never used
 

@@ -1,11 +1,17 @@
-"""Fused operators: compiled CPU/CUDA kernels with pure-PyTorch references."""
+"""Fused operators: compiled CPU/CUDA kernels with pure-PyTorch references.
 
+Each op's autograd Function decides what is kept for backward; the tier
+(CUDA kernel, CPU kernel or reference) is a pure choice made per call.
+"""
+
+from megapp.fusions.bias_dropout_add import bias_dropout_add, dropout_mask
 from megapp.fusions.bias_gelu import (
     BiasGeLUFunction,
     bias_gelu,
     bias_gelu_reference,
     bias_gelu_reference_backward,
 )
+from megapp.fusions.bias_swiglu import bias_swiglu
 from megapp.fusions.extension import (
     built_tiers,
     choose_tier,
@@ -13,15 +19,28 @@ from megapp.fusions.extension import (
     cuda_ops_available,
     select_tier,
 )
+from megapp.fusions.norm import LayerNorm, RMSNorm, layer_norm, rms_norm
+from megapp.fusions.rope import apply_rotary_pos_emb, rotary_freqs
+from megapp.fusions.softmax import scaled_masked_softmax
 
 __all__ = [
     "BiasGeLUFunction",
+    "LayerNorm",
+    "RMSNorm",
+    "apply_rotary_pos_emb",
+    "bias_dropout_add",
     "bias_gelu",
     "bias_gelu_reference",
     "bias_gelu_reference_backward",
+    "bias_swiglu",
     "built_tiers",
     "choose_tier",
     "cpu_ops_available",
     "cuda_ops_available",
+    "dropout_mask",
+    "layer_norm",
+    "rms_norm",
+    "rotary_freqs",
+    "scaled_masked_softmax",
     "select_tier",
 ]

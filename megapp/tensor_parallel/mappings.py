@@ -13,6 +13,10 @@ import torch.distributed as dist
 
 Group = dist.ProcessGroup | None
 
+# torch 2.13 renamed the tensor-in/tensor-out collectives; older releases have the old names.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 def _world(group: Group) -> int:
     return 1 if group is None else dist.get_world_size(group)
@@ -47,7 +51,7 @@ def _gather_last(x: torch.Tensor, group: Group) -> torch.Tensor:
     # all_gather_into_tensor concatenates along dim 0; move the last dim there and back.
     moved = x.movedim(-1, 0).contiguous()
     out = moved.new_empty((world * moved.shape[0], *moved.shape[1:]))
-    dist.all_gather_into_tensor(out, moved, group=group)
+    _all_gather_single(out, moved, group=group)
     return out.movedim(0, -1).contiguous()
 
 
@@ -71,7 +75,7 @@ def gather_first(x: torch.Tensor, group: Group, async_op: bool = False):
         return (x, None) if async_op else x
     x = x.contiguous()
     out = x.new_empty((world * x.shape[0], *x.shape[1:]))
-    work = dist.all_gather_into_tensor(out, x, group=group, async_op=async_op)
+    work = _all_gather_single(out, x, group=group, async_op=async_op)
     return (out, work) if async_op else out
 
 
@@ -85,7 +89,7 @@ def reduce_scatter_first(x: torch.Tensor, group: Group, async_op: bool = False):
         raise ValueError(f"dimension 0 ({x.shape[0]}) is not divisible by the {world} TP ranks")
     x = x.contiguous()
     out = x.new_empty((x.shape[0] // world, *x.shape[1:]))
-    work = dist.reduce_scatter_tensor(out, x, group=group, async_op=async_op)
+    work = _reduce_scatter_single(out, x, group=group, async_op=async_op)
     return (out, work) if async_op else out
 
 

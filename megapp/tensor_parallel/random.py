@@ -31,6 +31,8 @@ from typing import Any
 
 import torch
 
+from megapp.saved_tensors import notify_kept
+
 __all__ = [
     "DATA_PARALLEL_RNG_TRACKER_NAME",
     "MODEL_PARALLEL_RNG_TRACKER_NAME",
@@ -330,5 +332,6 @@ def checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     if not torch.is_grad_enabled():
         return function(*args, **kwargs)  # nothing would be saved, so nothing to recompute
     recomputation = _Recomputation(function, args, kwargs)
+    notify_kept(*args, *kwargs.values())  # the inputs are what a checkpoint keeps
     with torch.autograd.graph.saved_tensors_hooks(recomputation.pack, recomputation.unpack):
         return function(*args, **kwargs)

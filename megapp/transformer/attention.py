@@ -9,32 +9,44 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megapp.fusions.rope import apply_rotary_pos_emb
+from megapp.fusions.softmax import scaled_masked_softmax
 from megapp.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     init_method_normal,
 )
 from megapp.tensor_parallel.mappings import Group, _world
-from megapp.tensor_parallel.random import get_rng_tracker
+from megapp.tensor_parallel.random import checkpoint, get_rng_tracker
 from megapp.transformer.config import TransformerConfig
+from megapp.transformer.recompute import recompute_saved
 
 
 def core_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float, backend: str
 ) -> torch.Tensor:
     """Causal softmax(q kᵀ / √d) v on ``[b, heads, s, d]``; k and v may have fewer heads
-    (grouped-query attention), each shared by ``heads / groups`` query heads."""
+    (grouped-query attention), each shared by ``heads / groups`` query heads.
+
+    ``sdpa`` is torch's fused attention (no s² tensor kept); ``fused_softmax``
+    materializes the scores and runs megapp's scaled masked softmax, which keeps
+    only its output (Megatron's path).
+    """
     groups = q.shape[1] // k.shape[1]
     if groups > 1:
         k = k.repeat_interleave(groups, dim=1)
         v = v.repeat_interleave(groups, dim=1)
     if backend == "sdpa":
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
-    scores = q.matmul(k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
-    s = q.shape[-2]
-    causal = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
-    probs = scores.masked_fill(causal, float("-inf")).softmax(dim=-1)
+    scores = q.matmul(k.transpose(-1, -2))
+    probs = scaled_masked_softmax(scores, None, 1.0 / math.sqrt(q.shape[-1]), True)
     return F.dropout(probs, p=dropout).matmul(v)
+
+
+def _merge_heads(context: torch.Tensor) -> torch.Tensor:
+    """``[b, heads, s, d]`` -> ``[s, b, heads · d]``."""
+    b, heads, s, d = context.shape
+    return context.permute(2, 0, 1, 3).reshape(s, b, heads * d)
 
 
 class ParallelAttention(nn.Module):
@@ -50,6 +62,8 @@ class ParallelAttention(nn.Module):
     def __init__(self, config: TransformerConfig, tp_group: Group = None):
         super().__init__()
         self.config = config
+        # Rebuild the output projection's saved input in backward (off inside full recompute).
+        self.recompute_saved_inputs = True
         tp = _world(tp_group)
         for name in ("num_attention_heads", "num_query_groups"):
             if getattr(config, name) % tp:
@@ -83,7 +97,9 @@ class ParallelAttention(nn.Module):
             params_dtype=config.params_dtype,
         )
 
-    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def qkv(
+        self, x: torch.Tensor, rotary_freqs: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """This rank's queries, keys and values as ``[b, heads, s, d]``."""
         mixed, _ = self.linear_qkv(x)  # [s, b, groups/tp · (heads/groups + 2) · d]
         s, b, _ = mixed.shape
@@ -93,15 +109,33 @@ class ParallelAttention(nn.Module):
         q, k, v = mixed.split([per_group, 1, 1], dim=3)
         q = q.reshape(s, b, groups * per_group, d)
         k, v = k.squeeze(3), v.squeeze(3)
+        if rotary_freqs is not None:  # [s, 1, 1, rot_dim]
+            q = apply_rotary_pos_emb(q, rotary_freqs)
+            k = apply_rotary_pos_emb(k, rotary_freqs)
         return tuple(t.permute(1, 2, 0, 3) for t in (q, k, v))
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        q, k, v = self.qkv(x)
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         dropout = self.config.attention_dropout if self.training else 0.0
         # Heads differ per rank, so their dropout masks come from the per-rank stream.
         rng = get_rng_tracker().fork() if dropout > 0 else contextlib.nullcontext()
         with rng:
-            context = core_attention(q, k, v, dropout, self.config.attention_backend)
-        b, heads, s, d = context.shape
-        context = context.permute(2, 0, 1, 3).reshape(s, b, heads * d)
-        return self.linear_proj(context)
+            return core_attention(q, k, v, dropout, self.config.attention_backend)
+
+    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return _merge_heads(self._attend(q, k, v))
+
+    def forward(
+        self, x: torch.Tensor, rotary_freqs: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``x`` ``[s, b, h]`` (``[s/tp, b, h]``), ``rotary_freqs`` ``[s, 1, 1, rot_dim]``."""
+        q, k, v = self.qkv(x, rotary_freqs)
+        if self.config.recompute_granularity == "selective":
+            # Megatron's selective recompute: keep q, k, v; rebuild the attention in backward.
+            return self.linear_proj(checkpoint(self._core, q, k, v))
+        heads = self._attend(q, k, v)
+        context = _merge_heads(heads)
+        if not self.recompute_saved_inputs:
+            return self.linear_proj(context)
+        # The projection's saved input is a relayout of the attention output: rebuild it.
+        with recompute_saved(context, _merge_heads, heads):
+            return self.linear_proj(context)

@@ -11,7 +11,7 @@ _NORMS = ("LayerNorm", "RMSNorm")
 _POSITIONS = ("learned_absolute", "rope", "none")
 _GRANULARITIES = (None, "selective", "full")
 _METHODS = (None, "uniform", "block")
-_ATTENTION_BACKENDS = ("sdpa", "unfused")
+_ATTENTION_BACKENDS = ("sdpa", "fused_softmax")
 
 
 @dataclass
@@ -45,7 +45,7 @@ class TransformerConfig:
     rotary_base: int = 10000
     """Base of the rotary frequencies."""
     attention_backend: str = "sdpa"
-    """Core attention: ``sdpa`` (torch's scaled_dot_product_attention) or ``unfused``."""
+    """Core attention: ``sdpa`` (torch's scaled_dot_product_attention) or ``fused_softmax``."""
     init_method_std: float = 0.02
     """Standard deviation of the normal weight initialization."""
     recompute_granularity: str | None = None

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megapp.fusions.bias_gelu import bias_gelu
+from megapp.fusions.bias_swiglu import bias_swiglu
 from megapp.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -14,6 +15,7 @@ from megapp.tensor_parallel.layers import (
 )
 from megapp.tensor_parallel.mappings import Group
 from megapp.transformer.config import TransformerConfig
+from megapp.transformer.recompute import recompute_saved
 
 
 class ParallelMLP(nn.Module):
@@ -27,6 +29,8 @@ class ParallelMLP(nn.Module):
     def __init__(self, config: TransformerConfig, tp_group: Group = None):
         super().__init__()
         self.config = config
+        # Rebuild fc2's saved input in backward (turned off inside full recompute).
+        self.recompute_saved_inputs = True
         swiglu = config.activation == "swiglu"
         init = init_method_normal(config.init_method_std)
         self.linear_fc1 = ColumnParallelLinear(
@@ -53,15 +57,18 @@ class ParallelMLP(nn.Module):
         )
 
     def activation(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """Fused ops that keep only their pre-activation input for backward."""
         if self.config.activation == "swiglu":
-            if bias is not None:
-                x = x + bias
-            gate, up = x.chunk(2, dim=-1)
-            return F.silu(gate) * up
+            return bias_swiglu(x, bias)
         if bias is not None:
-            return bias_gelu(x, bias)  # saves only x; recomputes the GeLU derivative
+            return bias_gelu(x, bias)
         return F.gelu(x, approximate="tanh")
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         inner, bias = self.linear_fc1(x)
-        return self.linear_fc2(self.activation(inner, bias))
+        hidden = self.activation(inner, bias)
+        if not self.recompute_saved_inputs:
+            return self.linear_fc2(hidden)
+        # fc2 would save the activation's output; rebuild it from the kept pre-activation.
+        with recompute_saved(hidden, self.activation, inner, bias):
+            return self.linear_fc2(hidden)

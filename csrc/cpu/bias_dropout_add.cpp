@@ -1,0 +1,200 @@
+// Schemas and CPU kernels for megapp::bias_dropout_add_fwd / bias_dropout_add_bwd.
+//
+// out = residual + dropout(x + bias, p): x and residual are [..., h] viewed as [rows, h]; bias is
+// [h] or absent. The keep mask is regenerated from (seed, offset) with the Philox stream of
+// megapp/philox.h, never stored. Math runs in at::opmath_type (float for bf16/half).
+#include <ATen/ATen.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <optional>
+#include <tuple>
+#include <vector>
+
+#include "megapp/philox.h"
+
+TORCH_LIBRARY_FRAGMENT(megapp, m) {
+  // out = residual + mask·(x + bias)/(1 − p); x, residual: [..., h], bias: [h] or None. Element i
+  // (flat index) is kept per the Philox draw (seed, offset + i); p == 0 draws nothing.
+  m.def(
+      "bias_dropout_add_fwd(Tensor x, Tensor? bias, Tensor residual, float p, int seed, "
+      "int offset) -> Tensor");
+  // Returns (grad_x = mask·grad/(1 − p) [..., h], grad_bias [h] or None unless bias_grad); the
+  // residual's gradient is grad itself. grad_bias is summed in opmath in a shape-only order.
+  m.def(
+      "bias_dropout_add_bwd(Tensor grad, float p, int seed, int offset, bool bias_grad) -> "
+      "(Tensor, Tensor?)");
+}
+
+namespace megapp {
+namespace {
+
+// grad_bias is reduced over at most this many fixed row blocks; the blocking depends only on
+// the shape, never on the thread count, so the result is bitwise reproducible.
+constexpr int64_t kMaxBiasBlocks = 64;
+
+void check_dropout_args(const char* op, double p, int64_t offset) {
+  TORCH_CHECK(p >= 0.0 && p <= 1.0, op, ": dropout probability must be in [0, 1], got ", p);
+  TORCH_CHECK(offset >= 0, op, ": offset must be non-negative, got ", offset);
+}
+
+void check_fwd_inputs(const at::Tensor& x, const std::optional<at::Tensor>& bias,
+                      const at::Tensor& residual) {
+  const char* op = "bias_dropout_add_fwd";
+  TORCH_CHECK(x.dim() >= 1, op, ": x must be [..., h], got a 0-d tensor");
+  TORCH_CHECK(x.is_floating_point(), op, ": x must be a floating-point tensor, got ",
+              x.scalar_type());
+  TORCH_CHECK(residual.sizes() == x.sizes(), op, ": residual shape ", residual.sizes(),
+              " must equal x shape ", x.sizes());
+  TORCH_CHECK(residual.scalar_type() == x.scalar_type(), op,
+              ": x and residual must have the same dtype, got ", x.scalar_type(), " and ",
+              residual.scalar_type());
+  TORCH_CHECK(residual.device() == x.device(), op,
+              ": x and residual must be on the same device, got ", x.device(), " and ",
+              residual.device());
+  if (!bias.has_value()) return;
+  TORCH_CHECK(bias->dim() == 1, op, ": bias must be 1-D [h], got shape ", bias->sizes());
+  TORCH_CHECK(x.size(-1) == bias->size(0), op, ": last dim of x (", x.size(-1),
+              ") must equal the bias size (", bias->size(0), "); x shape ", x.sizes());
+  TORCH_CHECK(x.scalar_type() == bias->scalar_type(), op,
+              ": x and bias must have the same dtype, got ", x.scalar_type(), " and ",
+              bias->scalar_type());
+  TORCH_CHECK(x.device() == bias->device(), op, ": x and bias must be on the same device, got ",
+              x.device(), " and ", bias->device());
+}
+
+int64_t rows_grain(int64_t cols) { return std::max<int64_t>(1, at::internal::GRAIN_SIZE / cols); }
+
+// Keep flags of one row, counter indices n0 .. n0 + cols − 1, one Philox block per 4 elements.
+class RowMask {
+ public:
+  RowMask(uint64_t seed, uint64_t threshold) : seed_(seed), threshold_(threshold) {}
+
+  bool keep(uint64_t n) {
+    const uint64_t block = n >> 2;
+    if (block != block_) {
+      draws_ = dropout_philox_block(seed_, block);
+      block_ = block;
+    }
+    return draws_.v[n & 3] < threshold_;
+  }
+
+ private:
+  uint64_t seed_, threshold_;
+  uint64_t block_ = ~uint64_t(0);  // never a real block index: counter indices are < 2^63
+  PhiloxBlock draws_{};
+};
+
+at::Tensor bias_dropout_add_fwd(const at::Tensor& x_in, const std::optional<at::Tensor>& bias_in,
+                                const at::Tensor& residual_in, double p, int64_t seed,
+                                int64_t offset) {
+  check_fwd_inputs(x_in, bias_in, residual_in);
+  check_dropout_args("bias_dropout_add_fwd", p, offset);
+  const at::Tensor x = x_in.contiguous();
+  const at::Tensor residual = residual_in.contiguous();
+  const std::optional<at::Tensor> bias =
+      bias_in.has_value() ? std::optional<at::Tensor>(bias_in->contiguous()) : std::nullopt;
+  at::Tensor out = at::empty_like(x, at::MemoryFormat::Contiguous);
+  const int64_t cols = x.size(-1);
+  const int64_t rows = cols == 0 ? 0 : x.numel() / cols;
+  const bool dropout = p > 0.0;
+  const uint64_t threshold = dropout_keep_threshold(p);
+  const uint64_t useed = static_cast<uint64_t>(seed);
+
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kBFloat16, at::kHalf, x.scalar_type(), "bias_dropout_add_fwd", [&] {
+        using acc_t = at::opmath_type<scalar_t>;
+        const acc_t scale = static_cast<acc_t>(dropout_scale(p));
+        const scalar_t* xp = x.const_data_ptr<scalar_t>();
+        const scalar_t* bp = bias.has_value() ? bias->const_data_ptr<scalar_t>() : nullptr;
+        const scalar_t* rp = residual.const_data_ptr<scalar_t>();
+        scalar_t* op = out.mutable_data_ptr<scalar_t>();
+        at::parallel_for(0, rows, rows_grain(cols), [&](int64_t begin, int64_t end) {
+          RowMask mask(useed, threshold);
+          for (int64_t r = begin; r < end; ++r) {
+            const int64_t base = r * cols;
+            for (int64_t c = 0; c < cols; ++c) {
+              acc_t z = static_cast<acc_t>(xp[base + c]);
+              if (bp != nullptr) z += static_cast<acc_t>(bp[c]);
+              if (dropout) {
+                const uint64_t n = static_cast<uint64_t>(offset + base + c);
+                z = mask.keep(n) ? z * scale : acc_t(0);
+              }
+              op[base + c] = static_cast<scalar_t>(static_cast<acc_t>(rp[base + c]) + z);
+            }
+          }
+        });
+      });
+  return out;
+}
+
+std::tuple<at::Tensor, std::optional<at::Tensor>> bias_dropout_add_bwd(const at::Tensor& grad_in,
+                                                                       double p, int64_t seed,
+                                                                       int64_t offset,
+                                                                       bool bias_grad) {
+  TORCH_CHECK(grad_in.dim() >= 1, "bias_dropout_add_bwd: grad must be [..., h], got a 0-d tensor");
+  TORCH_CHECK(grad_in.is_floating_point(),
+              "bias_dropout_add_bwd: grad must be a floating-point tensor, got ",
+              grad_in.scalar_type());
+  check_dropout_args("bias_dropout_add_bwd", p, offset);
+  const at::Tensor grad = grad_in.contiguous();
+  at::Tensor grad_x = at::empty_like(grad, at::MemoryFormat::Contiguous);
+  const int64_t cols = grad.size(-1);
+  const int64_t rows = cols == 0 ? 0 : grad.numel() / cols;
+  std::optional<at::Tensor> grad_bias;
+  if (bias_grad) grad_bias = at::empty({cols}, grad.options());
+  const bool dropout = p > 0.0;
+  const uint64_t threshold = dropout_keep_threshold(p);
+  const uint64_t useed = static_cast<uint64_t>(seed);
+  // Fixed row blocks of about GRAIN_SIZE elements each, at most kMaxBiasBlocks of them.
+  const int64_t num_blocks =
+      std::clamp<int64_t>(at::divup(rows * cols, at::internal::GRAIN_SIZE), 1, kMaxBiasBlocks);
+  const int64_t block_rows = std::max<int64_t>(1, at::divup(rows, num_blocks));
+
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kBFloat16, at::kHalf, grad.scalar_type(), "bias_dropout_add_bwd", [&] {
+        using acc_t = at::opmath_type<scalar_t>;
+        const acc_t scale = static_cast<acc_t>(dropout_scale(p));
+        const scalar_t* gp = grad.const_data_ptr<scalar_t>();
+        scalar_t* gxp = grad_x.mutable_data_ptr<scalar_t>();
+        // partial[b * cols + c]: sum of the (unrounded) grad_x of column c over row block b.
+        std::vector<acc_t> partial(bias_grad ? num_blocks * cols : 0, acc_t(0));
+        at::parallel_for(0, num_blocks, 1, [&](int64_t block_begin, int64_t block_end) {
+          RowMask mask(useed, threshold);
+          for (int64_t b = block_begin; b < block_end; ++b) {
+            acc_t* acc = bias_grad ? partial.data() + b * cols : nullptr;
+            const int64_t row_end = std::min(rows, (b + 1) * block_rows);
+            for (int64_t r = b * block_rows; r < row_end; ++r) {
+              const int64_t base = r * cols;
+              for (int64_t c = 0; c < cols; ++c) {
+                acc_t g = static_cast<acc_t>(gp[base + c]);
+                if (dropout) {
+                  const uint64_t n = static_cast<uint64_t>(offset + base + c);
+                  g = mask.keep(n) ? g * scale : acc_t(0);
+                }
+                gxp[base + c] = static_cast<scalar_t>(g);
+                if (acc != nullptr) acc[c] += g;
+              }
+            }
+          }
+        });
+        if (!bias_grad) return;
+        // Reduce the blocks into block 0 in a fixed order (b = 1, 2, ...).
+        for (int64_t b = 1; b < num_blocks; ++b) {
+          for (int64_t c = 0; c < cols; ++c) partial[c] += partial[b * cols + c];
+        }
+        scalar_t* gbp = grad_bias->mutable_data_ptr<scalar_t>();
+        for (int64_t c = 0; c < cols; ++c) gbp[c] = static_cast<scalar_t>(partial[c]);
+      });
+  return {grad_x, grad_bias};
+}
+
+}  // namespace
+}  // namespace megapp
+
+TORCH_LIBRARY_IMPL(megapp, CPU, m) {
+  m.impl("bias_dropout_add_fwd", &megapp::bias_dropout_add_fwd);
+  m.impl("bias_dropout_add_bwd", &megapp::bias_dropout_add_bwd);
+}

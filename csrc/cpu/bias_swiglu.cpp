@@ -1,0 +1,176 @@
+// Schemas and CPU kernels for megapp::bias_swiglu_fwd / bias_swiglu_bwd.
+//
+// x is [..., 2f] = [gate | up] along the last dim and is viewed as [rows, 2f]; bias is [2f] or
+// absent; y is [..., f]. Math runs in at::opmath_type (float for bf16/half, the input type
+// otherwise) using the formulas in megapp/swiglu.h.
+#include <ATen/ATen.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <optional>
+#include <tuple>
+#include <vector>
+
+#include "megapp/swiglu.h"
+
+TORCH_LIBRARY_FRAGMENT(megapp, m) {
+  // y = silu(x[..., :f] + bias[:f]) · (x[..., f:] + bias[f:]); x: [..., 2f], bias: [2f] or None.
+  m.def("bias_swiglu_fwd(Tensor x, Tensor? bias) -> Tensor");
+  // Returns (grad_input [..., 2f], grad_bias [2f] or None when bias is None); recomputes the
+  // activation from x and bias. grad_bias is summed in opmath in a shape-only order.
+  m.def("bias_swiglu_bwd(Tensor grad, Tensor x, Tensor? bias) -> (Tensor, Tensor?)");
+}
+
+namespace megapp {
+namespace {
+
+// grad_bias is reduced over at most this many fixed row blocks; the blocking depends only on
+// the shape, never on the thread count, so the result is bitwise reproducible.
+constexpr int64_t kMaxBiasBlocks = 64;
+
+void check_inputs(const char* op, const at::Tensor& x, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() >= 1, op, ": x must be [..., 2f], got a 0-d tensor");
+  TORCH_CHECK(x.size(-1) % 2 == 0, op, ": last dim of x (", x.size(-1),
+              ") must be even: x is [..., 2f] = [gate | up]; x shape ", x.sizes());
+  TORCH_CHECK(x.is_floating_point(), op, ": x must be a floating-point tensor, got ",
+              x.scalar_type());
+  if (!bias.has_value()) return;
+  TORCH_CHECK(bias->dim() == 1, op, ": bias must be 1-D [2f], got shape ", bias->sizes());
+  TORCH_CHECK(x.size(-1) == bias->size(0), op, ": last dim of x (", x.size(-1),
+              ") must equal the bias size (", bias->size(0), "); x shape ", x.sizes());
+  TORCH_CHECK(x.scalar_type() == bias->scalar_type(), op,
+              ": x and bias must have the same dtype, got ", x.scalar_type(), " and ",
+              bias->scalar_type());
+  TORCH_CHECK(x.device() == bias->device(), op, ": x and bias must be on the same device, got ",
+              x.device(), " and ", bias->device());
+}
+
+std::vector<int64_t> output_shape(const at::Tensor& x) {
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() /= 2;
+  return shape;
+}
+
+int64_t rows_grain(int64_t cols) { return std::max<int64_t>(1, at::internal::GRAIN_SIZE / cols); }
+
+at::Tensor bias_swiglu_fwd(const at::Tensor& x_in, const std::optional<at::Tensor>& bias_in) {
+  check_inputs("bias_swiglu_fwd", x_in, bias_in);
+  const at::Tensor x = x_in.contiguous();
+  const std::optional<at::Tensor> bias =
+      bias_in.has_value() ? std::optional<at::Tensor>(bias_in->contiguous()) : std::nullopt;
+  at::Tensor y = at::empty(output_shape(x), x.options());
+  const int64_t f = x.size(-1) / 2;
+  const int64_t rows = f == 0 ? 0 : x.numel() / (2 * f);
+
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kBFloat16, at::kHalf, x.scalar_type(), "bias_swiglu_fwd", [&] {
+        using acc_t = at::opmath_type<scalar_t>;
+        const scalar_t* xp = x.const_data_ptr<scalar_t>();
+        const scalar_t* bp = bias.has_value() ? bias->const_data_ptr<scalar_t>() : nullptr;
+        scalar_t* yp = y.mutable_data_ptr<scalar_t>();
+        at::parallel_for(0, rows, rows_grain(2 * f), [&](int64_t begin, int64_t end) {
+          for (int64_t r = begin; r < end; ++r) {
+            const scalar_t* gate = xp + r * 2 * f;
+            const scalar_t* up = gate + f;
+            scalar_t* yr = yp + r * f;
+            for (int64_t c = 0; c < f; ++c) {
+              acc_t g = static_cast<acc_t>(gate[c]);
+              acc_t u = static_cast<acc_t>(up[c]);
+              if (bp != nullptr) {
+                g += static_cast<acc_t>(bp[c]);
+                u += static_cast<acc_t>(bp[f + c]);
+              }
+              yr[c] = static_cast<scalar_t>(swiglu_fwd<acc_t>(g, u));
+            }
+          }
+        });
+      });
+  return y;
+}
+
+std::tuple<at::Tensor, std::optional<at::Tensor>> bias_swiglu_bwd(
+    const at::Tensor& grad_in, const at::Tensor& x_in, const std::optional<at::Tensor>& bias_in) {
+  check_inputs("bias_swiglu_bwd", x_in, bias_in);
+  const std::vector<int64_t> grad_shape = output_shape(x_in);
+  TORCH_CHECK(grad_in.sizes() == at::IntArrayRef(grad_shape), "bias_swiglu_bwd: grad shape ",
+              grad_in.sizes(), " must be x's shape with the last dim halved, ",
+              at::IntArrayRef(grad_shape), " (x shape ", x_in.sizes(), ")");
+  TORCH_CHECK(grad_in.scalar_type() == x_in.scalar_type(),
+              "bias_swiglu_bwd: grad and x must have the same dtype, got ", grad_in.scalar_type(),
+              " and ", x_in.scalar_type());
+  TORCH_CHECK(grad_in.device() == x_in.device(),
+              "bias_swiglu_bwd: grad and x must be on the same device, got ", grad_in.device(),
+              " and ", x_in.device());
+  const at::Tensor grad = grad_in.contiguous();
+  const at::Tensor x = x_in.contiguous();
+  const std::optional<at::Tensor> bias =
+      bias_in.has_value() ? std::optional<at::Tensor>(bias_in->contiguous()) : std::nullopt;
+  at::Tensor grad_input = at::empty_like(x, at::MemoryFormat::Contiguous);
+  std::optional<at::Tensor> grad_bias;
+  if (bias.has_value()) grad_bias = at::empty_like(*bias, at::MemoryFormat::Contiguous);
+  const int64_t f = x.size(-1) / 2;
+  const int64_t cols = 2 * f;
+  const int64_t rows = f == 0 ? 0 : x.numel() / cols;
+  // Fixed row blocks of about GRAIN_SIZE elements each, at most kMaxBiasBlocks of them.
+  const int64_t num_blocks =
+      std::clamp<int64_t>(at::divup(rows * cols, at::internal::GRAIN_SIZE), 1, kMaxBiasBlocks);
+  const int64_t block_rows = std::max<int64_t>(1, at::divup(rows, num_blocks));
+
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kBFloat16, at::kHalf, x.scalar_type(), "bias_swiglu_bwd", [&] {
+        using acc_t = at::opmath_type<scalar_t>;
+        const scalar_t* gp = grad.const_data_ptr<scalar_t>();
+        const scalar_t* xp = x.const_data_ptr<scalar_t>();
+        const scalar_t* bp = bias.has_value() ? bias->const_data_ptr<scalar_t>() : nullptr;
+        scalar_t* gip = grad_input.mutable_data_ptr<scalar_t>();
+        // partial[b * cols + c]: sum of the (unrounded) grad_input of column c over row block b.
+        std::vector<acc_t> partial(bp != nullptr ? num_blocks * cols : 0, acc_t(0));
+        at::parallel_for(0, num_blocks, 1, [&](int64_t block_begin, int64_t block_end) {
+          for (int64_t b = block_begin; b < block_end; ++b) {
+            acc_t* acc_gate = bp != nullptr ? partial.data() + b * cols : nullptr;
+            const int64_t row_end = std::min(rows, (b + 1) * block_rows);
+            for (int64_t r = b * block_rows; r < row_end; ++r) {
+              const scalar_t* dy = gp + r * f;
+              const scalar_t* gate = xp + r * cols;
+              const scalar_t* up = gate + f;
+              scalar_t* dgate = gip + r * cols;
+              scalar_t* dup = dgate + f;
+              for (int64_t c = 0; c < f; ++c) {
+                acc_t g = static_cast<acc_t>(gate[c]);
+                acc_t u = static_cast<acc_t>(up[c]);
+                if (bp != nullptr) {
+                  g += static_cast<acc_t>(bp[c]);
+                  u += static_cast<acc_t>(bp[f + c]);
+                }
+                acc_t dg, du;
+                swiglu_bwd<acc_t>(g, u, static_cast<acc_t>(dy[c]), dg, du);
+                dgate[c] = static_cast<scalar_t>(dg);
+                dup[c] = static_cast<scalar_t>(du);
+                if (acc_gate != nullptr) {
+                  acc_gate[c] += dg;
+                  acc_gate[f + c] += du;
+                }
+              }
+            }
+          }
+        });
+        if (bp == nullptr) return;
+        // Reduce the blocks into block 0 in a fixed order (b = 1, 2, ...).
+        for (int64_t b = 1; b < num_blocks; ++b) {
+          for (int64_t c = 0; c < cols; ++c) partial[c] += partial[b * cols + c];
+        }
+        scalar_t* gbp = grad_bias->mutable_data_ptr<scalar_t>();
+        for (int64_t c = 0; c < cols; ++c) gbp[c] = static_cast<scalar_t>(partial[c]);
+      });
+  return {grad_input, grad_bias};
+}
+
+}  // namespace
+}  // namespace megapp
+
+TORCH_LIBRARY_IMPL(megapp, CPU, m) {
+  m.impl("bias_swiglu_fwd", &megapp::bias_swiglu_fwd);
+  m.impl("bias_swiglu_bwd", &megapp::bias_swiglu_bwd);
+}

@@ -1,0 +1,289 @@
+// Schemas and CPU kernels for megapp::layer_norm_fwd / layer_norm_bwd (LayerNorm over the last dim).
+//
+// x is [..., h] and is viewed as [rows, h]; weight and bias are [h], in x's dtype or float32 when
+// x is bf16/half (mixed precision, as Apex's mixed fused layer norm). Math runs in
+// at::opmath_type of x (float for bf16/half, the input type otherwise) with the formulas in
+// megapp/norm.h; mean and rstd are returned in that type, shaped x.shape[:-1].
+#include <ATen/ATen.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <optional>
+#include <tuple>
+#include <type_traits>
+#include <vector>
+
+#include "megapp/norm.h"
+
+TORCH_LIBRARY_FRAGMENT(megapp, m) {
+  // y = (x − mean)·rstd·weight + bias over the last dim; x: [..., h], weight/bias: [h].
+  // Returns (y [..., h] in x's dtype, mean [...], rstd [...]); the statistics are float32
+  // (float64 for float64 x).
+  m.def(
+      "layer_norm_fwd(Tensor x, Tensor weight, Tensor? bias, float eps) "
+      "-> (Tensor, Tensor, Tensor)");
+  // Returns (grad_input [..., h], grad_weight [h], grad_bias [h]). `saved` is the input x with its
+  // mean and rstd, or with memory_efficient=True the output y (mean unused; x̂ = (y − bias)/weight,
+  // NaN where weight == 0). grad_bias = Σ_rows grad is returned even when bias is None.
+  m.def(
+      "layer_norm_bwd(Tensor grad, Tensor saved, Tensor? mean, Tensor rstd, Tensor weight, "
+      "Tensor? bias, bool memory_efficient) -> (Tensor, Tensor, Tensor)");
+}
+
+namespace megapp {
+namespace {
+
+// grad_weight / grad_bias are reduced over at most this many fixed row blocks; the blocking
+// depends only on the shape, never on the thread count, so the result is bitwise reproducible.
+constexpr int64_t kMaxParamBlocks = 64;
+
+void check_params(const char* op, const at::Tensor& x, const at::Tensor& weight,
+                  const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() >= 1, op, ": x must be [..., h], got a 0-d tensor");
+  TORCH_CHECK(weight.dim() == 1, op, ": weight must be 1-D [h], got shape ", weight.sizes());
+  TORCH_CHECK(x.size(-1) == weight.size(0), op, ": last dim of x (", x.size(-1),
+              ") must equal the weight size (", weight.size(0), "); x shape ", x.sizes());
+  TORCH_CHECK(weight.size(0) > 0, op, ": the normalized dim h must be positive, got x shape ",
+              x.sizes());
+  const at::ScalarType xt = x.scalar_type();
+  const at::ScalarType wt = weight.scalar_type();
+  TORCH_CHECK(xt == at::kFloat || xt == at::kDouble || xt == at::kBFloat16 || xt == at::kHalf, op,
+              ": unsupported dtype ", xt, " (float32, float64, bfloat16, float16)");
+  const bool mixed = wt == at::kFloat && (xt == at::kBFloat16 || xt == at::kHalf);
+  TORCH_CHECK(wt == xt || mixed, op,
+              ": weight must have x's dtype, or float32 for bfloat16/float16 x; got x ", xt,
+              " and weight ", wt);
+  TORCH_CHECK(x.device() == weight.device(), op, ": x and weight must be on the same device, got ",
+              x.device(), " and ", weight.device());
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->sizes() == weight.sizes(), op, ": bias shape ", bias->sizes(),
+                " must equal the weight shape ", weight.sizes());
+    TORCH_CHECK(bias->scalar_type() == wt, op, ": bias and weight must have the same dtype, got ",
+                bias->scalar_type(), " and ", wt);
+    TORCH_CHECK(bias->device() == weight.device(), op,
+                ": bias and weight must be on the same device, got ", bias->device(), " and ",
+                weight.device());
+  }
+}
+
+at::ScalarType stats_dtype(const at::Tensor& x) {
+  return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+void check_stats(const char* op, const char* name, const at::Tensor& stat, const at::Tensor& x,
+                 int64_t rows) {
+  TORCH_CHECK(stat.numel() == rows, op, ": ", name, " must hold one value per row (", rows,
+              "), got shape ", stat.sizes());
+  TORCH_CHECK(stat.scalar_type() == stats_dtype(x), op, ": ", name, " must be ", stats_dtype(x),
+              " for ", x.scalar_type(), " inputs, got ", stat.scalar_type());
+  TORCH_CHECK(stat.device() == x.device(), op, ": ", name, " must be on ", x.device(), ", got ",
+              stat.device());
+}
+
+std::vector<int64_t> stats_shape(const at::Tensor& x) {
+  std::vector<int64_t> shape = x.sizes().vec();
+  shape.pop_back();
+  return shape;
+}
+
+int64_t rows_grain(int64_t cols) { return std::max<int64_t>(1, at::internal::GRAIN_SIZE / cols); }
+
+template <typename T, typename W>
+void forward_impl(const at::Tensor& x, const at::Tensor& weight, const at::Tensor* bias,
+                  at::Tensor& y, at::Tensor& mean, at::Tensor& rstd, double eps_in) {
+  using acc_t = at::opmath_type<T>;
+  const int64_t cols = weight.numel();
+  const int64_t rows = x.numel() / cols;
+  const acc_t eps = static_cast<acc_t>(eps_in);
+  const T* xp = x.const_data_ptr<T>();
+  const W* wp = weight.const_data_ptr<W>();
+  const W* bp = bias != nullptr ? bias->const_data_ptr<W>() : nullptr;
+  T* yp = y.mutable_data_ptr<T>();
+  acc_t* mp = mean.mutable_data_ptr<acc_t>();
+  acc_t* rp = rstd.mutable_data_ptr<acc_t>();
+  at::parallel_for(0, rows, rows_grain(cols), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = xp + r * cols;
+      T* yr = yp + r * cols;
+      // Two passes over the row (it is in cache): the variance of the centred values does not
+      // cancel the way E[x²] − E[x]² does.
+      acc_t sum = 0;
+      for (int64_t c = 0; c < cols; ++c) sum += static_cast<acc_t>(xr[c]);
+      const acc_t mu = sum / static_cast<acc_t>(cols);
+      acc_t sq = 0;
+      for (int64_t c = 0; c < cols; ++c) {
+        const acc_t d = static_cast<acc_t>(xr[c]) - mu;
+        sq += d * d;
+      }
+      const acc_t rs = norm_rstd<acc_t>(sq / static_cast<acc_t>(cols), eps);
+      for (int64_t c = 0; c < cols; ++c) {
+        const acc_t xhat = layer_norm_xhat<acc_t>(static_cast<acc_t>(xr[c]), mu, rs);
+        const acc_t b = bp != nullptr ? static_cast<acc_t>(bp[c]) : acc_t(0);
+        yr[c] = static_cast<T>(norm_affine<acc_t>(xhat, static_cast<acc_t>(wp[c]), b));
+      }
+      mp[r] = mu;
+      rp[r] = rs;
+    }
+  });
+}
+
+template <typename T, typename W>
+void backward_impl(const at::Tensor& grad, const at::Tensor& saved, const at::Tensor* mean,
+                   const at::Tensor& rstd, const at::Tensor& weight, const at::Tensor* bias,
+                   bool memory_efficient, at::Tensor& grad_input, at::Tensor& grad_weight,
+                   at::Tensor& grad_bias) {
+  using acc_t = at::opmath_type<T>;
+  const int64_t cols = weight.numel();
+  const int64_t rows = saved.numel() / cols;
+  // Fixed row blocks of about GRAIN_SIZE elements each, at most kMaxParamBlocks of them.
+  const int64_t num_blocks =
+      std::clamp<int64_t>(at::divup(rows * cols, at::internal::GRAIN_SIZE), 1, kMaxParamBlocks);
+  const int64_t block_rows = std::max<int64_t>(1, at::divup(rows, num_blocks));
+  const T* gp = grad.const_data_ptr<T>();
+  const T* sp = saved.const_data_ptr<T>();
+  const acc_t* mp = mean != nullptr ? mean->const_data_ptr<acc_t>() : nullptr;
+  const acc_t* rp = rstd.const_data_ptr<acc_t>();
+  const W* wp = weight.const_data_ptr<W>();
+  const W* bp = bias != nullptr ? bias->const_data_ptr<W>() : nullptr;
+  T* gip = grad_input.mutable_data_ptr<T>();
+  // partial[b * cols + c] (grad_weight) and partial[(num_blocks + b) * cols + c] (grad_bias):
+  // sums over row block b in acc_t.
+  std::vector<acc_t> partial(2 * num_blocks * cols, acc_t(0));
+  at::parallel_for(0, num_blocks, 1, [&](int64_t block_begin, int64_t block_end) {
+    std::vector<acc_t> xhat(cols);  // x̂ of the current row
+    for (int64_t blk = block_begin; blk < block_end; ++blk) {
+      acc_t* pw = partial.data() + blk * cols;
+      acc_t* pb = partial.data() + (num_blocks + blk) * cols;
+      const int64_t row_end = std::min(rows, (blk + 1) * block_rows);
+      for (int64_t r = blk * block_rows; r < row_end; ++r) {
+        const T* gr = gp + r * cols;
+        const T* sr = sp + r * cols;
+        const acc_t rs = rp[r];
+        const acc_t mu = mp != nullptr ? mp[r] : acc_t(0);
+        acc_t sum_wg = 0;
+        acc_t sum_wg_xhat = 0;
+        for (int64_t c = 0; c < cols; ++c) {
+          const acc_t s = static_cast<acc_t>(sr[c]);
+          const acc_t w = static_cast<acc_t>(wp[c]);
+          const acc_t b = bp != nullptr ? static_cast<acc_t>(bp[c]) : acc_t(0);
+          const acc_t xh = memory_efficient ? norm_xhat_from_output<acc_t>(s, w, b)
+                                            : layer_norm_xhat<acc_t>(s, mu, rs);
+          const acc_t g = static_cast<acc_t>(gr[c]);
+          const acc_t wg = w * g;
+          xhat[c] = xh;
+          sum_wg += wg;
+          sum_wg_xhat += wg * xh;
+          pw[c] += g * xh;
+          pb[c] += g;
+        }
+        const acc_t mean_wg = sum_wg / static_cast<acc_t>(cols);
+        const acc_t mean_wg_xhat = sum_wg_xhat / static_cast<acc_t>(cols);
+        T* gir = gip + r * cols;
+        for (int64_t c = 0; c < cols; ++c) {
+          const acc_t wg = static_cast<acc_t>(wp[c]) * static_cast<acc_t>(gr[c]);
+          gir[c] = static_cast<T>(
+              layer_norm_grad_input<acc_t>(wg, xhat[c], rs, mean_wg, mean_wg_xhat));
+        }
+      }
+    }
+  });
+  // Reduce the blocks into block 0 in a fixed order (b = 1, 2, ...).
+  acc_t* pw = partial.data();
+  acc_t* pb = partial.data() + num_blocks * cols;
+  for (int64_t blk = 1; blk < num_blocks; ++blk) {
+    for (int64_t c = 0; c < cols; ++c) {
+      pw[c] += pw[blk * cols + c];
+      pb[c] += pb[blk * cols + c];
+    }
+  }
+  W* gwp = grad_weight.mutable_data_ptr<W>();
+  W* gbp = grad_bias.mutable_data_ptr<W>();
+  for (int64_t c = 0; c < cols; ++c) {
+    gwp[c] = static_cast<W>(pw[c]);
+    gbp[c] = static_cast<W>(pb[c]);
+  }
+}
+
+// Calls fn(T{}, W{}) with x's element type T and the parameters' element type W.
+template <typename Fn>
+void dispatch_types(const at::Tensor& x, const at::Tensor& weight, Fn&& fn) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "layer_norm", [&] {
+    if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, double>) {
+      fn(scalar_t{}, scalar_t{});
+    } else if (weight.scalar_type() == at::kFloat) {
+      fn(scalar_t{}, float{});
+    } else {
+      fn(scalar_t{}, scalar_t{});
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_fwd(
+    const at::Tensor& x_in, const at::Tensor& weight_in, const std::optional<at::Tensor>& bias_in,
+    double eps) {
+  check_params("layer_norm_fwd", x_in, weight_in, bias_in);
+  TORCH_CHECK(std::isfinite(eps) && eps >= 0, "layer_norm_fwd: eps must be finite and >= 0, got ",
+              eps);
+  const at::Tensor x = x_in.contiguous();
+  const at::Tensor weight = weight_in.contiguous();
+  const std::optional<at::Tensor> bias =
+      bias_in.has_value() ? std::optional<at::Tensor>(bias_in->contiguous()) : std::nullopt;
+  at::Tensor y = at::empty_like(x, at::MemoryFormat::Contiguous);
+  const auto stats_options = x.options().dtype(stats_dtype(x));
+  at::Tensor mean = at::empty(stats_shape(x), stats_options);
+  at::Tensor rstd = at::empty(stats_shape(x), stats_options);
+  dispatch_types(x, weight, [&](auto t_tag, auto w_tag) {
+    forward_impl<decltype(t_tag), decltype(w_tag)>(x, weight, bias ? &*bias : nullptr, y, mean,
+                                                   rstd, eps);
+  });
+  return {y, mean, rstd};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_bwd(
+    const at::Tensor& grad_in, const at::Tensor& saved_in, const std::optional<at::Tensor>& mean_in,
+    const at::Tensor& rstd_in, const at::Tensor& weight_in,
+    const std::optional<at::Tensor>& bias_in, bool memory_efficient) {
+  const char* op = "layer_norm_bwd";
+  check_params(op, saved_in, weight_in, bias_in);
+  TORCH_CHECK(grad_in.sizes() == saved_in.sizes(), op, ": grad shape ", grad_in.sizes(),
+              " must equal the saved activation shape ", saved_in.sizes());
+  TORCH_CHECK(grad_in.scalar_type() == saved_in.scalar_type(), op,
+              ": grad and the saved activation must have the same dtype, got ",
+              grad_in.scalar_type(), " and ", saved_in.scalar_type());
+  TORCH_CHECK(grad_in.device() == saved_in.device(), op,
+              ": grad and the saved activation must be on the same device");
+  const int64_t rows = saved_in.numel() / weight_in.numel();
+  check_stats(op, "rstd", rstd_in, saved_in, rows);
+  TORCH_CHECK(memory_efficient || mean_in.has_value(), op,
+              ": mean is required unless memory_efficient=True");
+  if (!memory_efficient) check_stats(op, "mean", *mean_in, saved_in, rows);
+
+  const at::Tensor grad = grad_in.contiguous();
+  const at::Tensor saved = saved_in.contiguous();
+  const at::Tensor rstd = rstd_in.contiguous();
+  const at::Tensor weight = weight_in.contiguous();
+  const std::optional<at::Tensor> mean =
+      memory_efficient ? std::nullopt : std::optional<at::Tensor>(mean_in->contiguous());
+  const std::optional<at::Tensor> bias =
+      bias_in.has_value() ? std::optional<at::Tensor>(bias_in->contiguous()) : std::nullopt;
+  at::Tensor grad_input = at::empty_like(saved, at::MemoryFormat::Contiguous);
+  at::Tensor grad_weight = at::empty_like(weight, at::MemoryFormat::Contiguous);
+  at::Tensor grad_bias = at::empty_like(weight, at::MemoryFormat::Contiguous);
+  dispatch_types(saved, weight, [&](auto t_tag, auto w_tag) {
+    backward_impl<decltype(t_tag), decltype(w_tag)>(
+        grad, saved, mean ? &*mean : nullptr, rstd, weight, bias ? &*bias : nullptr,
+        memory_efficient, grad_input, grad_weight, grad_bias);
+  });
+  return {grad_input, grad_weight, grad_bias};
+}
+
+}  // namespace
+}  // namespace megapp
+
+TORCH_LIBRARY_IMPL(megapp, CPU, m) {
+  m.impl("layer_norm_fwd", &megapp::layer_norm_fwd);
+  m.impl("layer_norm_bwd", &megapp::layer_norm_bwd);
+}

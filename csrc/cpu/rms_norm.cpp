@@ -1,0 +1,224 @@
+// Schemas and CPU kernels for megapp::rms_norm_fwd / rms_norm_bwd (RMSNorm over the last dim).
+//
+// x is [..., h] and is viewed as [rows, h]; weight is [h], in x's dtype or float32 when x is
+// bf16/half. Math runs in at::opmath_type of x (float for bf16/half, the input type otherwise)
+// with the formulas in megapp/norm.h; rstd is returned in that type, shaped x.shape[:-1].
+#include <ATen/ATen.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <tuple>
+#include <type_traits>
+#include <vector>
+
+#include "megapp/norm.h"
+
+TORCH_LIBRARY_FRAGMENT(megapp, m) {
+  // y = x·rstd·weight over the last dim, rstd = 1/√(mean(x²) + eps); x: [..., h], weight: [h].
+  // Returns (y [..., h] in x's dtype, rstd [...] in float32, float64 for float64 x).
+  m.def("rms_norm_fwd(Tensor x, Tensor weight, float eps) -> (Tensor, Tensor)");
+  // Returns (grad_input [..., h], grad_weight [h]). `saved` is the input x, or with
+  // memory_efficient=True the output y (x̂ = y/weight, NaN where weight == 0).
+  m.def(
+      "rms_norm_bwd(Tensor grad, Tensor saved, Tensor rstd, Tensor weight, bool memory_efficient) "
+      "-> (Tensor, Tensor)");
+}
+
+namespace megapp {
+namespace {
+
+// grad_weight is reduced over at most this many fixed row blocks; the blocking depends only on
+// the shape, never on the thread count, so the result is bitwise reproducible.
+constexpr int64_t kMaxParamBlocks = 64;
+
+void check_params(const char* op, const at::Tensor& x, const at::Tensor& weight) {
+  TORCH_CHECK(x.dim() >= 1, op, ": x must be [..., h], got a 0-d tensor");
+  TORCH_CHECK(weight.dim() == 1, op, ": weight must be 1-D [h], got shape ", weight.sizes());
+  TORCH_CHECK(x.size(-1) == weight.size(0), op, ": last dim of x (", x.size(-1),
+              ") must equal the weight size (", weight.size(0), "); x shape ", x.sizes());
+  TORCH_CHECK(weight.size(0) > 0, op, ": the normalized dim h must be positive, got x shape ",
+              x.sizes());
+  const at::ScalarType xt = x.scalar_type();
+  const at::ScalarType wt = weight.scalar_type();
+  TORCH_CHECK(xt == at::kFloat || xt == at::kDouble || xt == at::kBFloat16 || xt == at::kHalf, op,
+              ": unsupported dtype ", xt, " (float32, float64, bfloat16, float16)");
+  const bool mixed = wt == at::kFloat && (xt == at::kBFloat16 || xt == at::kHalf);
+  TORCH_CHECK(wt == xt || mixed, op,
+              ": weight must have x's dtype, or float32 for bfloat16/float16 x; got x ", xt,
+              " and weight ", wt);
+  TORCH_CHECK(x.device() == weight.device(), op, ": x and weight must be on the same device, got ",
+              x.device(), " and ", weight.device());
+}
+
+at::ScalarType stats_dtype(const at::Tensor& x) {
+  return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+std::vector<int64_t> stats_shape(const at::Tensor& x) {
+  std::vector<int64_t> shape = x.sizes().vec();
+  shape.pop_back();
+  return shape;
+}
+
+int64_t rows_grain(int64_t cols) { return std::max<int64_t>(1, at::internal::GRAIN_SIZE / cols); }
+
+template <typename T, typename W>
+void forward_impl(const at::Tensor& x, const at::Tensor& weight, at::Tensor& y, at::Tensor& rstd,
+                  double eps_in) {
+  using acc_t = at::opmath_type<T>;
+  const int64_t cols = weight.numel();
+  const int64_t rows = x.numel() / cols;
+  const acc_t eps = static_cast<acc_t>(eps_in);
+  const T* xp = x.const_data_ptr<T>();
+  const W* wp = weight.const_data_ptr<W>();
+  T* yp = y.mutable_data_ptr<T>();
+  acc_t* rp = rstd.mutable_data_ptr<acc_t>();
+  at::parallel_for(0, rows, rows_grain(cols), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = xp + r * cols;
+      T* yr = yp + r * cols;
+      acc_t sq = 0;
+      for (int64_t c = 0; c < cols; ++c) {
+        const acc_t v = static_cast<acc_t>(xr[c]);
+        sq += v * v;
+      }
+      const acc_t rs = norm_rstd<acc_t>(sq / static_cast<acc_t>(cols), eps);
+      for (int64_t c = 0; c < cols; ++c) {
+        const acc_t xhat = rms_norm_xhat<acc_t>(static_cast<acc_t>(xr[c]), rs);
+        yr[c] = static_cast<T>(norm_affine<acc_t>(xhat, static_cast<acc_t>(wp[c]), acc_t(0)));
+      }
+      rp[r] = rs;
+    }
+  });
+}
+
+template <typename T, typename W>
+void backward_impl(const at::Tensor& grad, const at::Tensor& saved, const at::Tensor& rstd,
+                   const at::Tensor& weight, bool memory_efficient, at::Tensor& grad_input,
+                   at::Tensor& grad_weight) {
+  using acc_t = at::opmath_type<T>;
+  const int64_t cols = weight.numel();
+  const int64_t rows = saved.numel() / cols;
+  // Fixed row blocks of about GRAIN_SIZE elements each, at most kMaxParamBlocks of them.
+  const int64_t num_blocks =
+      std::clamp<int64_t>(at::divup(rows * cols, at::internal::GRAIN_SIZE), 1, kMaxParamBlocks);
+  const int64_t block_rows = std::max<int64_t>(1, at::divup(rows, num_blocks));
+  const T* gp = grad.const_data_ptr<T>();
+  const T* sp = saved.const_data_ptr<T>();
+  const acc_t* rp = rstd.const_data_ptr<acc_t>();
+  const W* wp = weight.const_data_ptr<W>();
+  T* gip = grad_input.mutable_data_ptr<T>();
+  // partial[b * cols + c]: Σ g·x̂ of column c over row block b, in acc_t.
+  std::vector<acc_t> partial(num_blocks * cols, acc_t(0));
+  at::parallel_for(0, num_blocks, 1, [&](int64_t block_begin, int64_t block_end) {
+    std::vector<acc_t> xhat(cols);  // x̂ of the current row
+    for (int64_t blk = block_begin; blk < block_end; ++blk) {
+      acc_t* pw = partial.data() + blk * cols;
+      const int64_t row_end = std::min(rows, (blk + 1) * block_rows);
+      for (int64_t r = blk * block_rows; r < row_end; ++r) {
+        const T* gr = gp + r * cols;
+        const T* sr = sp + r * cols;
+        const acc_t rs = rp[r];
+        acc_t sum_wg_xhat = 0;
+        for (int64_t c = 0; c < cols; ++c) {
+          const acc_t s = static_cast<acc_t>(sr[c]);
+          const acc_t w = static_cast<acc_t>(wp[c]);
+          const acc_t xh = memory_efficient ? norm_xhat_from_output<acc_t>(s, w, acc_t(0))
+                                            : rms_norm_xhat<acc_t>(s, rs);
+          const acc_t g = static_cast<acc_t>(gr[c]);
+          xhat[c] = xh;
+          sum_wg_xhat += w * g * xh;
+          pw[c] += g * xh;
+        }
+        const acc_t mean_wg_xhat = sum_wg_xhat / static_cast<acc_t>(cols);
+        T* gir = gip + r * cols;
+        for (int64_t c = 0; c < cols; ++c) {
+          const acc_t wg = static_cast<acc_t>(wp[c]) * static_cast<acc_t>(gr[c]);
+          gir[c] = static_cast<T>(rms_norm_grad_input<acc_t>(wg, xhat[c], rs, mean_wg_xhat));
+        }
+      }
+    }
+  });
+  // Reduce the blocks into block 0 in a fixed order (b = 1, 2, ...).
+  for (int64_t blk = 1; blk < num_blocks; ++blk) {
+    for (int64_t c = 0; c < cols; ++c) partial[c] += partial[blk * cols + c];
+  }
+  W* gwp = grad_weight.mutable_data_ptr<W>();
+  for (int64_t c = 0; c < cols; ++c) gwp[c] = static_cast<W>(partial[c]);
+}
+
+// Calls fn(T{}, W{}) with x's element type T and the weight's element type W.
+template <typename Fn>
+void dispatch_types(const at::Tensor& x, const at::Tensor& weight, Fn&& fn) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+    if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, double>) {
+      fn(scalar_t{}, scalar_t{});
+    } else if (weight.scalar_type() == at::kFloat) {
+      fn(scalar_t{}, float{});
+    } else {
+      fn(scalar_t{}, scalar_t{});
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor> rms_norm_fwd(const at::Tensor& x_in, const at::Tensor& weight_in,
+                                                double eps) {
+  check_params("rms_norm_fwd", x_in, weight_in);
+  TORCH_CHECK(std::isfinite(eps) && eps >= 0, "rms_norm_fwd: eps must be finite and >= 0, got ",
+              eps);
+  const at::Tensor x = x_in.contiguous();
+  const at::Tensor weight = weight_in.contiguous();
+  at::Tensor y = at::empty_like(x, at::MemoryFormat::Contiguous);
+  at::Tensor rstd = at::empty(stats_shape(x), x.options().dtype(stats_dtype(x)));
+  dispatch_types(x, weight, [&](auto t_tag, auto w_tag) {
+    forward_impl<decltype(t_tag), decltype(w_tag)>(x, weight, y, rstd, eps);
+  });
+  return {y, rstd};
+}
+
+std::tuple<at::Tensor, at::Tensor> rms_norm_bwd(const at::Tensor& grad_in,
+                                                const at::Tensor& saved_in,
+                                                const at::Tensor& rstd_in,
+                                                const at::Tensor& weight_in,
+                                                bool memory_efficient) {
+  const char* op = "rms_norm_bwd";
+  check_params(op, saved_in, weight_in);
+  TORCH_CHECK(grad_in.sizes() == saved_in.sizes(), op, ": grad shape ", grad_in.sizes(),
+              " must equal the saved activation shape ", saved_in.sizes());
+  TORCH_CHECK(grad_in.scalar_type() == saved_in.scalar_type(), op,
+              ": grad and the saved activation must have the same dtype, got ",
+              grad_in.scalar_type(), " and ", saved_in.scalar_type());
+  TORCH_CHECK(grad_in.device() == saved_in.device(), op,
+              ": grad and the saved activation must be on the same device");
+  const int64_t rows = saved_in.numel() / weight_in.numel();
+  TORCH_CHECK(rstd_in.numel() == rows, op, ": rstd must hold one value per row (", rows,
+              "), got shape ", rstd_in.sizes());
+  TORCH_CHECK(rstd_in.scalar_type() == stats_dtype(saved_in), op, ": rstd must be ",
+              stats_dtype(saved_in), " for ", saved_in.scalar_type(), " inputs, got ",
+              rstd_in.scalar_type());
+  TORCH_CHECK(rstd_in.device() == saved_in.device(), op, ": rstd must be on ", saved_in.device(),
+              ", got ", rstd_in.device());
+
+  const at::Tensor grad = grad_in.contiguous();
+  const at::Tensor saved = saved_in.contiguous();
+  const at::Tensor rstd = rstd_in.contiguous();
+  const at::Tensor weight = weight_in.contiguous();
+  at::Tensor grad_input = at::empty_like(saved, at::MemoryFormat::Contiguous);
+  at::Tensor grad_weight = at::empty_like(weight, at::MemoryFormat::Contiguous);
+  dispatch_types(saved, weight, [&](auto t_tag, auto w_tag) {
+    backward_impl<decltype(t_tag), decltype(w_tag)>(grad, saved, rstd, weight, memory_efficient,
+                                                    grad_input, grad_weight);
+  });
+  return {grad_input, grad_weight};
+}
+
+}  // namespace
+}  // namespace megapp
+
+TORCH_LIBRARY_IMPL(megapp, CPU, m) {
+  m.impl("rms_norm_fwd", &megapp::rms_norm_fwd);
+  m.impl("rms_norm_bwd", &megapp::rms_norm_bwd);
+}

@@ -1,0 +1,83 @@
+"""A stack of transformer layers with Megatron's recompute settings."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from megapp.tensor_parallel.mappings import Group
+from megapp.tensor_parallel.random import checkpoint
+from megapp.transformer.config import TransformerConfig
+from megapp.transformer.layer import TransformerLayer, build_norm
+
+
+class TransformerBlock(nn.Module):
+    """Layers ``first_layer .. first_layer + num_layers - 1`` of the model (a pipeline
+    chunk holds a slice), optionally followed by the final norm.
+
+    Recompute (``config.recompute_granularity``):
+      - ``selective``: each layer's core attention is recomputed (Megatron's choice:
+        the s²-sized part that is cheap to redo).
+      - ``full`` + ``uniform``: layers are checkpointed in groups of
+        ``recompute_num_layers``; only each group's input is kept.
+      - ``full`` + ``block``: the first ``recompute_num_layers`` layers of this block
+        are checkpointed one by one, the rest keep their activations.
+    Recomputed forwards restore every RNG state, so they are bit-identical.
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        *,
+        first_layer: int = 0,
+        num_layers: int | None = None,
+        post_layer_norm: bool = True,
+        tp_group: Group = None,
+    ):
+        super().__init__()
+        self.config = config
+        num_layers = config.num_layers if num_layers is None else num_layers
+        if num_layers < 1 or first_layer < 0 or first_layer + num_layers > config.num_layers:
+            raise ValueError(
+                f"layers {first_layer}..{first_layer + num_layers - 1} are outside the model's "
+                f"{config.num_layers} layers"
+            )
+        self.layers = nn.ModuleList(
+            TransformerLayer(config, first_layer + i, tp_group) for i in range(num_layers)
+        )
+        self.final_layernorm = build_norm(config) if post_layer_norm else None
+        for i in self._recomputed_layers():
+            self.layers[i].recompute_saved_inputs = False  # the whole layer is rebuilt anyway
+
+    def _recomputed_layers(self) -> set[int]:
+        config, n = self.config, len(self.layers)
+        if config.recompute_granularity != "full":
+            return set()
+        if config.recompute_method == "uniform":
+            return set(range(n))
+        return set(range(min(config.recompute_num_layers, n)))
+
+    def _run(self, start: int, end: int, x: torch.Tensor, rotary_freqs) -> torch.Tensor:
+        for layer in self.layers[start:end]:
+            x = layer(x, rotary_freqs)
+        return x
+
+    def forward(
+        self, hidden_states: torch.Tensor, rotary_freqs: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``[s, b, h]`` (``[s/tp, b, h]``) in and out."""
+        config, n, x = self.config, len(self.layers), hidden_states
+        if config.recompute_granularity == "full" and self.training:
+            step = config.recompute_num_layers
+            if config.recompute_method == "uniform":
+                for start in range(0, n, step):
+                    x = checkpoint(self._run, start, min(start + step, n), x, rotary_freqs)
+            else:
+                for i in range(n):
+                    if i < step:
+                        x = checkpoint(self._run, i, i + 1, x, rotary_freqs)
+                    else:
+                        x = self.layers[i](x, rotary_freqs)
+        else:
+            x = self._run(0, n, x, rotary_freqs)
+        return x if self.final_layernorm is None else self.final_layernorm(x)

@@ -1,0 +1,25 @@
+"""Helpers shared by the distributed tests."""
+
+import torch
+import torch.distributed as dist
+
+from megapp.tensor_parallel.layers import unshard
+
+
+def gather(t: torch.Tensor, group, dim: int, stride: int = 1) -> torch.Tensor:
+    """The whole tensor from every rank's part along ``dim``."""
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    return unshard(parts, dim, stride)
+
+
+def full_grad(param: torch.nn.Parameter, group) -> torch.Tensor:
+    """The gradient of the whole parameter, however it is split or replicated."""
+    if group is None:
+        return param.grad
+    if getattr(param, "tensor_model_parallel", False):
+        return gather(param.grad, group, param.partition_dim, param.partition_stride)
+    grad = param.grad.clone()
+    if getattr(param, "sequence_parallel", False):  # each rank saw only its sequence shard
+        dist.all_reduce(grad, group=group)
+    return grad
