@@ -24,7 +24,9 @@ from torch.utils.cpp_extension import (
 INCLUDE_DIRS = [os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "include")]
 # No -std flag: BuildExtension adds the one the installed torch wants (torch 2.14's headers
 # refuse anything below C++20); the sources are valid C++17 and C++20.
-CXX_FLAGS = ["-O3"]
+# -fopenmp: at::parallel_for in the CPU kernels splits work over threads only under OpenMP,
+# which the torch build uses; without it every kernel runs on one thread.
+CXX_FLAGS = ["-O3", "-fopenmp"]
 NVCC_FLAGS = ["-O3", "-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_90,code=sm_90"]
 
 
@@ -67,6 +69,7 @@ def _extensions() -> list:
                 cpu_sources,
                 include_dirs=INCLUDE_DIRS,
                 extra_compile_args={"cxx": CXX_FLAGS},
+                extra_link_args=["-fopenmp"],
             )
         )
     if _build_cuda(build_cpu):

@@ -1,6 +1,6 @@
 """Activation memory of one transformer layer, term by term, against Megatron's formula.
 
-    python tools/activation_audit.py --seq-length 512 --micro-batch-size 2 --hidden-size 512 \
+    python tools/activation_audit.py --seq-length 256 --micro-batch-size 2 --hidden-size 512 \
         --num-attention-heads 8
 
 Counts the bytes one TransformerLayer keeps for backward (bf16 activations)
@@ -25,15 +25,14 @@ from megapp.transformer import TransformerConfig, TransformerLayer
 from megapp.transformer.memory_audit import audit_saved_activations
 
 
-def build(args, **overrides) -> TransformerLayer:
+def build(args, dtype=torch.bfloat16, **overrides) -> TransformerLayer:
+    settings = {"hidden_dropout": 0.1, "attention_dropout": 0.1, **overrides}
     config = TransformerConfig(
         num_layers=1,
         hidden_size=args.hidden_size,
         num_attention_heads=args.num_attention_heads,
-        hidden_dropout=0.1,
-        attention_dropout=0.1,
-        params_dtype=torch.bfloat16,
-        **overrides,
+        params_dtype=dtype,
+        **settings,
     )
     torch.manual_seed(0)
     model_parallel_manual_seed(0)
@@ -52,11 +51,11 @@ def step_time(layer: TransformerLayer, x: torch.Tensor, repeats: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seq-length", type=int, default=512)
+    parser.add_argument("--seq-length", type=int, default=256)
     parser.add_argument("--micro-batch-size", type=int, default=2)
     parser.add_argument("--hidden-size", type=int, default=512)
     parser.add_argument("--num-attention-heads", type=int, default=8)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
     s, b, h, a = args.seq_length, args.micro_batch_size, args.hidden_size, args.num_attention_heads
     unit = s * b * h  # bytes of one [s, b, h] tensor at 1 byte per element: "s·b·h"
@@ -67,6 +66,7 @@ def main() -> None:
     print(f"s={s} b={b} h={h} a={a}, bf16 activations; units: s·b·h bytes\n")
     runs = [
         ("sdpa, no recompute", {"attention_backend": "sdpa"}, True),
+        ("sdpa without attention dropout, no recompute", {"attention_dropout": 0.0}, True),
         ("sdpa, no recompute, linear inputs stored", {"attention_backend": "sdpa"}, False),
         ("sdpa, selective", {"recompute_granularity": "selective"}, True),
         ("fused_softmax, no recompute", {"attention_backend": "fused_softmax"}, True),
@@ -88,13 +88,18 @@ def main() -> None:
         f"\nMegatron (Korthikanti et al. 2022): no recompute {megatron['no recompute']:.2f}, "
         f"selective {megatron['selective']:.2f} s·b·h"
     )
-    on = build(args)
-    off = build(args)
+    # Timed in fp32: bf16 matmuls on CPUs without bf16 units are slow and would hide the cost.
+    on, off = build(args, torch.float32), build(args, torch.float32)
     off.recompute_saved_inputs = False
-    t_on, t_off = step_time(on, x, args.repeats), step_time(off, x, args.repeats)
+    xf = x.float()
+    t_off, t_on = [], []
+    for _ in range(args.repeats):  # interleaved, so drift on a shared machine hits both alike
+        t_off.append(step_time(off, xf, 1))
+        t_on.append(step_time(on, xf, 1))
+    t_off, t_on = statistics.median(t_off), statistics.median(t_on)
     print(
-        f"forward+backward: {t_off * 1e3:.1f} ms storing linear inputs, "
-        f"{t_on * 1e3:.1f} ms rebuilding them ({(t_on / t_off - 1) * 100:+.1f}%)"
+        f"forward+backward (fp32, median of {args.repeats}): {t_off * 1e3:.1f} ms storing "
+        f"linear inputs, {t_on * 1e3:.1f} ms rebuilding them ({(t_on / t_off - 1) * 100:+.1f}%)"
     )
 
 

@@ -36,13 +36,17 @@ def _acc(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     return x.to(dtype) + bias.to(dtype)
 
 
+def _sigma(z: torch.Tensor) -> torch.Tensor:
+    """σ(2u) with u = √(2/π)·(z + 0.044715·z³): 1 + tanh(u) = 2·σ(2u)."""
+    u = _BETA * (z + _KAPPA * (z * z * z))
+    return 1.0 / (1.0 + torch.exp(-2.0 * u))
+
+
 def bias_gelu_reference(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """Pure-PyTorch ``gelu_tanh(x + bias)``; x ``[..., h]``, bias ``[h]`` -> ``[..., h]``."""
     z = _acc(x, bias)
-    # Same operation order as csrc/include/megapp/gelu.h so fp32 results agree to round-off.
-    z_cube = z * z * z
-    y = 0.5 * z * (1.0 + torch.tanh(_BETA * (z + _KAPPA * z_cube)))
-    return y.to(x.dtype)
+    # z·σ(2u) = 0.5·z·(1 + tanh u), as csrc/include/megapp/gelu.h computes it (no cancellation).
+    return (z * _sigma(z)).to(x.dtype)
 
 
 def bias_gelu_reference_backward(
@@ -50,9 +54,8 @@ def bias_gelu_reference_backward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gradients of :func:`bias_gelu_reference`: (grad_input ``[..., h]``, grad_bias ``[h]``)."""
     z = _acc(x, bias)
-    z_sq = z * z
-    t = torch.tanh(_BETA * (z + _KAPPA * (z_sq * z)))
-    dgelu = 0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * _BETA * (1.0 + 3.0 * _KAPPA * z_sq)
+    sigma = _sigma(z)
+    dgelu = sigma + 2.0 * z * sigma * (1.0 - sigma) * _BETA * (1.0 + 3.0 * _KAPPA * (z * z))
     grad_input = grad.to(z.dtype) * dgelu
     # Sum the unrounded grad_input, as the kernels do.
     grad_bias = grad_input.reshape(-1, bias.shape[0]).sum(dim=0)

@@ -1,10 +1,12 @@
 // GeLU, tanh approximation, and its derivative: one definition for the CPU and CUDA kernels so
 // both compute the same formula in the same order.
 //
-//   gelu(z)  = 0.5·z·(1 + tanh(u)),  u = √(2/π)·(z + 0.044715·z³)
-//   gelu'(z) = 0.5·(1 + tanh(u)) + 0.5·z·(1 − tanh²(u))·√(2/π)·(1 + 3·0.044715·z²)
+//   gelu(z)  = 0.5·z·(1 + tanh(u)) = z·σ(2u),  u = √(2/π)·(z + 0.044715·z³),  σ = logistic
+//   gelu'(z) = σ(2u) + 2·z·σ(2u)·(1 − σ(2u))·√(2/π)·(1 + 3·0.044715·z²)
 //
-// T is the accumulation type: float for float/bf16/half inputs, double for double.
+// The σ form avoids the cancellation of 1 + tanh(u) for negative z and needs only exp, which
+// libm computes several times faster than tanh. T is the accumulation type: float for
+// float/bf16/half inputs, double for double.
 #pragma once
 
 #include <math.h>
@@ -13,28 +15,29 @@
 
 namespace megapp {
 
-MEGAPP_HOST_DEVICE MEGAPP_INLINE float tanh_acc(float v) { return tanhf(v); }
-MEGAPP_HOST_DEVICE MEGAPP_INLINE double tanh_acc(double v) { return tanh(v); }
+MEGAPP_HOST_DEVICE MEGAPP_INLINE float exp_acc(float v) { return expf(v); }
+MEGAPP_HOST_DEVICE MEGAPP_INLINE double exp_acc(double v) { return exp(v); }
+
+// σ(2u) for the GeLU's inner argument u; exp overflowing to inf gives the right limit 0.
+template <typename T>
+MEGAPP_HOST_DEVICE MEGAPP_INLINE T gelu_sigma(T z) {
+  const T k_beta = T(0.7978845608028654);  // √(2/π)
+  const T k_kappa = T(0.044715);
+  const T u = k_beta * (z + k_kappa * (z * z * z));
+  return T(1) / (T(1) + exp_acc(T(-2) * u));
+}
 
 template <typename T>
 MEGAPP_HOST_DEVICE MEGAPP_INLINE T gelu_tanh_fwd(T z) {
-  const T k_beta = T(0.7978845608028654);  // √(2/π)
-  const T k_kappa = T(0.044715);
-  const T z_cube = z * z * z;
-  const T u = k_beta * (z + k_kappa * z_cube);
-  return T(0.5) * z * (T(1) + tanh_acc(u));
+  return z * gelu_sigma(z);
 }
 
 template <typename T>
 MEGAPP_HOST_DEVICE MEGAPP_INLINE T gelu_tanh_grad(T z) {
   const T k_beta = T(0.7978845608028654);
   const T k_kappa = T(0.044715);
-  const T z_sq = z * z;
-  const T z_cube = z_sq * z;
-  const T t = tanh_acc(k_beta * (z + k_kappa * z_cube));
-  const T d_left = T(0.5) * (T(1) + t);
-  const T d_right = T(0.5) * z * (T(1) - t * t) * k_beta * (T(1) + T(3) * k_kappa * z_sq);
-  return d_left + d_right;
+  const T sigma = gelu_sigma(z);
+  return sigma + T(2) * z * sigma * (T(1) - sigma) * k_beta * (T(1) + T(3) * k_kappa * (z * z));
 }
 
 }  // namespace megapp
