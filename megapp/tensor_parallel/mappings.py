@@ -13,9 +13,17 @@ import torch.distributed as dist
 
 Group = dist.ProcessGroup | None
 
+
 # torch 2.13 renamed the tensor-in/tensor-out collectives; older releases have the old names.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# Looked up at call time, so wrappers installed on torch.distributed (profilers, tests) see them.
+def _all_gather_single(out: torch.Tensor, x: torch.Tensor, group: Group, async_op: bool):
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(out, x, group=group, async_op=async_op)
+
+
+def _reduce_scatter_single(out: torch.Tensor, x: torch.Tensor, group: Group, async_op: bool):
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return fn(out, x, group=group, async_op=async_op)
 
 
 def _world(group: Group) -> int:
@@ -51,7 +59,7 @@ def _gather_last(x: torch.Tensor, group: Group) -> torch.Tensor:
     # all_gather_into_tensor concatenates along dim 0; move the last dim there and back.
     moved = x.movedim(-1, 0).contiguous()
     out = moved.new_empty((world * moved.shape[0], *moved.shape[1:]))
-    _all_gather_single(out, moved, group=group)
+    _all_gather_single(out, moved, group=group, async_op=False)
     return out.movedim(0, -1).contiguous()
 
 
