@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 
+import fused_support
 import pytest
 import torch
+from fused_support import requires_cpu_ext
 
 from megapp.fusions.bias_dropout_add import (
     BiasDropoutAddFunction,
@@ -16,14 +18,12 @@ from megapp.fusions.bias_dropout_add import (
     dropout_mask,
     philox4x32_10,
 )
-from megapp.fusions.extension import cpu_ops_available, cuda_ops_available, select_tier
+from megapp.fusions.extension import cuda_ops_available, select_tier
 from megapp.tensor_parallel.random import RNGStatesTracker, checkpoint
 
-# A missing build is a defect: kernel tests fail unless the install was deliberately pure-Python.
-requires_cpu_ext = pytest.mark.skipif(
-    os.environ.get("MEGAPP_BUILD_CPU_EXT") == "0",
-    reason="MEGAPP_BUILD_CPU_EXT=0: installed without the C++ extension",
-)
+# Shared fixtures (pytest finds them as module attributes).
+ops = fused_support.ops
+_fused_enabled = fused_support._fused_enabled
 
 SHAPES = [(1, 8), (4, 7), (3, 5, 13), (2, 3, 4, 1), (257, 300), (16, 2, 1000)]
 SEED = 0x1234_5678_9ABC_DEF  # exercises both 32-bit halves of the key
@@ -31,21 +31,6 @@ FP64_TOL = {"rtol": 1e-12, "atol": 1e-12}
 # Kernels and reference run the same operations in the same order and round once, so forward
 # values and grad_x agree bit for bit in every dtype; only grad_bias's summation order differs.
 EXACT = {"rtol": 0.0, "atol": 0.0}
-
-
-@pytest.fixture
-def ops():
-    assert cpu_ops_available(), (
-        "megapp._C is not built or failed to load: run `pip install --no-build-isolation -e .` "
-        "(set MEGAPP_BUILD_CPU_EXT=0 to test a pure-Python install)"
-    )
-    return torch.ops.megapp
-
-
-@pytest.fixture(autouse=True)
-def _fused_enabled(monkeypatch):
-    # Tests set MEGAPP_FUSED themselves; an exported value must not change what they check.
-    monkeypatch.delenv("MEGAPP_FUSED", raising=False)
 
 
 @pytest.fixture(params=["reference", "fused"])

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import os
 
+import fused_support
 import pytest
 import torch
 import torch.nn.functional as F
+from fused_support import grad_bias_tol, requires_cpu_ext
 
 from megapp.fusions import (
     BiasGeLUFunction,
@@ -14,16 +16,13 @@ from megapp.fusions import (
     bias_gelu_reference,
     bias_gelu_reference_backward,
     choose_tier,
-    cpu_ops_available,
     cuda_ops_available,
     select_tier,
 )
 
-# A missing build is a defect: kernel tests fail unless the install was deliberately pure-Python.
-requires_cpu_ext = pytest.mark.skipif(
-    os.environ.get("MEGAPP_BUILD_CPU_EXT") == "0",
-    reason="MEGAPP_BUILD_CPU_EXT=0: installed without the C++ extension",
-)
+# Shared fixtures (pytest finds them as module attributes).
+ops = fused_support.ops
+_fused_enabled = fused_support._fused_enabled
 
 SHAPES = [(1, 8), (4, 7), (3, 5, 13), (2, 3, 4, 1), (257, 300), (16, 2, 1000)]
 
@@ -41,21 +40,6 @@ LOW_PRECISION_TOL = {
 }
 
 
-@pytest.fixture
-def ops():
-    assert cpu_ops_available(), (
-        "megapp._C is not built or failed to load: run `pip install --no-build-isolation -e .` "
-        "(set MEGAPP_BUILD_CPU_EXT=0 to test a pure-Python install)"
-    )
-    return torch.ops.megapp
-
-
-@pytest.fixture(autouse=True)
-def _fused_enabled(monkeypatch):
-    # Tests set MEGAPP_FUSED themselves; an exported value must not change what they check.
-    monkeypatch.delenv("MEGAPP_FUSED", raising=False)
-
-
 def _inputs(shape, dtype, device="cpu", seed=0):
     gen = torch.Generator().manual_seed(seed)
     # Scale 3 reaches the saturated tails of tanh as well as the curved middle.
@@ -63,11 +47,6 @@ def _inputs(shape, dtype, device="cpu", seed=0):
     bias = torch.randn(shape[-1], generator=gen, dtype=torch.float64)
     grad = torch.randn(shape, generator=gen, dtype=torch.float64)
     return tuple(t.to(device=device, dtype=dtype) for t in (x, bias, grad))
-
-
-def _grad_bias_tol(tol, rows):
-    # grad_bias sums `rows` terms in a different order than torch.sum: allow ~rows·eps·|terms|.
-    return {"rtol": tol["rtol"], "atol": tol["atol"] * max(1, rows) * 10}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -101,7 +80,7 @@ def test_cpu_kernel_matches_reference(ops, shape, dtype):
     grad_input, grad_bias = ops.bias_gelu_bwd(grad, x, bias)
     ref_input, ref_bias = bias_gelu_reference_backward(grad, x, bias)
     torch.testing.assert_close(grad_input, ref_input, **tol)
-    torch.testing.assert_close(grad_bias, ref_bias, **_grad_bias_tol(tol, x.numel() // shape[-1]))
+    torch.testing.assert_close(grad_bias, ref_bias, **grad_bias_tol(tol, x.numel() // shape[-1]))
 
 
 @requires_cpu_ext
@@ -132,7 +111,7 @@ def test_cpu_kernel_non_contiguous_and_empty(ops):
         bias_gelu_reference_backward(gradt, xt, bias8),
         strict=True,
     ):
-        torch.testing.assert_close(got, want, **_grad_bias_tol(FP32_TOL, 12))
+        torch.testing.assert_close(got, want, **grad_bias_tol(FP32_TOL, 12))
     empty = torch.empty(0, 12)
     assert ops.bias_gelu_fwd(empty, bias).shape == (0, 12)
     grad_input, grad_bias = ops.bias_gelu_bwd(empty, empty, bias)

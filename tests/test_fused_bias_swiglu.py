@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import os
 
+import fused_support
 import pytest
 import torch
 import torch.nn.functional as F
+from fused_support import grad_bias_tol, requires_cpu_ext
 
 from megapp.fusions.bias_swiglu import (
     BiasSwiGLUFunction,
@@ -16,16 +18,13 @@ from megapp.fusions.bias_swiglu import (
 )
 from megapp.fusions.extension import (
     choose_tier,
-    cpu_ops_available,
     cuda_ops_available,
     select_tier,
 )
 
-# A missing build is a defect: kernel tests fail unless the install was deliberately pure-Python.
-requires_cpu_ext = pytest.mark.skipif(
-    os.environ.get("MEGAPP_BUILD_CPU_EXT") == "0",
-    reason="MEGAPP_BUILD_CPU_EXT=0: installed without the C++ extension",
-)
+# Shared fixtures (pytest finds them as module attributes).
+ops = fused_support.ops
+_fused_enabled = fused_support._fused_enabled
 
 # Last dim is 2f: [gate | up].
 SHAPES = [(1, 8), (4, 14), (3, 5, 26), (2, 3, 4, 2), (257, 300), (16, 2, 1000)]
@@ -44,21 +43,6 @@ LOW_PRECISION_TOL = {
 }
 
 
-@pytest.fixture
-def ops():
-    assert cpu_ops_available(), (
-        "megapp._C is not built or failed to load: run `pip install --no-build-isolation -e .` "
-        "(set MEGAPP_BUILD_CPU_EXT=0 to test a pure-Python install)"
-    )
-    return torch.ops.megapp
-
-
-@pytest.fixture(autouse=True)
-def _fused_enabled(monkeypatch):
-    # Tests set MEGAPP_FUSED themselves; an exported value must not change what they check.
-    monkeypatch.delenv("MEGAPP_FUSED", raising=False)
-
-
 def _inputs(shape, dtype, device="cpu", seed=0):
     """x ``shape`` ([..., 2f]), bias [2f], grad [..., f]."""
     gen = torch.Generator().manual_seed(seed)
@@ -67,11 +51,6 @@ def _inputs(shape, dtype, device="cpu", seed=0):
     bias = torch.randn(shape[-1], generator=gen, dtype=torch.float64)
     grad = torch.randn((*shape[:-1], shape[-1] // 2), generator=gen, dtype=torch.float64)
     return tuple(t.to(device=device, dtype=dtype) for t in (x, bias, grad))
-
-
-def _grad_bias_tol(tol, rows):
-    # grad_bias sums `rows` terms in a different order than torch.sum: allow ~rows·eps·|terms|.
-    return {"rtol": tol["rtol"], "atol": tol["atol"] * max(1, rows) * 10}
 
 
 def _rows(shape):
@@ -119,7 +98,7 @@ def test_cpu_kernel_matches_reference(ops, shape, dtype):
     grad_input, grad_bias = ops.bias_swiglu_bwd(grad, x, bias)
     ref_input, ref_bias = bias_swiglu_reference_backward(grad, x, bias)
     torch.testing.assert_close(grad_input, ref_input, **tol)
-    torch.testing.assert_close(grad_bias, ref_bias, **_grad_bias_tol(tol, _rows(shape)))
+    torch.testing.assert_close(grad_bias, ref_bias, **grad_bias_tol(tol, _rows(shape)))
 
 
 @requires_cpu_ext
@@ -163,7 +142,7 @@ def test_cpu_kernel_non_contiguous_and_empty(ops):
         bias_swiglu_reference_backward(gradt, xt, bias8),
         strict=True,
     ):
-        torch.testing.assert_close(got, want, **_grad_bias_tol(FP32_TOL, 12))
+        torch.testing.assert_close(got, want, **grad_bias_tol(FP32_TOL, 12))
     # A non-contiguous bias (every other element of a longer one).
     bias_strided = torch.randn(24)[::2]
     torch.testing.assert_close(

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import os
 
+import fused_support
 import pytest
 import torch
 import torch.nn.functional as F
+from fused_support import requires_cpu_ext
 
 from megapp.fusions.extension import (
     choose_tier,
-    cpu_ops_available,
     cuda_ops_available,
     select_tier,
 )
@@ -29,11 +30,9 @@ from megapp.fusions.norm import (
     rms_norm_reference_forward,
 )
 
-# A missing build is a defect: kernel tests fail unless the install was deliberately pure-Python.
-requires_cpu_ext = pytest.mark.skipif(
-    os.environ.get("MEGAPP_BUILD_CPU_EXT") == "0",
-    reason="MEGAPP_BUILD_CPU_EXT=0: installed without the C++ extension",
-)
+# Shared fixtures (pytest finds them as module attributes).
+ops = fused_support.ops
+_fused_enabled = fused_support._fused_enabled
 
 EPS = 1e-5
 SHAPES = [(1, 8), (4, 7), (3, 5, 13), (2, 3, 1), (257, 300), (16, 2, 1000)]
@@ -52,21 +51,6 @@ LOW_PRECISION_TOL = {
     torch.bfloat16: {"rtol": 2**-7, "atol": 1e-4},
     torch.float16: {"rtol": 2**-10, "atol": 1e-4},
 }
-
-
-@pytest.fixture
-def ops():
-    assert cpu_ops_available(), (
-        "megapp._C is not built or failed to load: run `pip install --no-build-isolation -e .` "
-        "(set MEGAPP_BUILD_CPU_EXT=0 to test a pure-Python install)"
-    )
-    return torch.ops.megapp
-
-
-@pytest.fixture(autouse=True)
-def _fused_enabled(monkeypatch):
-    # Tests set MEGAPP_FUSED themselves; an exported value must not change what they check.
-    monkeypatch.delenv("MEGAPP_FUSED", raising=False)
 
 
 def _inputs(shape, dtype, param_dtype=None, device="cpu", seed=0):

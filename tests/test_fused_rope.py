@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import os
 
+import fused_support
 import pytest
 import torch
+from fused_support import requires_cpu_ext
 
-from megapp.fusions import choose_tier, cpu_ops_available, cuda_ops_available, select_tier
+from megapp.fusions import choose_tier, cuda_ops_available, select_tier
 from megapp.fusions.rope import (
     RotaryPosEmbFunction,
     apply_rotary_pos_emb,
@@ -16,11 +18,9 @@ from megapp.fusions.rope import (
     rotary_freqs,
 )
 
-# A missing build is a defect: kernel tests fail unless the install was deliberately pure-Python.
-requires_cpu_ext = pytest.mark.skipif(
-    os.environ.get("MEGAPP_BUILD_CPU_EXT") == "0",
-    reason="MEGAPP_BUILD_CPU_EXT=0: installed without the C++ extension",
-)
+# Shared fixtures (pytest finds them as module attributes).
+ops = fused_support.ops
+_fused_enabled = fused_support._fused_enabled
 
 # (x shape [s, b, heads, d], rot_dim): full rotation, partial rotation with pass-through channels,
 # odd head counts and an odd head dim, a single position.
@@ -45,21 +45,6 @@ LOW_PRECISION_TOL = {
     torch.bfloat16: {"rtol": 2**-7, "atol": 1e-5},
     torch.float16: {"rtol": 2**-10, "atol": 1e-5},
 }
-
-
-@pytest.fixture
-def ops():
-    assert cpu_ops_available(), (
-        "megapp._C is not built or failed to load: run `pip install --no-build-isolation -e .` "
-        "(set MEGAPP_BUILD_CPU_EXT=0 to test a pure-Python install)"
-    )
-    return torch.ops.megapp
-
-
-@pytest.fixture(autouse=True)
-def _fused_enabled(monkeypatch):
-    # Tests set MEGAPP_FUSED themselves; an exported value must not change what they check.
-    monkeypatch.delenv("MEGAPP_FUSED", raising=False)
 
 
 def _inputs(shape, rot_dim, dtype, device="cpu", seed=0, distinct_halves=False):

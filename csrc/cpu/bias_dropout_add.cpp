@@ -13,6 +13,7 @@
 #include <tuple>
 #include <vector>
 
+#include "cpu_common.h"
 #include "megapp/philox.h"
 
 TORCH_LIBRARY_FRAGMENT(megapp, m) {
@@ -30,6 +31,8 @@ TORCH_LIBRARY_FRAGMENT(megapp, m) {
 
 namespace megapp {
 namespace {
+
+using namespace cpu_detail;
 
 // grad_bias is reduced over at most this many fixed row blocks; the blocking depends only on
 // the shape, never on the thread count, so the result is bitwise reproducible.
@@ -64,8 +67,6 @@ void check_fwd_inputs(const at::Tensor& x, const std::optional<at::Tensor>& bias
   TORCH_CHECK(x.device() == bias->device(), op, ": x and bias must be on the same device, got ",
               x.device(), " and ", bias->device());
 }
-
-int64_t rows_grain(int64_t cols) { return std::max<int64_t>(1, at::internal::GRAIN_SIZE / cols); }
 
 // Keep flags of one row, counter indices n0 .. n0 + cols − 1, one Philox block per 4 elements.
 class RowMask {

@@ -11,10 +11,13 @@
 #include <tuple>
 #include <vector>
 
+#include "cpu_common.h"
 #include "megapp/gelu.h"
 
 namespace megapp {
 namespace {
+
+using namespace cpu_detail;
 
 // grad_bias is reduced over at most this many fixed row blocks; the blocking depends only on
 // the shape, never on the thread count, so the result is bitwise reproducible.
@@ -31,8 +34,6 @@ void check_inputs(const char* op, const at::Tensor& x, const at::Tensor& bias) {
   TORCH_CHECK(x.device() == bias.device(), op, ": x and bias must be on the same device, got ",
               x.device(), " and ", bias.device());
 }
-
-int64_t rows_grain(int64_t cols) { return std::max<int64_t>(1, at::internal::GRAIN_SIZE / cols); }
 
 at::Tensor bias_gelu_fwd(const at::Tensor& x_in, const at::Tensor& bias_in) {
   check_inputs("bias_gelu_fwd", x_in, bias_in);

@@ -13,6 +13,7 @@
 #include <tuple>
 #include <vector>
 
+#include "cpu_common.h"
 #include "megapp/swiglu.h"
 
 TORCH_LIBRARY_FRAGMENT(megapp, m) {
@@ -25,6 +26,8 @@ TORCH_LIBRARY_FRAGMENT(megapp, m) {
 
 namespace megapp {
 namespace {
+
+using namespace cpu_detail;
 
 // grad_bias is reduced over at most this many fixed row blocks; the blocking depends only on
 // the shape, never on the thread count, so the result is bitwise reproducible.
@@ -52,8 +55,6 @@ std::vector<int64_t> output_shape(const at::Tensor& x) {
   shape.back() /= 2;
   return shape;
 }
-
-int64_t rows_grain(int64_t cols) { return std::max<int64_t>(1, at::internal::GRAIN_SIZE / cols); }
 
 at::Tensor bias_swiglu_fwd(const at::Tensor& x_in, const std::optional<at::Tensor>& bias_in) {
   check_inputs("bias_swiglu_fwd", x_in, bias_in);

@@ -16,6 +16,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu_common.h"
 #include "megapp/norm.h"
 
 TORCH_LIBRARY_FRAGMENT(megapp, m) {
@@ -35,6 +36,8 @@ TORCH_LIBRARY_FRAGMENT(megapp, m) {
 
 namespace megapp {
 namespace {
+
+using namespace cpu_detail;
 
 // grad_weight / grad_bias are reduced over at most this many fixed row blocks; the blocking
 // depends only on the shape, never on the thread count, so the result is bitwise reproducible.
@@ -69,10 +72,6 @@ void check_params(const char* op, const at::Tensor& x, const at::Tensor& weight,
   }
 }
 
-at::ScalarType stats_dtype(const at::Tensor& x) {
-  return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-}
-
 void check_stats(const char* op, const char* name, const at::Tensor& stat, const at::Tensor& x,
                  int64_t rows) {
   TORCH_CHECK(stat.numel() == rows, op, ": ", name, " must hold one value per row (", rows,
@@ -82,14 +81,6 @@ void check_stats(const char* op, const char* name, const at::Tensor& stat, const
   TORCH_CHECK(stat.device() == x.device(), op, ": ", name, " must be on ", x.device(), ", got ",
               stat.device());
 }
-
-std::vector<int64_t> stats_shape(const at::Tensor& x) {
-  std::vector<int64_t> shape = x.sizes().vec();
-  shape.pop_back();
-  return shape;
-}
-
-int64_t rows_grain(int64_t cols) { return std::max<int64_t>(1, at::internal::GRAIN_SIZE / cols); }
 
 template <typename T, typename W>
 void forward_impl(const at::Tensor& x, const at::Tensor& weight, const at::Tensor* bias,

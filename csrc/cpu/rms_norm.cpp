@@ -14,6 +14,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu_common.h"
 #include "megapp/norm.h"
 
 TORCH_LIBRARY_FRAGMENT(megapp, m) {
@@ -29,6 +30,8 @@ TORCH_LIBRARY_FRAGMENT(megapp, m) {
 
 namespace megapp {
 namespace {
+
+using namespace cpu_detail;
 
 // grad_weight is reduced over at most this many fixed row blocks; the blocking depends only on
 // the shape, never on the thread count, so the result is bitwise reproducible.
@@ -52,18 +55,6 @@ void check_params(const char* op, const at::Tensor& x, const at::Tensor& weight)
   TORCH_CHECK(x.device() == weight.device(), op, ": x and weight must be on the same device, got ",
               x.device(), " and ", weight.device());
 }
-
-at::ScalarType stats_dtype(const at::Tensor& x) {
-  return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-}
-
-std::vector<int64_t> stats_shape(const at::Tensor& x) {
-  std::vector<int64_t> shape = x.sizes().vec();
-  shape.pop_back();
-  return shape;
-}
-
-int64_t rows_grain(int64_t cols) { return std::max<int64_t>(1, at::internal::GRAIN_SIZE / cols); }
 
 template <typename T, typename W>
 void forward_impl(const at::Tensor& x, const at::Tensor& weight, at::Tensor& y, at::Tensor& rstd,

@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <type_traits>
 
+#include "megapp/cuda_common.cuh"
 #include "megapp/philox.h"
 
 namespace megapp::cuda {
@@ -28,42 +29,6 @@ constexpr int64_t kNominalVec = 8;  // chunking assumes this width whatever the 
 // Final grad_bias reduction: a block of kSumCols columns × kSumSplit chunk strides.
 constexpr int kSumCols = 32;
 constexpr int kSumSplit = 8;
-
-__device__ __forceinline__ float to_acc(float v) { return v; }
-__device__ __forceinline__ float to_acc(__nv_bfloat16 v) { return __bfloat162float(v); }
-__device__ __forceinline__ float to_acc(__half v) { return __half2float(v); }
-
-template <typename T>
-__device__ __forceinline__ T from_acc(float v);
-template <>
-__device__ __forceinline__ float from_acc<float>(float v) { return v; }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_acc<__nv_bfloat16>(float v) {
-  return __float2bfloat16(v);  // round to nearest even, as c10::BFloat16 does on the CPU
-}
-template <>
-__device__ __forceinline__ __half from_acc<__half>(float v) { return __float2half(v); }
-
-// N consecutive elements moved as one aligned vector.
-template <typename T, int N>
-struct alignas(sizeof(T) * N) Pack {
-  T v[N];
-};
-
-template <typename T, int N>
-__device__ __forceinline__ Pack<T, N> load(const T* p) {
-  return *reinterpret_cast<const Pack<T, N>*>(p);
-}
-template <typename T, int N>
-__device__ __forceinline__ void store(T* p, const Pack<T, N>& value) {
-  *reinterpret_cast<Pack<T, N>*>(p) = value;
-}
-
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
-bool is_aligned(const void* p, size_t bytes) {
-  return p == nullptr || reinterpret_cast<uintptr_t>(p) % bytes == 0;
-}
 
 // Row chunks of the backward: a function of the shape only (not of the vector width or the
 // pointers' alignment), so grad_bias's summation order and bits depend on the shape alone.
@@ -103,10 +68,10 @@ __global__ void bias_dropout_add_fwd_kernel(const T* __restrict__ x, const T* __
     const int64_t i0 = g * N;
     const uint32_t keep = kDropout ? keep_bits<N>(seed, offset + i0, threshold) : 0u;
     if constexpr (kVec) {  // cols % N == 0: the N elements lie in one row
-      const Pack<T, N> xv = load<T, N>(x + i0);
-      const Pack<T, N> rv = load<T, N>(residual + i0);
+      const Pack<T, N> xv = load_pack<T, N>(x + i0);
+      const Pack<T, N> rv = load_pack<T, N>(residual + i0);
       Pack<T, N> bv;
-      if constexpr (kHasBias) bv = load<T, N>(bias + i0 % cols);
+      if constexpr (kHasBias) bv = load_pack<T, N>(bias + i0 % cols);
       Pack<T, N> ov;
 #pragma unroll
       for (int j = 0; j < N; ++j) {
@@ -114,7 +79,7 @@ __global__ void bias_dropout_add_fwd_kernel(const T* __restrict__ x, const T* __
         if constexpr (kHasBias) z += to_acc(bv.v[j]);
         ov.v[j] = from_acc<T>(to_acc(rv.v[j]) + apply_mask<kDropout>(z, keep, j, scale));
       }
-      store<T, N>(out + i0, ov);
+      store_pack<T, N>(out + i0, ov);
     } else {
       int64_t c = i0 % cols;
 #pragma unroll
@@ -151,7 +116,7 @@ __global__ void bias_dropout_add_bwd_kernel(const T* __restrict__ grad, T* __res
     const int64_t i0 = r * cols + c0;
     const uint32_t keep = kDropout ? keep_bits<N>(seed, offset + i0, threshold) : 0u;
     if constexpr (kVec) {
-      const Pack<T, N> gv = load<T, N>(grad + i0);
+      const Pack<T, N> gv = load_pack<T, N>(grad + i0);
       Pack<T, N> ov;
 #pragma unroll
       for (int j = 0; j < N; ++j) {
@@ -159,7 +124,7 @@ __global__ void bias_dropout_add_bwd_kernel(const T* __restrict__ grad, T* __res
         ov.v[j] = from_acc<T>(g);
         acc[j] += g;
       }
-      store<T, N>(grad_x + i0, ov);
+      store_pack<T, N>(grad_x + i0, ov);
     } else {
 #pragma unroll
       for (int j = 0; j < N; ++j) {

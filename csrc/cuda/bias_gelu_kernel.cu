@@ -4,6 +4,7 @@
 
 #include <algorithm>
 
+#include "megapp/cuda_common.cuh"
 #include "megapp/gelu.h"
 
 namespace megapp::cuda {
@@ -13,23 +14,6 @@ constexpr int kThreads = 256;
 constexpr int64_t kMaxForwardBlocks = 1 << 16;  // grid-stride loop covers the rest
 constexpr int64_t kRowsPerChunk = 32;           // backward: rows per grad_bias partial sum
 constexpr int64_t kMaxChunks = 65535;           // gridDim.y limit
-
-__device__ __forceinline__ float to_acc(float v) { return v; }
-__device__ __forceinline__ float to_acc(__nv_bfloat16 v) { return __bfloat162float(v); }
-__device__ __forceinline__ float to_acc(__half v) { return __half2float(v); }
-
-template <typename T>
-__device__ __forceinline__ T from_acc(float v);
-template <>
-__device__ __forceinline__ float from_acc<float>(float v) { return v; }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_acc<__nv_bfloat16>(float v) {
-  return __float2bfloat16(v);  // round to nearest even, as c10::BFloat16 does on the CPU
-}
-template <>
-__device__ __forceinline__ __half from_acc<__half>(float v) { return __float2half(v); }
-
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 int64_t num_chunks(int64_t rows) {
   return std::clamp<int64_t>(ceil_div(rows, kRowsPerChunk), 1, kMaxChunks);

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 
+#include "megapp/cuda_common.cuh"
 #include "megapp/swiglu.h"
 
 namespace megapp::cuda {
@@ -23,42 +24,6 @@ constexpr int64_t kNominalVec = 8;  // chunking assumes this width whatever the 
 // Final grad_bias reduction: a block of kSumCols columns × kSumSplit chunk strides.
 constexpr int kSumCols = 32;
 constexpr int kSumSplit = 8;
-
-__device__ __forceinline__ float to_acc(float v) { return v; }
-__device__ __forceinline__ float to_acc(__nv_bfloat16 v) { return __bfloat162float(v); }
-__device__ __forceinline__ float to_acc(__half v) { return __half2float(v); }
-
-template <typename T>
-__device__ __forceinline__ T from_acc(float v);
-template <>
-__device__ __forceinline__ float from_acc<float>(float v) { return v; }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_acc<__nv_bfloat16>(float v) {
-  return __float2bfloat16(v);  // round to nearest even, as c10::BFloat16 does on the CPU
-}
-template <>
-__device__ __forceinline__ __half from_acc<__half>(float v) { return __float2half(v); }
-
-// N consecutive elements moved as one aligned vector.
-template <typename T, int N>
-struct alignas(sizeof(T) * N) Pack {
-  T v[N];
-};
-
-template <typename T, int N>
-__device__ __forceinline__ Pack<T, N> load(const T* p) {
-  return *reinterpret_cast<const Pack<T, N>*>(p);
-}
-template <typename T, int N>
-__device__ __forceinline__ void store(T* p, const Pack<T, N>& value) {
-  *reinterpret_cast<Pack<T, N>*>(p) = value;
-}
-
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
-bool is_aligned(const void* p, size_t bytes) {
-  return p == nullptr || reinterpret_cast<uintptr_t>(p) % bytes == 0;
-}
 
 // Row chunks of the backward: a function of the shape only (not of the vector width or the
 // pointers' alignment), so grad_bias's summation order and bits depend on the shape alone.
@@ -80,12 +45,12 @@ __global__ void bias_swiglu_fwd_kernel(const T* __restrict__ x, const T* __restr
     const int64_t r = i / groups;
     const int64_t c = (i - r * groups) * N;
     const T* xr = x + r * 2 * f;
-    const Pack<T, N> gate = load<T, N>(xr + c);
-    const Pack<T, N> up = load<T, N>(xr + f + c);
+    const Pack<T, N> gate = load_pack<T, N>(xr + c);
+    const Pack<T, N> up = load_pack<T, N>(xr + f + c);
     Pack<T, N> bias_gate, bias_up;
     if constexpr (kHasBias) {
-      bias_gate = load<T, N>(bias + c);
-      bias_up = load<T, N>(bias + f + c);
+      bias_gate = load_pack<T, N>(bias + c);
+      bias_up = load_pack<T, N>(bias + f + c);
     }
     Pack<T, N> out;
 #pragma unroll
@@ -98,7 +63,7 @@ __global__ void bias_swiglu_fwd_kernel(const T* __restrict__ x, const T* __restr
       }
       out.v[j] = from_acc<T>(swiglu_fwd<float>(g, u));
     }
-    store<T, N>(y + r * f + c, out);
+    store_pack<T, N>(y + r * f + c, out);
   }
 }
 
@@ -126,9 +91,9 @@ __global__ void bias_swiglu_bwd_kernel(const T* __restrict__ grad, const T* __re
     acc_up[j] = 0.f;
   }
   for (int64_t r = row_begin; r < row_end; ++r) {
-    const Pack<T, N> dy = load<T, N>(grad + r * f + c);
-    const Pack<T, N> gate = load<T, N>(x + r * cols + c);
-    const Pack<T, N> up = load<T, N>(x + r * cols + f + c);
+    const Pack<T, N> dy = load_pack<T, N>(grad + r * f + c);
+    const Pack<T, N> gate = load_pack<T, N>(x + r * cols + c);
+    const Pack<T, N> up = load_pack<T, N>(x + r * cols + f + c);
     Pack<T, N> dgate, dup;
 #pragma unroll
     for (int j = 0; j < N; ++j) {
@@ -145,8 +110,8 @@ __global__ void bias_swiglu_bwd_kernel(const T* __restrict__ grad, const T* __re
       acc_gate[j] += dg;
       acc_up[j] += du;
     }
-    store<T, N>(grad_input + r * cols + c, dgate);
-    store<T, N>(grad_input + r * cols + f + c, dup);
+    store_pack<T, N>(grad_input + r * cols + c, dgate);
+    store_pack<T, N>(grad_input + r * cols + f + c, dup);
   }
   if (workspace == nullptr) return;
   float* ws = workspace + chunk * cols;

@@ -1,16 +1,17 @@
 // CUDA kernels for the ops defined in csrc/ops.cpp (megapp._C must be loaded first). Only c10
 // CUDA headers: ATen/cuda/CUDAContext.h would pull in cuBLAS/cuSPARSE headers.
 #include <ATen/ATen.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
 #include <tuple>
 
+#include "bindings_common.h"
 #include "bias_gelu_kernel.h"
 
 namespace megapp {
 namespace {
+
+using namespace bindings_detail;
 
 void check_inputs(const char* op, const at::Tensor& x, const at::Tensor& bias) {
   TORCH_CHECK(bias.dim() == 1, op, ": bias must be 1-D [h], got shape ", bias.sizes());
@@ -23,37 +24,6 @@ void check_inputs(const char* op, const at::Tensor& x, const at::Tensor& bias) {
   TORCH_CHECK(x.is_cuda() && x.device() == bias.device(), op,
               ": x and bias must be on the same CUDA device, got ", x.device(), " and ",
               bias.device());
-}
-
-void check_launch(const char* op, cudaError_t err) {
-  TORCH_CHECK(err == cudaSuccess, op, ": CUDA kernel launch failed: ", cudaGetErrorString(err));
-}
-
-// Raw pointers in the CUDA element type T (float, __nv_bfloat16 or __half); the caller has
-// checked that the tensor's dtype has the same layout.
-template <typename T>
-const T* in_ptr(const at::Tensor& t) {
-  return static_cast<const T*>(t.const_data_ptr());
-}
-template <typename T>
-T* out_ptr(at::Tensor& t) {
-  return static_cast<T*>(t.mutable_data_ptr());
-}
-
-// Calls fn(T{}) with the CUDA element type matching dtype.
-template <typename Fn>
-void dispatch_cuda_floats(at::ScalarType dtype, const char* op, Fn&& fn) {
-  switch (dtype) {
-    case at::kFloat:
-      return fn(float{});
-    case at::kBFloat16:
-      return fn(__nv_bfloat16{});
-    case at::kHalf:
-      return fn(__half{});
-    default:
-      TORCH_CHECK(false, op, ": unsupported dtype ", dtype,
-                  " on CUDA (float32, bfloat16, float16)");
-  }
 }
 
 at::Tensor bias_gelu_fwd(const at::Tensor& x_in, const at::Tensor& bias_in) {

@@ -2,18 +2,19 @@
 // megapp._C must be loaded first). Only c10 CUDA headers: ATen/cuda/CUDAContext.h would pull in
 // cuBLAS/cuSPARSE headers.
 #include <ATen/ATen.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
 #include <optional>
 #include <tuple>
 #include <vector>
 
+#include "bindings_common.h"
 #include "bias_swiglu_kernel.h"
 
 namespace megapp {
 namespace {
+
+using namespace bindings_detail;
 
 void check_inputs(const char* op, const at::Tensor& x, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() >= 1, op, ": x must be [..., 2f], got a 0-d tensor");
@@ -32,53 +33,10 @@ void check_inputs(const char* op, const at::Tensor& x, const std::optional<at::T
               bias->device());
 }
 
-void check_launch(const char* op, cudaError_t err) {
-  TORCH_CHECK(err == cudaSuccess, op, ": CUDA kernel launch failed: ", cudaGetErrorString(err));
-}
-
 std::vector<int64_t> output_shape(const at::Tensor& x) {
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() /= 2;
   return shape;
-}
-
-// Raw pointers in the CUDA element type T (float, __nv_bfloat16 or __half); the caller has
-// checked that the tensor's dtype has the same layout. Absent tensors give null.
-template <typename T>
-const T* in_ptr(const at::Tensor& t) {
-  return static_cast<const T*>(t.const_data_ptr());
-}
-template <typename T>
-const T* in_ptr(const std::optional<at::Tensor>& t) {
-  return t.has_value() ? in_ptr<T>(*t) : nullptr;
-}
-template <typename T>
-T* out_ptr(at::Tensor& t) {
-  return static_cast<T*>(t.mutable_data_ptr());
-}
-template <typename T>
-T* out_ptr(std::optional<at::Tensor>& t) {
-  return t.has_value() ? out_ptr<T>(*t) : nullptr;
-}
-
-std::optional<at::Tensor> contiguous(const std::optional<at::Tensor>& t) {
-  return t.has_value() ? std::optional<at::Tensor>(t->contiguous()) : std::nullopt;
-}
-
-// Calls fn(T{}) with the CUDA element type matching dtype.
-template <typename Fn>
-void dispatch_cuda_floats(at::ScalarType dtype, const char* op, Fn&& fn) {
-  switch (dtype) {
-    case at::kFloat:
-      return fn(float{});
-    case at::kBFloat16:
-      return fn(__nv_bfloat16{});
-    case at::kHalf:
-      return fn(__half{});
-    default:
-      TORCH_CHECK(false, op, ": unsupported dtype ", dtype,
-                  " on CUDA (float32, bfloat16, float16)");
-  }
 }
 
 at::Tensor bias_swiglu_fwd(const at::Tensor& x_in, const std::optional<at::Tensor>& bias_in) {

@@ -2,8 +2,6 @@
 // in csrc/cpu/layer_norm.cpp and csrc/cpu/rms_norm.cpp; megapp._C must be loaded first). Only c10
 // CUDA headers: ATen/cuda/CUDAContext.h would pull in cuBLAS/cuSPARSE.
 #include <ATen/ATen.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
 #include <cmath>
@@ -11,10 +9,13 @@
 #include <tuple>
 #include <vector>
 
+#include "bindings_common.h"
 #include "norm_kernel.h"
 
 namespace megapp {
 namespace {
+
+using namespace bindings_detail;
 
 void check_params(const char* op, const at::Tensor& x, const at::Tensor& weight,
                   const std::optional<at::Tensor>& bias) {
@@ -65,33 +66,10 @@ void check_eps(const char* op, double eps) {
   TORCH_CHECK(std::isfinite(eps) && eps >= 0, op, ": eps must be finite and >= 0, got ", eps);
 }
 
-void check_launch(const char* op, cudaError_t err) {
-  TORCH_CHECK(err == cudaSuccess, op, ": CUDA kernel launch failed: ", cudaGetErrorString(err));
-}
-
 std::vector<int64_t> stats_shape(const at::Tensor& x) {
   std::vector<int64_t> shape = x.sizes().vec();
   shape.pop_back();
   return shape;
-}
-
-std::optional<at::Tensor> contiguous(const std::optional<at::Tensor>& t) {
-  return t.has_value() ? std::optional<at::Tensor>(t->contiguous()) : std::nullopt;
-}
-
-// Raw pointers in the CUDA element type T (float, __nv_bfloat16 or __half); the caller has
-// checked that the tensor's dtype has the same layout. Null for an absent optional tensor.
-template <typename T>
-const T* in_ptr(const at::Tensor& t) {
-  return static_cast<const T*>(t.const_data_ptr());
-}
-template <typename T>
-const T* in_ptr(const std::optional<at::Tensor>& t) {
-  return t.has_value() ? in_ptr<T>(*t) : nullptr;
-}
-template <typename T>
-T* out_ptr(at::Tensor& t) {
-  return static_cast<T*>(t.mutable_data_ptr());
 }
 
 // Calls fn(T{}, W{}) with the CUDA element types of the activations (x_dtype) and the

@@ -1,14 +1,15 @@
 // CUDA kernels for megapp::rope_fwd / rope_bwd (schemas in csrc/cpu/rope.cpp; megapp._C must be
 // loaded first). Only c10 CUDA headers: ATen/cuda/CUDAContext.h would pull in cuBLAS/cuSPARSE.
 #include <ATen/ATen.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include "bindings_common.h"
 #include "rope_kernel.h"
 
 namespace megapp {
 namespace {
+
+using namespace bindings_detail;
 
 void check_inputs(const char* op, const at::Tensor& x, const at::Tensor& freqs) {
   TORCH_CHECK(x.dim() == 4, op, ": x must be 4-D [s, b, heads, d], got shape ", x.sizes());
@@ -25,35 +26,6 @@ void check_inputs(const char* op, const at::Tensor& x, const at::Tensor& freqs) 
   TORCH_CHECK(rot_dim > 0 && rot_dim % 2 == 0 && rot_dim <= x.size(3), op,
               ": rot_dim (freqs.size(-1) = ", rot_dim,
               ") must be even, positive and at most the head dim d = ", x.size(3));
-}
-
-void check_launch(const char* op, cudaError_t err) {
-  TORCH_CHECK(err == cudaSuccess, op, ": CUDA kernel launch failed: ", cudaGetErrorString(err));
-}
-
-template <typename T>
-const T* in_ptr(const at::Tensor& t) {
-  return static_cast<const T*>(t.const_data_ptr());
-}
-template <typename T>
-T* out_ptr(at::Tensor& t) {
-  return static_cast<T*>(t.mutable_data_ptr());
-}
-
-// Calls fn(T{}) with the CUDA element type matching dtype.
-template <typename Fn>
-void dispatch_cuda_floats(at::ScalarType dtype, const char* op, Fn&& fn) {
-  switch (dtype) {
-    case at::kFloat:
-      return fn(float{});
-    case at::kBFloat16:
-      return fn(__nv_bfloat16{});
-    case at::kHalf:
-      return fn(__half{});
-    default:
-      TORCH_CHECK(false, op, ": unsupported dtype ", dtype,
-                  " on CUDA (float32, bfloat16, float16)");
-  }
 }
 
 // Shared by forward (src = x) and backward (src = grad, transposed rotation).

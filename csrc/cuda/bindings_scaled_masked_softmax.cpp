@@ -2,16 +2,17 @@
 // csrc/cpu/scaled_masked_softmax.cpp; megapp._C must be loaded first). Only c10 CUDA headers:
 // ATen/cuda/CUDAContext.h would pull in cuBLAS/cuSPARSE headers.
 #include <ATen/ATen.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
 #include <optional>
 
+#include "bindings_common.h"
 #include "scaled_masked_softmax_kernel.h"
 
 namespace megapp {
 namespace {
+
+using namespace bindings_detail;
 
 void check_scores(const char* op, const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 4, op, ": scores must be 4-D [b, heads, sq, sk], got shape ", x.sizes());
@@ -39,37 +40,6 @@ cuda::SoftmaxMask mask_view(const char* op, const at::Tensor& x,
   expanded = m.expand(x.sizes());
   return {expanded.const_data_ptr<bool>(), expanded.stride(0), expanded.stride(1),
           expanded.stride(2), expanded.stride(3)};
-}
-
-void check_launch(const char* op, cudaError_t err) {
-  TORCH_CHECK(err == cudaSuccess, op, ": CUDA kernel launch failed: ", cudaGetErrorString(err));
-}
-
-// Raw pointers in the CUDA element type T (float, __nv_bfloat16 or __half); the caller has
-// checked that the tensor's dtype has the same layout.
-template <typename T>
-const T* in_ptr(const at::Tensor& t) {
-  return static_cast<const T*>(t.const_data_ptr());
-}
-template <typename T>
-T* out_ptr(at::Tensor& t) {
-  return static_cast<T*>(t.mutable_data_ptr());
-}
-
-// Calls fn(T{}) with the CUDA element type matching dtype.
-template <typename Fn>
-void dispatch_cuda_floats(at::ScalarType dtype, const char* op, Fn&& fn) {
-  switch (dtype) {
-    case at::kFloat:
-      return fn(float{});
-    case at::kBFloat16:
-      return fn(__nv_bfloat16{});
-    case at::kHalf:
-      return fn(__half{});
-    default:
-      TORCH_CHECK(false, op, ": unsupported dtype ", dtype,
-                  " on CUDA (float32, bfloat16, float16)");
-  }
 }
 
 at::Tensor scaled_masked_softmax_fwd(const at::Tensor& x_in, const std::optional<at::Tensor>& mask,

@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <initializer_list>
 
+#include "megapp/cuda_common.cuh"
 #include "megapp/norm.h"
 
 namespace megapp::cuda {
@@ -28,29 +29,6 @@ constexpr int64_t kRowCacheBytes = 40 * 1024;
 constexpr int kColThreads = 256;
 constexpr int64_t kMinRowsPerChunk = 32;  // grad_weight/grad_bias: rows per partial sum, at least
 constexpr int64_t kMaxChunks = 128;       // and at most this many partial sums per column
-
-__device__ __forceinline__ float to_acc(float v) { return v; }
-__device__ __forceinline__ float to_acc(__nv_bfloat16 v) { return __bfloat162float(v); }
-__device__ __forceinline__ float to_acc(__half v) { return __half2float(v); }
-
-template <typename T>
-__device__ __forceinline__ T from_acc(float v);
-template <>
-__device__ __forceinline__ float from_acc<float>(float v) { return v; }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_acc<__nv_bfloat16>(float v) {
-  return __float2bfloat16(v);  // round to nearest even, as c10::BFloat16 does on the CPU
-}
-template <>
-__device__ __forceinline__ __half from_acc<__half>(float v) { return __float2half(v); }
-
-// N consecutive elements moved as one access of N·sizeof(T) bytes.
-template <typename T, int N>
-struct alignas(sizeof(T) * N) Vec {
-  T v[N];
-};
-
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 int64_t num_chunks(int64_t rows) {
   return std::clamp<int64_t>(ceil_div(rows, kMinRowsPerChunk), 1, kMaxChunks);
@@ -101,8 +79,8 @@ __global__ void __launch_bounds__(kMaxRowThreads)
     norm_fwd_kernel(const T* __restrict__ x, const W* __restrict__ weight,
                     const W* __restrict__ bias, T* __restrict__ y, float* __restrict__ mean,
                     float* __restrict__ rstd, int64_t rows, int64_t cols, float eps) {
-  using TV = Vec<T, VEC>;
-  using WV = Vec<W, VEC>;
+  using TV = Pack<T, VEC>;
+  using WV = Pack<W, VEC>;
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ float scratch[kWarpSize];
   // Each thread caches exactly the vectors it reads later, so the cache needs no barrier.
@@ -176,8 +154,8 @@ __global__ void __launch_bounds__(kMaxRowThreads)
                           const float* __restrict__ mean, const float* __restrict__ rstd,
                           const W* __restrict__ weight, const W* __restrict__ bias,
                           T* __restrict__ grad_input, int64_t rows, int64_t cols) {
-  using TV = Vec<T, VEC>;
-  using WV = Vec<W, VEC>;
+  using TV = Pack<T, VEC>;
+  using WV = Pack<W, VEC>;
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ float scratch[2 * kWarpSize];
   const int64_t nvec = cols / VEC;
@@ -291,10 +269,6 @@ __global__ void norm_bwd_param_sum_kernel(const float* __restrict__ workspace,
   if (!kRms) grad_bias[c] = from_acc<W>(acc_b);
 }
 
-bool aligned(const void* p, int64_t bytes) {
-  return p == nullptr || reinterpret_cast<std::uintptr_t>(p) % bytes == 0;
-}
-
 // Whether rows of cols T elements (and the [cols] W parameters) can be moved in 16-byte vectors.
 template <typename T, typename W>
 bool can_vectorize(int64_t cols, std::initializer_list<const void*> t_ptrs,
@@ -302,10 +276,10 @@ bool can_vectorize(int64_t cols, std::initializer_list<const void*> t_ptrs,
   constexpr int64_t vec = kVecBytes / sizeof(T);
   if (cols % vec != 0) return false;
   for (const void* p : t_ptrs) {
-    if (!aligned(p, vec * sizeof(T))) return false;
+    if (!is_aligned(p, vec * sizeof(T))) return false;
   }
   for (const void* p : w_ptrs) {
-    if (!aligned(p, vec * sizeof(W))) return false;
+    if (!is_aligned(p, vec * sizeof(W))) return false;
   }
   return true;
 }

@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "megapp/cuda_common.cuh"
 #include "megapp/rope.h"
 
 namespace megapp::cuda {
@@ -24,34 +25,6 @@ constexpr int kPackBytes = 16;
 constexpr int64_t kMaxGridX = 0x7fffffff;
 constexpr int64_t kMaxGridY = 65535;
 
-__device__ __forceinline__ float to_acc(float v) { return v; }
-__device__ __forceinline__ float to_acc(__nv_bfloat16 v) { return __bfloat162float(v); }
-__device__ __forceinline__ float to_acc(__half v) { return __half2float(v); }
-
-template <typename T>
-__device__ __forceinline__ T from_acc(float v);
-template <>
-__device__ __forceinline__ float from_acc<float>(float v) { return v; }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_acc<__nv_bfloat16>(float v) {
-  return __float2bfloat16(v);  // round to nearest even, as c10::BFloat16 does on the CPU
-}
-template <>
-__device__ __forceinline__ __half from_acc<__half>(float v) { return __float2half(v); }
-
-template <typename T, int N>
-struct alignas(sizeof(T) * N) Pack {
-  T v[N];
-};
-
-template <typename T, int N>
-__device__ __forceinline__ Pack<T, N> load_pack(const T* p) {
-  return *reinterpret_cast<const Pack<T, N>*>(p);
-}
-template <typename T, int N>
-__device__ __forceinline__ void store_pack(T* p, const Pack<T, N>& pack) {
-  *reinterpret_cast<Pack<T, N>*>(p) = pack;
-}
 
 template <typename T, int VEC, bool kBackward>
 __global__ void __launch_bounds__(kThreads)
@@ -102,8 +75,6 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
 }
-
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 int pow2_at_least(int64_t n) {
   int p = 1;

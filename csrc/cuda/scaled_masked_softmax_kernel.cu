@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "megapp/cuda_common.cuh"
 #include "megapp/softmax.h"
 
 namespace megapp::cuda {
@@ -29,35 +30,6 @@ constexpr int kMaxElemsPerThread = 32;  // register cache per thread, in floats
 constexpr int kPackBytes = 16;
 constexpr int64_t kMaxGrid = 0x7fffffff;  // gridDim.x limit
 
-__device__ __forceinline__ float to_acc(float v) { return v; }
-__device__ __forceinline__ float to_acc(__nv_bfloat16 v) { return __bfloat162float(v); }
-__device__ __forceinline__ float to_acc(__half v) { return __half2float(v); }
-
-template <typename T>
-__device__ __forceinline__ T from_acc(float v);
-template <>
-__device__ __forceinline__ float from_acc<float>(float v) { return v; }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_acc<__nv_bfloat16>(float v) {
-  return __float2bfloat16(v);  // round to nearest even, as c10::BFloat16 does on the CPU
-}
-template <>
-__device__ __forceinline__ __half from_acc<__half>(float v) { return __float2half(v); }
-
-// N consecutive elements moved with one (up to 16-byte) memory access.
-template <typename T, int N>
-struct alignas(sizeof(T) * N) Pack {
-  T v[N];
-};
-
-template <typename T, int N>
-__device__ __forceinline__ Pack<T, N> load_pack(const T* p) {
-  return *reinterpret_cast<const Pack<T, N>*>(p);
-}
-template <typename T, int N>
-__device__ __forceinline__ void store_pack(T* p, const Pack<T, N>& pack) {
-  *reinterpret_cast<Pack<T, N>*>(p) = pack;
-}
 template <typename T, int N>
 __device__ __forceinline__ Pack<T, N> zero_pack() {
   Pack<T, N> pack;
@@ -324,8 +296,6 @@ __global__ void __launch_bounds__(kMaxRowThreads)
     store_pack<T, VEC>(grad_x + off + c0, out);
   }
 }
-
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 int pow2_at_least(int64_t n) {
   int p = 1;
