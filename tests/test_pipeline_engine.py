@@ -266,16 +266,48 @@ def test_recorded_timeline_follows_the_schedule():
 
 
 def test_sent_activation_storage_is_dropped_only_when_backward_does_not_need_it():
-    from megapp.pipeline_parallel.runner import _drop_storage
+    from megapp.pipeline_parallel.runner import SavedStorages
 
     w = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
     x = torch.randn(3, 4, dtype=torch.float64)
-    residual = x + torch.tanh(x @ w)  # AddBackward saves nothing: droppable
-    _drop_storage(residual)
-    assert residual.numel() == 1 and residual.grad_fn is not None
-    squashed = torch.tanh(x @ w)  # TanhBackward saves its output: must be kept
-    _drop_storage(squashed)
-    assert squashed.shape == (3, 4)
-    view = (x @ w).view(12)  # a view shares storage with its base: kept
-    _drop_storage(view)
-    assert view.shape == (12,)
+    saved = SavedStorages()
+    with saved.recording():
+        residual = x + torch.tanh(x @ w)  # AddBackward keeps nothing: droppable
+        squashed = torch.tanh(x @ w)  # TanhBackward keeps its output
+        view = (x @ w).view(12)  # shares storage with its base
+        hidden = x @ w + 1.0
+        scaled = hidden * w.sum()  # MulBackward keeps hidden: a sibling output needs it
+    outputs = (residual, squashed, view, hidden, scaled)
+    assert saved.droppable(outputs) == (residual, scaled)
+
+
+@distributed(world_size=2)
+def test_sibling_outputs_keep_what_the_other_backward_needs():
+    """A stage sending (h, h * s) must keep h: the product's backward reads it."""
+    ps.initialize_model_parallel(1, 2)
+    group, stage = ps.get_pipeline_model_parallel_group(), ps.get_pipeline_model_parallel_rank()
+    torch.manual_seed(0)
+    layers = _model(2)
+    reference = _model(2)
+    scale = nn.Parameter(torch.tensor(0.75, dtype=torch.float64))
+    ref_scale = scale.detach().clone().requires_grad_()
+    batches = _microbatches(3)
+
+    def step(iterator, chunk, inputs):
+        x, target = next(iterator)
+        if inputs is None:
+            h = layers[0](x)
+            return (h, h * scale), None
+        h, hs = inputs
+        return layers[1](h + hs), lambda out: nn.functional.mse_loss(out, target)
+
+    forward_backward(step, iter(batches), nn.Identity(), 3, schedule="1f1b", pp_group=group)
+    losses = []
+    for x, target in batches:
+        h = reference[0](x)
+        losses.append(nn.functional.mse_loss(reference[1](h + h * ref_scale), target))
+    torch.stack(losses).mean().backward()
+    if stage == 0:
+        torch.testing.assert_close(scale.grad, ref_scale.grad, **TOL)
+    for got, want in zip(layers[stage].parameters(), reference[stage].parameters(), strict=True):
+        torch.testing.assert_close(got.grad, want.grad, **TOL)

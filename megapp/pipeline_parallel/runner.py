@@ -20,6 +20,7 @@ from megapp.pipeline_parallel.p2p import TensorSpec, specs_of
 from megapp.pipeline_parallel.plan import Message, Step, incoming, outgoing
 from megapp.pipeline_parallel.schedules import Action, Op
 from megapp.pipeline_parallel.simulate import Event
+from megapp.saved_tensors import observe_saved
 
 LossFunc = Callable[[Any], torch.Tensor]
 ForwardStepFunc = Callable[
@@ -49,26 +50,48 @@ def _as_tuple(output: Any, where: str) -> tuple[torch.Tensor, ...]:
     return tuple(outputs)
 
 
-def _storage_is_free_to_drop(t: torch.Tensor) -> bool:
-    """True if no autograd node can need ``t``'s values: it is no view, and the op
-    that made it did not save it for backward (as tanh or relu save their output)."""
-    node = t.grad_fn
-    if node is None or t._base is not None:
-        return False
-    for name in dir(node):
-        if name.startswith("_saved_"):
-            with contextlib.suppress(RuntimeError):
-                saved = getattr(node, name)
-                if isinstance(saved, torch.Tensor) and saved.data_ptr() == t.data_ptr():
-                    return False
-    return True
+class SavedStorages:
+    """Records the storage of every tensor autograd keeps for backward while a forward runs.
+
+    A sent activation may be dropped only if no backward node keeps its values:
+    its own node (tanh keeps its output) or a node that produced another sent
+    tensor from it (a stage returning ``(h, h * s)`` keeps ``h`` in the product's
+    node). megapp's own saved-tensor hooks (recompute) hide what they keep from
+    outer hooks, so their observers are watched too.
+    """
+
+    def __init__(self) -> None:
+        self.pointers: set[int] = set()
+
+    def _add(self, t: torch.Tensor) -> torch.Tensor:
+        if t.numel():
+            self.pointers.add(t.untyped_storage().data_ptr())
+        return t
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[None]:
+        with (
+            torch.autograd.graph.saved_tensors_hooks(self._add, lambda t: t),
+            observe_saved(self._add),
+        ):
+            yield
+
+    def droppable(self, outputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """The outputs whose values no backward node needs: no view, no saved storage."""
+        return tuple(
+            t
+            for t in outputs
+            if t.grad_fn is not None
+            and t._base is None
+            and t.numel()
+            and t.untyped_storage().data_ptr() not in self.pointers
+        )
 
 
 def _drop_storage(t: torch.Tensor) -> None:
     """Free a sent activation's memory but keep its autograd node (Megatron's trick):
     backward only needs the node and the incoming gradient, not the values."""
-    if _storage_is_free_to_drop(t):
-        t.data = torch.empty((1,), device=t.device, dtype=t.dtype)
+    t.data = torch.empty((1,), device=t.device, dtype=t.dtype)
 
 
 def _run_backward(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:
@@ -101,6 +124,7 @@ class StageRunner:
         self.clock = opts["clock"]
         self.inbox: dict[Message, list[torch.Tensor]] = {}
         self.outbox: dict[Message, tuple[torch.Tensor, ...]] = {}
+        self.droppable: dict[Message, tuple[torch.Tensor, ...]] = {}
         self.sent_specs: dict[tuple[int, int], tuple[TensorSpec, ...]] = {}
         self.saved: dict[tuple[int, int], tuple[tuple, tuple]] = {}
         self.losses: list[torch.Tensor] = []
@@ -155,10 +179,9 @@ class StageRunner:
         )
         for msg, tensors in zip(step.recvs, received, strict=True):
             self.inbox[msg] = tensors
-        for msg, (_, tensors) in zip(step.sends, sends, strict=True):
-            if msg.op is Op.FORWARD:
-                for t in tensors:
-                    _drop_storage(t)
+        for msg in step.sends:
+            for t in self.droppable.pop(msg, ()):
+                _drop_storage(t)
 
     # ----- compute ---------------------------------------------------------
     def forward(self, action: Action) -> None:
@@ -171,8 +194,12 @@ class StageRunner:
             for t in inputs:
                 if t.is_floating_point():
                     t.requires_grad_()
-        grad_mode = torch.no_grad() if schedule.forward_only else contextlib.nullcontext()
-        with grad_mode:
+        saved = SavedStorages()
+        if schedule.forward_only:
+            context = torch.no_grad()
+        else:
+            context = contextlib.nullcontext() if is_last else saved.recording()
+        with context:
             output, loss_func = self.forward_step_func(
                 self.iterators[chunk], self.chunks[chunk], inputs
             )
@@ -192,6 +219,8 @@ class StageRunner:
             self._check_declared(outputs, stage)
             send = outgoing(schedule, self.stage, action)
             self.outbox[send] = outputs
+            if not schedule.forward_only:
+                self.droppable[send] = saved.droppable(outputs)
             self.sent_specs[(mb, chunk)] = specs_of(outputs)
         if not schedule.forward_only:
             self.saved[(mb, chunk)] = (inputs or (), outputs)
