@@ -1,0 +1,181 @@
+"""Learning-rate (and optional weight-decay) schedule driven by a step counter.
+
+The learning rate rises linearly from ``init_lr`` to ``max_lr`` over ``warmup_steps``,
+then decays to ``min_lr`` by ``decay_steps`` (``"constant"`` keeps ``max_lr``,
+``"linear"`` falls in a straight line, ``"cosine"`` follows half a cosine), and stays at
+``min_lr`` after that. Steps may count iterations or samples: ``step(increment)``
+advances the counter by whatever unit the caller chose for the two step settings.
+
+Weight decay, when both ``start_wd`` and ``end_wd`` are given, moves from one to the other
+over ``wd_incr_steps`` (default ``decay_steps``) along ``wd_incr_style``.
+
+Every param group gets ``lr = schedule_lr * group.get("lr_mult", 1.0)`` and, with a
+weight-decay schedule, ``weight_decay = schedule_wd * group.get("wd_mult", 1.0)``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+STYLES = ("constant", "linear", "cosine")
+
+# The settings that define the schedule; a checkpoint stores them next to the counter.
+_SETTINGS = (
+    "max_lr",
+    "min_lr",
+    "init_lr",
+    "warmup_steps",
+    "decay_steps",
+    "decay_style",
+    "start_wd",
+    "end_wd",
+    "wd_incr_steps",
+    "wd_incr_style",
+)
+
+
+class LRScheduler:
+    """Set ``lr`` (and optionally ``weight_decay``) in every param group of ``optimizer``.
+
+    The constructor applies the step-0 values at once, so the first optimizer step already
+    uses the warmup's starting learning rate.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        max_lr: float,
+        min_lr: float,
+        warmup_steps: int,
+        decay_steps: int,
+        decay_style: str,
+        init_lr: float = 0.0,
+        start_wd: float | None = None,
+        end_wd: float | None = None,
+        wd_incr_steps: int | None = None,
+        wd_incr_style: str = "linear",
+    ) -> None:
+        self.optimizer = optimizer
+        self.max_lr = float(max_lr)
+        self.min_lr = float(min_lr)
+        self.init_lr = float(init_lr)
+        self.warmup_steps = int(warmup_steps)
+        self.decay_steps = int(decay_steps)
+        self.decay_style = decay_style
+        self.start_wd = None if start_wd is None else float(start_wd)
+        self.end_wd = None if end_wd is None else float(end_wd)
+        self.wd_incr_steps = self.decay_steps if wd_incr_steps is None else int(wd_incr_steps)
+        self.wd_incr_style = wd_incr_style
+        self.num_steps = 0
+        self._validate()
+        self.step(0)
+
+    def _validate(self) -> None:
+        if self.decay_style not in STYLES:
+            raise ValueError(f"decay_style must be one of {STYLES}, got {self.decay_style!r}")
+        if not 0.0 <= self.min_lr <= self.max_lr:
+            raise ValueError(
+                f"need 0 <= min_lr <= max_lr, got min_lr={self.min_lr}, max_lr={self.max_lr}"
+            )
+        if self.init_lr < 0.0:
+            raise ValueError(f"init_lr must be >= 0, got {self.init_lr}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+        if self.warmup_steps > self.decay_steps:
+            raise ValueError(
+                f"warmup_steps ({self.warmup_steps}) must not exceed decay_steps "
+                f"({self.decay_steps}); raise decay_steps or shorten the warmup"
+            )
+        if self.decay_style != "constant" and self.decay_steps <= 0:
+            raise ValueError(f"decay_style={self.decay_style!r} needs decay_steps > 0")
+        if (self.start_wd is None) != (self.end_wd is None):
+            raise ValueError("give both start_wd and end_wd for a weight-decay schedule or neither")
+        if self.start_wd is not None:
+            if self.start_wd < 0.0 or self.end_wd < 0.0:
+                raise ValueError(f"weight decay must be >= 0, got {self.start_wd}, {self.end_wd}")
+            if self.wd_incr_style not in STYLES:
+                raise ValueError(
+                    f"wd_incr_style must be one of {STYLES}, got {self.wd_incr_style!r}"
+                )
+            if self.wd_incr_style == "constant" and self.start_wd != self.end_wd:
+                raise ValueError("wd_incr_style='constant' needs start_wd == end_wd")
+            if self.wd_incr_style != "constant" and self.wd_incr_steps <= 0:
+                raise ValueError(f"wd_incr_style={self.wd_incr_style!r} needs wd_incr_steps > 0")
+
+    def get_lr(self) -> float:
+        """The schedule's learning rate at the current step (before any group's ``lr_mult``)."""
+        step = self.num_steps
+        if self.warmup_steps > 0 and step <= self.warmup_steps:
+            return self.init_lr + (self.max_lr - self.init_lr) * step / self.warmup_steps
+        if self.decay_style == "constant":
+            return self.max_lr
+        if step >= self.decay_steps:
+            return self.min_lr
+        ratio = (step - self.warmup_steps) / (self.decay_steps - self.warmup_steps)
+        if self.decay_style == "linear":
+            coeff = 1.0 - ratio
+        else:
+            coeff = 0.5 * (1.0 + math.cos(math.pi * ratio))
+        return self.min_lr + coeff * (self.max_lr - self.min_lr)
+
+    def get_wd(self) -> float | None:
+        """The scheduled weight decay at the current step, or None without a wd schedule."""
+        if self.start_wd is None:
+            return None
+        if self.wd_incr_style == "constant" or self.num_steps >= self.wd_incr_steps:
+            return self.end_wd
+        ratio = self.num_steps / self.wd_incr_steps
+        if self.wd_incr_style == "linear":
+            coeff = ratio
+        else:
+            # Rises slowly first, like the second half of a cosine decay mirrored.
+            coeff = 0.5 * (1.0 + math.cos(math.pi * (1.0 - ratio)))
+        return self.start_wd + coeff * (self.end_wd - self.start_wd)
+
+    def step(self, increment: int = 1) -> None:
+        """Advance the counter by ``increment`` and write the new values into every group."""
+        if increment < 0:
+            raise ValueError(f"increment must be >= 0, got {increment}")
+        self.num_steps += int(increment)
+        lr, wd = self.get_lr(), self.get_wd()
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr * group.get("lr_mult", 1.0)
+            if wd is not None:
+                group["weight_decay"] = wd * group.get("wd_mult", 1.0)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The counter and the settings, as plain Python scalars (str for the styles)."""
+        state = {name: getattr(self, name) for name in _SETTINGS}
+        state["num_steps"] = self.num_steps
+        return state
+
+    def load_state_dict(
+        self, state: dict[str, Any], *, use_checkpoint_settings: bool = False
+    ) -> None:
+        """Continue from a saved schedule and re-apply its values to the param groups.
+
+        By default the saved settings must equal this scheduler's, so a resumed run cannot
+        silently change its schedule; ``use_checkpoint_settings=True`` adopts the saved ones.
+        """
+        if use_checkpoint_settings:
+            for name in _SETTINGS:
+                setattr(self, name, state[name])
+            self._validate()
+        else:
+            changed = [
+                f"{name}: saved {state[name]!r}, now {getattr(self, name)!r}"
+                for name in _SETTINGS
+                if state[name] != getattr(self, name)
+            ]
+            if changed:
+                raise ValueError(
+                    "the saved schedule differs from this one ("
+                    + "; ".join(changed)
+                    + "); pass use_checkpoint_settings=True to adopt the saved settings"
+                )
+        self.num_steps = int(state["num_steps"])
+        self.step(0)

@@ -1,0 +1,174 @@
+"""The optimizer of a data-parallel model: fp32 master weights, loss scaling, clipping, ZeRO-1.
+
+:class:`Optimizer` updates the parameters of :class:`DistributedDataParallel`
+chunks from their fp32 ``main_grad`` buffers.
+
+- Master weights are fp32. For an fp32 model they are the model's parameters
+  themselves (views into its buffer, no copy); for bf16/fp16 they are fp32
+  copies, and the step writes the rounded result back.
+- With ``use_distributed_optimizer`` each data-parallel rank keeps master weights
+  and optimizer states only for its slice of every bucket (1/dp of them, ZeRO-1):
+  gradients arrive reduce-scattered, the rank updates its slice, and an
+  all-gather over the data-parallel group gives every rank the whole model.
+- The gradient norm counts every gradient element once across the whole layout
+  (tensor-parallel replicas and tied-embedding copies once; data-parallel
+  slices summed when sharded) and is the same on every rank.
+- fp16 uses a loss scaler: gradients are unscaled, a step with inf/nan anywhere
+  is skipped on every rank and reported.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megapp.distributed.ddp import DistributedDataParallel
+from megapp.optimizer.adamw import build_adamw
+from megapp.optimizer.clip_grads import clip_grad_by_total_norm_, get_grad_norm
+from megapp.optimizer.grad_scaler import found_inf_in
+from megapp.optimizer.param_groups import default_no_decay
+from megapp.tensor_parallel.mappings import Group, _all_gather_single, _rank
+
+
+@dataclass
+class StepResult:
+    """What one optimizer step did; identical on every rank."""
+
+    updated: bool
+    """False when the step was skipped (inf/nan gradients under loss scaling)."""
+    grad_norm: float
+    """Global gradient norm before clipping (nan when skipped)."""
+
+
+@dataclass
+class _Slice:
+    """One parameter's part that this rank updates."""
+
+    param: nn.Parameter
+    lo: int  # flat element range within the parameter
+    hi: int
+    master: torch.Tensor  # fp32 weights of that range
+    counted: bool  # does its gradient enter the norm on this rank
+
+
+class Optimizer:
+    """AdamW over the master weights of ``chunks``.
+
+    Args:
+        chunks: this rank's model chunks, each wrapped in DistributedDataParallel
+            (all with the same ``use_distributed_optimizer``).
+        lr, weight_decay, betas, eps: AdamW settings (no decay on biases and 1-D params).
+        clip_grad: clip the global gradient norm to this (0 or None: no clipping).
+        grad_scaler: a loss scaler (fp16), or None.
+        tp_group: the tensor-parallel group (which replicas to count once in the norm).
+        norm_group: the group whose ranks together hold every gradient once: the
+            model-parallel (tp × pp) group, or every rank with the distributed optimizer.
+            ``None`` means this rank alone.
+    """
+
+    def __init__(
+        self,
+        chunks: Sequence[DistributedDataParallel],
+        *,
+        lr: float,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        clip_grad: float | None = 1.0,
+        grad_scaler=None,
+        tp_group: Group = None,
+        norm_group: Group = None,
+    ):
+        self.chunks = list(chunks)
+        modes = {c.use_distributed_optimizer for c in self.chunks}
+        if len(modes) != 1:
+            raise ValueError("all chunks must agree on use_distributed_optimizer")
+        (self.distributed,) = modes
+        self.clip_grad, self.grad_scaler, self.norm_group = clip_grad, grad_scaler, norm_group
+        tp_rank = _rank(tp_group)
+        self.slices: list[_Slice] = []
+        decay, no_decay = [], []
+        for chunk in self.chunks:
+            names = {id(p): n for n, p in chunk.module.named_parameters()}
+            rank = chunk.dp_rank if self.distributed else 0
+            world = chunk.dp_size if self.distributed else 1
+            for p in chunk.buffer.params:
+                part = chunk.buffer.param_shard(p, rank) if world > 1 else (0, p.numel())
+                if part is None:
+                    continue
+                lo, hi = part
+                flat = p.data.view(-1)[lo:hi]
+                master = flat if flat.dtype == torch.float32 else flat.float()
+                counted = not getattr(p, "shared", False) and (
+                    getattr(p, "tensor_model_parallel", False) or tp_rank == 0
+                )
+                self.slices.append(_Slice(p, lo, hi, master, counted))
+                (no_decay if default_no_decay(names[id(p)], p) else decay).append(master)
+        groups = [
+            {"params": decay, "weight_decay": weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ]
+        groups = [g for g in groups if g["params"]]
+        self.optimizer = build_adamw(groups, lr=lr, betas=betas, eps=eps)
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.optimizer.param_groups
+
+    def _grads(self) -> list[torch.Tensor]:
+        return [s.param.main_grad.view(-1)[s.lo : s.hi] for s in self.slices]
+
+    @torch.no_grad()
+    def step(self) -> StepResult:
+        """Unscale, check, clip and apply this iteration's gradients (after finalize)."""
+        grads = self._grads()
+        if self.grad_scaler is not None:
+            inv = 1.0 / float(self.grad_scaler.scale)
+            torch._foreach_mul_(grads, inv)
+            # every rank skips together
+            found_inf = found_inf_in(grads, dist.group.WORLD if dist.is_initialized() else None)
+            self.grad_scaler.update(found_inf)
+            if found_inf:
+                return StepResult(False, float("nan"))
+        counted = [g for g, s in zip(grads, self.slices, strict=True) if s.counted]
+        grad_norm = get_grad_norm(counted, group=self.norm_group)
+        if self.clip_grad:
+            clip_grad_by_total_norm_(grads, self.clip_grad, grad_norm)
+        for s, g in zip(self.slices, grads, strict=True):
+            s.master.grad = g
+        self.optimizer.step()
+        for s in self.slices:
+            s.master.grad = None
+            flat = s.param.data.view(-1)[s.lo : s.hi]
+            if flat.data_ptr() != s.master.data_ptr():
+                flat.copy_(s.master)
+        if self.distributed:
+            self._all_gather_params()
+        return StepResult(True, grad_norm)
+
+    def _all_gather_params(self) -> None:
+        works = []
+        for chunk in self.chunks:
+            if chunk.dp_size == 1:
+                continue
+            for bucket in chunk.buffer.buckets:
+                lo, hi = bucket.shard(chunk.dp_rank, chunk.dp_size)
+                full = chunk.buffer.param_data[bucket.start : bucket.end]
+                own = chunk.buffer.param_data[lo:hi].clone()
+                works.append(_all_gather_single(full, own, chunk.dp_group, async_op=True))
+        for work in works:
+            work.wait()
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state and separate master weights held on this rank."""
+        total = 0
+        for state in self.optimizer.state.values():
+            total += sum(t.numel() * t.element_size() for t in state.values() if t.dim() > 0)
+        for s in self.slices:
+            if s.master.data_ptr() != s.param.data.view(-1)[s.lo : s.hi].data_ptr():
+                total += s.master.numel() * s.master.element_size()
+        return total
