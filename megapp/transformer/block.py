@@ -11,6 +11,16 @@ from megapp.transformer.config import TransformerConfig
 from megapp.transformer.layer import TransformerLayer, build_norm
 
 
+def _build_layer(
+    config: TransformerConfig, number: int, tp_group: Group, init_seed: int | None
+) -> TransformerLayer:
+    if init_seed is None:
+        return TransformerLayer(config, number, tp_group)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(init_seed + number)
+        return TransformerLayer(config, number, tp_group)
+
+
 class TransformerBlock(nn.Module):
     """Layers ``first_layer .. first_layer + num_layers - 1`` of the model (a pipeline
     chunk holds a slice), optionally followed by the final norm.
@@ -33,7 +43,12 @@ class TransformerBlock(nn.Module):
         num_layers: int | None = None,
         post_layer_norm: bool = True,
         tp_group: Group = None,
+        init_seed: int | None = None,
     ):
+        """``init_seed``: build layer ``l`` from the default generator seeded with
+        ``init_seed + l`` (restored afterwards), so a layer's initial weights do not
+        depend on which pipeline chunk builds it; ``None`` draws from the generator
+        as it stands."""
         super().__init__()
         self.config = config
         num_layers = config.num_layers if num_layers is None else num_layers
@@ -43,7 +58,7 @@ class TransformerBlock(nn.Module):
                 f"{config.num_layers} layers"
             )
         self.layers = nn.ModuleList(
-            TransformerLayer(config, first_layer + i, tp_group) for i in range(num_layers)
+            _build_layer(config, first_layer + i, tp_group, init_seed) for i in range(num_layers)
         )
         self.final_layernorm = build_norm(config) if post_layer_norm else None
         for i in self._recomputed_layers():

@@ -1,0 +1,13 @@
+"""Data-parallel gradients: contiguous buffers, overlapped bucket reduction, finalize."""
+
+from megapp.distributed.buffers import Bucket, ParamAndGradBuffer
+from megapp.distributed.ddp import DistributedDataParallel, needs_other_group_sum
+from megapp.distributed.finalize import finalize_model_grads
+
+__all__ = [
+    "Bucket",
+    "DistributedDataParallel",
+    "ParamAndGradBuffer",
+    "finalize_model_grads",
+    "needs_other_group_sum",
+]

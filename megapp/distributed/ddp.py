@@ -1,0 +1,135 @@
+"""Data-parallel gradient reduction overlapped with backward.
+
+:class:`DistributedDataParallel` wraps one model chunk. Each parameter's
+gradient is added into its fp32 ``main_grad`` as soon as autograd has it (a
+post-accumulate hook; ``param.grad`` is then released). While gradient sync is
+enabled (the last microbatch's backward), a bucket whose gradients are all in
+starts its reduction asynchronously, so communication runs under the rest of
+backward; on other microbatches gradients only accumulate (no sync).
+
+The reduction averages over the data-parallel group: an all-reduce, or with
+the distributed optimizer a reduce-scatter that leaves each rank the summed
+slice it owns. Buckets marked late (parameters that must first be summed over
+another group) are reduced by :meth:`sync_late_grads` after that sum.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+
+from megapp.distributed.buffers import Bucket, ParamAndGradBuffer
+from megapp.tensor_parallel.mappings import Group, _rank, _reduce_scatter_single, _world
+
+
+def needs_other_group_sum(param: nn.Parameter) -> bool:
+    """Parameters whose gradient is also summed over the tensor-parallel group (replicated
+    under sequence parallelism) or the embedding group (tied embedding copies)."""
+    return bool(
+        getattr(param, "sequence_parallel", False) or getattr(param, "shared_embedding", False)
+    )
+
+
+class DistributedDataParallel(nn.Module):
+    """One model chunk with bucketed, overlapped data-parallel gradient reduction.
+
+    Args:
+        module: the model chunk; its parameters become views into a flat buffer.
+        dp_group: the data-parallel group (``None``: one replica, nothing to reduce).
+        bucket_size: elements per bucket (``None``: one bucket per chunk).
+        use_distributed_optimizer: reduce-scatter instead of all-reduce (ZeRO-1).
+        overlap_grad_reduce: start a bucket's reduction as soon as it is ready; False
+            reduces everything in :meth:`finish_grad_sync`.
+        is_late: which parameters are reduced last (default :func:`needs_other_group_sum`).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        dp_group: Group = None,
+        bucket_size: int | None = 40_000_000,
+        use_distributed_optimizer: bool = False,
+        overlap_grad_reduce: bool = True,
+        is_late: Callable[[nn.Parameter], bool] = needs_other_group_sum,
+    ):
+        super().__init__()
+        self.module = module
+        self.dp_group = dp_group
+        self.dp_size, self.dp_rank = _world(dp_group), _rank(dp_group)
+        self.use_distributed_optimizer = use_distributed_optimizer
+        self.overlap_grad_reduce = overlap_grad_reduce
+        params = [p for p in module.parameters() if p.requires_grad][::-1]
+        self.buffer = ParamAndGradBuffer(
+            params, bucket_size=bucket_size, dp_size=self.dp_size, is_late=is_late
+        )
+        self.grad_sync = True
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
+        self.buffer.reset()
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    # ----- gradient arrival ------------------------------------------------
+    def _on_grad(self, param: nn.Parameter) -> None:
+        param.main_grad.add_(param.grad)
+        param.grad = None  # the buffer holds it now
+        if not (self.grad_sync and self.overlap_grad_reduce):
+            return
+        bucket = self.buffer.bucket_of[id(param)]
+        bucket.pending.discard(id(param))
+        if not bucket.pending and not bucket.late:
+            self._start(bucket)
+
+    def set_grad_sync(self, enabled: bool) -> None:
+        """Enable reduction for the backward passes that follow (the last microbatch)."""
+        self.grad_sync = enabled
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients without reducing them."""
+        before, self.grad_sync = self.grad_sync, False
+        try:
+            yield
+        finally:
+            self.grad_sync = before
+
+    # ----- reduction -------------------------------------------------------
+    def _start(self, bucket: Bucket) -> None:
+        if bucket.work is not None or self.dp_size == 1:
+            return
+        grads = self.buffer.grad_data[bucket.start : bucket.end]
+        grads.div_(self.dp_size)  # sum of 1/dp-scaled gradients: the data-parallel mean
+        if self.use_distributed_optimizer:
+            lo, hi = bucket.shard(self.dp_rank, self.dp_size)
+            out = self.buffer.grad_data[lo:hi]
+            bucket.work = _reduce_scatter_single(out, grads, self.dp_group, async_op=True)
+        else:
+            bucket.work = dist.all_reduce(grads, group=self.dp_group, async_op=True)
+
+    def _finish(self, late: bool) -> None:
+        for bucket in self.buffer.buckets:
+            if bucket.late == late:
+                self._start(bucket)
+        for bucket in self.buffer.buckets:
+            if bucket.late == late and bucket.work is not None:
+                bucket.work.wait()
+                bucket.work = True  # done; not started again until reset
+
+    def finish_grad_sync(self) -> None:
+        """Start the buckets not started yet, and wait for all but the late ones."""
+        self._finish(late=False)
+
+    def sync_late_grads(self) -> None:
+        """Reduce the late buckets (after their other-group sums)."""
+        self._finish(late=True)
+
+    def zero_grad_buffer(self) -> None:
+        """Zero ``main_grad`` and re-arm the buckets; call before each iteration."""
+        for p in self.buffer.params:
+            p.grad = None
+        self.buffer.reset()

@@ -1,0 +1,51 @@
+"""The one post-backward step: make every rank's gradients final."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from megapp.distributed.ddp import DistributedDataParallel
+from megapp.tensor_parallel.mappings import Group, _world
+
+
+def _all_reduce_coalesced(grads: list[torch.Tensor], group: Group) -> None:
+    if not grads or _world(group) == 1:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    torch._foreach_copy_(
+        grads,
+        [v.view_as(g) for v, g in zip(flat.split([g.numel() for g in grads]), grads, strict=True)],
+    )
+
+
+def finalize_model_grads(
+    chunks: Sequence[DistributedDataParallel],
+    *,
+    tp_group: Group = None,
+    embedding_group: Group = None,
+) -> None:
+    """After the last backward of an iteration:
+
+    1. wait for the data-parallel reduction of every regular bucket;
+    2. sum the gradients of sequence-parallel replicated parameters (norm weights,
+       row-parallel biases) over the tensor-parallel group, each rank having seen
+       only its part of the sequence;
+    3. sum the tied word-embedding gradient over the embedding group (first and
+       last pipeline stage), so both copies take the same step;
+    4. reduce the late buckets holding those parameters over data-parallel ranks.
+    """
+    for chunk in chunks:
+        chunk.finish_grad_sync()
+    params = [p for chunk in chunks for p in chunk.buffer.params]
+    sequence_parallel = [p.main_grad for p in params if getattr(p, "sequence_parallel", False)]
+    _all_reduce_coalesced(sequence_parallel, tp_group)
+    embedding = [p.main_grad for p in params if getattr(p, "shared_embedding", False)]
+    if len(embedding) > 1:
+        raise ValueError("a rank holds the tied embedding at most once")
+    _all_reduce_coalesced(embedding, embedding_group)
+    for chunk in chunks:
+        chunk.sync_late_grads()

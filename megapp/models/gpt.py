@@ -1,0 +1,291 @@
+"""GPT: vocab-parallel embedding, a transformer block, a tied output layer, vocab-parallel loss.
+
+A :class:`GPTModel` is one pipeline chunk: it holds the embedding when it is the
+first virtual stage (``pre_process``), the final norm and output layer when it is
+the last (``post_process``), and a contiguous slice of the layers. With one
+chunk holding everything it is the whole single-process model.
+
+Every part is initialized from its own seed (``seed + k`` for the word embedding,
+the positions, the untied output layer and layer ``l``), and tensor-parallel
+weights are cut from the full weight, so the same seed gives the same model
+under every (tp, pp, vpp) layout.
+
+The output layer reuses the word embedding (``share_embeddings_and_output_weights``).
+When the last stage is another rank it holds its own copy, initialized from the
+same seed; after backward the two gradients are summed over the embedding group
+(first and last stage) so the copies stay equal. Both carry
+``shared_embedding = True``; the copy also carries ``shared = True`` so norms
+count it once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from megapp.fusions.rope import rotary_freqs
+from megapp.pipeline_parallel.partition import rank_chunks, split_layers
+from megapp.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from megapp.tensor_parallel.layers import (
+    VocabParallelEmbedding,
+    _ColumnParallelMatmul,
+    _sliced_weight,
+    init_method_normal,
+)
+from megapp.tensor_parallel.mappings import Group, _world, scatter_to_sequence_parallel_region
+from megapp.tensor_parallel.random import get_rng_tracker
+from megapp.tensor_parallel.utils import pad_vocab_size
+from megapp.transformer.block import TransformerBlock
+from megapp.transformer.config import TransformerConfig
+
+# Offsets of each part's initialization seed from the model seed.
+_WORD_SEED, _POSITION_SEED, _OUTPUT_SEED, _LAYER_SEED = 0, 1, 2, 3
+
+
+@dataclass(kw_only=True)
+class GPTConfig(TransformerConfig):
+    vocab_size: int
+    """Real vocabulary size (already padded for efficiency if wanted); ids ``>= vocab_size``
+    never occur. The embedding pads it further to a multiple of the tensor-parallel size."""
+    max_position_embeddings: int = 2048
+    """Longest sequence the learned absolute positions cover."""
+    share_embeddings_and_output_weights: bool = True
+    """Tie the output layer to the word embedding (Megatron's default)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.vocab_size < 1:
+            raise ValueError(f"vocab_size must be >= 1, got {self.vocab_size}")
+        if self.max_position_embeddings < 1:
+            raise ValueError(
+                f"max_position_embeddings must be >= 1, got {self.max_position_embeddings}"
+            )
+
+
+@contextlib.contextmanager
+def _seeded(seed: int) -> Iterator[None]:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
+
+
+class GPTEmbedding(nn.Module):
+    """Word (vocab-parallel) plus learned position embeddings, then dropout.
+
+    Ids ``[b, s]`` in, ``[s, b, h]`` out (``[s/tp, b, h]`` with sequence parallelism).
+    """
+
+    def __init__(self, config: GPTConfig, tp_group: Group, seed: int):
+        super().__init__()
+        self.config, self.tp_group = config, tp_group
+        init = init_method_normal(config.init_method_std)
+        with _seeded(seed + _WORD_SEED):
+            self.word_embeddings = VocabParallelEmbedding(
+                config.vocab_size,
+                config.hidden_size,
+                init_method=init,
+                sequence_parallel=config.sequence_parallel,
+                tp_group=tp_group,
+                params_dtype=config.params_dtype,
+            )
+        self.position_embeddings = None
+        if config.position_embedding_type == "learned_absolute":
+            with _seeded(seed + _POSITION_SEED):
+                weight = init(torch.empty(config.max_position_embeddings, config.hidden_size))
+            self.position_embeddings = nn.Embedding.from_pretrained(
+                weight.to(config.params_dtype), freeze=False
+            )
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
+        config = self.config
+        seq = input_ids.shape[1]
+        if seq > config.max_position_embeddings and self.position_embeddings is not None:
+            raise ValueError(
+                f"sequence length {seq} exceeds max_position_embeddings "
+                f"({config.max_position_embeddings})"
+            )
+        x = self.word_embeddings(input_ids.t())  # [s, b, h] or [s/tp, b, h]
+        if self.position_embeddings is not None:
+            if position_ids is None:
+                position_ids = torch.arange(seq, device=input_ids.device).expand_as(input_ids)
+            positions = self.position_embeddings(position_ids.t())
+            if config.sequence_parallel:
+                # Backward all-gathers, so every rank's position gradient is complete.
+                positions = scatter_to_sequence_parallel_region(positions, self.tp_group)
+            x = x + positions
+        if config.hidden_dropout and self.training:
+            # Sequence-parallel ranks hold different tokens: each draws its own mask.
+            own = config.sequence_parallel
+            with get_rng_tracker().fork() if own else contextlib.nullcontext():
+                x = nn.functional.dropout(x, config.hidden_dropout)
+        return x
+
+
+class GPTModel(nn.Module):
+    """One pipeline chunk of a GPT (the whole model by default).
+
+    forward(input_ids [b, s] | None, position_ids [b, s] | None, hidden_states, labels [b, s])
+      - ``pre_process``: reads ``input_ids``; otherwise ``hidden_states`` ``[s, b, h]``
+        (``[s/tp, b, h]``) from the previous stage.
+      - not ``post_process``: returns the hidden states for the next stage.
+      - ``post_process``: returns the per-token loss ``[b, s]`` (fp32) when ``labels`` are
+        given, else the logits shard ``[b, s, V_pad/tp]``.
+    """
+
+    def __init__(
+        self,
+        config: GPTConfig,
+        *,
+        pre_process: bool = True,
+        post_process: bool = True,
+        first_layer: int = 0,
+        num_layers: int | None = None,
+        tp_group: Group = None,
+        seed: int = 1234,
+    ):
+        super().__init__()
+        if _world(tp_group) != config.tensor_model_parallel_size:
+            raise ValueError(
+                f"config.tensor_model_parallel_size is {config.tensor_model_parallel_size} but "
+                f"the tensor-parallel group has {_world(tp_group)} ranks"
+            )
+        self.config, self.tp_group = config, tp_group
+        self.pre_process, self.post_process = pre_process, post_process
+        self.embedding = GPTEmbedding(config, tp_group, seed) if pre_process else None
+        self.decoder = TransformerBlock(
+            config,
+            first_layer=first_layer,
+            num_layers=num_layers,
+            post_layer_norm=post_process,
+            tp_group=tp_group,
+            init_seed=seed + _LAYER_SEED,
+        )
+        self.output_weight = None
+        if post_process:
+            tied = config.share_embeddings_and_output_weights
+            if not tied or not pre_process:
+                with _seeded(seed + (_WORD_SEED if tied else _OUTPUT_SEED)):
+                    self.output_weight = _sliced_weight(
+                        (config.vocab_size, config.hidden_size),
+                        0,
+                        tp_group,
+                        init_method_normal(config.init_method_std),
+                        config.params_dtype,
+                        None,
+                        padded_rows=self._padded_vocab() - config.vocab_size,
+                    )
+            if tied and not pre_process:  # a copy of the first stage's word embedding
+                self.output_weight.shared = True
+                self.output_weight.shared_embedding = True
+        if pre_process and not post_process and config.share_embeddings_and_output_weights:
+            self.embedding.word_embeddings.weight.shared_embedding = True
+        self._freqs: torch.Tensor | None = None
+
+    def _padded_vocab(self) -> int:
+        return pad_vocab_size(self.config.vocab_size, self.config.tensor_model_parallel_size, 1)
+
+    def shared_embedding_or_output_weight(self) -> nn.Parameter | None:
+        """The weight the output layer multiplies with (the word embedding when tied)."""
+        if self.output_weight is not None:
+            return self.output_weight
+        if self.post_process:
+            return self.embedding.word_embeddings.weight
+        return None
+
+    def _rotary(self, seq: int, device: torch.device) -> torch.Tensor | None:
+        config = self.config
+        if config.position_embedding_type != "rope":
+            return None
+        if self._freqs is None or self._freqs.shape[0] < seq or self._freqs.device != device:
+            self._freqs = rotary_freqs(seq, config.kv_channels, config.rotary_base, device)
+        return self._freqs[:seq]
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        hidden_states: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        config = self.config
+        if self.pre_process:
+            if input_ids is None:
+                raise ValueError("the first pipeline stage needs input_ids [b, s]")
+            hidden_states = self.embedding(input_ids, position_ids)
+        elif hidden_states is None:
+            raise ValueError("a pipeline chunk without the embedding needs hidden_states")
+        tp = config.tensor_model_parallel_size
+        seq = hidden_states.shape[0] * (tp if config.sequence_parallel else 1)
+        hidden_states = self.decoder(hidden_states, self._rotary(seq, hidden_states.device))
+        if not self.post_process:
+            return hidden_states
+        logits = _ColumnParallelMatmul.apply(
+            hidden_states,
+            self.shared_embedding_or_output_weight(),
+            None,
+            self.tp_group,
+            config.sequence_parallel,
+        )  # [s, b, V_pad/tp]
+        if labels is None:
+            return logits.transpose(0, 1).contiguous()
+        loss = vocab_parallel_cross_entropy(
+            logits, labels.t(), tp_group=self.tp_group, vocab_size=config.vocab_size
+        )
+        return loss.t().contiguous()
+
+
+def build_gpt_chunks(
+    config: GPTConfig,
+    *,
+    pp_rank: int = 0,
+    pp_size: int = 1,
+    vpp_size: int | None = None,
+    tp_group: Group = None,
+    seed: int = 1234,
+    first_stage_layers: int | None = None,
+    last_stage_layers: int | None = None,
+) -> list[GPTModel]:
+    """This pipeline rank's model chunks (chunk ``c`` is virtual stage ``c·pp + pp_rank``).
+
+    Layers split evenly over the ``pp × vpp`` virtual stages, which must divide
+    ``num_layers`` (Megatron's rule) unless the first and/or last stage's count is
+    given, in which case the rest split evenly.
+    """
+    v = vpp_size or 1
+    stages = pp_size * v
+    if pp_size < 1 or v < 1 or not 0 <= pp_rank < pp_size:
+        raise ValueError(f"bad pipeline position: rank {pp_rank} of {pp_size}, vpp {vpp_size}")
+    uneven = first_stage_layers is not None or last_stage_layers is not None
+    if uneven and v > 1:
+        raise ValueError("uneven first/last stages are not supported with virtual pipeline stages")
+    if not uneven and config.num_layers % stages:
+        raise ValueError(
+            f"num_layers ({config.num_layers}) is not divisible by pipeline stages × virtual "
+            f"stages ({pp_size} × {v} = {stages}); change the layout or num_layers, or give "
+            "first/last stage layer counts for an uneven split"
+        )
+    ranges = split_layers(
+        config.num_layers,
+        stages,
+        first_stage_layers=first_stage_layers,
+        last_stage_layers=last_stage_layers,
+    )
+    chunks = []
+    for c, layers in enumerate(rank_chunks(ranges, pp_size, pp_rank)):
+        stage = c * pp_size + pp_rank
+        chunks.append(
+            GPTModel(
+                config,
+                pre_process=stage == 0,
+                post_process=stage == stages - 1,
+                first_layer=layers.start,
+                num_layers=len(layers),
+                tp_group=tp_group,
+                seed=seed,
+            )
+        )
+    return chunks

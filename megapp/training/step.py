@@ -1,0 +1,117 @@
+"""One training iteration, whole: zero, forward/backward over the pipeline, finalize, step."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from megapp.distributed.ddp import DistributedDataParallel
+from megapp.distributed.finalize import finalize_model_grads
+from megapp.optimizer.optimizer import Optimizer
+from megapp.pipeline_parallel import PipelineHooks, forward_backward
+from megapp.pipeline_parallel.runner import ForwardStepFunc
+from megapp.tensor_parallel.mappings import Group, _world
+
+
+@dataclass
+class TrainGroups:
+    """The process groups a training step talks to (``None``: that dimension is 1)."""
+
+    tp: Group = None
+    pp: Group = None
+    dp: Group = None
+    embedding: Group = None
+
+    @classmethod
+    def from_parallel_state(cls) -> TrainGroups:
+        """The groups of the current :mod:`megapp.parallel_state` layout (a rank in no
+        embedding group, a middle pipeline stage, gets ``embedding=None``)."""
+        from megapp import parallel_state as ps
+
+        grid, rank = ps.get_grid(), dist.get_rank()
+        in_embedding = any(rank in ranks for ranks in grid.groups("embedding"))
+        return cls(
+            tp=ps.get_tensor_model_parallel_group(),
+            pp=ps.get_pipeline_model_parallel_group(),
+            dp=ps.get_data_parallel_group(),
+            embedding=ps.get_embedding_group() if in_embedding else None,
+        )
+
+
+@dataclass
+class TrainStepResult:
+    """The iteration's figures, identical on every rank."""
+
+    loss: float
+    """Mean loss over the microbatches and data-parallel replicas (unscaled)."""
+    grad_norm: float
+    """Global gradient norm before clipping (nan when the step was skipped)."""
+    skipped: bool
+    """True when inf/nan gradients made the loss scaler skip the update."""
+
+
+def _scaled(forward_step_func: ForwardStepFunc, scale: float) -> ForwardStepFunc:
+    """Multiply every microbatch loss by the loss scale, so backward runs on scaled values."""
+
+    def step(iterator, chunk, inputs):
+        output, loss_func = forward_step_func(iterator, chunk, inputs)
+        if loss_func is None:
+            return output, None
+
+        def scaled_loss(out):
+            loss = loss_func(out)
+            return (loss[0] if isinstance(loss, tuple) else loss) * scale
+
+        return output, scaled_loss
+
+    return step
+
+
+def train_step(
+    forward_step_func: ForwardStepFunc,
+    data_iterators: Iterator | Sequence[Iterator],
+    chunks: Sequence[DistributedDataParallel],
+    optimizer: Optimizer,
+    *,
+    num_microbatches: int,
+    groups: TrainGroups,
+    schedule: str | None = None,
+    lr_scheduler=None,
+    tensor_shapes=None,
+) -> TrainStepResult:
+    """Run one iteration and update the model.
+
+    ``forward_step_func(data_iterator, chunk, inputs) -> (output, loss_func)`` as for
+    :func:`megapp.pipeline_parallel.forward_backward`; ``chunk`` is the
+    DistributedDataParallel wrapper (call it like the model). The schedule defaults to
+    1F1B, interleaved when there is more than one chunk.
+    """
+    for chunk in chunks:
+        chunk.zero_grad_buffer()
+    scaler = optimizer.grad_scaler
+    scale = float(scaler.scale) if scaler is not None else 1.0
+    step_func = _scaled(forward_step_func, scale) if scaler is not None else forward_step_func
+    hooks = PipelineHooks(before_backward=lambda c, is_last: chunks[c].set_grad_sync(is_last))
+    if schedule is None:
+        schedule = "interleaved-1f1b" if len(chunks) > 1 else "1f1b"
+    result = forward_backward(
+        step_func,
+        data_iterators,
+        list(chunks),
+        num_microbatches,
+        schedule=schedule,
+        pp_group=groups.pp,
+        tensor_shapes=tensor_shapes,
+        hooks=hooks,
+    )
+    finalize_model_grads(chunks, tp_group=groups.tp, embedding_group=groups.embedding)
+    stepped = optimizer.step()
+    if stepped.updated and lr_scheduler is not None:
+        lr_scheduler.step()
+    loss = result.loss.detach().double().reshape(1) / scale
+    if _world(groups.dp) > 1:
+        dist.all_reduce(loss, group=groups.dp)
+        loss /= _world(groups.dp)
+    return TrainStepResult(float(loss.item()), stepped.grad_norm, not stepped.updated)

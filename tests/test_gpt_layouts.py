@@ -1,0 +1,193 @@
+"""GPTModel trained under many (dp, tp, pp, vpp) layouts against the single-process run.
+
+Each case builds the model from one seed under its layout, runs five training
+steps (train_step: pipeline schedule, data-parallel buckets, finalize, clipped
+AdamW) and holds them to the same five steps of the single-process model with
+plain torch AdamW and clip_grad_norm_:
+
+- step 1: loss, gradient norm and every gathered (clipped) gradient;
+- every step: the loss; at the end: every gathered parameter.
+
+Everything is fp32; layouts sum the same terms in other orders (tensor-parallel
+partial matmuls, microbatch and data-parallel accumulation), which moves
+results by a few ulps per op; after five Adam steps (whose update divides by
+sqrt(v)) that stays below 1e-4 relative, so the tolerances are 1e-4 / 1e-6.
+Parameters are compared with atol 1e-4, 1/100 of one Adam step (lr 1e-2):
+Adam moves every element by about lr whatever its gradient's size, so where a
+gradient is round-off (the key biases' true gradient is zero: softmax ignores
+a shift shared by all keys) or nearly cancels, a few ulps of difference in the
+gradient become up to a few 1e-5 in the parameter. A misrouted or missing
+gradient moves parameters by a whole step and still fails.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megapp import parallel_state as ps
+from megapp.distributed import DistributedDataParallel
+from megapp.models import build_gpt_chunks
+from megapp.optimizer.optimizer import Optimizer
+from megapp.testing import distributed
+from megapp.training import TrainGroups, train_step
+from tests.gpt_support import (
+    SEED,
+    VOCAB,
+    full_tensor,
+    global_batch,
+    gpt_config,
+    masked_mean,
+    reference_name,
+    reference_run,
+)
+
+STEPS, LR, WD, CLIP = 5, 1e-2, 0.1, 0.5
+TOL = dict(rtol=1e-4, atol=1e-6)
+PARAM_TOL = dict(rtol=1e-4, atol=1e-4)
+
+
+def forward_step(iterator, chunk, inputs):
+    tokens, labels, mask = next(iterator)
+    model = chunk.module
+    kwargs = {"labels": labels} if model.post_process else {}
+    if model.pre_process:
+        output = chunk(input_ids=tokens, **kwargs)
+    else:
+        output = chunk(hidden_states=inputs[0], **kwargs)
+    return output, (lambda per_token: masked_mean(per_token, mask))
+
+
+def train_layout(tp, pp, vpp, *, distributed_optimizer=False, bucket_size=2000, **config):
+    """Train STEPS steps under the layout; return (chunks, losses, grad norms, step-1 grads)."""
+    ps.initialize_model_parallel(tp, pp, vpp)
+    config = gpt_config(tensor_model_parallel_size=tp, **config)
+    groups = TrainGroups.from_parallel_state()
+    chunks = build_gpt_chunks(
+        config,
+        pp_rank=ps.get_pipeline_model_parallel_rank(),
+        pp_size=pp,
+        vpp_size=vpp,
+        tp_group=groups.tp,
+        seed=SEED,
+    )
+    chunks = [
+        DistributedDataParallel(
+            c,
+            dp_group=groups.dp,
+            bucket_size=bucket_size,
+            use_distributed_optimizer=distributed_optimizer,
+        )
+        for c in chunks
+    ]
+    norm_group = None if distributed_optimizer else ps.get_model_parallel_group()
+    optimizer = Optimizer(
+        chunks,
+        lr=LR,
+        weight_decay=WD,
+        clip_grad=CLIP,
+        tp_group=groups.tp,
+        norm_group=norm_group or torch.distributed.group.WORLD,
+    )
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    losses, norms, first_grads = [], [], None
+    for step in range(STEPS):
+        batch = global_batch(step, dp)
+        mine = batch[dp_rank * len(batch) // dp : (dp_rank + 1) * len(batch) // dp]
+        result = train_step(
+            forward_step,
+            [iter(mine) for _ in chunks],
+            chunks,
+            optimizer,
+            num_microbatches=len(mine),
+            groups=groups,
+        )
+        assert not result.skipped
+        losses.append(result.loss)
+        norms.append(result.grad_norm)
+        if first_grads is None and not distributed_optimizer:
+            first_grads = _gathered(chunks, lambda p: p.main_grad, groups.tp)
+    return chunks, losses, norms, first_grads
+
+
+def _gathered(chunks, what, tp_group) -> dict[str, torch.Tensor]:
+    out = {}
+    for chunk in chunks:
+        model = chunk.module
+        for name, p in model.named_parameters():
+            ref = reference_name(model, name)
+            vocab = VOCAB if ref in ("embedding.word_embeddings.weight", "output_weight") else None
+            out[ref] = full_tensor(what(p).detach().clone(), p, tp_group, vocab)
+    return out
+
+
+def _check(chunks, losses, norms, first_grads, config_kw):
+    dp = ps.get_data_parallel_world_size()
+    single = {k: v for k, v in config_kw.items() if k != "sequence_parallel"}
+    reference, ref_losses, ref_norms, ref_grads = reference_run(
+        gpt_config(**single), STEPS, dp, LR, WD, CLIP
+    )
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), **TOL)
+    torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), **TOL)
+    if first_grads is not None:
+        for name, grad in first_grads.items():
+            torch.testing.assert_close(
+                grad, ref_grads[name], **TOL, msg=lambda m, n=name: f"grad of {n}: {m}"
+            )
+    ref_params = dict(reference.named_parameters())
+    params = _gathered(chunks, lambda p: p.data, ps.get_tensor_model_parallel_group())
+    for name, value in params.items():
+        torch.testing.assert_close(
+            value, ref_params[name].detach(), **PARAM_TOL, msg=lambda m, n=name: f"{n}: {m}"
+        )
+
+
+LAYOUTS = [
+    # (world, tp, pp, vpp, config)
+    (4, 2, 2, None, {}),
+    (4, 2, 2, None, {"sequence_parallel": True, "recompute_granularity": "selective"}),
+    (4, 1, 2, 2, {"share_embeddings_and_output_weights": False}),
+    (
+        4,
+        1,
+        2,
+        2,
+        {
+            "recompute_granularity": "full",
+            "recompute_method": "uniform",
+            "recompute_num_layers": 1,
+            "position_embedding_type": "rope",
+        },
+    ),
+    (4, 1, 4, 2, {"normalization": "RMSNorm", "activation": "swiglu"}),
+    (4, 4, 1, None, {"sequence_parallel": True, "position_embedding_type": "rope"}),
+    (
+        8,
+        2,
+        2,
+        None,
+        {
+            "sequence_parallel": True,
+            "recompute_granularity": "full",
+            "recompute_method": "block",
+            "recompute_num_layers": 1,
+        },
+    ),
+    (8, 1, 4, 2, {}),
+    (8, 1, 2, 2, {"share_embeddings_and_output_weights": False, "activation": "swiglu"}),
+    (8, 4, 2, None, {"sequence_parallel": True, "share_embeddings_and_output_weights": False}),
+]
+
+
+@pytest.mark.parametrize("world_size, tp, pp, vpp, config", LAYOUTS)
+@distributed(timeout=240)
+def test_training_matches_single_process(world_size, tp, pp, vpp, config):
+    chunks, losses, norms, first_grads = train_layout(tp, pp, vpp, **config)
+    _check(chunks, losses, norms, first_grads, config)
+
+
+@pytest.mark.parametrize("world_size, tp, pp, vpp", [(4, 1, 1, None), (8, 2, 2, None)])
+@distributed(timeout=240)
+def test_distributed_optimizer_matches_single_process(world_size, tp, pp, vpp):
+    chunks, losses, norms, _ = train_layout(tp, pp, vpp, distributed_optimizer=True)
+    _check(chunks, losses, norms, None, {})
