@@ -1,0 +1,118 @@
+"""Train/valid/test splits over documents and weighted blending of datasets."""
+
+import numpy as np
+import pytest
+
+from megapp.data.blended_dataset import (
+    BlendedDataset,
+    blend_sample_counts,
+    build_blending_indices,
+)
+from megapp.data.builder import (
+    build_train_valid_test_datasets,
+    parse_data_path,
+    parse_split,
+    split_document_ranges,
+)
+from megapp.data.indexed_dataset import IndexedDatasetBuilder
+
+
+def write_numbered(prefix, lengths, start):
+    builder = IndexedDatasetBuilder(f"{prefix}.bin", np.int32)
+    for n in lengths:
+        builder.add_document(np.arange(start, start + n))
+        start += n
+    builder.finalize(f"{prefix}.idx")
+    return str(prefix)
+
+
+def test_parse_split_normalizes_and_pads():
+    assert parse_split("969,30,1") == pytest.approx([0.969, 0.030, 0.001])
+    assert parse_split("98,2") == pytest.approx([0.98, 0.02, 0.0])
+    assert parse_split("1") == [1.0, 0.0, 0.0]
+    for bad in ("", "a,b", "1,2,3,4", "0,0,0", "-1,2"):
+        with pytest.raises(ValueError, match="split"):
+            parse_split(bad)
+
+
+def test_split_ranges_use_megatrons_rounding():
+    assert split_document_ranges(parse_split("969,30,1"), 1000) == [
+        (0, 969),
+        (969, 999),
+        (999, 1000),
+    ]
+    # Each share rounds down to 3 of 10; the missing document shifts every boundary by one.
+    assert split_document_ranges(parse_split("1,1,1"), 10) == [(0, 4), (4, 7), (7, 10)]
+    assert split_document_ranges(parse_split("969,30,1"), 7) == [(0, 7), (7, 7), (7, 7)]
+
+
+def test_blending_order_by_hand():
+    dataset_index, sample_index = build_blending_indices([5, 3, 2], 10)
+    assert dataset_index.tolist() == [0, 1, 2, 0, 1, 0, 2, 0, 1, 0]
+    assert sample_index.tolist() == [0, 0, 0, 1, 1, 2, 1, 3, 2, 4]
+    assert dataset_index.dtype == np.int16 and sample_index.dtype == np.int64
+
+
+@pytest.mark.parametrize("weights", [[0.2, 0.8], [1, 1, 1], [0.5, 0.3, 0.15, 0.05]])
+def test_every_prefix_of_the_blend_follows_the_weights(weights):
+    size = 3000
+    dataset_index, sample_index = build_blending_indices(weights, size)
+    shares = np.asarray(weights) / np.sum(weights)
+    taken = np.zeros((size + 1, len(weights)))
+    taken[1:] = np.cumsum(np.eye(len(weights))[dataset_index], axis=0)
+    drift = np.abs(taken - np.outer(np.arange(size + 1), shares))
+    assert drift.max() <= 1.0
+    # Each dataset's samples are taken in order 0, 1, 2, ...
+    for d in range(len(weights)):
+        picked = sample_index[dataset_index == d]
+        assert picked.tolist() == list(range(len(picked)))
+
+
+def test_blended_dataset_serves_member_samples_and_checks_sizes():
+    a, b = [f"a{i}" for i in range(10)], [f"b{i}" for i in range(10)]
+    blend = BlendedDataset([a, b], [3, 1], 8)
+    assert [blend[i] for i in range(8)] == ["a0", "b0", "a1", "a2", "a3", "b1", "a4", "a5"]
+    with pytest.raises(IndexError):
+        blend[8]
+    with pytest.raises(ValueError, match="takes 15 samples from dataset 0, which has 10"):
+        BlendedDataset([a, b], [3, 1], 20)
+    assert blend_sample_counts([3, 1], 1000) == [754, 252]
+
+
+def test_parse_data_path():
+    assert parse_data_path("corpus") == (["corpus"], None)
+    assert parse_data_path(["30", "a", "70", "b"]) == (["a", "b"], [30.0, 70.0])
+    with pytest.raises(ValueError, match="weight/prefix pairs"):
+        parse_data_path(["30", "a", "b"])
+    with pytest.raises(ValueError, match="weights must be numbers"):
+        parse_data_path(["a", "30", "b", "70"])
+
+
+def test_splits_of_one_dataset_hold_disjoint_documents(tmp_path):
+    prefix = write_numbered(tmp_path / "d", [5] * 100, start=0)
+    train, valid, test = build_train_valid_test_datasets(
+        prefix, "80,15,5", [None, None, None], 4, cache=False
+    )
+    documents = [set(d.document_index.tolist()) for d in (train, valid, test)]
+    assert documents == [set(range(80)), set(range(80, 95)), set(range(95, 100))]
+    none_for_test = build_train_valid_test_datasets(prefix, "90,10,0", [50, 5, 0], 4, cache=False)
+    assert none_for_test[2] is None
+    assert len(none_for_test[0]) >= 50
+
+
+def test_blend_of_two_datasets_follows_the_weights(tmp_path):
+    low = write_numbered(tmp_path / "low", [8] * 40, start=0)
+    high = write_numbered(tmp_path / "high", [8] * 40, start=10_000)
+    train, valid, _ = build_train_valid_test_datasets(
+        ["0.25", low, "0.75", high], "9,1,0", [400, 40, 0], 4, cache_dir=str(tmp_path / "c")
+    )
+    assert isinstance(train, BlendedDataset) and len(train) == 400
+    from_high = sum(int(train[i]["tokens"][0] >= 10_000) for i in range(len(train)))
+    assert from_high == 300
+    assert len(valid) == 40
+    again = build_train_valid_test_datasets(
+        ["0.25", low, "0.75", high], "9,1,0", [400, 40, 0], 4, cache_dir=str(tmp_path / "c")
+    )
+    assert not again[0].built_anew
+    with pytest.raises(ValueError, match="needs a sample count for every split"):
+        build_train_valid_test_datasets(["1", low, "1", high], "9,1,0", [None, 4, 0], 4)
