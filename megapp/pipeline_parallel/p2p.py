@@ -1,8 +1,9 @@
 """Point-to-point transport between pipeline ranks.
 
 A :class:`Transport` posts one batch of sends and receives (``batch_isend_irecv``,
-one NCCL group) and waits for all of it, in the order the plan gives, so every
-channel stays FIFO-consistent. Activation shapes are either declared up front
+one NCCL group) in the order the plan gives, so every channel stays
+FIFO-consistent, and waits for its receives; the runner lets the sends finish
+in the background. Activation shapes are either declared up front
 or negotiated: each activation is preceded by a small header (number of
 tensors, dtypes, shapes) exchanged in its own batch on a second process group
 over the same ranks, so headers never interleave with data on one channel.
@@ -132,30 +133,39 @@ class Transport:
         sends: Sequence[tuple[int, Sequence[torch.Tensor]]],
         recvs: Sequence[tuple[int, Sequence[TensorSpec]]],
         group: dist.ProcessGroup | None = None,
-    ) -> list[list[torch.Tensor]]:
+        wait_sends: bool = True,
+    ) -> tuple[list[list[torch.Tensor]], list[dist.Work]]:
         """Send each ``(peer, tensors)`` and receive each ``(peer, specs)`` in one batch.
 
-        Peers are ranks within the pipeline group. Returns the received tensors,
-        one list per entry of ``recvs``.
+        Peers are ranks within the pipeline group. Waits for the receives (and,
+        with ``wait_sends``, the sends). Returns the received tensors, one list per
+        entry of ``recvs``, and the send requests still to wait for.
         """
         group = group or self.group
         ops, received = [], []
         for peer, tensors in sends:
             ops += [dist.P2POp(dist.isend, t, self.global_rank(peer), group) for t in tensors]
+        num_sends = len(ops)
         for peer, specs in recvs:
             buffers = [torch.empty(s.shape, dtype=s.dtype, device=self.device) for s in specs]
             ops += [dist.P2POp(dist.irecv, b, self.global_rank(peer), group) for b in buffers]
             received.append(buffers)
-        if ops:
-            start = time.perf_counter()
-            for request in dist.batch_isend_irecv(ops):
-                if self.timeout is None:
-                    request.wait()
-                else:
-                    request.wait(self.timeout)
-            if self.on_wait is not None:
-                self.on_wait(start, time.perf_counter())
-        return received
+        if not ops:
+            return received, []
+        start = time.perf_counter()
+        requests = dist.batch_isend_irecv(ops)
+        pending = [] if wait_sends else requests[:num_sends]
+        self.wait(requests if wait_sends else requests[num_sends:])
+        if self.on_wait is not None:
+            self.on_wait(start, time.perf_counter())
+        return received, pending
+
+    def wait(self, requests: Sequence[dist.Work]) -> None:
+        for request in requests:
+            if self.timeout is None:
+                request.wait()
+            else:
+                request.wait(self.timeout)
 
     def exchange_headers(
         self, sends: Sequence[tuple[int, Sequence[TensorSpec]]], recv_peers: Sequence[int]
@@ -163,5 +173,5 @@ class Transport:
         """Negotiate activation shapes: one header per send, one per receive."""
         headers = [(peer, [encode_header(specs).to(self.device)]) for peer, specs in sends]
         template = [TensorSpec((_HEADER_LEN,), torch.int64)]
-        received = self.exchange(headers, [(p, template) for p in recv_peers], self.meta_group)
+        received, _ = self.exchange(headers, [(p, template) for p in recv_peers], self.meta_group)
         return [decode_header(buffers[0].cpu()) for buffers in received]

@@ -125,6 +125,7 @@ class StageRunner:
         self.inbox: dict[Message, list[torch.Tensor]] = {}
         self.outbox: dict[Message, tuple[torch.Tensor, ...]] = {}
         self.droppable: dict[Message, tuple[torch.Tensor, ...]] = {}
+        self.in_transit: list[tuple[list, list[torch.Tensor]]] = []  # (send requests, to drop)
         self.sent_specs: dict[tuple[int, int], tuple[TensorSpec, ...]] = {}
         self.saved: dict[tuple[int, int], tuple[tuple, tuple]] = {}
         self.losses: list[torch.Tensor] = []
@@ -174,14 +175,41 @@ class StageRunner:
     def _communicate(self, step: Step) -> None:
         specs = self._recv_specs(step)
         sends = [(self._peer(m), self.outbox.pop(m)) for m in step.sends]
-        received = self.transport.exchange(
-            sends, [(self._peer(m), s) for m, s in zip(step.recvs, specs, strict=True)]
+        # Only the receives are waited for: a late peer then delays just the action that
+        # needs its data, not this rank's next step.
+        received, pending = self.transport.exchange(
+            sends,
+            [(self._peer(m), s) for m, s in zip(step.recvs, specs, strict=True)],
+            wait_sends=False,
         )
         for msg, tensors in zip(step.recvs, received, strict=True):
             self.inbox[msg] = tensors
-        for msg in step.sends:
-            for t in self.droppable.pop(msg, ()):
+        dropped = [t for msg in step.sends for t in self.droppable.pop(msg, ())]
+        self.in_transit.append((pending, dropped))
+        self._reap(wait=False)
+
+    def _reap(self, wait: bool) -> None:
+        """Free the storage of sent activations whose sends are done (all, with ``wait``)."""
+        still = []
+        for requests, dropped in self.in_transit:
+            if wait:
+                self.transport.wait(requests)
+            elif not all(r.is_completed() for r in requests):
+                still.append((requests, dropped))
+                continue
+            for t in dropped:
                 _drop_storage(t)
+        self.in_transit = still
+
+    def finish(self) -> None:
+        """Wait for every send still in flight."""
+        try:
+            self._reap(wait=True)
+        except RuntimeError as err:
+            raise RuntimeError(
+                f"pipeline rank {self.stage} failed waiting for its last sends to be received. "
+                f"A peer rank may have failed or be stuck; look at its log first. ({err})"
+            ) from err
 
     # ----- compute ---------------------------------------------------------
     def forward(self, action: Action) -> None:
@@ -272,3 +300,4 @@ class StageRunner:
             else:
                 self.backward(action)
             self.events.append(Event(self.stage, "compute", str(action), start, self.clock()))
+        self.finish()
