@@ -5,9 +5,9 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-import torch.distributed as dist
 
 from megapp.models import GPTConfig, GPTModel
+from tests.tests_support import gather
 
 VOCAB, SEQ, MICRO_BATCH, MICROBATCHES, SEED = 37, 8, 2, 4, 1234
 
@@ -90,9 +90,5 @@ def full_tensor(
     ``vocab``: keep that many rows (drop the vocabulary padding)."""
     if not getattr(param, "tensor_model_parallel", False):
         return t
-    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(tp_group))]
-    dist.all_gather(parts, t.contiguous(), group=tp_group)
-    stride, dim = param.partition_stride, param.partition_dim
-    blocks = [p.chunk(stride, dim=dim) for p in parts]
-    full = torch.cat([b[i] for i in range(stride) for b in blocks], dim=dim)
+    full = gather(t, tp_group, param.partition_dim, param.partition_stride)
     return full if vocab is None else full[:vocab]

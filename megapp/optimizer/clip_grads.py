@@ -24,17 +24,22 @@ def _local_grad(param: torch.Tensor) -> torch.Tensor | None:
     return param.grad
 
 
-def grads_for_norm(params: Iterable[torch.Tensor], tp_rank: int) -> list[torch.Tensor]:
-    """The gradients of ``params`` this rank contributes to the global norm.
+def counts_in_norm(param: torch.Tensor, tp_rank: int) -> bool:
+    """Whether this rank's copy of ``param`` enters the global norm: not a ``shared``
+    duplicate, and either a tensor-parallel shard or (replicated over tp) on tp rank 0."""
+    if getattr(param, "shared", False):
+        return False
+    return getattr(param, "tensor_model_parallel", False) or tp_rank == 0
 
-    Skips parameters marked ``shared``, parameters without ``tensor_model_parallel`` unless
-    ``tp_rank`` is 0, and parameters with no gradient. Uses ``main_grad`` where it exists.
+
+def grads_for_norm(params: Iterable[torch.Tensor], tp_rank: int) -> list[torch.Tensor]:
+    """The gradients of ``params`` this rank contributes to the global norm
+    (:func:`counts_in_norm`), skipping parameters with no gradient. Uses ``main_grad``
+    where it exists.
     """
     grads = []
     for param in params:
-        if getattr(param, "shared", False):
-            continue
-        if not getattr(param, "tensor_model_parallel", False) and tp_rank != 0:
+        if not counts_in_norm(param, tp_rank):
             continue
         grad = _local_grad(param)
         if grad is not None:

@@ -28,7 +28,11 @@ from torch import nn
 
 from megapp.distributed.ddp import DistributedDataParallel
 from megapp.optimizer.adamw import build_adamw
-from megapp.optimizer.clip_grads import clip_grad_by_total_norm_, get_grad_norm
+from megapp.optimizer.clip_grads import (
+    clip_grad_by_total_norm_,
+    counts_in_norm,
+    get_grad_norm,
+)
 from megapp.optimizer.grad_scaler import found_inf_in
 from megapp.optimizer.param_groups import default_no_decay
 from megapp.tensor_parallel.mappings import Group, _all_gather_single, _rank
@@ -103,9 +107,7 @@ class Optimizer:
                 lo, hi = part
                 flat = p.data.view(-1)[lo:hi]
                 master = flat if flat.dtype == torch.float32 else flat.float()
-                counted = not getattr(p, "shared", False) and (
-                    getattr(p, "tensor_model_parallel", False) or tp_rank == 0
-                )
+                counted = counts_in_norm(p, tp_rank)
                 self.slices.append(_Slice(p, lo, hi, master, counted))
                 (no_decay if default_no_decay(names[id(p)], p) else decay).append(master)
         groups = [
