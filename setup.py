@@ -92,7 +92,7 @@ setup(
     description="Megatron-style hybrid-parallel training core for PyTorch",
     packages=find_packages(include=["megapp*"]),
     python_requires=">=3.10",
-    install_requires=["torch>=2.4", "einops>=0.7"],
+    install_requires=["torch>=2.4", "einops>=0.7", "numpy"],
     extras_require={"dev": ["pytest>=8", "ruff==0.17.6", "hypothesis", "matplotlib"]},
     ext_modules=_extensions(),
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=is_ninja_available())},

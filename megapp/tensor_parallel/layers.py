@@ -68,7 +68,8 @@ def _sliced_weight(
     stride: int = 1,
 ) -> nn.Parameter:
     """Make the full ``shape`` weight in fp32 on CPU, zero-pad ``padded_rows`` rows,
-    keep this rank's slice along ``partition_dim`` (see :func:`shard`)."""
+    keep this rank's slice along ``partition_dim`` (see :func:`shard`). A padded weight
+    records its real row count as ``unpadded_size`` (checkpoints store only those rows)."""
     full = torch.empty(shape, dtype=torch.float32)
     init_method(full)
     if padded_rows:
@@ -78,6 +79,8 @@ def _sliced_weight(
     weight.tensor_model_parallel = _world(group) > 1
     weight.partition_dim = partition_dim
     weight.partition_stride = stride
+    if padded_rows:
+        weight.unpadded_size = shape[0]
     return weight
 
 

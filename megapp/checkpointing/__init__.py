@@ -1,0 +1,20 @@
+"""Reshardable, atomic training checkpoints on ``torch.distributed.checkpoint``."""
+
+from megapp.checkpointing.checkpoint import (
+    CheckpointInfo,
+    iteration_dir,
+    load_checkpoint,
+    read_latest,
+    save_checkpoint,
+)
+from megapp.checkpointing.shards import TensorShard, tensor_parallel_shard
+
+__all__ = [
+    "CheckpointInfo",
+    "TensorShard",
+    "iteration_dir",
+    "load_checkpoint",
+    "read_latest",
+    "save_checkpoint",
+    "tensor_parallel_shard",
+]

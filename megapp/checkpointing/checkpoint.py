@@ -1,0 +1,386 @@
+"""Save and load a whole training state, reshardable across layouts, written atomically.
+
+A checkpoint directory holds one subdirectory per saved iteration and a marker::
+
+    save_dir/
+        latest_checkpointed_iteration.txt     the iteration to resume from
+        iter_0000100/
+            .metadata, __<rank>_0.distcp     model and optimizer tensors (DCP)
+            common.json                      iteration, data position, scheduler,
+                                             loss scaler, model config, layout
+
+Tensors go through ``torch.distributed.checkpoint`` as pieces of whole,
+layout-independent tensors (:mod:`megapp.checkpointing.state`), so a checkpoint
+saved under one (tp, pp, vpp, dp, distributed optimizer) layout loads under any
+other. Every rank's RNG states are saved too and restored when the layout is the
+same, which makes a resumed run continue exactly.
+
+Atomicity: everything is written into ``iter_XXXXXXX.partial``, renamed to its final
+name only once every rank has finished, and the marker is replaced (write, fsync,
+rename) last. A crash at any point leaves the previous marker pointing at a complete
+checkpoint; a leftover ``.partial`` directory is removed by the next save.
+
+Loading unpickles nothing but DCP's own metadata classes (see
+:mod:`megapp.checkpointing.safe_reader`): tensors are read with ``weights_only=True``
+and everything else is JSON.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from megapp.checkpointing import rng
+from megapp.checkpointing.safe_reader import SafeFileSystemReader, read_metadata_file
+from megapp.checkpointing.state import (
+    STEP_KEY,
+    OptimizerPieces,
+    model_shards,
+    named_params,
+    optimizer_kinds,
+    optimizer_step,
+    set_optimizer_step,
+)
+from megapp.tensor_parallel.mappings import _rank, _world
+
+logger = logging.getLogger(__name__)
+
+LATEST = "latest_checkpointed_iteration.txt"
+COMMON = "common.json"
+FORMAT_VERSION = 1
+
+# Config fields that fix the tensors' shapes; a checkpoint loads only into a model that
+# agrees on all of them.
+SHAPE_FIELDS = (
+    "num_layers",
+    "hidden_size",
+    "ffn_hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "kv_channels",
+    "vocab_size",
+    "max_position_embeddings",
+    "position_embedding_type",
+    "normalization",
+    "activation",
+    "add_bias_linear",
+    "share_embeddings_and_output_weights",
+)
+
+
+@dataclasses.dataclass
+class CheckpointInfo:
+    """What :func:`load_checkpoint` restored besides the tensors."""
+
+    iteration: int
+    consumed_train_samples: int
+    consumed_valid_samples: int
+    args: dict[str, Any]
+    """The plain settings given to :func:`save_checkpoint` (for reference and checks)."""
+    path: Path
+    rng_restored: bool
+
+
+def iteration_dir(save_dir: str | os.PathLike, iteration: int) -> Path:
+    return Path(save_dir) / f"iter_{iteration:07d}"
+
+
+def read_latest(load_dir: str | os.PathLike) -> int | None:
+    """The iteration the marker in ``load_dir`` names, or None when there is none."""
+    marker = Path(load_dir) / LATEST
+    if not marker.exists():
+        return None
+    text = marker.read_text().strip()
+    if not text.isdigit():
+        raise ValueError(f"{marker} should hold an iteration number, found {text!r}")
+    return int(text)
+
+
+def _plain(value: Any) -> Any:
+    """``value`` as JSON-able data (dtypes and other objects become their str)."""
+    if isinstance(value, bool | int | float | str) or value is None:
+        return value
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    return str(value)
+
+
+def _model_config(chunks) -> dict[str, Any] | None:
+    module = getattr(chunks[0], "module", chunks[0])
+    config = getattr(module, "config", None)
+    if config is None or not dataclasses.is_dataclass(config):
+        return None
+    return {f.name: _plain(getattr(config, f.name)) for f in dataclasses.fields(config)}
+
+
+def _layout(chunks, optimizer, groups) -> dict[str, Any]:
+    return {
+        "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+        "tp": _world(groups.tp),
+        "pp": _world(groups.pp),
+        "dp": _world(groups.dp),
+        "vpp": len(chunks),
+        "distributed_optimizer": bool(optimizer is not None and optimizer.distributed),
+    }
+
+
+def _rank_tag() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+@contextlib.contextmanager
+def _single_process_quiet():
+    """Without a process group DCP runs in one process, as meant; it need not warn so."""
+    with warnings.catch_warnings():
+        if not dist.is_initialized():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_json(path: Path, data: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def save_checkpoint(
+    save_dir: str | os.PathLike,
+    iteration: int,
+    chunks: Sequence[torch.nn.Module],
+    optimizer=None,
+    *,
+    groups,
+    lr_scheduler=None,
+    consumed_train_samples: int = 0,
+    consumed_valid_samples: int = 0,
+    args: dict[str, Any] | None = None,
+) -> Path:
+    """Save the training state after ``iteration`` and point the marker at it.
+
+    Collective: every rank calls it with its own chunks (DistributedDataParallel wrappers)
+    and the optimizer over them. ``groups`` is the step's
+    :class:`~megapp.training.step.TrainGroups`; the loss scaler is the optimizer's.
+    Returns the checkpoint's directory.
+    """
+    if iteration < 0:
+        raise ValueError(f"iteration must be >= 0, got {iteration}")
+    final = iteration_dir(save_dir, iteration)
+    partial = final.with_name(final.name + ".partial")
+    rank = _rank_tag()
+    if rank == 0:
+        Path(save_dir).mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(partial, ignore_errors=True)  # left by a save that did not finish
+        partial.mkdir()
+    _barrier()
+
+    tp_rank, tp_size = _rank(groups.tp), _world(groups.tp)
+    params = named_params(chunks, optimizer)
+    state: dict[str, torch.Tensor] = model_shards(params, tp_rank, tp_size)
+    if optimizer is not None:
+        pieces = OptimizerPieces(params, optimizer, optimizer_kinds(optimizer))
+        pieces.gather()
+        state.update(pieces.shards(tp_rank, tp_size))
+        state[STEP_KEY] = torch.tensor(optimizer_step(optimizer), dtype=torch.float64)
+    for key, tensor in rng.capture().items():
+        state[f"rng.{rank}.{key}"] = tensor
+    with _single_process_quiet():
+        dcp.save(
+            state,
+            storage_writer=dcp.FileSystemWriter(partial, sync_files=True),
+            no_dist=not dist.is_initialized(),
+        )
+
+    if rank == 0:
+        scaler = optimizer.grad_scaler if optimizer is not None else None
+        _write_json(
+            partial / COMMON,
+            {
+                "format_version": FORMAT_VERSION,
+                "iteration": int(iteration),
+                "consumed_train_samples": int(consumed_train_samples),
+                "consumed_valid_samples": int(consumed_valid_samples),
+                "lr_scheduler": _plain(lr_scheduler.state_dict()) if lr_scheduler else None,
+                "grad_scaler": _plain(scaler.state_dict()) if scaler is not None else None,
+                "has_optimizer": optimizer is not None,
+                "model_config": _model_config(chunks),
+                "layout": _layout(chunks, optimizer, groups),
+                "args": _plain(args or {}),
+            },
+        )
+    _barrier()  # every rank's files are complete before the directory becomes final
+    if rank == 0:
+        old = final.with_name(final.name + ".old")
+        if final.exists():  # saving the same iteration again replaces it
+            shutil.rmtree(old, ignore_errors=True)
+            final.rename(old)
+        partial.rename(final)
+        _fsync_dir(final.parent)
+        marker = Path(save_dir) / LATEST
+        tmp = marker.with_name(marker.name + ".tmp")
+        with open(tmp, "w") as f:
+            f.write(f"{iteration}\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, marker)
+        _fsync_dir(final.parent)
+        shutil.rmtree(old, ignore_errors=True)
+        logger.info("megapp: saved iteration %d to %s", iteration, final)
+    _barrier()
+    return final
+
+
+def _check_config(saved: dict | None, chunks, path: Path) -> None:
+    current = _model_config(chunks)
+    if saved is None or current is None:
+        return
+    diffs = [
+        f"{name}: checkpoint {saved[name]!r}, this model {current[name]!r}"
+        for name in SHAPE_FIELDS
+        if name in saved and name in current and saved[name] != current[name]
+    ]
+    if diffs:
+        raise ValueError(
+            f"checkpoint {path} is of a different model shape; set the model flags to the "
+            "checkpoint's or train from scratch:\n  " + "\n  ".join(diffs)
+        )
+
+
+def _check_tensors(state: dict[str, torch.Tensor], metadata, path: Path) -> None:
+    saved = metadata.state_dict_metadata
+    problems = []
+    for key, tensor in state.items():
+        md = saved.get(key)
+        if not isinstance(md, TensorStorageMetadata):
+            problems.append(f"{key}: not in the checkpoint")
+        elif md.size != tensor.size():
+            problems.append(
+                f"{key}: checkpoint {tuple(md.size)}, this model {tuple(tensor.size())}"
+            )
+    if problems:
+        shown = "\n  ".join(problems[:10])
+        more = f"\n  ... and {len(problems) - 10} more" if len(problems) > 10 else ""
+        raise ValueError(f"checkpoint {path} does not fit this model:\n  {shown}{more}")
+
+
+def load_checkpoint(
+    load_dir: str | os.PathLike,
+    chunks: Sequence[torch.nn.Module],
+    optimizer=None,
+    *,
+    groups,
+    lr_scheduler=None,
+    iteration: int | None = None,
+    load_optimizer: bool = True,
+    load_rng: bool = True,
+) -> CheckpointInfo | None:
+    """Restore the state saved by :func:`save_checkpoint`; None when ``load_dir`` has none.
+
+    Collective. Loads the iteration the marker names (or ``iteration``), into any layout.
+    RNG states are restored only when the layout is the one saved (each rank's generators
+    belong to its position in the grid); otherwise the run continues with its own seeds
+    and a warning says so. ``load_optimizer=False`` restores the model only (fine-tuning).
+    """
+    if iteration is None:
+        iteration = read_latest(load_dir)
+        if iteration is None:
+            return None
+    path = iteration_dir(load_dir, iteration)
+    if not (path / COMMON).exists():
+        raise FileNotFoundError(f"no complete checkpoint at {path} (missing {COMMON})")
+    common = json.loads((path / COMMON).read_text())
+    if common.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"{path}: unknown checkpoint format {common.get('format_version')!r}")
+    _check_config(common.get("model_config"), chunks, path)
+    metadata = read_metadata_file(path / ".metadata")
+    saved = metadata.state_dict_metadata
+
+    tp_rank, tp_size = _rank(groups.tp), _world(groups.tp)
+    params = named_params(chunks, optimizer)
+    state: dict[str, torch.Tensor] = model_shards(params, tp_rank, tp_size)
+    pieces = None
+    load_optimizer = load_optimizer and optimizer is not None
+    if load_optimizer:
+        if not common.get("has_optimizer"):
+            raise ValueError(f"{path} holds no optimizer state; load it with load_optimizer=False")
+        kinds = optimizer_kinds(optimizer)
+        if "master" in kinds and not any(k.startswith("optimizer.master.") for k in saved):
+            kinds = tuple(k for k in kinds if k != "master")  # masters come from the weights
+        pieces = OptimizerPieces(params, optimizer, kinds)
+        state.update(pieces.shards(tp_rank, tp_size))
+        state[STEP_KEY] = torch.zeros((), dtype=torch.float64)
+    rank = _rank_tag()
+    saved_layout, layout = common.get("layout") or {}, _layout(chunks, optimizer, groups)
+    same_layout = all(saved_layout.get(k) == layout[k] for k in ("world_size", "tp", "pp"))
+    rng_states = rng.capture() if load_rng and same_layout else {}
+    for key, tensor in rng_states.items():
+        state[f"rng.{rank}.{key}"] = tensor
+    _check_tensors(state, metadata, path)
+
+    with _single_process_quiet():
+        reader = SafeFileSystemReader(path)
+        dcp.load(state, storage_reader=reader, no_dist=not dist.is_initialized())
+
+    if load_optimizer:
+        pieces.scatter()
+        set_optimizer_step(optimizer, float(state[STEP_KEY]))
+        if "master" not in pieces.kinds:
+            for s in optimizer.slices:  # fp32 copies of the loaded bf16/fp16 weights
+                flat = s.param.data.view(-1)[s.lo : s.hi]
+                if flat.data_ptr() != s.master.data_ptr():
+                    s.master.copy_(flat)
+        if lr_scheduler is not None and common.get("lr_scheduler") is not None:
+            lr_scheduler.load_state_dict(common["lr_scheduler"])
+        scaler = optimizer.grad_scaler
+        if scaler is not None and common.get("grad_scaler") is not None:
+            scaler.load_state_dict(common["grad_scaler"])
+    elif optimizer is not None:
+        for s in optimizer.slices:
+            flat = s.param.data.view(-1)[s.lo : s.hi]
+            if flat.data_ptr() != s.master.data_ptr():
+                s.master.copy_(flat)
+    if rng_states:
+        rng.restore(rng_states)
+    elif load_rng and rank == 0:
+        logger.warning(
+            "megapp: %s was saved under layout %s, this run is %s; RNG states not restored",
+            path,
+            saved_layout,
+            layout,
+        )
+    return CheckpointInfo(
+        iteration=int(common["iteration"]),
+        consumed_train_samples=int(common["consumed_train_samples"]),
+        consumed_valid_samples=int(common["consumed_valid_samples"]),
+        args=common.get("args", {}),
+        path=path,
+        rng_restored=bool(rng_states),
+    )
