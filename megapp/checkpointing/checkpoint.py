@@ -341,6 +341,8 @@ def load_checkpoint(
     saved_layout, layout = common.get("layout") or {}, _layout(chunks, optimizer, groups)
     same_layout = all(saved_layout.get(k) == layout[k] for k in ("world_size", "tp", "pp"))
     rng_states = rng.capture() if load_rng and same_layout else {}
+    if any(f"rng.{rank}.{key}" not in saved for key in rng_states):
+        rng_states = {}  # saved with other generators (e.g. without CUDA): keep our seeds
     for key, tensor in rng_states.items():
         state[f"rng.{rank}.{key}"] = tensor
     _check_tensors(state, metadata, path)
@@ -371,7 +373,8 @@ def load_checkpoint(
         rng.restore(rng_states)
     elif load_rng and rank == 0:
         logger.warning(
-            "megapp: %s was saved under layout %s, this run is %s; RNG states not restored",
+            "megapp: RNG states not restored from %s: saved under layout %s or with other "
+            "generators, this run is %s",
             path,
             saved_layout,
             layout,
