@@ -1,0 +1,59 @@
+"""Evaluation: forward-only pipeline iterations over held-out batches, no gradients."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megapp.distributed.ddp import DistributedDataParallel
+from megapp.pipeline_parallel import forward_backward
+from megapp.pipeline_parallel.runner import ForwardStepFunc
+from megapp.tensor_parallel.mappings import _world
+from megapp.training.step import TrainGroups
+
+
+def evaluate(
+    forward_step_func: ForwardStepFunc,
+    data_iterators: Iterator | Sequence[Iterator | None] | None,
+    chunks: Sequence[DistributedDataParallel],
+    *,
+    num_microbatches: int,
+    eval_iters: int,
+    groups: TrainGroups,
+) -> float:
+    """Mean loss of ``eval_iters`` global batches, identical on every rank.
+
+    Each batch runs the training schedule's forwards only (dropout off); its loss is
+    the mean over microbatches and data-parallel replicas, as in training, and the
+    result is the mean over the batches.
+    """
+    if eval_iters < 1:
+        raise ValueError(f"eval_iters must be >= 1, got {eval_iters}")
+    schedule = "interleaved-1f1b" if len(chunks) > 1 else "1f1b"
+    was_training = [chunk.training for chunk in chunks]
+    for chunk in chunks:
+        chunk.eval()
+    try:
+        total = torch.zeros(1, dtype=torch.float64)
+        for _ in range(eval_iters):
+            result = forward_backward(
+                forward_step_func,
+                data_iterators,
+                list(chunks),
+                num_microbatches,
+                schedule=schedule,
+                pp_group=groups.pp,
+                forward_only=True,
+            )
+            total += result.loss.detach().double().cpu()
+    finally:
+        for chunk, mode in zip(chunks, was_training, strict=True):
+            chunk.train(mode)
+    if _world(groups.dp) > 1:
+        device = result.loss.device
+        total = total.to(device)
+        dist.all_reduce(total, group=groups.dp)
+        total = total.cpu() / _world(groups.dp)
+    return float(total.item()) / eval_iters

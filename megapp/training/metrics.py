@@ -1,0 +1,154 @@
+"""What the training loop reports: Megatron-style log lines, a JSON-lines file, TensorBoard.
+
+One :class:`MetricsWriter` lives on the last rank (the rank that holds the
+loss in Megatron's layout). Every record goes to the JSON-lines file, one
+object per line with a ``"kind"`` of ``"train"`` (one per log interval),
+``"eval"`` (one per evaluation) or ``"run"`` (the start of a run), and, when a
+TensorBoard directory is given, to TensorBoard as scalars.
+
+Throughput counts model FLOPs (:func:`flops_per_iteration`), not the extra
+forward of activation recompute, so it compares across recompute settings.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+# Dense 16-bit tensor-core peaks in TFLOP/s (vendor data sheets, SXM parts).
+_PEAK_16BIT_TFLOPS = (("H200", 989.0), ("H100", 989.0), ("A100", 312.0), ("B200", 2250.0))
+
+
+def flops_per_iteration(args: Any, padded_vocab_size: int) -> float:
+    """Model FLOPs of one training iteration (forward and backward) of the global batch.
+
+    Per token and layer the forward pass multiplies: the query/key/value projection
+    ``2·h·(a·d + 2·g·d)``, scores and weighted values ``2·2·s·a·d``, the output projection
+    ``2·a·d·h``, the MLP ``2·2·h·f`` (``2·3·h·f`` with SwiGLU's gate), and once per token the
+    logits ``2·h·V``. Backward costs twice the forward, hence the factor 3.
+    """
+    h, s, f = args.hidden_size, args.seq_length, args.ffn_hidden_size
+    a, g = args.num_attention_heads, args.num_query_groups
+    d = args.kv_channels or h // a
+    attention = 2 * h * (a * d + 2 * g * d) + 4 * s * a * d + 2 * a * d * h
+    mlp = (6 if args.swiglu else 4) * h * f
+    per_token = args.num_layers * (attention + mlp) + 2 * h * padded_vocab_size
+    return 3.0 * per_token * s * args.global_batch_size
+
+
+def peak_tflops(device: torch.device, dtype: torch.dtype) -> float | None:
+    """The device's dense peak for ``dtype`` when known (16-bit on the listed GPUs), else None."""
+    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
+        return None
+    name = torch.cuda.get_device_name(device)
+    for model, peak in _PEAK_16BIT_TFLOPS:
+        if model in name:
+            return peak
+    return None
+
+
+def perplexity(loss: float) -> float:
+    """``exp(loss)``, capped at ``exp(20)`` so an early, large loss stays printable."""
+    return math.exp(min(20.0, loss))
+
+
+def _tflops(value: float) -> str:
+    # One decimal as Megatron prints it; small (CPU) figures keep four so they do not read 0.0.
+    return f"{value:.1f}" if value >= 1.0 else f"{value:.4f}"
+
+
+def format_train_line(record: Mapping[str, Any], train_iters: int) -> str:
+    """Megatron's per-interval line from a ``"train"`` record."""
+    parts = [
+        f" iteration {record['iteration']:8d}/{train_iters:8d}",
+        f" consumed samples: {record['consumed_samples']:12d}",
+        f" elapsed time per iteration (ms): {record['elapsed_ms_per_iteration']:.1f}",
+        f" throughput per GPU (TFLOP/s/GPU): {_tflops(record['tflops_per_device'])}",
+    ]
+    if record.get("mfu") is not None:
+        parts.append(f" MFU: {100 * record['mfu']:.1f}%")
+    parts += [
+        f" tokens per second: {record['tokens_per_second_per_device']:.1f}",
+        f" learning rate: {record['learning_rate']:.6E}",
+        f" global batch size: {record['global_batch_size']:5d}",
+    ]
+    if record.get("lm_loss") is not None:
+        parts.append(f" lm loss: {record['lm_loss']:.6E}")
+    parts += [
+        f" loss scale: {record['loss_scale']:.1f}",
+        f" grad norm: {record['grad_norm']:.3f}" if record.get("grad_norm") is not None else None,
+        f" number of skipped iterations: {record['skipped_iterations']:3d}",
+        f" number of nan iterations: {record['nan_iterations']:3d}",
+    ]
+    return " |".join(p for p in parts if p is not None) + " |"
+
+
+def format_eval_lines(record: Mapping[str, Any]) -> str:
+    """Megatron's evaluation block: the losses between two rules as long as the line."""
+    name = "validation" if record["split"] == "valid" else record["split"]
+    line = (
+        f" {name} loss at {record['where']} | lm loss value: "
+        f"{record['lm_loss']:.6E} | lm loss PPL: {record['lm_loss_ppl']:.6E} | "
+    )
+    rule = "-" * (len(line) + 1)
+    return f"{rule}\n{line}\n{rule}"
+
+
+class MetricsWriter:
+    """Appends records to a JSON-lines file and, optionally, TensorBoard.
+
+    Args:
+        path: the JSON-lines file (its directory is created); appended to, so a
+            resumed run continues the same file.
+        tensorboard_dir: a TensorBoard log directory, or None.
+    """
+
+    def __init__(self, path: str, tensorboard_dir: str | None = None) -> None:
+        self.path = path
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
+        self._tensorboard = None
+        if tensorboard_dir is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tensorboard = SummaryWriter(log_dir=tensorboard_dir, max_queue=1000)
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        """Append ``record``; non-finite numbers (a skipped step's grad norm) become null,
+        so every line is strict JSON."""
+        finite = {
+            k: None if isinstance(v, float) and not math.isfinite(v) else v
+            for k, v in record.items()
+        }
+        self._file.write(json.dumps(finite, allow_nan=False) + "\n")
+        self._file.flush()
+        if self._tensorboard is None or "iteration" not in record:
+            return
+        step = record["iteration"]
+        if record["kind"] == "train":
+            for key, name in (
+                ("lm_loss", "lm loss"),
+                ("learning_rate", "learning-rate"),
+                ("grad_norm", "grad-norm"),
+                ("loss_scale", "loss-scale"),
+                ("global_batch_size", "batch-size"),
+                ("tflops_per_device", "throughput"),
+            ):
+                if finite.get(key) is not None:
+                    self._tensorboard.add_scalar(name, finite[key], step)
+        elif record["kind"] == "eval":
+            suffix = "" if record["split"] == "valid" else f" {record['split']}"
+            self._tensorboard.add_scalar(f"lm loss validation{suffix}", record["lm_loss"], step)
+            self._tensorboard.add_scalar(
+                f"lm loss validation ppl{suffix}", record["lm_loss_ppl"], step
+            )
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tensorboard is not None:
+            self._tensorboard.close()

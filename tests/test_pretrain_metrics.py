@@ -1,0 +1,102 @@
+"""What the training loop reports: the FLOP count behind the throughput, Megatron's log
+line and evaluation block, and the JSON-lines metrics file."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from megapp.models import GPTConfig, GPTModel
+from megapp.training.metrics import (
+    MetricsWriter,
+    flops_per_iteration,
+    format_eval_lines,
+    format_train_line,
+    peak_tflops,
+    perplexity,
+)
+from tests.test_pretrain_args import args_for
+
+
+@pytest.mark.parametrize("swiglu", [False, True])
+def test_flops_match_a_count_of_the_model_forward(swiglu):
+    """The throughput's FLOPs are 3 × what torch counts in the model's forward pass."""
+    args = args_for(
+        "--micro-batch-size 1 --global-batch-size 3 --num-query-groups 2"
+        + (" --swiglu" if swiglu else ""),
+        1,
+    )
+    vocab = 384
+    config = GPTConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups,
+        activation="swiglu" if swiglu else "gelu",
+        vocab_size=vocab,
+        max_position_embeddings=args.seq_length,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        attention_backend="fused_softmax",  # explicit matmuls (torch counts no CPU sdpa kernel)
+    )
+    model = GPTModel(config)
+    tokens = torch.randint(0, vocab, (args.global_batch_size, args.seq_length))
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        model(tokens, labels=tokens)
+    assert flops_per_iteration(args, vocab) == 3 * counter.get_total_flops()
+
+
+def test_log_line_has_megatrons_layout():
+    record = {
+        "iteration": 10,
+        "consumed_samples": 640,
+        "elapsed_ms_per_iteration": 123.45,
+        "tflops_per_device": 412.34,
+        "mfu": 0.41693,
+        "tokens_per_second_per_device": 2345.6,
+        "learning_rate": 1e-4,
+        "global_batch_size": 64,
+        "lm_loss": 5.1234564,
+        "loss_scale": 1.0,
+        "grad_norm": 1.23449,
+        "skipped_iterations": 0,
+        "nan_iterations": 0,
+    }
+    assert format_train_line(record, 100) == (
+        " iteration       10/     100 | consumed samples:          640 |"
+        " elapsed time per iteration (ms): 123.5 | throughput per GPU (TFLOP/s/GPU): 412.3 |"
+        " MFU: 41.7% | tokens per second: 2345.6 | learning rate: 1.000000E-04 |"
+        " global batch size:    64 | lm loss: 5.123456E+00 | loss scale: 1.0 |"
+        " grad norm: 1.234 | number of skipped iterations:   0 | number of nan iterations:   0 |"
+    )
+    cpu = format_train_line({**record, "mfu": None, "tflops_per_device": 0.00123}, 100)
+    assert "MFU" not in cpu and "(TFLOP/s/GPU): 0.0012 |" in cpu
+    block = format_eval_lines(
+        {"split": "valid", "where": "iteration 10", "lm_loss": 2.0, "lm_loss_ppl": 7.389056}
+    ).splitlines()
+    assert block[1] == (
+        " validation loss at iteration 10 | lm loss value: 2.000000E+00 |"
+        " lm loss PPL: 7.389056E+00 | "
+    )
+    assert block[0] == block[2] == "-" * (len(block[1]) + 1)
+    assert peak_tflops(torch.device("cpu"), torch.bfloat16) is None
+
+
+def test_metrics_file_is_appended_strict_json(tmp_path):
+    path = tmp_path / "run" / "metrics.jsonl"
+    writer = MetricsWriter(str(path))
+    writer.write({"kind": "train", "iteration": 1, "lm_loss": 5.25, "grad_norm": float("nan")})
+    writer.close()
+    again = MetricsWriter(str(path))  # a resumed run continues the same file
+    again.write({"kind": "eval", "iteration": 2, "lm_loss": 1 / 3, "lm_loss_ppl": math.inf})
+    again.close()
+    lines = path.read_text().splitlines()
+    records = [json.loads(line, parse_constant=pytest.fail) for line in lines]  # no NaN/Infinity
+    assert records[0] == {"kind": "train", "iteration": 1, "lm_loss": 5.25, "grad_norm": None}
+    assert records[1]["lm_loss"] == 1 / 3 and records[1]["lm_loss_ppl"] is None  # exact floats
+    assert perplexity(2.0) == math.exp(2.0) and perplexity(1e4) == math.exp(20.0)
