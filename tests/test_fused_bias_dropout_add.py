@@ -137,7 +137,8 @@ def test_mask_rejects_bad_arguments():
 
 @requires_cpu_ext
 @pytest.mark.parametrize("offset", [0, 1, 2, 3, 6, 1001])
-@pytest.mark.parametrize("shape", [(4, 7), (3, 5, 13), (33, 64)])
+# (3, 600): rows longer than the kernel's 256-element chunks, chunk starts off block boundaries.
+@pytest.mark.parametrize("shape", [(4, 7), (3, 5, 13), (33, 64), (3, 600)])
 @pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
 def test_cpu_kernel_mask_is_the_reference_mask(ops, shape, p, offset):
     expected = dropout_mask(shape, p, SEED, offset)

@@ -24,10 +24,12 @@ from megapp.fusions.norm import (
     layer_norm_reference,
     layer_norm_reference_backward,
     layer_norm_reference_forward,
+    layer_norm_reference_stats,
     rms_norm,
     rms_norm_reference,
     rms_norm_reference_backward,
     rms_norm_reference_forward,
+    rms_norm_reference_stats,
 )
 
 # Shared fixtures (pytest finds them as module attributes).
@@ -38,9 +40,10 @@ EPS = 1e-5
 SHAPES = [(1, 8), (4, 7), (3, 5, 13), (2, 3, 1), (257, 300), (16, 2, 1000)]
 OPS = ["layer_norm", "rms_norm"]
 
-# fp32: kernel and reference run the same float ops in the same order except the row sums
-# (sequential in the kernel, pairwise in torch): relative error of the statistics ~√h·2^-24, which
-# reaches y and grad_input through x̂ = (x − mean)·rstd (|x̂| ≲ 5) — 1e-5 leaves a wide margin.
+# fp32: kernel and reference run the same float ops in the same order except the row sums (8-lane
+# vector accumulators in the kernel, pairwise in torch) and FMA contraction in the AVX2 kernels:
+# relative error of the statistics ~√h·2^-24, which reaches y and grad_input through
+# x̂ = (x − mean)·rstd (|x̂| ≲ 5) — 1e-5 leaves a wide margin.
 FP32_TOL = {"rtol": 1e-5, "atol": 1e-5}
 FP64_TOL = {"rtol": 1e-11, "atol": 1e-11}
 # bf16/fp16 kernels compute in float and round once to the output type, so against the fp32
@@ -439,6 +442,90 @@ def test_saved_tensors(monkeypatch, request, op, memory_efficient, fused):
     assert x.grad is not None and all(p.grad is not None for p in params)
 
 
+# Recomputed statistics ----------------------------------------------------------------------------
+
+
+@requires_cpu_ext
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_cpu_stats_kernel_matches_forward_bitwise(ops, op, shape, dtype):
+    x, weight, bias, _ = _inputs(shape, dtype)
+    if op == "layer_norm":
+        stats = ops.layer_norm_stats(x, EPS)
+        fwd_stats = ops.layer_norm_fwd(x, weight, bias, EPS)[1:]
+    else:
+        stats = (ops.rms_norm_stats(x, EPS),)
+        fwd_stats = ops.rms_norm_fwd(x, weight, EPS)[1:]
+    for got, want in zip(stats, fwd_stats, strict=True):
+        assert got.shape == want.shape == x.shape[:-1] and got.dtype == want.dtype
+        assert torch.equal(got, want)
+
+
+@requires_cpu_ext
+def test_cpu_stats_kernel_rejects_bad_inputs(ops):
+    with pytest.raises(RuntimeError, match="h > 0"):
+        ops.layer_norm_stats(torch.randn(3, 0), EPS)
+    with pytest.raises(RuntimeError, match="unsupported dtype"):
+        ops.rms_norm_stats(torch.ones(3, 4, dtype=torch.int32), EPS)
+    with pytest.raises(RuntimeError, match="eps must be finite"):
+        ops.rms_norm_stats(torch.randn(3, 4), -1.0)
+
+
+def test_reference_stats_match_reference_forward_bitwise():
+    x, weight, bias, _ = _inputs((6, 5, 33), torch.bfloat16, torch.float32)
+    _, mean, rstd = layer_norm_reference_forward(x, weight, bias, EPS)
+    got_mean, got_rstd = layer_norm_reference_stats(x, EPS)
+    assert torch.equal(got_mean, mean) and torch.equal(got_rstd, rstd)
+    _, rms_rstd = rms_norm_reference_forward(x, weight, EPS)
+    assert torch.equal(rms_norm_reference_stats(x, EPS), rms_rstd)
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("fused", ["0", "1"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_recompute_stats_keeps_x_only_and_gives_the_same_gradients(
+    monkeypatch, request, op, fused, dtype
+):
+    monkeypatch.setenv("MEGAPP_FUSED", fused)
+    if fused == "1" and os.environ.get("MEGAPP_BUILD_CPU_EXT") != "0":
+        request.getfixturevalue("ops")
+    x, weight, bias, grad = _inputs((7, 3, 300), dtype, torch.float32)
+    bias = bias if op == "layer_norm" else None
+    grads = {}
+    for recompute in (False, True):
+        leaves = [
+            t.detach().clone().requires_grad_(True) for t in (x, weight, bias) if t is not None
+        ]
+        packed = []
+
+        def pack(t, packed=packed):
+            packed.append(t)
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            if op == "layer_norm":
+                y = layer_norm(*leaves, EPS, recompute_stats=recompute)
+            else:
+                y = rms_norm(*leaves, EPS, recompute_stats=recompute)
+        stats = [t for t in packed if t.shape == x.shape[:-1]]
+        assert len(stats) == (0 if recompute else (2 if op == "layer_norm" else 1))
+        assert sum(t.shape == x.shape for t in packed) == 1  # x itself
+        y.backward(grad)
+        grads[recompute] = [leaf.grad for leaf in leaves]
+    # The statistics are recomputed by the forward's own code: the gradients are the same bits.
+    for kept, recomputed in zip(grads[False], grads[True], strict=True):
+        assert torch.equal(kept, recomputed)
+
+
+def test_recompute_stats_excludes_memory_efficient():
+    x, weight, bias, _ = _inputs((4, 8), torch.float32)
+    with pytest.raises(ValueError, match="recompute_stats=True recomputes the statistics"):
+        layer_norm(x, weight, bias, EPS, memory_efficient=True, recompute_stats=True)
+    with pytest.raises(ValueError, match="choose one of them"):
+        RMSNorm(8, memory_efficient=True, recompute_stats=True)(x)
+
+
 # Modules ------------------------------------------------------------------------------------------
 
 
@@ -454,7 +541,7 @@ def test_modules(cls, sequence_parallel):
     params = list(norm.parameters())
     assert len(params) == (2 if cls is LayerNorm else 1)
     assert all(p.sequence_parallel is sequence_parallel for p in params)
-    assert "memory_efficient=True" in repr(norm)
+    assert "memory_efficient=True" in repr(norm) and "recompute_stats=False" in repr(norm)
 
     x, weight, bias, _ = _inputs((5, 2, 24), torch.bfloat16, torch.float32)
     with torch.no_grad():

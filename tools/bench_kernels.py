@@ -806,7 +806,13 @@ def main(argv: list[str] | None = None) -> int:
         f"torch {torch.__version__} (CPU capability {torch.backends.cpu.get_cpu_capability()}); "
         f"torch.set_num_threads({args.threads}) -> {torch.get_num_threads()} threads"
     )
-    print(f"megapp compiled tiers: {sorted(extension.built_tiers()) or 'none'}")
+    tiers = extension.built_tiers()
+    isa = (
+        f", CPU kernels' vector ISA {torch.ops.megapp.cpu_kernels_isa()}" if "cpu" in tiers else ""
+    )
+    print(f"megapp compiled tiers: {sorted(tiers) or 'none'}{isa}")
+    # The import path says which tree is measured (an installed megapp may live elsewhere).
+    print(f"megapp imported from: {os.path.dirname(fusions.__file__)}")
     print(f"source: {source_state()}")
     if args.device == "auto" and not torch.cuda.is_available():
         print("CUDA: not available, skipping the GPU measurements")

@@ -2,7 +2,9 @@
 //
 // out = residual + dropout(x + bias, p): x and residual are [..., h] viewed as [rows, h]; bias is
 // [h] or absent. The keep mask is regenerated from (seed, offset) with the Philox stream of
-// megapp/philox.h, never stored. Math runs in at::opmath_type (float for bf16/half).
+// megapp/philox.h, never stored. Math runs in at::opmath_type (float for bf16/half), in the
+// vectorized row loops of vec_kernels_impl.h (Philox blocks drawn 8 at a time); this file checks,
+// allocates and splits rows over threads.
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
@@ -15,6 +17,7 @@
 
 #include "cpu_common.h"
 #include "megapp/philox.h"
+#include "vec_kernels.h"
 
 TORCH_LIBRARY_FRAGMENT(megapp, m) {
   // out = residual + mask·(x + bias)/(1 − p); x, residual: [..., h], bias: [h] or None. Element i
@@ -33,10 +36,6 @@ namespace megapp {
 namespace {
 
 using namespace cpu_detail;
-
-// grad_bias is reduced over at most this many fixed row blocks; the blocking depends only on
-// the shape, never on the thread count, so the result is bitwise reproducible.
-constexpr int64_t kMaxBiasBlocks = 64;
 
 void check_dropout_args(const char* op, double p, int64_t offset) {
   TORCH_CHECK(p >= 0.0 && p <= 1.0, op, ": dropout probability must be in [0, 1], got ", p);
@@ -68,26 +67,6 @@ void check_fwd_inputs(const at::Tensor& x, const std::optional<at::Tensor>& bias
               x.device(), " and ", bias->device());
 }
 
-// Keep flags of one row, counter indices n0 .. n0 + cols − 1, one Philox block per 4 elements.
-class RowMask {
- public:
-  RowMask(uint64_t seed, uint64_t threshold) : seed_(seed), threshold_(threshold) {}
-
-  bool keep(uint64_t n) {
-    const uint64_t block = n >> 2;
-    if (block != block_) {
-      draws_ = dropout_philox_block(seed_, block);
-      block_ = block;
-    }
-    return draws_.v[n & 3] < threshold_;
-  }
-
- private:
-  uint64_t seed_, threshold_;
-  uint64_t block_ = ~uint64_t(0);  // never a real block index: counter indices are < 2^63
-  PhiloxBlock draws_{};
-};
-
 at::Tensor bias_dropout_add_fwd(const at::Tensor& x_in, const std::optional<at::Tensor>& bias_in,
                                 const at::Tensor& residual_in, double p, int64_t seed,
                                 int64_t offset) {
@@ -100,32 +79,24 @@ at::Tensor bias_dropout_add_fwd(const at::Tensor& x_in, const std::optional<at::
   at::Tensor out = at::empty_like(x, at::MemoryFormat::Contiguous);
   const int64_t cols = x.size(-1);
   const int64_t rows = cols == 0 ? 0 : x.numel() / cols;
-  const bool dropout = p > 0.0;
-  const uint64_t threshold = dropout_keep_threshold(p);
-  const uint64_t useed = static_cast<uint64_t>(seed);
+  const DropoutMask mask{p > 0.0, static_cast<uint64_t>(seed), static_cast<uint64_t>(offset),
+                         dropout_keep_threshold(p), dropout_scale(p)};
 
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kBFloat16, at::kHalf, x.scalar_type(), "bias_dropout_add_fwd", [&] {
         using acc_t = at::opmath_type<scalar_t>;
-        const acc_t scale = static_cast<acc_t>(dropout_scale(p));
+        const auto& kernels = row_kernels<scalar_t>();
         const scalar_t* xp = x.const_data_ptr<scalar_t>();
-        const scalar_t* bp = bias.has_value() ? bias->const_data_ptr<scalar_t>() : nullptr;
         const scalar_t* rp = residual.const_data_ptr<scalar_t>();
         scalar_t* op = out.mutable_data_ptr<scalar_t>();
+        std::vector<acc_t> bias_acc;
+        const acc_t* bp = bias.has_value()
+                              ? widened<acc_t>(bias->const_data_ptr<scalar_t>(), cols, bias_acc)
+                              : nullptr;
         at::parallel_for(0, rows, rows_grain(cols), [&](int64_t begin, int64_t end) {
-          RowMask mask(useed, threshold);
-          for (int64_t r = begin; r < end; ++r) {
-            const int64_t base = r * cols;
-            for (int64_t c = 0; c < cols; ++c) {
-              acc_t z = static_cast<acc_t>(xp[base + c]);
-              if (bp != nullptr) z += static_cast<acc_t>(bp[c]);
-              if (dropout) {
-                const uint64_t n = static_cast<uint64_t>(offset + base + c);
-                z = mask.keep(n) ? z * scale : acc_t(0);
-              }
-              op[base + c] = static_cast<scalar_t>(static_cast<acc_t>(rp[base + c]) + z);
-            }
-          }
+          const int64_t off = begin * cols;
+          kernels.bias_dropout_add_fwd(xp + off, bp, rp + off, op + off, mask, begin, end - begin,
+                                       cols);
         });
       });
   return out;
@@ -146,46 +117,28 @@ std::tuple<at::Tensor, std::optional<at::Tensor>> bias_dropout_add_bwd(const at:
   const int64_t rows = cols == 0 ? 0 : grad.numel() / cols;
   std::optional<at::Tensor> grad_bias;
   if (bias_grad) grad_bias = at::empty({cols}, grad.options());
-  const bool dropout = p > 0.0;
-  const uint64_t threshold = dropout_keep_threshold(p);
-  const uint64_t useed = static_cast<uint64_t>(seed);
-  // Fixed row blocks of about GRAIN_SIZE elements each, at most kMaxBiasBlocks of them.
-  const int64_t num_blocks =
-      std::clamp<int64_t>(at::divup(rows * cols, at::internal::GRAIN_SIZE), 1, kMaxBiasBlocks);
-  const int64_t block_rows = std::max<int64_t>(1, at::divup(rows, num_blocks));
+  const DropoutMask mask{p > 0.0, static_cast<uint64_t>(seed), static_cast<uint64_t>(offset),
+                         dropout_keep_threshold(p), dropout_scale(p)};
+  const RowBlocks blocks(rows, cols);
 
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kBFloat16, at::kHalf, grad.scalar_type(), "bias_dropout_add_bwd", [&] {
         using acc_t = at::opmath_type<scalar_t>;
-        const acc_t scale = static_cast<acc_t>(dropout_scale(p));
+        const auto& kernels = row_kernels<scalar_t>();
         const scalar_t* gp = grad.const_data_ptr<scalar_t>();
         scalar_t* gxp = grad_x.mutable_data_ptr<scalar_t>();
         // partial[b * cols + c]: sum of the (unrounded) grad_x of column c over row block b.
-        std::vector<acc_t> partial(bias_grad ? num_blocks * cols : 0, acc_t(0));
-        at::parallel_for(0, num_blocks, 1, [&](int64_t block_begin, int64_t block_end) {
-          RowMask mask(useed, threshold);
+        std::vector<acc_t> partial(bias_grad ? blocks.count * cols : 0, acc_t(0));
+        at::parallel_for(0, blocks.count, 1, [&](int64_t block_begin, int64_t block_end) {
           for (int64_t b = block_begin; b < block_end; ++b) {
+            const int64_t r0 = blocks.begin(b);
             acc_t* acc = bias_grad ? partial.data() + b * cols : nullptr;
-            const int64_t row_end = std::min(rows, (b + 1) * block_rows);
-            for (int64_t r = b * block_rows; r < row_end; ++r) {
-              const int64_t base = r * cols;
-              for (int64_t c = 0; c < cols; ++c) {
-                acc_t g = static_cast<acc_t>(gp[base + c]);
-                if (dropout) {
-                  const uint64_t n = static_cast<uint64_t>(offset + base + c);
-                  g = mask.keep(n) ? g * scale : acc_t(0);
-                }
-                gxp[base + c] = static_cast<scalar_t>(g);
-                if (acc != nullptr) acc[c] += g;
-              }
-            }
+            kernels.bias_dropout_add_bwd(gp + r0 * cols, gxp + r0 * cols, acc, mask, r0,
+                                         blocks.end(b, rows) - r0, cols);
           }
         });
         if (!bias_grad) return;
-        // Reduce the blocks into block 0 in a fixed order (b = 1, 2, ...).
-        for (int64_t b = 1; b < num_blocks; ++b) {
-          for (int64_t c = 0; c < cols; ++c) partial[c] += partial[b * cols + c];
-        }
+        sum_blocks(partial, blocks.count, cols);
         scalar_t* gbp = grad_bias->mutable_data_ptr<scalar_t>();
         for (int64_t c = 0; c < cols; ++c) gbp[c] = static_cast<scalar_t>(partial[c]);
       });

@@ -1,7 +1,9 @@
 // CPU kernels for megapp::bias_gelu_fwd / bias_gelu_bwd.
 //
 // x is [..., h] and is viewed as [rows, h]; bias is [h]. Math runs in at::opmath_type
-// (float for bf16/half, the input type otherwise) using the formulas in megapp/gelu.h.
+// (float for bf16/half, the input type otherwise) using the formulas in megapp/gelu.h, in the
+// vectorized row loops of vec_kernels_impl.h; this file checks, allocates and splits rows over
+// threads.
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
@@ -12,16 +14,12 @@
 #include <vector>
 
 #include "cpu_common.h"
-#include "megapp/gelu.h"
+#include "vec_kernels.h"
 
 namespace megapp {
 namespace {
 
 using namespace cpu_detail;
-
-// grad_bias is reduced over at most this many fixed row blocks; the blocking depends only on
-// the shape, never on the thread count, so the result is bitwise reproducible.
-constexpr int64_t kMaxBiasBlocks = 64;
 
 void check_inputs(const char* op, const at::Tensor& x, const at::Tensor& bias) {
   TORCH_CHECK(bias.dim() == 1, op, ": bias must be 1-D [h], got shape ", bias.sizes());
@@ -45,18 +43,13 @@ at::Tensor bias_gelu_fwd(const at::Tensor& x_in, const at::Tensor& bias_in) {
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "bias_gelu_fwd", [&] {
     using acc_t = at::opmath_type<scalar_t>;
+    const auto& kernels = row_kernels<scalar_t>();
     const scalar_t* xp = x.const_data_ptr<scalar_t>();
-    const scalar_t* bp = bias.const_data_ptr<scalar_t>();
     scalar_t* yp = y.mutable_data_ptr<scalar_t>();
+    std::vector<acc_t> bias_acc;
+    const acc_t* bp = widened<acc_t>(bias.const_data_ptr<scalar_t>(), cols, bias_acc);
     at::parallel_for(0, rows, rows_grain(cols), [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) {
-        const scalar_t* xr = xp + r * cols;
-        scalar_t* yr = yp + r * cols;
-        for (int64_t c = 0; c < cols; ++c) {
-          const acc_t z = static_cast<acc_t>(xr[c]) + static_cast<acc_t>(bp[c]);
-          yr[c] = static_cast<scalar_t>(gelu_tanh_fwd<acc_t>(z));
-        }
-      }
+      kernels.bias_gelu_fwd(xp + begin * cols, bp, yp + begin * cols, end - begin, cols);
     });
   });
   return y;
@@ -78,38 +71,27 @@ std::tuple<at::Tensor, at::Tensor> bias_gelu_bwd(const at::Tensor& grad_in,
   at::Tensor grad_bias = at::empty_like(bias, at::MemoryFormat::Contiguous);
   const int64_t cols = bias.numel();
   const int64_t rows = cols == 0 ? 0 : x.numel() / cols;
-  // Fixed row blocks of about GRAIN_SIZE elements each, at most kMaxBiasBlocks of them.
-  const int64_t num_blocks =
-      std::clamp<int64_t>(at::divup(rows * cols, at::internal::GRAIN_SIZE), 1, kMaxBiasBlocks);
-  const int64_t block_rows = std::max<int64_t>(1, at::divup(rows, num_blocks));
+  const RowBlocks blocks(rows, cols);
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "bias_gelu_bwd", [&] {
     using acc_t = at::opmath_type<scalar_t>;
+    const auto& kernels = row_kernels<scalar_t>();
     const scalar_t* gp = grad.const_data_ptr<scalar_t>();
     const scalar_t* xp = x.const_data_ptr<scalar_t>();
-    const scalar_t* bp = bias.const_data_ptr<scalar_t>();
     scalar_t* gip = grad_input.mutable_data_ptr<scalar_t>();
+    std::vector<acc_t> bias_acc;
+    const acc_t* bp = widened<acc_t>(bias.const_data_ptr<scalar_t>(), cols, bias_acc);
     // partial[b * cols + c]: sum of the (unrounded) grad_input of column c over row block b.
-    std::vector<acc_t> partial(num_blocks * cols, acc_t(0));
-    at::parallel_for(0, num_blocks, 1, [&](int64_t block_begin, int64_t block_end) {
+    std::vector<acc_t> partial(blocks.count * cols, acc_t(0));
+    at::parallel_for(0, blocks.count, 1, [&](int64_t block_begin, int64_t block_end) {
       for (int64_t b = block_begin; b < block_end; ++b) {
-        acc_t* acc = partial.data() + b * cols;
-        const int64_t row_end = std::min(rows, (b + 1) * block_rows);
-        for (int64_t r = b * block_rows; r < row_end; ++r) {
-          const int64_t off = r * cols;
-          for (int64_t c = 0; c < cols; ++c) {
-            const acc_t z = static_cast<acc_t>(xp[off + c]) + static_cast<acc_t>(bp[c]);
-            const acc_t g = static_cast<acc_t>(gp[off + c]) * gelu_tanh_grad<acc_t>(z);
-            gip[off + c] = static_cast<scalar_t>(g);
-            acc[c] += g;
-          }
-        }
+        const int64_t r0 = blocks.begin(b);
+        const int64_t off = r0 * cols;
+        kernels.bias_gelu_bwd(gp + off, xp + off, bp, gip + off, partial.data() + b * cols,
+                              blocks.end(b, rows) - r0, cols);
       }
     });
-    // Reduce the blocks into block 0 in a fixed order (b = 1, 2, ...).
-    for (int64_t b = 1; b < num_blocks; ++b) {
-      for (int64_t c = 0; c < cols; ++c) partial[c] += partial[b * cols + c];
-    }
+    sum_blocks(partial, blocks.count, cols);
     scalar_t* gbp = grad_bias.mutable_data_ptr<scalar_t>();
     for (int64_t c = 0; c < cols; ++c) gbp[c] = static_cast<scalar_t>(partial[c]);
   });

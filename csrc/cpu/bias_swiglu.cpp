@@ -2,7 +2,8 @@
 //
 // x is [..., 2f] = [gate | up] along the last dim and is viewed as [rows, 2f]; bias is [2f] or
 // absent; y is [..., f]. Math runs in at::opmath_type (float for bf16/half, the input type
-// otherwise) using the formulas in megapp/swiglu.h.
+// otherwise) using the formulas in megapp/swiglu.h, in the vectorized row loops of
+// vec_kernels_impl.h; this file checks, allocates and splits rows over threads.
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
@@ -14,7 +15,7 @@
 #include <vector>
 
 #include "cpu_common.h"
-#include "megapp/swiglu.h"
+#include "vec_kernels.h"
 
 TORCH_LIBRARY_FRAGMENT(megapp, m) {
   // y = silu(x[..., :f] + bias[:f]) · (x[..., f:] + bias[f:]); x: [..., 2f], bias: [2f] or None.
@@ -28,10 +29,6 @@ namespace megapp {
 namespace {
 
 using namespace cpu_detail;
-
-// grad_bias is reduced over at most this many fixed row blocks; the blocking depends only on
-// the shape, never on the thread count, so the result is bitwise reproducible.
-constexpr int64_t kMaxBiasBlocks = 64;
 
 void check_inputs(const char* op, const at::Tensor& x, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() >= 1, op, ": x must be [..., 2f], got a 0-d tensor");
@@ -68,24 +65,15 @@ at::Tensor bias_swiglu_fwd(const at::Tensor& x_in, const std::optional<at::Tenso
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kBFloat16, at::kHalf, x.scalar_type(), "bias_swiglu_fwd", [&] {
         using acc_t = at::opmath_type<scalar_t>;
+        const auto& kernels = row_kernels<scalar_t>();
         const scalar_t* xp = x.const_data_ptr<scalar_t>();
-        const scalar_t* bp = bias.has_value() ? bias->const_data_ptr<scalar_t>() : nullptr;
         scalar_t* yp = y.mutable_data_ptr<scalar_t>();
+        std::vector<acc_t> bias_acc;
+        const acc_t* bp = bias.has_value()
+                              ? widened<acc_t>(bias->const_data_ptr<scalar_t>(), 2 * f, bias_acc)
+                              : nullptr;
         at::parallel_for(0, rows, rows_grain(2 * f), [&](int64_t begin, int64_t end) {
-          for (int64_t r = begin; r < end; ++r) {
-            const scalar_t* gate = xp + r * 2 * f;
-            const scalar_t* up = gate + f;
-            scalar_t* yr = yp + r * f;
-            for (int64_t c = 0; c < f; ++c) {
-              acc_t g = static_cast<acc_t>(gate[c]);
-              acc_t u = static_cast<acc_t>(up[c]);
-              if (bp != nullptr) {
-                g += static_cast<acc_t>(bp[c]);
-                u += static_cast<acc_t>(bp[f + c]);
-              }
-              yr[c] = static_cast<scalar_t>(swiglu_fwd<acc_t>(g, u));
-            }
-          }
+          kernels.bias_swiglu_fwd(xp + begin * 2 * f, bp, yp + begin * f, end - begin, f);
         });
       });
   return y;
@@ -114,54 +102,31 @@ std::tuple<at::Tensor, std::optional<at::Tensor>> bias_swiglu_bwd(
   const int64_t f = x.size(-1) / 2;
   const int64_t cols = 2 * f;
   const int64_t rows = f == 0 ? 0 : x.numel() / cols;
-  // Fixed row blocks of about GRAIN_SIZE elements each, at most kMaxBiasBlocks of them.
-  const int64_t num_blocks =
-      std::clamp<int64_t>(at::divup(rows * cols, at::internal::GRAIN_SIZE), 1, kMaxBiasBlocks);
-  const int64_t block_rows = std::max<int64_t>(1, at::divup(rows, num_blocks));
+  const RowBlocks blocks(rows, cols);
 
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kBFloat16, at::kHalf, x.scalar_type(), "bias_swiglu_bwd", [&] {
         using acc_t = at::opmath_type<scalar_t>;
+        const auto& kernels = row_kernels<scalar_t>();
         const scalar_t* gp = grad.const_data_ptr<scalar_t>();
         const scalar_t* xp = x.const_data_ptr<scalar_t>();
-        const scalar_t* bp = bias.has_value() ? bias->const_data_ptr<scalar_t>() : nullptr;
         scalar_t* gip = grad_input.mutable_data_ptr<scalar_t>();
+        std::vector<acc_t> bias_acc;
+        const acc_t* bp = bias.has_value()
+                              ? widened<acc_t>(bias->const_data_ptr<scalar_t>(), cols, bias_acc)
+                              : nullptr;
         // partial[b * cols + c]: sum of the (unrounded) grad_input of column c over row block b.
-        std::vector<acc_t> partial(bp != nullptr ? num_blocks * cols : 0, acc_t(0));
-        at::parallel_for(0, num_blocks, 1, [&](int64_t block_begin, int64_t block_end) {
+        std::vector<acc_t> partial(bp != nullptr ? blocks.count * cols : 0, acc_t(0));
+        at::parallel_for(0, blocks.count, 1, [&](int64_t block_begin, int64_t block_end) {
           for (int64_t b = block_begin; b < block_end; ++b) {
-            acc_t* acc_gate = bp != nullptr ? partial.data() + b * cols : nullptr;
-            const int64_t row_end = std::min(rows, (b + 1) * block_rows);
-            for (int64_t r = b * block_rows; r < row_end; ++r) {
-              const scalar_t* dy = gp + r * f;
-              const scalar_t* gate = xp + r * cols;
-              const scalar_t* up = gate + f;
-              scalar_t* dgate = gip + r * cols;
-              scalar_t* dup = dgate + f;
-              for (int64_t c = 0; c < f; ++c) {
-                acc_t g = static_cast<acc_t>(gate[c]);
-                acc_t u = static_cast<acc_t>(up[c]);
-                if (bp != nullptr) {
-                  g += static_cast<acc_t>(bp[c]);
-                  u += static_cast<acc_t>(bp[f + c]);
-                }
-                acc_t dg, du;
-                swiglu_bwd<acc_t>(g, u, static_cast<acc_t>(dy[c]), dg, du);
-                dgate[c] = static_cast<scalar_t>(dg);
-                dup[c] = static_cast<scalar_t>(du);
-                if (acc_gate != nullptr) {
-                  acc_gate[c] += dg;
-                  acc_gate[f + c] += du;
-                }
-              }
-            }
+            const int64_t r0 = blocks.begin(b);
+            acc_t* acc = bp != nullptr ? partial.data() + b * cols : nullptr;
+            kernels.bias_swiglu_bwd(gp + r0 * f, xp + r0 * cols, bp, gip + r0 * cols, acc,
+                                    blocks.end(b, rows) - r0, f);
           }
         });
         if (bp == nullptr) return;
-        // Reduce the blocks into block 0 in a fixed order (b = 1, 2, ...).
-        for (int64_t b = 1; b < num_blocks; ++b) {
-          for (int64_t c = 0; c < cols; ++c) partial[c] += partial[b * cols + c];
-        }
+        sum_blocks(partial, blocks.count, cols);
         scalar_t* gbp = grad_bias->mutable_data_ptr<scalar_t>();
         for (int64_t c = 0; c < cols; ++c) gbp[c] = static_cast<scalar_t>(partial[c]);
       });

@@ -3,7 +3,8 @@
 // x is [..., h] and is viewed as [rows, h]; weight and bias are [h], in x's dtype or float32 when
 // x is bf16/half (mixed precision, as Apex's mixed fused layer norm). Math runs in
 // at::opmath_type of x (float for bf16/half, the input type otherwise) with the formulas in
-// megapp/norm.h; mean and rstd are returned in that type, shaped x.shape[:-1].
+// megapp/norm.h, in the vectorized row loops of vec_kernels_impl.h; mean and rstd are returned
+// in that type, shaped x.shape[:-1].
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
@@ -17,7 +18,7 @@
 #include <vector>
 
 #include "cpu_common.h"
-#include "megapp/norm.h"
+#include "vec_kernels.h"
 
 TORCH_LIBRARY_FRAGMENT(megapp, m) {
   // y = (x − mean)·rstd·weight + bias over the last dim; x: [..., h], weight/bias: [h].
@@ -32,16 +33,15 @@ TORCH_LIBRARY_FRAGMENT(megapp, m) {
   m.def(
       "layer_norm_bwd(Tensor grad, Tensor saved, Tensor? mean, Tensor rstd, Tensor weight, "
       "Tensor? bias, bool memory_efficient) -> (Tensor, Tensor, Tensor)");
+  // (mean [...], rstd [...]) of x [..., h]: the statistics layer_norm_fwd returns, bit for bit,
+  // for a backward that recomputes them from x instead of keeping them.
+  m.def("layer_norm_stats(Tensor x, float eps) -> (Tensor, Tensor)");
 }
 
 namespace megapp {
 namespace {
 
 using namespace cpu_detail;
-
-// grad_weight / grad_bias are reduced over at most this many fixed row blocks; the blocking
-// depends only on the shape, never on the thread count, so the result is bitwise reproducible.
-constexpr int64_t kMaxParamBlocks = 64;
 
 void check_params(const char* op, const at::Tensor& x, const at::Tensor& weight,
                   const std::optional<at::Tensor>& bias) {
@@ -84,40 +84,24 @@ void check_stats(const char* op, const char* name, const at::Tensor& stat, const
 
 template <typename T, typename W>
 void forward_impl(const at::Tensor& x, const at::Tensor& weight, const at::Tensor* bias,
-                  at::Tensor& y, at::Tensor& mean, at::Tensor& rstd, double eps_in) {
+                  at::Tensor& y, at::Tensor& mean, at::Tensor& rstd, double eps) {
   using acc_t = at::opmath_type<T>;
+  const auto& kernels = row_kernels<T>();
   const int64_t cols = weight.numel();
   const int64_t rows = x.numel() / cols;
-  const acc_t eps = static_cast<acc_t>(eps_in);
   const T* xp = x.const_data_ptr<T>();
-  const W* wp = weight.const_data_ptr<W>();
-  const W* bp = bias != nullptr ? bias->const_data_ptr<W>() : nullptr;
   T* yp = y.mutable_data_ptr<T>();
   acc_t* mp = mean.mutable_data_ptr<acc_t>();
   acc_t* rp = rstd.mutable_data_ptr<acc_t>();
+  std::vector<acc_t> weight_acc, bias_acc;
+  const acc_t* wp = widened<acc_t>(weight.const_data_ptr<W>(), cols, weight_acc);
+  const acc_t* bp =
+      bias != nullptr ? widened<acc_t>(bias->const_data_ptr<W>(), cols, bias_acc) : nullptr;
   at::parallel_for(0, rows, rows_grain(cols), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const T* xr = xp + r * cols;
-      T* yr = yp + r * cols;
-      // Two passes over the row (it is in cache): the variance of the centred values does not
-      // cancel the way E[x²] − E[x]² does.
-      acc_t sum = 0;
-      for (int64_t c = 0; c < cols; ++c) sum += static_cast<acc_t>(xr[c]);
-      const acc_t mu = sum / static_cast<acc_t>(cols);
-      acc_t sq = 0;
-      for (int64_t c = 0; c < cols; ++c) {
-        const acc_t d = static_cast<acc_t>(xr[c]) - mu;
-        sq += d * d;
-      }
-      const acc_t rs = norm_rstd<acc_t>(sq / static_cast<acc_t>(cols), eps);
-      for (int64_t c = 0; c < cols; ++c) {
-        const acc_t xhat = layer_norm_xhat<acc_t>(static_cast<acc_t>(xr[c]), mu, rs);
-        const acc_t b = bp != nullptr ? static_cast<acc_t>(bp[c]) : acc_t(0);
-        yr[c] = static_cast<T>(norm_affine<acc_t>(xhat, static_cast<acc_t>(wp[c]), b));
-      }
-      mp[r] = mu;
-      rp[r] = rs;
-    }
+    std::vector<acc_t> scratch(cols);
+    kernels.layer_norm_fwd(xp + begin * cols, wp, bp, static_cast<acc_t>(eps),
+                           yp + begin * cols, mp + begin, rp + begin, scratch.data(),
+                           end - begin, cols);
   });
 }
 
@@ -127,67 +111,38 @@ void backward_impl(const at::Tensor& grad, const at::Tensor& saved, const at::Te
                    bool memory_efficient, at::Tensor& grad_input, at::Tensor& grad_weight,
                    at::Tensor& grad_bias) {
   using acc_t = at::opmath_type<T>;
+  const auto& kernels = row_kernels<T>();
   const int64_t cols = weight.numel();
   const int64_t rows = saved.numel() / cols;
-  // Fixed row blocks of about GRAIN_SIZE elements each, at most kMaxParamBlocks of them.
-  const int64_t num_blocks =
-      std::clamp<int64_t>(at::divup(rows * cols, at::internal::GRAIN_SIZE), 1, kMaxParamBlocks);
-  const int64_t block_rows = std::max<int64_t>(1, at::divup(rows, num_blocks));
+  const RowBlocks blocks(rows, cols);
   const T* gp = grad.const_data_ptr<T>();
   const T* sp = saved.const_data_ptr<T>();
   const acc_t* mp = mean != nullptr ? mean->const_data_ptr<acc_t>() : nullptr;
   const acc_t* rp = rstd.const_data_ptr<acc_t>();
-  const W* wp = weight.const_data_ptr<W>();
-  const W* bp = bias != nullptr ? bias->const_data_ptr<W>() : nullptr;
   T* gip = grad_input.mutable_data_ptr<T>();
-  // partial[b * cols + c] (grad_weight) and partial[(num_blocks + b) * cols + c] (grad_bias):
-  // sums over row block b in acc_t.
-  std::vector<acc_t> partial(2 * num_blocks * cols, acc_t(0));
-  at::parallel_for(0, num_blocks, 1, [&](int64_t block_begin, int64_t block_end) {
-    std::vector<acc_t> xhat(cols);  // x̂ of the current row
-    for (int64_t blk = block_begin; blk < block_end; ++blk) {
-      acc_t* pw = partial.data() + blk * cols;
-      acc_t* pb = partial.data() + (num_blocks + blk) * cols;
-      const int64_t row_end = std::min(rows, (blk + 1) * block_rows);
-      for (int64_t r = blk * block_rows; r < row_end; ++r) {
-        const T* gr = gp + r * cols;
-        const T* sr = sp + r * cols;
-        const acc_t rs = rp[r];
-        const acc_t mu = mp != nullptr ? mp[r] : acc_t(0);
-        acc_t sum_wg = 0;
-        acc_t sum_wg_xhat = 0;
-        for (int64_t c = 0; c < cols; ++c) {
-          const acc_t s = static_cast<acc_t>(sr[c]);
-          const acc_t w = static_cast<acc_t>(wp[c]);
-          const acc_t b = bp != nullptr ? static_cast<acc_t>(bp[c]) : acc_t(0);
-          const acc_t xh = memory_efficient ? norm_xhat_from_output<acc_t>(s, w, b)
-                                            : layer_norm_xhat<acc_t>(s, mu, rs);
-          const acc_t g = static_cast<acc_t>(gr[c]);
-          const acc_t wg = w * g;
-          xhat[c] = xh;
-          sum_wg += wg;
-          sum_wg_xhat += wg * xh;
-          pw[c] += g * xh;
-          pb[c] += g;
-        }
-        const acc_t mean_wg = sum_wg / static_cast<acc_t>(cols);
-        const acc_t mean_wg_xhat = sum_wg_xhat / static_cast<acc_t>(cols);
-        T* gir = gip + r * cols;
-        for (int64_t c = 0; c < cols; ++c) {
-          const acc_t wg = static_cast<acc_t>(wp[c]) * static_cast<acc_t>(gr[c]);
-          gir[c] = static_cast<T>(
-              layer_norm_grad_input<acc_t>(wg, xhat[c], rs, mean_wg, mean_wg_xhat));
-        }
-      }
+  std::vector<acc_t> weight_acc, bias_acc;
+  const acc_t* wp = widened<acc_t>(weight.const_data_ptr<W>(), cols, weight_acc);
+  const acc_t* bp =
+      bias != nullptr ? widened<acc_t>(bias->const_data_ptr<W>(), cols, bias_acc) : nullptr;
+  // partial[b * cols + c] (grad_weight) and partial[(blocks + b) * cols + c] (grad_bias): sums
+  // over row block b in acc_t.
+  std::vector<acc_t> partial(2 * blocks.count * cols, acc_t(0));
+  acc_t* pw = partial.data();
+  acc_t* pb = partial.data() + blocks.count * cols;
+  at::parallel_for(0, blocks.count, 1, [&](int64_t block_begin, int64_t block_end) {
+    std::vector<acc_t> scratch(3 * cols);
+    for (int64_t b = block_begin; b < block_end; ++b) {
+      const int64_t r0 = blocks.begin(b);
+      kernels.layer_norm_bwd(gp + r0 * cols, sp + r0 * cols, mp != nullptr ? mp + r0 : nullptr,
+                             rp + r0, wp, bp, memory_efficient, gip + r0 * cols, pw + b * cols,
+                             pb + b * cols, scratch.data(), blocks.end(b, rows) - r0, cols);
     }
   });
   // Reduce the blocks into block 0 in a fixed order (b = 1, 2, ...).
-  acc_t* pw = partial.data();
-  acc_t* pb = partial.data() + num_blocks * cols;
-  for (int64_t blk = 1; blk < num_blocks; ++blk) {
+  for (int64_t b = 1; b < blocks.count; ++b) {
     for (int64_t c = 0; c < cols; ++c) {
-      pw[c] += pw[blk * cols + c];
-      pb[c] += pb[blk * cols + c];
+      pw[c] += pw[b * cols + c];
+      pb[c] += pb[b * cols + c];
     }
   }
   W* gwp = grad_weight.mutable_data_ptr<W>();
@@ -271,10 +226,40 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_bwd(
   return {grad_input, grad_weight, grad_bias};
 }
 
+std::tuple<at::Tensor, at::Tensor> layer_norm_stats(const at::Tensor& x_in, double eps) {
+  const char* op = "layer_norm_stats";
+  TORCH_CHECK(x_in.dim() >= 1 && x_in.size(-1) > 0, op,
+              ": x must be [..., h] with h > 0, got shape ", x_in.sizes());
+  const at::ScalarType xt = x_in.scalar_type();
+  TORCH_CHECK(xt == at::kFloat || xt == at::kDouble || xt == at::kBFloat16 || xt == at::kHalf, op,
+              ": unsupported dtype ", xt, " (float32, float64, bfloat16, float16)");
+  TORCH_CHECK(std::isfinite(eps) && eps >= 0, op, ": eps must be finite and >= 0, got ", eps);
+  const at::Tensor x = x_in.contiguous();
+  const auto stats_options = x.options().dtype(stats_dtype(x));
+  at::Tensor mean = at::empty(stats_shape(x), stats_options);
+  at::Tensor rstd = at::empty(stats_shape(x), stats_options);
+  const int64_t cols = x.size(-1);
+  const int64_t rows = x.numel() / cols;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, xt, "layer_norm_stats", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    const auto& kernels = row_kernels<scalar_t>();
+    const scalar_t* xp = x.const_data_ptr<scalar_t>();
+    acc_t* mp = mean.mutable_data_ptr<acc_t>();
+    acc_t* rp = rstd.mutable_data_ptr<acc_t>();
+    at::parallel_for(0, rows, rows_grain(cols), [&](int64_t begin, int64_t end) {
+      std::vector<acc_t> scratch(cols);
+      kernels.layer_norm_stats(xp + begin * cols, static_cast<acc_t>(eps), mp + begin,
+                               rp + begin, scratch.data(), end - begin, cols);
+    });
+  });
+  return {mean, rstd};
+}
+
 }  // namespace
 }  // namespace megapp
 
 TORCH_LIBRARY_IMPL(megapp, CPU, m) {
   m.impl("layer_norm_fwd", &megapp::layer_norm_fwd);
   m.impl("layer_norm_bwd", &megapp::layer_norm_bwd);
+  m.impl("layer_norm_stats", &megapp::layer_norm_stats);
 }

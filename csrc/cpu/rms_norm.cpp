@@ -2,7 +2,8 @@
 //
 // x is [..., h] and is viewed as [rows, h]; weight is [h], in x's dtype or float32 when x is
 // bf16/half. Math runs in at::opmath_type of x (float for bf16/half, the input type otherwise)
-// with the formulas in megapp/norm.h; rstd is returned in that type, shaped x.shape[:-1].
+// with the formulas in megapp/norm.h, in the vectorized row loops of vec_kernels_impl.h; rstd is
+// returned in that type, shaped x.shape[:-1].
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
@@ -15,7 +16,7 @@
 #include <vector>
 
 #include "cpu_common.h"
-#include "megapp/norm.h"
+#include "vec_kernels.h"
 
 TORCH_LIBRARY_FRAGMENT(megapp, m) {
   // y = x·rstd·weight over the last dim, rstd = 1/√(mean(x²) + eps); x: [..., h], weight: [h].
@@ -26,16 +27,15 @@ TORCH_LIBRARY_FRAGMENT(megapp, m) {
   m.def(
       "rms_norm_bwd(Tensor grad, Tensor saved, Tensor rstd, Tensor weight, bool memory_efficient) "
       "-> (Tensor, Tensor)");
+  // rstd [...] of x [..., h]: the statistic rms_norm_fwd returns, bit for bit, for a backward
+  // that recomputes it from x instead of keeping it.
+  m.def("rms_norm_stats(Tensor x, float eps) -> Tensor");
 }
 
 namespace megapp {
 namespace {
 
 using namespace cpu_detail;
-
-// grad_weight is reduced over at most this many fixed row blocks; the blocking depends only on
-// the shape, never on the thread count, so the result is bitwise reproducible.
-constexpr int64_t kMaxParamBlocks = 64;
 
 void check_params(const char* op, const at::Tensor& x, const at::Tensor& weight) {
   TORCH_CHECK(x.dim() >= 1, op, ": x must be [..., h], got a 0-d tensor");
@@ -58,31 +58,20 @@ void check_params(const char* op, const at::Tensor& x, const at::Tensor& weight)
 
 template <typename T, typename W>
 void forward_impl(const at::Tensor& x, const at::Tensor& weight, at::Tensor& y, at::Tensor& rstd,
-                  double eps_in) {
+                  double eps) {
   using acc_t = at::opmath_type<T>;
+  const auto& kernels = row_kernels<T>();
   const int64_t cols = weight.numel();
   const int64_t rows = x.numel() / cols;
-  const acc_t eps = static_cast<acc_t>(eps_in);
   const T* xp = x.const_data_ptr<T>();
-  const W* wp = weight.const_data_ptr<W>();
   T* yp = y.mutable_data_ptr<T>();
   acc_t* rp = rstd.mutable_data_ptr<acc_t>();
+  std::vector<acc_t> weight_acc;
+  const acc_t* wp = widened<acc_t>(weight.const_data_ptr<W>(), cols, weight_acc);
   at::parallel_for(0, rows, rows_grain(cols), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const T* xr = xp + r * cols;
-      T* yr = yp + r * cols;
-      acc_t sq = 0;
-      for (int64_t c = 0; c < cols; ++c) {
-        const acc_t v = static_cast<acc_t>(xr[c]);
-        sq += v * v;
-      }
-      const acc_t rs = norm_rstd<acc_t>(sq / static_cast<acc_t>(cols), eps);
-      for (int64_t c = 0; c < cols; ++c) {
-        const acc_t xhat = rms_norm_xhat<acc_t>(static_cast<acc_t>(xr[c]), rs);
-        yr[c] = static_cast<T>(norm_affine<acc_t>(xhat, static_cast<acc_t>(wp[c]), acc_t(0)));
-      }
-      rp[r] = rs;
-    }
+    std::vector<acc_t> scratch(cols);
+    kernels.rms_norm_fwd(xp + begin * cols, wp, static_cast<acc_t>(eps), yp + begin * cols,
+                         rp + begin, scratch.data(), end - begin, cols);
   });
 }
 
@@ -91,52 +80,28 @@ void backward_impl(const at::Tensor& grad, const at::Tensor& saved, const at::Te
                    const at::Tensor& weight, bool memory_efficient, at::Tensor& grad_input,
                    at::Tensor& grad_weight) {
   using acc_t = at::opmath_type<T>;
+  const auto& kernels = row_kernels<T>();
   const int64_t cols = weight.numel();
   const int64_t rows = saved.numel() / cols;
-  // Fixed row blocks of about GRAIN_SIZE elements each, at most kMaxParamBlocks of them.
-  const int64_t num_blocks =
-      std::clamp<int64_t>(at::divup(rows * cols, at::internal::GRAIN_SIZE), 1, kMaxParamBlocks);
-  const int64_t block_rows = std::max<int64_t>(1, at::divup(rows, num_blocks));
+  const RowBlocks blocks(rows, cols);
   const T* gp = grad.const_data_ptr<T>();
   const T* sp = saved.const_data_ptr<T>();
   const acc_t* rp = rstd.const_data_ptr<acc_t>();
-  const W* wp = weight.const_data_ptr<W>();
   T* gip = grad_input.mutable_data_ptr<T>();
+  std::vector<acc_t> weight_acc;
+  const acc_t* wp = widened<acc_t>(weight.const_data_ptr<W>(), cols, weight_acc);
   // partial[b * cols + c]: Σ g·x̂ of column c over row block b, in acc_t.
-  std::vector<acc_t> partial(num_blocks * cols, acc_t(0));
-  at::parallel_for(0, num_blocks, 1, [&](int64_t block_begin, int64_t block_end) {
-    std::vector<acc_t> xhat(cols);  // x̂ of the current row
-    for (int64_t blk = block_begin; blk < block_end; ++blk) {
-      acc_t* pw = partial.data() + blk * cols;
-      const int64_t row_end = std::min(rows, (blk + 1) * block_rows);
-      for (int64_t r = blk * block_rows; r < row_end; ++r) {
-        const T* gr = gp + r * cols;
-        const T* sr = sp + r * cols;
-        const acc_t rs = rp[r];
-        acc_t sum_wg_xhat = 0;
-        for (int64_t c = 0; c < cols; ++c) {
-          const acc_t s = static_cast<acc_t>(sr[c]);
-          const acc_t w = static_cast<acc_t>(wp[c]);
-          const acc_t xh = memory_efficient ? norm_xhat_from_output<acc_t>(s, w, acc_t(0))
-                                            : rms_norm_xhat<acc_t>(s, rs);
-          const acc_t g = static_cast<acc_t>(gr[c]);
-          xhat[c] = xh;
-          sum_wg_xhat += w * g * xh;
-          pw[c] += g * xh;
-        }
-        const acc_t mean_wg_xhat = sum_wg_xhat / static_cast<acc_t>(cols);
-        T* gir = gip + r * cols;
-        for (int64_t c = 0; c < cols; ++c) {
-          const acc_t wg = static_cast<acc_t>(wp[c]) * static_cast<acc_t>(gr[c]);
-          gir[c] = static_cast<T>(rms_norm_grad_input<acc_t>(wg, xhat[c], rs, mean_wg_xhat));
-        }
-      }
+  std::vector<acc_t> partial(blocks.count * cols, acc_t(0));
+  at::parallel_for(0, blocks.count, 1, [&](int64_t block_begin, int64_t block_end) {
+    std::vector<acc_t> scratch(3 * cols);
+    for (int64_t b = block_begin; b < block_end; ++b) {
+      const int64_t r0 = blocks.begin(b);
+      kernels.rms_norm_bwd(gp + r0 * cols, sp + r0 * cols, rp + r0, wp, memory_efficient,
+                           gip + r0 * cols, partial.data() + b * cols, scratch.data(),
+                           blocks.end(b, rows) - r0, cols);
     }
   });
-  // Reduce the blocks into block 0 in a fixed order (b = 1, 2, ...).
-  for (int64_t blk = 1; blk < num_blocks; ++blk) {
-    for (int64_t c = 0; c < cols; ++c) partial[c] += partial[blk * cols + c];
-  }
+  sum_blocks(partial, blocks.count, cols);
   W* gwp = grad_weight.mutable_data_ptr<W>();
   for (int64_t c = 0; c < cols; ++c) gwp[c] = static_cast<W>(partial[c]);
 }
@@ -206,10 +171,37 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_bwd(const at::Tensor& grad_in,
   return {grad_input, grad_weight};
 }
 
+at::Tensor rms_norm_stats(const at::Tensor& x_in, double eps) {
+  const char* op = "rms_norm_stats";
+  TORCH_CHECK(x_in.dim() >= 1 && x_in.size(-1) > 0, op,
+              ": x must be [..., h] with h > 0, got shape ", x_in.sizes());
+  const at::ScalarType xt = x_in.scalar_type();
+  TORCH_CHECK(xt == at::kFloat || xt == at::kDouble || xt == at::kBFloat16 || xt == at::kHalf, op,
+              ": unsupported dtype ", xt, " (float32, float64, bfloat16, float16)");
+  TORCH_CHECK(std::isfinite(eps) && eps >= 0, op, ": eps must be finite and >= 0, got ", eps);
+  const at::Tensor x = x_in.contiguous();
+  at::Tensor rstd = at::empty(stats_shape(x), x.options().dtype(stats_dtype(x)));
+  const int64_t cols = x.size(-1);
+  const int64_t rows = x.numel() / cols;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, xt, "rms_norm_stats", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    const auto& kernels = row_kernels<scalar_t>();
+    const scalar_t* xp = x.const_data_ptr<scalar_t>();
+    acc_t* rp = rstd.mutable_data_ptr<acc_t>();
+    at::parallel_for(0, rows, rows_grain(cols), [&](int64_t begin, int64_t end) {
+      std::vector<acc_t> scratch(cols);
+      kernels.rms_norm_stats(xp + begin * cols, static_cast<acc_t>(eps), rp + begin,
+                             scratch.data(), end - begin, cols);
+    });
+  });
+  return rstd;
+}
+
 }  // namespace
 }  // namespace megapp
 
 TORCH_LIBRARY_IMPL(megapp, CPU, m) {
   m.impl("rms_norm_fwd", &megapp::rms_norm_fwd);
   m.impl("rms_norm_bwd", &megapp::rms_norm_bwd);
+  m.impl("rms_norm_stats", &megapp::rms_norm_stats);
 }

@@ -36,6 +36,13 @@ KERNEL_DTYPES: dict[str, dict[str, frozenset[torch.dtype]]] = {
 }
 
 
+# Ops whose CPU kernels run the vectorized loops of csrc/cpu/vec_kernels_impl.h (one build per
+# instruction set); the others' CPU kernels are scalar loops.
+VECTORIZED_CPU_OPS = frozenset(
+    {"bias_gelu", "bias_swiglu", "bias_dropout_add", "layer_norm", "rms_norm"}
+)
+
+
 def _library_path(name: str) -> str | None:
     try:
         spec = importlib.util.find_spec(name)
@@ -116,6 +123,18 @@ def select_tier(op: str, x: torch.Tensor) -> str:
 
 
 @functools.cache
+def cpu_kernels_isa() -> str | None:
+    """The instruction set of the CPU kernels' vectorized loops in this process (``"avx2"`` or
+    ``"default"``, chosen once after torch's CPU capability), or None without ``megapp._C``."""
+    return str(torch.ops.megapp.cpu_kernels_isa()) if cpu_ops_available() else None
+
+
+@functools.cache
 def _log_tier(op: str, device_type: str, dtype: torch.dtype, tier: str) -> None:
     # Cached: logs once per (op, device type, dtype) and again only if the tier changes.
-    logger.info("megapp: %s on %s/%s uses the %s implementation", op, device_type, dtype, tier)
+    isa = (
+        f" ({cpu_kernels_isa()} vector loops)" if tier == "cpu" and op in VECTORIZED_CPU_OPS else ""
+    )
+    logger.info(
+        "megapp: %s on %s/%s uses the %s implementation%s", op, device_type, dtype, tier, isa
+    )

@@ -33,8 +33,9 @@ class TransformerLayer(nn.Module):
     Each sublayer's output bias, dropout and residual add run as one fused op
     that keeps no mask (it is regenerated from a seed). Each norm's output,
     which the following linear would save, is rebuilt in backward from the
-    norm's kept input instead (``recompute_saved_inputs``; the block turns it
-    off for layers it recomputes whole).
+    norm's kept input instead, and the norm keeps that input without its
+    per-row statistics, which its backward recomputes (``recompute_saved_inputs``;
+    the block turns it off for layers it recomputes whole).
     """
 
     def __init__(self, config: TransformerConfig, layer_number: int, tp_group: Group = None):
@@ -55,6 +56,9 @@ class TransformerLayer(nn.Module):
         self._recompute_saved_inputs = value
         self.self_attention.recompute_saved_inputs = value
         self.mlp.recompute_saved_inputs = value
+        for norm in (self.input_layernorm, self.pre_mlp_layernorm):
+            # A memory-efficient norm keeps its output, not the input to recompute from.
+            norm.recompute_stats = value and not norm.memory_efficient
 
     def _sublayer(self, norm, block, x, *extra):
         normed = norm(x)

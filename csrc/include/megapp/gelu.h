@@ -6,7 +6,8 @@
 //
 // The σ form avoids the cancellation of 1 + tanh(u) for negative z and needs only exp, which
 // libm computes several times faster than tanh. T is the accumulation type: float for
-// float/bf16/half inputs, double for double.
+// float/bf16/half inputs, double for double; the CPU kernels also instantiate these on
+// at::vec::Vectorized of it (one lane per element, the same operations in the same order).
 #pragma once
 
 #include <math.h>
@@ -15,16 +16,13 @@
 
 namespace megapp {
 
-MEGAPP_HOST_DEVICE MEGAPP_INLINE float exp_acc(float v) { return expf(v); }
-MEGAPP_HOST_DEVICE MEGAPP_INLINE double exp_acc(double v) { return exp(v); }
-
 // σ(2u) for the GeLU's inner argument u; exp overflowing to inf gives the right limit 0.
 template <typename T>
 MEGAPP_HOST_DEVICE MEGAPP_INLINE T gelu_sigma(T z) {
   const T k_beta = T(0.7978845608028654);  // √(2/π)
   const T k_kappa = T(0.044715);
   const T u = k_beta * (z + k_kappa * (z * z * z));
-  return T(1) / (T(1) + exp_acc(T(-2) * u));
+  return T(1) / (T(1) + Elementwise<T>::exp(T(-2) * u));
 }
 
 template <typename T>

@@ -14,7 +14,8 @@
 // The memory-efficient backward gets y instead of x and recovers x̂ = (y − b)/w; that needs every
 // w ≠ 0, and a zero weight gives NaN (not a silently wrong gradient).
 //
-// T is the accumulation type: float for float/bf16/half inputs, double for double.
+// T is the accumulation type: float for float/bf16/half inputs, double for double; the CPU
+// kernels also instantiate the elementwise ones on at::vec::Vectorized of it.
 #pragma once
 
 #include <math.h>
@@ -23,14 +24,11 @@
 
 namespace megapp {
 
-MEGAPP_HOST_DEVICE MEGAPP_INLINE float norm_sqrt(float v) { return sqrtf(v); }
-MEGAPP_HOST_DEVICE MEGAPP_INLINE double norm_sqrt(double v) { return sqrt(v); }
-
 // 1/√(mean_square + eps). A correctly rounded sqrt and a true division (not rsqrt) so the CPU
 // and the GPU get the same bits from the same mean_square.
 template <typename T>
 MEGAPP_HOST_DEVICE MEGAPP_INLINE T norm_rstd(T mean_square, T eps) {
-  return T(1) / norm_sqrt(mean_square + eps);
+  return T(1) / Elementwise<T>::sqrt(mean_square + eps);
 }
 
 template <typename T>
@@ -51,7 +49,7 @@ MEGAPP_HOST_DEVICE MEGAPP_INLINE T norm_affine(T xhat, T w, T b) {
 // x̂ recovered from the output of the affine map; NaN where w == 0 (x̂ is lost there).
 template <typename T>
 MEGAPP_HOST_DEVICE MEGAPP_INLINE T norm_xhat_from_output(T y, T w, T b) {
-  return w != T(0) ? (y - b) / w : T(NAN);
+  return Elementwise<T>::where_nonzero(w, (y - b) / w, T(NAN));
 }
 
 template <typename T>

@@ -7,7 +7,8 @@
 //   ∂y/∂u    = silu(g)
 //
 // g is the gate (first half of the last dim, plus its bias), u the up projection (second half).
-// T is the accumulation type: float for float/bf16/half inputs, double for double.
+// T is the accumulation type: float for float/bf16/half inputs, double for double; the CPU
+// kernels also instantiate these on at::vec::Vectorized of it.
 #pragma once
 
 #include <math.h>
@@ -16,13 +17,10 @@
 
 namespace megapp {
 
-MEGAPP_HOST_DEVICE MEGAPP_INLINE float swiglu_exp(float v) { return expf(v); }
-MEGAPP_HOST_DEVICE MEGAPP_INLINE double swiglu_exp(double v) { return exp(v); }
-
 template <typename T>
 MEGAPP_HOST_DEVICE MEGAPP_INLINE T swiglu_sigmoid(T g) {
   // exp(−g) overflows to inf for g ≪ 0, giving σ = 0 (no NaN); exact 1 for g ≫ 0.
-  return T(1) / (T(1) + swiglu_exp(-g));
+  return T(1) / (T(1) + Elementwise<T>::exp(-g));
 }
 
 template <typename T>
