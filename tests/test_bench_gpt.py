@@ -1,0 +1,72 @@
+"""The correctness guard of tools/bench_gpt.py: the plain-PyTorch GPT it times megapp against
+computes the same loss and gradients as GPTModel from the same weights, and the guard notices
+when it does not."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megapp.models import GPTConfig, GPTModel
+from tools.plain_gpt import PlainGPT, compare, megapp_qkv_to_plain, plain_qkv_to_megapp
+
+
+def _config(dtype: torch.dtype, **overrides) -> GPTConfig:
+    base = dict(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        vocab_size=61,
+        max_position_embeddings=16,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        params_dtype=dtype,
+    )
+    return GPTConfig(**{**base, **overrides})
+
+
+def _batch(vocab: int = 61) -> tuple[torch.Tensor, torch.Tensor]:
+    data = torch.randint(0, vocab, (3, 17), generator=torch.Generator().manual_seed(0))
+    return data[:, :-1], data[:, 1:]
+
+
+@pytest.mark.parametrize(
+    "dtype, tolerance",
+    # float64: the models differ only in summation order, so round-off of 1e-16 per op;
+    # float32: the bench's own tolerance (plain_gpt.TOLERANCE), ~1e-6 observed.
+    [(torch.float64, 1e-12), (torch.float32, None)],
+)
+def test_plain_gpt_has_gptmodels_loss_and_gradients(dtype, tolerance):
+    model = GPTModel(_config(dtype), seed=7)
+    plain = PlainGPT.from_megapp(model)
+    agreement = compare(model, plain, *_batch(), tolerance=tolerance)
+    assert agreement.ok, str(agreement)
+    assert agreement.max_grad_rel < 1e-5  # every gradient present, none far off
+    assert all(p.grad is None for p in model.parameters())  # cleared for the timing
+
+
+def test_guard_catches_a_wrong_weight_and_a_wrong_layout():
+    model = GPTModel(_config(torch.float64), seed=7)
+    tokens, labels = _batch()
+    plain = PlainGPT.from_megapp(model)
+    with torch.no_grad():  # one fc2 weight of one layer off by 1e-3 of its scale
+        plain.blocks[1].fc2_w[3, 5] += 2e-5
+    agreement = compare(model, plain, tokens, labels)
+    assert not agreement.ok
+    assert agreement.worst.startswith("decoder.layers.")
+
+    plain = PlainGPT.from_megapp(model)
+    with torch.no_grad():  # megapp's head-major QKV rows taken as [Q; K; V]
+        for block in plain.blocks:
+            block.qkv_w.copy_(plain_qkv_to_megapp(block.qkv_w, 4))
+    assert not compare(model, plain, tokens, labels).ok
+
+
+def test_qkv_reordering_round_trips_and_unsupported_configs_fail():
+    rows = torch.arange(3 * 4 * 2).view(-1, 1)  # 4 heads of width 2
+    plain = megapp_qkv_to_plain(rows, 4)
+    assert plain[:2].flatten().tolist() == [0, 1]  # q of head 0
+    assert plain[2:4].flatten().tolist() == [6, 7]  # q of head 1 follows, not k of head 0
+    assert torch.equal(plain_qkv_to_megapp(plain, 4), rows)
+    with pytest.raises(ValueError, match="cannot mirror"):
+        PlainGPT.from_megapp(GPTModel(_config(torch.float32, activation="swiglu")))
