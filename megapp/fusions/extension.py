@@ -116,9 +116,18 @@ def choose_tier(
 
 
 def select_tier(op: str, x: torch.Tensor) -> str:
-    """:func:`choose_tier` for a tensor argument, logging each new choice once."""
-    tier = choose_tier(op, x.device.type, x.dtype, built_tiers())
-    _log_tier(op, x.device.type, x.dtype, tier)
+    """:func:`choose_tier` for a tensor argument, logging each new choice once.
+
+    Decided once per (op, device type, dtype, ``MEGAPP_FUSED``): the environment is still
+    read on every call, so setting ``MEGAPP_FUSED=0`` takes effect in a running process.
+    """
+    return _select(op, x.device.type, x.dtype, fused_enabled())
+
+
+@functools.cache
+def _select(op: str, device_type: str, dtype: torch.dtype, enabled: bool) -> str:
+    tier = choose_tier(op, device_type, dtype, built_tiers(), enabled=enabled)
+    _log_tier(op, device_type, dtype, tier)
     return tier
 
 

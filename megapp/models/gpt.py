@@ -32,8 +32,8 @@ from megapp.pipeline_parallel.partition import rank_chunks, split_layers
 from megapp.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megapp.tensor_parallel.layers import (
     VocabParallelEmbedding,
-    _ColumnParallelMatmul,
     _sliced_weight,
+    column_parallel_matmul,
     init_method_normal,
 )
 from megapp.tensor_parallel.mappings import Group, _world, scatter_to_sequence_parallel_region
@@ -223,7 +223,7 @@ class GPTModel(nn.Module):
         hidden_states = self.decoder(hidden_states, self._rotary(seq, hidden_states.device))
         if not self.post_process:
             return hidden_states
-        logits = _ColumnParallelMatmul.apply(
+        logits = column_parallel_matmul(
             hidden_states,
             self.shared_embedding_or_output_weight(),
             None,

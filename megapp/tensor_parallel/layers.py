@@ -146,6 +146,24 @@ class _ColumnParallelMatmul(torch.autograd.Function):
         return grad_input, grad_weight, grad_bias, None, None
 
 
+def column_parallel_matmul(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    group: Group,
+    sequence_parallel: bool,
+) -> torch.Tensor:
+    """``x Wᵀ (+ b)`` for this rank's column block ``weight [out/tp, in]``.
+
+    ``x`` is ``[s, b, in]`` (``[s/tp, b, in]`` with sequence parallelism, gathered here);
+    the result is ``[s, b, out/tp]``. With one rank there is nothing to communicate and it
+    is plain ``F.linear``, whose autograd node is C++.
+    """
+    if _world(group) == 1:
+        return F.linear(x, weight, bias)
+    return _ColumnParallelMatmul.apply(x, weight, bias, group, sequence_parallel)
+
+
 class ColumnParallelLinear(nn.Module):
     """``Y = X A + b`` with ``A`` split by columns (output features) over the TP ranks.
 
@@ -204,9 +222,7 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         bias = None if self.skip_bias_add else self.bias
-        out = _ColumnParallelMatmul.apply(
-            x, self.weight, bias, self.tp_group, self.sequence_parallel
-        )
+        out = column_parallel_matmul(x, self.weight, bias, self.tp_group, self.sequence_parallel)
         if self.gather_output:
             out = gather_from_tensor_model_parallel_region(out, self.tp_group)
         return out, (self.bias if self.skip_bias_add else None)

@@ -1,7 +1,8 @@
 """Autograd collectives between the tensor-parallel ranks (Megatron's f and g).
 
 Each takes its tensor-parallel group explicitly; ``None`` means no tensor
-parallelism (one rank), where every mapping is the identity. Tensors are
+parallelism (one rank), where every mapping is the identity and returns its
+input itself, with no autograd node (one rank pays nothing for the mappings). Tensors are
 ``[s, b, h]``: the "last dimension" is the hidden one split by tensor
 parallelism, dimension 0 the sequence one split by sequence parallelism.
 """
@@ -179,31 +180,43 @@ class _ReduceScatterToSequenceRegion(torch.autograd.Function):
 
 def copy_to_tensor_model_parallel_region(x: torch.Tensor, group: Group = None) -> torch.Tensor:
     """f. Forward: identity. Backward: all-reduce the gradient."""
+    if _world(group) == 1:
+        return x
     return _CopyToRegion.apply(x, group)
 
 
 def reduce_from_tensor_model_parallel_region(x: torch.Tensor, group: Group = None) -> torch.Tensor:
     """g. Forward: all-reduce (sum of partial results). Backward: identity."""
+    if _world(group) == 1:
+        return x
     return _ReduceFromRegion.apply(x, group)
 
 
 def scatter_to_tensor_model_parallel_region(x: torch.Tensor, group: Group = None) -> torch.Tensor:
     """Forward: keep this rank's slice of the last dim. Backward: all-gather the last dim."""
+    if _world(group) == 1:
+        return x
     return _ScatterToRegion.apply(x, group)
 
 
 def gather_from_tensor_model_parallel_region(x: torch.Tensor, group: Group = None) -> torch.Tensor:
     """Forward: all-gather the last dim. Backward: keep this rank's slice of it."""
+    if _world(group) == 1:
+        return x
     return _GatherFromRegion.apply(x, group)
 
 
 def scatter_to_sequence_parallel_region(x: torch.Tensor, group: Group = None) -> torch.Tensor:
     """Forward: keep this rank's slice of the sequence (dim 0). Backward: all-gather dim 0."""
+    if _world(group) == 1:
+        return x
     return _ScatterToSequenceRegion.apply(x, group)
 
 
 def gather_from_sequence_parallel_region(x: torch.Tensor, group: Group = None) -> torch.Tensor:
     """Forward: all-gather the sequence (dim 0). Backward: reduce-scatter along dim 0."""
+    if _world(group) == 1:
+        return x
     return _GatherFromSequenceRegion.apply(x, group)
 
 
@@ -211,4 +224,6 @@ def reduce_scatter_to_sequence_parallel_region(
     x: torch.Tensor, group: Group = None
 ) -> torch.Tensor:
     """Forward: sum over ranks and keep this rank's slice of dim 0. Backward: all-gather dim 0."""
+    if _world(group) == 1:
+        return x
     return _ReduceScatterToSequenceRegion.apply(x, group)
