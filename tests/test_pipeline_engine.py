@@ -110,10 +110,15 @@ CASES = [
 ]
 
 
+SHAPE = [TensorSpec((5, BATCH, HIDDEN), torch.float64)]
+
+
+@pytest.mark.parametrize("declared", [False, True], ids=["negotiated", "declared"])
 @pytest.mark.parametrize("schedule, p, v, m", CASES)
 @distributed(world_size=4)
-def test_loss_and_gradients_equal_single_process(schedule, p, v, m):
-    result, layers, reference, batches, stage = _run(p, v, m, schedule)
+def test_loss_and_gradients_equal_single_process(schedule, p, v, m, declared):
+    shapes = SHAPE if declared else None
+    result, layers, reference, batches, stage = _run(p, v, m, schedule, tensor_shapes=shapes)
     expected_loss = _reference(reference, batches)
     # every rank reports the iteration's loss, not only the last stage
     torch.testing.assert_close(result.loss.double(), expected_loss, rtol=1e-6, atol=0)
@@ -311,3 +316,37 @@ def test_sibling_outputs_keep_what_the_other_backward_needs():
         torch.testing.assert_close(scale.grad, ref_scale.grad, **TOL)
     for got, want in zip(layers[stage].parameters(), reference[stage].parameters(), strict=True):
         torch.testing.assert_close(got.grad, want.grad, **TOL)
+
+
+@pytest.mark.parametrize("declared", [False, True], ids=["negotiated", "declared"])
+@distributed(world_size=4)
+def test_gloo_posts_receives_one_step_ahead(declared):
+    """Every receive whose shapes are known a step early goes out a step early; activations
+    with negotiated shapes wait for their headers."""
+    from megapp.pipeline_parallel.plan import Op
+    from megapp.pipeline_parallel.runner import StageRunner
+
+    seen = []  # (kinds of the step's receives, whether they were already posted)
+    original = StageRunner._communicate
+
+    def spy(self, step, upcoming):
+        if step.recvs:
+            seen.append(({m.op for m in step.recvs}, self.early is not None))
+        return original(self, step, upcoming)
+
+    StageRunner._communicate = spy
+    try:
+        shapes = SHAPE if declared else None
+        result, _, reference, batches, _ = _run(4, 2, 8, "interleaved-1f1b", tensor_shapes=shapes)
+    finally:
+        StageRunner._communicate = original
+    torch.testing.assert_close(
+        result.loss.double(), _reference(reference, batches), rtol=1e-6, atol=0
+    )
+    early = [ahead for _, ahead in seen]
+    if declared:  # a rank's first step may be one that receives: nothing precedes it
+        assert all(early[1:])
+    else:
+        assert not any(ahead for kinds, ahead in seen if Op.FORWARD in kinds)
+        gradient_only = [ahead for kinds, ahead in seen[1:] if kinds == {Op.BACKWARD}]
+        assert gradient_only and all(gradient_only)

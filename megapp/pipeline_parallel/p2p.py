@@ -3,7 +3,8 @@
 A :class:`Transport` posts one batch of sends and receives (``batch_isend_irecv``,
 one NCCL group) in the order the plan gives, so every channel stays
 FIFO-consistent, and waits for its receives; the runner lets the sends finish
-in the background. Activation shapes are either declared up front
+in the background. On gloo the runner also posts a step's receives one step
+early (:attr:`Transport.early_receives`). Activation shapes are either declared up front
 or negotiated: each activation is preceded by a small header (number of
 tensors, dtypes, shapes) exchanged in its own batch on a second process group
 over the same ranks, so headers never interleave with data on one channel.
@@ -11,6 +12,7 @@ over the same ranks, so headers never interleave with data on one channel.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -34,6 +36,16 @@ _DTYPES = [
     torch.uint8,
 ]
 _CODE = {dtype: code for code, dtype in enumerate(_DTYPES)}
+
+
+@dataclass
+class Posted:
+    """One posted batch: the receive buffers (one list per receive entry, filled once the
+    receive requests complete) and the send and receive requests."""
+
+    received: list[list[torch.Tensor]]
+    sends: list[dist.Work]
+    recvs: list[dist.Work]
 
 
 @dataclass(frozen=True)
@@ -128,19 +140,32 @@ class Transport:
         """Create what header negotiation needs; call on every pipeline rank together."""
         self.meta_group  # noqa: B018 (creates the twin group now, not mid-schedule)
 
-    def exchange(
+    @functools.cached_property
+    def early_receives(self) -> bool:
+        """Whether receives may be posted ahead of the step that needs them: on gloo only.
+
+        gloo writes a message only once its receiver has posted the receive (the receiver
+        notifies the sender, then the data follows), so a receive posted just before it is
+        needed puts that round trip on the critical path; posted a step early, the
+        notification crosses while this rank computes. Sends and receives of either
+        direction queue separately and posting never blocks, and receives on each channel
+        keep their order, so FIFO matching is unchanged. On NCCL a lone receive would hold
+        the pair's stream and block the sends posted after it, so receives stay in their
+        step's batch there.
+        """
+        if not dist.is_initialized():
+            return False
+        group = self.group if self.group is not None else dist.group.WORLD
+        return dist.get_backend(group) == "gloo"
+
+    def post(
         self,
         sends: Sequence[tuple[int, Sequence[torch.Tensor]]],
         recvs: Sequence[tuple[int, Sequence[TensorSpec]]],
         group: dist.ProcessGroup | None = None,
-        wait_sends: bool = True,
-    ) -> tuple[list[list[torch.Tensor]], list[dist.Work]]:
-        """Send each ``(peer, tensors)`` and receive each ``(peer, specs)`` in one batch.
-
-        Peers are ranks within the pipeline group. Waits for the receives (and,
-        with ``wait_sends``, the sends). Returns the received tensors, one list per
-        entry of ``recvs``, and the send requests still to wait for.
-        """
+    ) -> Posted:
+        """Post sends of each ``(peer, tensors)`` and receives of each ``(peer, specs)`` as
+        one batch, in that order; peers are ranks within the pipeline group."""
         group = group or self.group
         ops, received = [], []
         for peer, tensors in sends:
@@ -150,15 +175,29 @@ class Transport:
             buffers = [torch.empty(s.shape, dtype=s.dtype, device=self.device) for s in specs]
             ops += [dist.P2POp(dist.irecv, b, self.global_rank(peer), group) for b in buffers]
             received.append(buffers)
-        if not ops:
-            return received, []
+        requests = dist.batch_isend_irecv(ops) if ops else []
+        return Posted(received, requests[:num_sends], requests[num_sends:])
+
+    def exchange(
+        self,
+        sends: Sequence[tuple[int, Sequence[torch.Tensor]]],
+        recvs: Sequence[tuple[int, Sequence[TensorSpec]]],
+        group: dist.ProcessGroup | None = None,
+    ) -> list[list[torch.Tensor]]:
+        """:meth:`post` one batch and wait for all of it; returns the received tensors, one
+        list per entry of ``recvs``."""
+        posted = self.post(sends, recvs, group)
+        self.wait_received(posted.sends + posted.recvs)
+        return posted.received
+
+    def wait_received(self, requests: Sequence[dist.Work]) -> None:
+        """:meth:`wait`, reported to ``on_wait`` as one wait of the timeline."""
+        if not requests:
+            return
         start = time.perf_counter()
-        requests = dist.batch_isend_irecv(ops)
-        pending = [] if wait_sends else requests[:num_sends]
-        self.wait(requests if wait_sends else requests[num_sends:])
+        self.wait(requests)
         if self.on_wait is not None:
             self.on_wait(start, time.perf_counter())
-        return received, pending
 
     def wait(self, requests: Sequence[dist.Work]) -> None:
         for request in requests:
@@ -173,5 +212,5 @@ class Transport:
         """Negotiate activation shapes: one header per send, one per receive."""
         headers = [(peer, [encode_header(specs).to(self.device)]) for peer, specs in sends]
         template = [TensorSpec((_HEADER_LEN,), torch.int64)]
-        received, _ = self.exchange(headers, [(p, template) for p in recv_peers], self.meta_group)
+        received = self.exchange(headers, [(p, template) for p in recv_peers], self.meta_group)
         return [decode_header(buffers[0].cpu()) for buffers in received]

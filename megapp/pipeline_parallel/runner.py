@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from megapp.pipeline_parallel.p2p import TensorSpec, specs_of
+from megapp.pipeline_parallel.p2p import Posted, TensorSpec, specs_of
 from megapp.pipeline_parallel.plan import Message, Step, incoming, outgoing
 from megapp.pipeline_parallel.schedules import Action, Op
 from megapp.pipeline_parallel.simulate import Event
@@ -126,6 +126,7 @@ class StageRunner:
         self.outbox: dict[Message, tuple[torch.Tensor, ...]] = {}
         self.droppable: dict[Message, tuple[torch.Tensor, ...]] = {}
         self.in_transit: list[tuple[list, list[torch.Tensor]]] = []  # (send requests, to drop)
+        self.early: Posted | None = None  # the next step's receives, posted ahead
         self.sent_specs: dict[tuple[int, int], tuple[TensorSpec, ...]] = {}
         self.saved: dict[tuple[int, int], tuple[tuple, tuple]] = {}
         self.losses: list[torch.Tensor] = []
@@ -137,7 +138,14 @@ class StageRunner:
     def _peer(self, msg: Message) -> int:
         return msg.dst if msg.src == self.stage else msg.src
 
+    def _gradient_specs(self, msg: Message) -> tuple[TensorSpec, ...] | None:
+        """Shapes of a gradient of what this rank sent (None before that forward ran)."""
+        sent = self.sent_specs.get((msg.microbatch, self.schedule.chunk_of(msg.dst_stage)))
+        return None if sent is None else tuple(s for s in sent if s.dtype.is_floating_point)
+
     def _recv_specs(self, step: Step) -> list[tuple[TensorSpec, ...]]:
+        """Shapes of the step's receives; negotiates this step's activation headers (the
+        sends' and the receives') when shapes are not declared."""
         activations = [m for m in step.recvs if m.op is Op.FORWARD]
         if self.tensor_shapes is not None:
             negotiated = iter([tuple(self.tensor_shapes)] * len(activations))
@@ -148,21 +156,31 @@ class StageRunner:
                 negotiated = iter(
                     self.transport.exchange_headers(sends, [self._peer(m) for m in activations])
                 )
+        return [
+            next(negotiated) if msg.op is Op.FORWARD else self._gradient_specs(msg)
+            for msg in step.recvs
+        ]
+
+    def _specs_ahead(self, step: Step) -> list[tuple[TensorSpec, ...]] | None:
+        """The step's receive shapes if known now, without negotiation; else None."""
         specs = []
         for msg in step.recvs:
             if msg.op is Op.FORWARD:
-                specs.append(next(negotiated))
-            else:  # gradients of what this rank sent: shapes it already knows
-                chunk = self.schedule.chunk_of(msg.dst_stage)
-                sent = self.sent_specs[(msg.microbatch, chunk)]
-                specs.append(tuple(s for s in sent if s.dtype.is_floating_point))
+                if self.tensor_shapes is None:
+                    return None
+                specs.append(tuple(self.tensor_shapes))
+            else:
+                gradient = self._gradient_specs(msg)
+                if gradient is None:
+                    return None
+                specs.append(gradient)
         return specs
 
-    def communicate(self, step: Step) -> None:
-        if not step.sends and not step.recvs:
+    def communicate(self, step: Step, upcoming: Step | None = None) -> None:
+        if not (step.sends or step.recvs or (upcoming is not None and upcoming.recvs)):
             return
         try:
-            self._communicate(step)
+            self._communicate(step, upcoming)
         except RuntimeError as err:
             before = f"before {step.action}" if step.action else "at the end of the iteration"
             what = [f"send of the {m}" for m in step.sends]
@@ -172,20 +190,29 @@ class StageRunner:
                 f"A peer rank may have failed or be stuck; look at its log first. ({err})"
             ) from err
 
-    def _communicate(self, step: Step) -> None:
-        specs = self._recv_specs(step)
+    def _communicate(self, step: Step, upcoming: Step | None) -> None:
+        specs = self._recv_specs(step)  # also negotiates the sends' headers
         sends = [(self._peer(m), self.outbox.pop(m)) for m in step.sends]
+        if self.early is not None:  # this step's receives went out with the previous step
+            posted, early = self.transport.post(sends, []), self.early
+            received, recv_requests = early.received, early.recvs
+            self.early = None
+        else:
+            recvs = [(self._peer(m), s) for m, s in zip(step.recvs, specs, strict=True)]
+            posted = self.transport.post(sends, recvs)
+            received, recv_requests = posted.received, posted.recvs
+        if upcoming is not None and upcoming.recvs and self.transport.early_receives:
+            ahead = self._specs_ahead(upcoming)
+            if ahead is not None:
+                peers = [self._peer(m) for m in upcoming.recvs]
+                self.early = self.transport.post([], list(zip(peers, ahead, strict=True)))
         # Only the receives are waited for: a late peer then delays just the action that
         # needs its data, not this rank's next step.
-        received, pending = self.transport.exchange(
-            sends,
-            [(self._peer(m), s) for m, s in zip(step.recvs, specs, strict=True)],
-            wait_sends=False,
-        )
+        self.transport.wait_received(recv_requests)
         for msg, tensors in zip(step.recvs, received, strict=True):
             self.inbox[msg] = tensors
         dropped = [t for msg in step.sends for t in self.droppable.pop(msg, ())]
-        self.in_transit.append((pending, dropped))
+        self.in_transit.append((posted.sends, dropped))
         self._reap(wait=False)
 
     def _reap(self, wait: bool) -> None:
@@ -289,8 +316,8 @@ class StageRunner:
 
     # ----- the loop --------------------------------------------------------
     def run(self, steps: list[Step]) -> None:
-        for step in steps:
-            self.communicate(step)
+        for index, step in enumerate(steps):
+            self.communicate(step, steps[index + 1] if index + 1 < len(steps) else None)
             action = step.action
             if action is None:
                 continue
