@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from megapp.distributed.ddp import DistributedDataParallel
 from megapp.pipeline_parallel import forward_backward
+from megapp.pipeline_parallel.p2p import TensorSpec
 from megapp.pipeline_parallel.runner import ForwardStepFunc
 from megapp.tensor_parallel.mappings import _world
 from megapp.training.step import TrainGroups
@@ -22,12 +23,14 @@ def evaluate(
     num_microbatches: int,
     eval_iters: int,
     groups: TrainGroups,
+    tensor_shapes: Sequence[TensorSpec] | None = None,
 ) -> float:
     """Mean loss of ``eval_iters`` global batches, identical on every rank.
 
     Each batch runs the training schedule's forwards only (dropout off); its loss is
     the mean over microbatches and data-parallel replicas, as in training, and the
-    result is the mean over the batches.
+    result is the mean over the batches. ``tensor_shapes`` as for
+    :func:`~megapp.pipeline_parallel.forward_backward` (None: negotiated per message).
     """
     if eval_iters < 1:
         raise ValueError(f"eval_iters must be >= 1, got {eval_iters}")
@@ -46,6 +49,7 @@ def evaluate(
                 schedule=schedule,
                 pp_group=groups.pp,
                 forward_only=True,
+                tensor_shapes=tensor_shapes,
             )
             total += result.loss.detach().double().cpu()
     finally:

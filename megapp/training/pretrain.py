@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from megapp import parallel_state as ps
+from megapp.pipeline_parallel.p2p import TensorSpec
 from megapp.pipeline_parallel.runner import ForwardStepFunc
 from megapp.training import checkpoints
 from megapp.training.arguments import ArgumentsError
@@ -49,6 +50,17 @@ from megapp.training.step import TrainGroups, train_step
 
 DatasetsProvider = Callable[[argparse.Namespace, Sequence[int]], tuple[Any, Any, Any]]
 """``(args, [train, valid, test] sample counts) -> (train, valid, test)`` datasets (or None)."""
+
+
+def pipeline_tensor_shapes(args: argparse.Namespace) -> list[TensorSpec]:
+    """What one pipeline stage sends the next, fixed for the whole run (Megatron's p2p shape):
+    the hidden states ``[s, b, h]`` (``[s/tp, b, h]`` with sequence parallelism) in the
+    model's dtype. Declared, they spare every step a header exchange; a stage that sends
+    anything else fails with a message naming both shapes."""
+    seq = args.seq_length
+    if args.sequence_parallel:
+        seq //= args.tensor_model_parallel_size
+    return [TensorSpec((seq, args.micro_batch_size, args.hidden_size), args.params_dtype)]
 
 
 def _is_last_rank() -> bool:
@@ -79,6 +91,7 @@ class Trainer:
         self.flops = flops_per_iteration(args, getattr(args, "padded_vocab_size", 0))
         self.peak = peak_tflops(device, args.params_dtype)
         self.valid_iterators = self.test_iterators = None
+        self.tensor_shapes = pipeline_tensor_shapes(args)
 
     def _sync(self) -> float:
         if self.device.type == "cuda":
@@ -99,6 +112,7 @@ class Trainer:
                 num_microbatches=args.num_microbatches,
                 groups=self.groups,
                 lr_scheduler=self.scheduler,
+                tensor_shapes=self.tensor_shapes,
             )
             interval.seconds += self._sync() - start
             state.iteration += 1
@@ -166,6 +180,7 @@ class Trainer:
             num_microbatches=args.num_microbatches,
             eval_iters=args.eval_iters,
             groups=self.groups,
+            tensor_shapes=self.tensor_shapes,
         )
         if split == "valid":
             self.state.consumed_valid_samples += args.eval_iters * args.global_batch_size
