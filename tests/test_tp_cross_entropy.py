@@ -4,7 +4,12 @@ torch.nn.functional.cross_entropy on the full, unpadded logits of one process.
 Every rank builds the same full logits from one seed, takes its shard of the padded vocabulary,
 and compares the loss and the gradient gathered from all shards with the single-process
 expression. Padded columns hold large garbage, so any leak of them into the softmax shows.
+The shards run through the fused CPU kernels (megapp.fusions.cross_entropy); one test repeats
+the layouts on the pure-PyTorch reference tier (MEGAPP_FUSED=0).
 """
+
+import contextlib
+import os
 
 import pytest
 import torch
@@ -32,6 +37,27 @@ FP32_TOL = dict(rtol=1e-5, atol=1e-6)
 # bf16 gradients: the float32 gradient rounded once to bf16 (8-bit significand), so at most
 # half a bf16 ulp (2^-8 relative) from the reference, plus the float32 error above.
 BF16_GRAD_TOL = dict(rtol=2**-8, atol=1e-6)
+# The tier the loss must have run: the CPU kernels, unless the install deliberately has none or
+# the environment forces the reference.
+FUSED_TIER = (
+    "reference"
+    if "0" in (os.environ.get("MEGAPP_BUILD_CPU_EXT"), os.environ.get("MEGAPP_FUSED"))
+    else "cpu"
+)
+
+
+@contextlib.contextmanager
+def _reference_tier():
+    """MEGAPP_FUSED=0 for the block: the fused ops pick their tier per call, so this switches."""
+    old = os.environ.get("MEGAPP_FUSED")
+    os.environ["MEGAPP_FUSED"] = "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["MEGAPP_FUSED"]
+        else:
+            os.environ["MEGAPP_FUSED"] = old
 
 
 def _inputs(vocab: int, padded: int, dtype: torch.dtype, seed: int = 0):
@@ -70,7 +96,9 @@ def _all_gather(x: torch.Tensor, group, world: int) -> list[torch.Tensor]:
     return parts
 
 
-def _check(vocab, multiple, smoothing, dtype, group, world, rank, use_default_vocab=False):
+def _check(
+    vocab, multiple, smoothing, dtype, group, world, rank, use_default_vocab=False, tier=FUSED_TIER
+):
     padded = pad_vocab_size(vocab, world, multiple)
     start, end = vocab_range(padded, rank, world)
     full, target, grad_out = _inputs(vocab, padded, dtype)
@@ -79,6 +107,7 @@ def _check(vocab, multiple, smoothing, dtype, group, world, rank, use_default_vo
     loss = vocab_parallel_cross_entropy(
         shard, target, smoothing, group, vocab_size=None if use_default_vocab else vocab
     )
+    assert loss.grad_fn.tier == tier  # the Function's ctx: the tier its forward ran
     loss.backward(grad_out)
     assert loss.dtype == torch.float32 and loss.shape == (S, B)
     assert shard.grad.dtype == dtype and shard.grad.shape == shard.shape
@@ -102,6 +131,17 @@ def test_matches_single_process_cross_entropy(world_size, tp, vocab, multiple, s
     ps.initialize_model_parallel(tp)
     group = ps.get_tensor_model_parallel_group()
     _check(vocab, multiple, smoothing, dtype, group, tp, ps.get_tensor_model_parallel_rank())
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("world_size, tp", [(2, 2), (4, 4)])
+@distributed()
+def test_reference_tier_matches_single_process_cross_entropy(world_size, tp, dtype):
+    ps.initialize_model_parallel(tp)
+    group, rank = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_rank()
+    with _reference_tier():
+        for vocab, multiple in [(37, 128), (50257, 128)]:
+            _check(vocab, multiple, SMOOTHING, dtype, group, tp, rank, tier="reference")
 
 
 @pytest.mark.parametrize("smoothing", [0.0, SMOOTHING])
@@ -169,12 +209,17 @@ def test_argument_errors():
         vocab_parallel_cross_entropy(logits, target, label_smoothing=1.0)
 
 
-def test_backward_twice_is_refused():
+@pytest.mark.parametrize("fused", [True, False])
+def test_backward_twice_with_retain_graph(fused):
+    # Backward only reads what it saved, so a retained graph gives the same gradient again.
     logits = torch.randn(2, 3, 8, requires_grad=True)
-    loss = vocab_parallel_cross_entropy(logits, torch.zeros(2, 3, dtype=torch.long)).sum()
-    loss.backward(retain_graph=True)
-    with pytest.raises(RuntimeError, match="backward ran twice"):
-        loss.backward()
+    with contextlib.nullcontext() if fused else _reference_tier():
+        loss = vocab_parallel_cross_entropy(logits, torch.tensor([[0, 7, 3], [5, 5, 1]]), 0.1)
+        loss.sum().backward(retain_graph=True)
+        once = logits.grad.clone()
+        loss.sum().backward()
+    assert torch.equal(logits.grad, 2 * once)
+    assert not torch.equal(once, torch.zeros_like(once))
 
 
 def test_pad_vocab_size_and_vocab_range():

@@ -5,16 +5,17 @@
     python tools/bench_kernels.py --device cuda --json /tmp/kernels.json
 
 For each op (bias_gelu, bias_swiglu, bias_dropout_add in training with p = 0.1, causal
-scaled_masked_softmax, layer_norm, rms_norm, rope), dtype (fp32, bf16) and pass (the training
-forward alone, and forward + backward) it times three implementations on the same inputs:
+scaled_masked_softmax, layer_norm, rms_norm, rope, cross_entropy), dtype (fp32, bf16) and pass
+(the training forward alone, and forward + backward) it times three implementations on the same
+inputs:
 
 * ``megapp``: the public function (``megapp.fusions.bias_gelu`` ...), i.e. its autograd Function
   calling the compiled kernel of the tensor's device (``torch.ops.megapp.*``);
 * ``reference``: the same public function with ``MEGAPP_FUSED=0``, which makes the autograd
   Function run megapp's pure-PyTorch reference forward and backward;
 * ``eager``: the plain PyTorch expression a user would write instead (the ``eager`` field of
-  each case in ``cases()``: ``F.gelu(x + b, approximate="tanh")``, ``F.layer_norm`` ...), with
-  autograd.
+  each case in ``cases()``: ``F.gelu(x + b, approximate="tanh")``, ``F.layer_norm``,
+  ``F.cross_entropy`` ...), with autograd.
 
 With ``--compile`` (on by default on CUDA only) it adds ``compile``: ``torch.compile`` of that
 same eager expression, compiled before the timed rounds.
@@ -75,6 +76,7 @@ import torch.nn.functional as F
 
 from megapp import fusions
 from megapp.fusions import extension
+from megapp.tensor_parallel import vocab_parallel_cross_entropy
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 PASSES = ("fwd", "fwd+bwd")
@@ -86,11 +88,12 @@ SLOW_CALL_S = 0.5
 SLOW_MIN_REPEATS = 3
 
 # Transformer-sized shapes: [s, b, h] activations, [sb, heads, sq, sq] attention scores, RoPE on
-# [s, b, heads, d]. CPU: quick on 2 cores (16 MiB per fp32 [s, b, h] tensor). CUDA: large enough
-# (0.5-2 GiB per fp32 tensor) that the 50 MiB L2 and launch latency do not set the time.
+# [s, b, heads, d], cross entropy on [s·b, vocab] logits. CPU: quick on 2 cores (16 MiB per fp32
+# [s, b, h] tensor; 500 MiB of fp32 logits). CUDA: large enough (0.5-4 GiB per fp32 tensor) that
+# the 50 MiB L2 and launch latency do not set the time.
 SHAPES = {
-    "cpu": dict(s=1024, b=4, h=1024, heads=16, sb=4, sq=512, d=64),
-    "cuda": dict(s=4096, b=8, h=4096, heads=32, sb=4, sq=2048, d=128),
+    "cpu": dict(s=1024, b=4, h=1024, heads=16, sb=4, sq=512, d=64, vocab=32000),
+    "cuda": dict(s=4096, b=8, h=4096, heads=32, sb=4, sq=2048, d=128, vocab=32000),
 }
 
 
@@ -241,6 +244,23 @@ def _rope_bytes(t: Inputs) -> tuple[int, int]:
     return 2 * _nb(x) + _nb(freqs), 2 * _nb(x) + _nb(freqs)
 
 
+def _make_cross_entropy(sh: dict, device: torch.device, dtype: torch.dtype) -> Inputs:
+    rows, vocab = sh["s"] * sh["b"], sh["vocab"]
+    return {
+        "x": _randn((rows, vocab), device, dtype, 2.0),
+        "target": torch.randint(0, vocab, (rows,), device=device),
+    }
+
+
+def _cross_entropy_bytes(t: Inputs) -> tuple[int, int]:
+    x, target = t["x"], t["target"]
+    rows = target.numel()
+    # fwd: read logits, target; write the float32 loss, m and log Z. bwd: read dloss, logits,
+    # target, m, log Z; write dlogits. (megapp's forward reads the logits twice: the max, then
+    # the sums after the all-reduce; the count is the minimum.)
+    return _nb(x, target) + 12 * rows, 2 * _nb(x) + _nb(target) + 12 * rows
+
+
 def _rms_eager(t: Inputs) -> torch.Tensor:
     x, w = t["x"], t["weight"]
     if hasattr(F, "rms_norm"):
@@ -321,6 +341,16 @@ def cases(sh: dict) -> list[Case]:
             _rope_eager,
             ("x",),
             _rope_bytes,
+        ),
+        Case(
+            "cross_entropy",
+            f"logits [s·b={s * b}, V={sh['vocab']}], int64 targets, loss per token",
+            "fwd: logits + target + loss + m/log Z; bwd: dloss + logits + target + m/log Z + dx",
+            _make_cross_entropy,
+            lambda t: vocab_parallel_cross_entropy(t["x"], t["target"]),
+            lambda t: F.cross_entropy(t["x"], t["target"], reduction="none"),
+            ("x",),
+            _cross_entropy_bytes,
         ),
     ]
 

@@ -81,6 +81,23 @@ struct RowKernels {
   // The per-row rstd of rms_norm_fwd, bit for bit, without y. scratch: cols.
   void (*rms_norm_stats)(const T* x, acc_t eps, acc_t* rstd, acc_t* scratch, int64_t rows,
                          int64_t cols);
+  // Cross entropy over a vocabulary shard: rows of cols logits whose first `real` ids are real
+  // (the rest padding); target holds global ids, the shard starts at id `start`
+  // (megapp/cross_entropy.h).
+  // row_max[r] = max_{k<real} z[r, k] (−∞ when real == 0).
+  void (*cross_entropy_fwd_max)(const T* logits, acc_t* row_max, int64_t rows, int64_t cols,
+                                int64_t real);
+  // sums[r, 0..n_sums) = Σ_{k<real} exp(z − m), z_t − m (0 when t is not in the shard) and, when
+  // n_sums == 3, Σ_{k<real} (z − m); one pass over the row, m = row_max[r].
+  void (*cross_entropy_fwd_sums)(const T* logits, const int64_t* target, const acc_t* row_max,
+                                 acc_t* sums, int64_t n_sums, int64_t rows, int64_t cols,
+                                 int64_t start, int64_t real);
+  // grad[r, k] = ((exp((z − m) − log Z) − (1 − ε)[k = t]) − ε/K)·grad_loss[r] for k < real, 0
+  // for padding; one_minus_eps = 1 − ε and eps_over_k = ε/K.
+  void (*cross_entropy_bwd)(const acc_t* grad_loss, const T* logits, const int64_t* target,
+                            const acc_t* row_max, const acc_t* log_z, T* grad,
+                            acc_t one_minus_eps, acc_t eps_over_k, int64_t rows, int64_t cols,
+                            int64_t start, int64_t real);
 };
 
 // The tables of each compiled instruction set (explicitly instantiated for float, double,

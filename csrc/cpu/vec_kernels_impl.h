@@ -2,7 +2,7 @@
 // instruction set: included by vec_kernels_default.cpp and vec_kernels_avx2.cpp, each of which
 // defines MEGAPP_ROW_KERNELS_GETTER (the name of its table function) before including it.
 //
-// The math is the templates of megapp/gelu.h, swiglu.h and norm.h, instantiated on
+// The math is the templates of megapp/gelu.h, swiglu.h, norm.h and cross_entropy.h, instantiated on
 // Vectorized<acc_t> (Elementwise<Vectorized> below supplies exp and the NaN select), so every
 // lane computes the same operations in the same order as the CUDA kernels (where the instruction
 // set has FMA, the compiler contracts a·b + c into one rounding, as nvcc does).
@@ -27,8 +27,10 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 
+#include "megapp/cross_entropy.h"
 #include "megapp/gelu.h"
 #include "megapp/norm.h"
 #include "megapp/philox.h"
@@ -650,12 +652,151 @@ void rms_norm_bwd(const T* grad, const T* saved, const acc_type<T>* rstd,
   }
 }
 
+// Cross entropy ---------------------------------------------------------------------------
+//
+// A vocabulary shard's rows are long (thousands of ids) and read straight from the logits: no
+// staging buffer, bf16/half widened one float vector at a time.
+
+// count (<= size()) elements at p as one vector of acc_type<T>, zeros after.
+template <typename T>
+inline at::vec::Vectorized<acc_type<T>> load_acc(const T* p, int64_t count) {
+  if constexpr (kReduced<T>) {
+    return load_widened<T>(p, count);
+  } else {
+    return load(p, count);
+  }
+}
+
+// row_sum for N sums of one pass: term(i, count, acc) adds its N vectors (zeros in lanes >=
+// count) into acc[0..N); the accumulators and the order are row_sum's.
+template <typename A, int N, typename Term>
+inline void row_sums(int64_t n, A (&out)[N], Term&& term) {
+  using Vec = at::vec::Vectorized<A>;
+  constexpr int64_t kLanes = Vec::size();
+  Vec acc[4][N];
+  for (auto& a : acc) {
+    for (Vec& v : a) v = Vec(A(0));
+  }
+  int64_t i = 0;
+  for (; i + 4 * kLanes <= n; i += 4 * kLanes) {
+    for (int j = 0; j < 4; ++j) term(i + j * kLanes, kLanes, acc[j]);
+  }
+  for (; i + kLanes <= n; i += kLanes) term(i, kLanes, acc[0]);
+  if (i < n) term(i, n - i, acc[1]);
+  for (int k = 0; k < N; ++k) {
+    out[k] = lane_sum<A>((acc[0][k] + acc[1][k]) + (acc[2][k] + acc[3][k]));
+  }
+}
+
+template <typename T>
+void cross_entropy_fwd_max(const T* logits, acc_type<T>* row_max, int64_t rows, int64_t cols,
+                           int64_t real) {
+  using A = acc_type<T>;
+  using Vec = at::vec::Vectorized<A>;
+  constexpr int64_t kLanes = Vec::size();
+  const Vec neg_inf(-std::numeric_limits<A>::infinity());
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* z = logits + r * cols;
+    // Four independent maxima hide the latency; a max is exact, so the order does not matter.
+    Vec a0 = neg_inf, a1 = neg_inf, a2 = neg_inf, a3 = neg_inf;
+    int64_t i = 0;
+    for (; i + 4 * kLanes <= real; i += 4 * kLanes) {
+      a0 = at::vec::maximum(a0, load_acc<T>(z + i, kLanes));
+      a1 = at::vec::maximum(a1, load_acc<T>(z + i + kLanes, kLanes));
+      a2 = at::vec::maximum(a2, load_acc<T>(z + i + 2 * kLanes, kLanes));
+      a3 = at::vec::maximum(a3, load_acc<T>(z + i + 3 * kLanes, kLanes));
+    }
+    for (; i < real; i += kLanes) {
+      const int64_t count = std::min(kLanes, real - i);
+      // Lanes past the real ids are −∞, not the zeros of a masked load.
+      a0 = at::vec::maximum(a0, Vec::set(neg_inf, load_acc<T>(z + i, count), count));
+    }
+    alignas(64) A lanes[kLanes];
+    at::vec::maximum(at::vec::maximum(a0, a1), at::vec::maximum(a2, a3)).store(lanes);
+    A m = lanes[0];
+    for (int64_t l = 1; l < kLanes; ++l) {
+      if (std::isnan(lanes[l]) || lanes[l] > m) m = lanes[l];  // NaN propagates, as in torch
+    }
+    row_max[r] = m;
+  }
+}
+
+// Ids per partial sum of a vocabulary row: each of row_sums' 32 float lanes adds at most 32
+// terms, and the chunk totals are added in order, so the rounding error grows with
+// kSumChunk/32 + cols/kSumChunk rather than with cols/32 (a 32000-id row of bf16 logits, whose
+// few distinct values round alike, drifted 1e-5 in Σ (z − m) when summed in one go).
+constexpr int64_t kSumChunk = 1024;
+
+template <typename T>
+void cross_entropy_fwd_sums(const T* logits, const int64_t* target, const acc_type<T>* row_max,
+                            acc_type<T>* sums, int64_t n_sums, int64_t rows, int64_t cols,
+                            int64_t start, int64_t real) {
+  using A = acc_type<T>;
+  using Vec = at::vec::Vectorized<A>;
+  const bool smoothing = n_sums == 3;
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* z = logits + r * cols;
+    const A m = row_max[r];
+    const Vec m_v(m);
+    A total[2] = {A(0), A(0)};  // Σ exp(z − m), Σ (z − m)
+    for (int64_t c0 = 0; c0 < real; c0 += kSumChunk) {
+      A part[2];
+      row_sums<A, 2>(std::min(kSumChunk, real - c0), part,
+                     [&](int64_t i, int64_t count, Vec (&acc)[2]) {
+                       const Vec zv = load_acc<T>(z + c0 + i, count);
+                       acc[0] = acc[0] + head(cross_entropy_exp<Vec>(zv, m_v), count);
+                       if (smoothing) {
+                         acc[1] = acc[1] + head(cross_entropy_shifted<Vec>(zv, m_v), count);
+                       }
+                     });
+      total[0] += part[0];
+      total[1] += part[1];
+    }
+    const int64_t local = cross_entropy_local_target(target[r], start, real);
+    A* out = sums + r * n_sums;
+    out[0] = total[0];
+    out[1] = local >= 0 ? cross_entropy_shifted<A>(static_cast<A>(z[local]), m) : A(0);
+    if (smoothing) out[2] = total[1];
+  }
+}
+
+template <typename T>
+void cross_entropy_bwd(const acc_type<T>* grad_loss, const T* logits, const int64_t* target,
+                       const acc_type<T>* row_max, const acc_type<T>* log_z, T* grad,
+                       acc_type<T> one_minus_eps, acc_type<T> eps_over_k, int64_t rows,
+                       int64_t cols, int64_t start, int64_t real) {
+  using A = acc_type<T>;
+  using Vec = at::vec::Vectorized<A>;
+  constexpr int64_t kLanes = Vec::size();
+  const Vec eps_over_k_v(eps_over_k);
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* z = logits + r * cols;
+    T* g = grad + r * cols;
+    const Vec m_v(row_max[r]);
+    const Vec log_z_v(log_z[r]);
+    const Vec g_v(grad_loss[r]);
+    const int64_t local = cross_entropy_local_target(target[r], start, real);
+    store_row<T>(g, real, [&](int64_t i, int64_t count) {
+      Vec hit(A(0));
+      if (local >= i && local < i + count) {  // the one vector holding the target
+        alignas(64) A lanes[kLanes] = {};
+        lanes[local - i] = one_minus_eps;
+        hit = Vec::loadu(lanes);
+      }
+      const Vec p = cross_entropy_prob<Vec>(load_acc<T>(z + i, count), m_v, log_z_v);
+      return cross_entropy_grad<Vec>(p, hit, eps_over_k_v, g_v);
+    });
+    std::fill(g + real, g + cols, T(0));  // padding ids
+  }
+}
+
 template <typename T>
 constexpr RowKernels<T> kTable = {
     &bias_gelu_fwd<T>,       &bias_gelu_bwd<T>,       &bias_swiglu_fwd<T>, &bias_swiglu_bwd<T>,
     &layer_norm_fwd<T>,      &layer_norm_bwd<T>,      &layer_norm_stats<T>,
     &bias_dropout_add_fwd<T>, &bias_dropout_add_bwd<T>, &rms_norm_fwd<T>,   &rms_norm_bwd<T>,
     &rms_norm_stats<T>,
+    &cross_entropy_fwd_max<T>, &cross_entropy_fwd_sums<T>, &cross_entropy_bwd<T>,
 };
 
 }  // namespace

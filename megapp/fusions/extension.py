@@ -33,13 +33,14 @@ KERNEL_DTYPES: dict[str, dict[str, frozenset[torch.dtype]]] = {
     "layer_norm": _ALL,
     "rms_norm": _ALL,
     "rope": _ALL,
+    "cross_entropy": _ALL,
 }
 
 
 # Ops whose CPU kernels run the vectorized loops of csrc/cpu/vec_kernels_impl.h (one build per
 # instruction set); the others' CPU kernels are scalar loops.
 VECTORIZED_CPU_OPS = frozenset(
-    {"bias_gelu", "bias_swiglu", "bias_dropout_add", "layer_norm", "rms_norm"}
+    {"bias_gelu", "bias_swiglu", "bias_dropout_add", "layer_norm", "rms_norm", "cross_entropy"}
 )
 
 

@@ -10,8 +10,8 @@ With ``z`` the logits, ``t`` the target id and ``K`` the real (unpadded) vocabul
     loss    = log Z − (z_t − m)
 
 The two sums travel in one all-reduce, so the forward costs two collectives of ``[s, b]``-sized
-tensors whatever the vocabulary size. Padded ids (``>= K``) are set to −inf before the max, so
-they get zero probability and zero gradient.
+tensors whatever the vocabulary size. Padded ids (``>= K``) are left out of the max and the
+sums, so they get zero probability and zero gradient.
 
 Label smoothing follows Megatron: with ``ε = label_smoothing · K/(K−1)``,
 
@@ -22,8 +22,16 @@ i.e. the target distribution is ``1 − label_smoothing`` on the target and
 ``torch.nn.functional.cross_entropy(..., label_smoothing=ε)``, which spreads ``ε`` over all
 ``K`` ids. The sum over the real ids rides in the same all-reduce as the other two.
 
-Backward needs no communication: ``∂loss/∂z_k = p_k − (1 − ε)·[k = t] − (ε/K)·[k < K]``, built
-in place in the saved float32 softmax.
+Backward needs no communication: ``∂loss/∂z_k = p_k − (1 − ε)·[k = t] − (ε/K)·[k < K]`` with
+``p_k = exp(z_k − m − log Z)``, recomputed from the logits.
+
+The passes over the shard are fused kernels (:mod:`megapp.fusions.cross_entropy`; the CUDA, C++
+CPU or PyTorch reference tier, chosen per call as for every fused op): the row max, one pass
+for the three sums, and in backward one pass that writes the gradient in the logits' dtype.
+Backward keeps only the logits shard itself (in its own dtype), the target and two float32
+values per token (``m`` and ``log Z``; float64 for float64 logits), no ``[..., w]`` float32
+buffer: for bf16 logits 2 bytes per logit where a saved float32 softmax took 4. Nothing saved is
+modified, so backward may run more than once (``retain_graph=True``).
 """
 
 from __future__ import annotations
@@ -32,9 +40,13 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import FunctionCtx, once_differentiable
 
+from megapp.fusions import cross_entropy as fused
+from megapp.fusions.extension import select_tier
+
 __all__ = ["vocab_parallel_cross_entropy"]
 
 Group = dist.ProcessGroup | None
+_OP = "cross_entropy"  # the fused op's name for the tier choice
 
 
 def _world_and_rank(group: Group) -> tuple[int, int]:
@@ -64,7 +76,7 @@ def _check_target(target: torch.Tensor, vocab_size: int) -> None:
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Per-token loss ``[...]`` from ``logits_shard [..., w]``; saves only the softmax shard."""
+    """Per-token loss ``[...]`` from ``logits_shard [..., w]``; keeps the logits, m and log Z."""
 
     @staticmethod
     def forward(
@@ -77,63 +89,53 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         world: int,
         rank: int,
     ) -> torch.Tensor:
+        tier = select_tier(_OP, logits_shard)
         width = logits_shard.shape[-1]
         start = rank * width
         real = min(max(vocab_size - start, 0), width)  # real (unpadded) ids in this shard
-        dtype = torch.promote_types(logits_shard.dtype, torch.float32)
-        # One float32 buffer of [..., w]: shifted logits, then exp, then the saved softmax.
-        buf = torch.empty_like(logits_shard, dtype=dtype, memory_format=torch.contiguous_format)
-        buf.copy_(logits_shard)
-        if real < width:
-            buf[..., real:] = float("-inf")  # padding: exp(−inf) = 0 probability and gradient
-        logits_max = buf.amax(dim=-1)
-        _all_reduce(logits_max, dist.ReduceOp.MAX, group, world)
-        buf.sub_(logits_max.unsqueeze(-1))  # max subtraction: exp never overflows
+        # The kernels' index type, in a private contiguous copy (8 B per token): the caller may
+        # refill its label buffer before backward.
+        target = target.to(torch.int64, memory_format=torch.contiguous_format, copy=True)
 
-        in_shard = (target >= start) & (target < start + width)
-        local_target = (target.to(torch.int64) - start).masked_fill_(~in_shard, 0)
-        target_logit = buf.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
-        partial = [target_logit.masked_fill_(~in_shard, 0.0)]
-        if label_smoothing > 0:
-            partial.append(buf[..., :real].sum(dim=-1))  # Σ_{k<K} (z_k − m), this shard's part
-        buf.exp_()
-        partial.insert(0, buf.sum(dim=-1))
-        sums = torch.stack(partial, dim=-1)
+        row_max = fused.cross_entropy_fwd_max(logits_shard, real, tier)
+        _all_reduce(row_max, dist.ReduceOp.MAX, group, world)
+        # Σ exp(z − m), z_t − m (on the one rank that holds t) and Σ_{k<K} (z − m): one pass.
+        smoothing = label_smoothing > 0
+        sums = fused.cross_entropy_fwd_sums(
+            logits_shard, target, row_max, start, real, smoothing, tier
+        )
         _all_reduce(sums, dist.ReduceOp.SUM, group, world)  # one collective for all the sums
         sum_exp, target_logit, *sum_real = sums.unbind(dim=-1)
 
         log_z = sum_exp.log()
         loss = log_z - target_logit
         eps = 0.0
-        if label_smoothing > 0:
+        if smoothing:
             eps = label_smoothing * vocab_size / (vocab_size - 1)
             mean_nll = log_z - sum_real[0] / vocab_size  # mean over real ids of −log p_k
             loss = (1.0 - eps) * loss + eps * mean_nll
 
-        buf.div_(sum_exp.unsqueeze(-1))  # softmax shard
-        ctx.save_for_backward(buf, local_target, in_shard)
-        ctx.eps, ctx.vocab_size, ctx.real = eps, vocab_size, real
-        ctx.input_dtype = logits_shard.dtype
-        ctx.consumed = False
+        ctx.save_for_backward(logits_shard, target, row_max, log_z)
+        ctx.tier, ctx.eps, ctx.vocab_size, ctx.start, ctx.real = tier, eps, vocab_size, start, real
         return loss
 
     @staticmethod
     @once_differentiable
     def backward(ctx: FunctionCtx, grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        if ctx.consumed:
-            raise RuntimeError(
-                "vocab_parallel_cross_entropy: backward ran twice through the same loss; its "
-                "saved softmax becomes the gradient in place, so retain_graph is not supported"
-            )
-        ctx.consumed = True
-        softmax, local_target, in_shard = ctx.saved_tensors
-        grad = softmax  # its last use: build the gradient in place, no second [..., w] buffer
-        hit = (ctx.eps - 1.0) * in_shard.to(grad.dtype)  # −(1 − ε) where this shard has t
-        grad.scatter_add_(-1, local_target.unsqueeze(-1), hit.unsqueeze(-1))
-        if ctx.eps > 0 and ctx.real > 0:
-            grad[..., : ctx.real].sub_(ctx.eps / ctx.vocab_size)
-        grad.mul_(grad_loss.unsqueeze(-1).to(grad.dtype))
-        return grad.to(ctx.input_dtype), None, None, None, None, None, None
+        logits_shard, target, row_max, log_z = ctx.saved_tensors
+        grad = fused.cross_entropy_bwd(
+            grad_loss,
+            logits_shard,
+            target,
+            row_max,
+            log_z,
+            ctx.start,
+            ctx.real,
+            ctx.eps,
+            ctx.vocab_size,
+            ctx.tier,
+        )
+        return grad, None, None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(
