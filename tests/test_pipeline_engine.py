@@ -15,6 +15,7 @@ from torch import nn
 
 from megapp import parallel_state as ps
 from megapp.pipeline_parallel import (
+    Op,
     PipelineHooks,
     TensorSpec,
     build_schedule,
@@ -329,10 +330,10 @@ def test_gloo_posts_receives_one_step_ahead(declared):
     seen = []  # (kinds of the step's receives, whether they were already posted)
     original = StageRunner._communicate
 
-    def spy(self, step, upcoming):
+    def spy(self, index, step, upcoming):
         if step.recvs:
             seen.append(({m.op for m in step.recvs}, self.early is not None))
-        return original(self, step, upcoming)
+        return original(self, index, step, upcoming)
 
     StageRunner._communicate = spy
     try:
@@ -350,3 +351,41 @@ def test_gloo_posts_receives_one_step_ahead(declared):
         assert not any(ahead for kinds, ahead in seen if Op.FORWARD in kinds)
         gradient_only = [ahead for kinds, ahead in seen[1:] if kinds == {Op.BACKWARD}]
         assert gradient_only and all(gradient_only)
+
+
+@pytest.mark.parametrize("schedule, v, m", [("1f1b", 1, 8), ("interleaved-1f1b", 2, 8)])
+@distributed(world_size=4)
+def test_sent_activations_are_freed_during_the_iteration(schedule, v, m):
+    """A sent activation's storage goes once the plan proves it delivered, not at the end of
+    the iteration: the outputs a rank holds stay within its in-flight microbatches, whatever
+    m (gloo's sends cannot be polled, so this rests on the plan's proofs)."""
+    from megapp.pipeline_parallel.plan import communication_plan, delivered_sends
+    from megapp.pipeline_parallel.runner import StageRunner
+
+    held = []  # after every forward: sent outputs whose storage is still there
+    original = StageRunner.forward
+
+    def spy(self, action):
+        original(self, action)
+        alive = [t for _, dropped in self.sending.values() for t in dropped if t.numel() > 1]
+        held.append(len(alive) + len(self.droppable))
+
+    StageRunner.forward = spy
+    try:
+        result, _, reference, batches, stage = _run(4, v, m, schedule)
+    finally:
+        StageRunner.forward = original
+    torch.testing.assert_close(
+        result.loss.double(), _reference(reference, batches), rtol=1e-6, atol=0
+    )
+    plan = communication_plan(build_schedule(schedule, 4, m, v))
+    proven = delivered_sends(plan)[stage]
+    expected, outstanding = 0, 0  # the plan's bound: sent, not yet proven delivered
+    for index, step in enumerate(plan[stage]):
+        outstanding += sum(msg.op is Op.FORWARD for msg in step.sends)
+        outstanding -= sum(msg.op is Op.FORWARD for msg in proven[index])
+        if step.action is not None and step.action.op is Op.FORWARD:
+            expected = max(expected, outstanding + 1)  # + the one just produced
+    assert max(held) <= expected
+    assert max(held) < m * v  # the whole iteration's outputs were held before
+    assert max(held) <= simulate(build_schedule(schedule, 4, m, v)).peak_in_flight[stage]

@@ -1,5 +1,6 @@
 """A failed or stuck pipeline rank makes its peers fail within the timeout, not hang."""
 
+import re
 import time
 
 import pytest
@@ -37,6 +38,7 @@ def test_a_failing_rank_makes_its_peer_fail_with_context():
     message = str(info.value)
     assert "rank 1 (error)" in message and "stage 1 could not build its batch" in message
     assert "rank 0 (error)" in message  # not hung: it gave up after the timeout
-    # rank 1 took microbatch 0's activation, then failed; rank 0 waits for its gradient
-    assert "pipeline rank 0 before B0 failed waiting for:" in message
+    # rank 1 took microbatch 0's activation, then failed; rank 0 waits for its gradient, or
+    # already fails while posting that receive a step ahead (before F1) if rank 1 is gone
+    assert re.search(r"pipeline rank 0 before (B0|F1) failed waiting for:", message)
     assert "receive of the gradient of microbatch 0" in message

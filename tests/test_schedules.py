@@ -5,7 +5,7 @@ from fractions import Fraction
 
 import pytest
 
-from megapp.pipeline_parallel.plan import ScheduleError, communication_plan
+from megapp.pipeline_parallel.plan import ScheduleError, communication_plan, delivered_sends
 from megapp.pipeline_parallel.schedules import Action, Op, build_schedule
 from megapp.pipeline_parallel.simulate import CostModel, simulate
 
@@ -139,3 +139,49 @@ def test_forward_only_schedules_validate(name, v):
             timeline = simulate(schedule, _uniform(v))
             assert timeline.peak_in_flight == [0] * p  # evaluation keeps no activations
             assert all(a.op is F for acts in schedule.actions for a in acts)
+
+
+def _held_activations(plan, delivered, rank: int) -> int:
+    """Most activations ``rank`` has sent and not yet seen proven delivered."""
+    held = peak = 0
+    for step, proven in zip(plan[rank], delivered[rank], strict=True):
+        held += sum(m.op is F for m in step.sends)
+        held -= sum(m.op is F for m in proven)
+        peak = max(peak, held)
+    return peak
+
+
+@pytest.mark.parametrize(
+    "name, p, v",
+    [
+        ("gpipe", 4, 1),
+        ("1f1b", 2, 1),
+        ("1f1b", 4, 1),
+        ("interleaved-1f1b", 2, 2),
+        ("interleaved-1f1b", 4, 2),
+        ("interleaved-1f1b", 3, 3),
+    ],
+)
+def test_delivered_sends_are_proven_and_keep_memory_bounded(name, p, v):
+    peaks = []
+    for m in (p, 2 * p, 4 * p):
+        plan = communication_plan(build_schedule(name, p, m, v))
+        delivered = delivered_sends(plan)
+        received_at = {msg: i for steps in plan for i, s in enumerate(steps) for msg in s.recvs}
+        posted_at = {msg: i for steps in plan for i, s in enumerate(steps) for msg in s.sends}
+        for rank, steps in enumerate(plan):
+            proven = [msg for batch in delivered[rank] for msg in batch]
+            assert len(proven) == len(set(proven))
+            for index, batch in enumerate(delivered[rank]):
+                for msg in batch:
+                    assert msg.src == rank and posted_at[msg] <= index
+                    # the peer posted something this step receives after it had msg
+                    later = [x for x in steps[index].recvs if x.src == msg.dst]
+                    assert any(posted_at[x] > received_at[msg] for x in later), (rank, msg)
+        peaks.append([_held_activations(plan, delivered, r) for r in range(p)])
+        in_flight = simulate(build_schedule(name, p, m, v)).peak_in_flight
+        assert all(h < f for h, f in zip(peaks[-1], in_flight, strict=True)), (peaks, in_flight)
+    if name != "gpipe":  # held sends stop growing with m: memory follows the schedule
+        assert peaks[1] == peaks[2]
+    if name == "1f1b":
+        assert peaks[0] == [p - 1 - r for r in range(p)]

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megapp.pipeline_parallel.p2p import TensorSpec, Transport
-from megapp.pipeline_parallel.plan import Step, communication_plan
+from megapp.pipeline_parallel.plan import Message, Step, communication_plan, delivered_sends
 from megapp.pipeline_parallel.runner import ForwardStepFunc, PipelineHooks, StageRunner
 from megapp.pipeline_parallel.schedules import Schedule, build_schedule
 from megapp.pipeline_parallel.simulate import Event
@@ -52,8 +52,10 @@ class PipelineResult:
 
 
 @functools.lru_cache(maxsize=64)
-def _plan(schedule: Schedule) -> list[list[Step]]:
-    return communication_plan(schedule)  # validated once per schedule
+def _plan(schedule: Schedule) -> tuple[list[list[Step]], list[list[tuple[Message, ...]]]]:
+    """The validated plan and its proven deliveries, once per schedule."""
+    plan = communication_plan(schedule)
+    return plan, delivered_sends(plan)
 
 
 def forward_backward(
@@ -161,7 +163,8 @@ def forward_backward(
         hooks=hooks or PipelineHooks(),
         clock=clock,
     )
-    runner.run(_plan(sched)[stage])
+    plan, delivered = _plan(sched)
+    runner.run(plan[stage], delivered[stage])
     if not forward_only and runner.hooks.post_backward is not None:
         runner.hooks.post_backward()
 

@@ -4,7 +4,7 @@ A :class:`Transport` posts one batch of sends and receives (``batch_isend_irecv`
 one NCCL group) in the order the plan gives, so every channel stays
 FIFO-consistent, and waits for its receives; the runner lets the sends finish
 in the background. On gloo the runner also posts a step's receives one step
-early (:attr:`Transport.early_receives`). Activation shapes are either declared up front
+early (:attr:`Transport.is_gloo`). Activation shapes are either declared up front
 or negotiated: each activation is preceded by a small header (number of
 tensors, dtypes, shapes) exchanged in its own batch on a second process group
 over the same ranks, so headers never interleave with data on one channel.
@@ -41,10 +41,11 @@ _CODE = {dtype: code for code, dtype in enumerate(_DTYPES)}
 @dataclass
 class Posted:
     """One posted batch: the receive buffers (one list per receive entry, filled once the
-    receive requests complete) and the send and receive requests."""
+    receive requests complete), the send requests (one list per send entry) and the
+    receive requests."""
 
     received: list[list[torch.Tensor]]
-    sends: list[dist.Work]
+    sends: list[list[dist.Work]]
     recvs: list[dist.Work]
 
 
@@ -141,8 +142,8 @@ class Transport:
         self.meta_group  # noqa: B018 (creates the twin group now, not mid-schedule)
 
     @functools.cached_property
-    def early_receives(self) -> bool:
-        """Whether receives may be posted ahead of the step that needs them: on gloo only.
+    def is_gloo(self) -> bool:
+        """Whether the group runs on gloo, where receives are posted ahead of their step.
 
         gloo writes a message only once its receiver has posted the receive (the receiver
         notifies the sender, then the data follows), so a receive posted just before it is
@@ -151,7 +152,11 @@ class Transport:
         direction queue separately and posting never blocks, and receives on each channel
         keep their order, so FIFO matching is unchanged. On NCCL a lone receive would hold
         the pair's stream and block the sends posted after it, so receives stay in their
-        step's batch there.
+        step's batch there. gloo has no batches either: each message is posted on its own,
+        in the batch's order, which costs half of ``batch_isend_irecv``'s bookkeeping. And a
+        gloo send reports completion only once waited for, so the runner learns that a send
+        is done from the plan (:func:`~megapp.pipeline_parallel.plan.delivered_sends`), not
+        by polling it.
         """
         if not dist.is_initialized():
             return False
@@ -175,8 +180,17 @@ class Transport:
             buffers = [torch.empty(s.shape, dtype=s.dtype, device=self.device) for s in specs]
             ops += [dist.P2POp(dist.irecv, b, self.global_rank(peer), group) for b in buffers]
             received.append(buffers)
-        requests = dist.batch_isend_irecv(ops) if ops else []
-        return Posted(received, requests[:num_sends], requests[num_sends:])
+        if not ops:
+            requests = []
+        elif self.is_gloo:  # gloo: no groups to form, post one by one in this order
+            requests = [op.op(op.tensor, op.peer, op.group) for op in ops]
+        else:
+            requests = dist.batch_isend_irecv(ops)
+        per_send, start = [], 0
+        for _, tensors in sends:
+            per_send.append(requests[start : start + len(tensors)])
+            start += len(tensors)
+        return Posted(received, per_send, requests[num_sends:])
 
     def exchange(
         self,
@@ -187,7 +201,7 @@ class Transport:
         """:meth:`post` one batch and wait for all of it; returns the received tensors, one
         list per entry of ``recvs``."""
         posted = self.post(sends, recvs, group)
-        self.wait_received(posted.sends + posted.recvs)
+        self.wait_received([r for requests in posted.sends for r in requests] + posted.recvs)
         return posted.received
 
     def wait_received(self, requests: Sequence[dist.Work]) -> None:

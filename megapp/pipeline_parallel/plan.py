@@ -111,6 +111,38 @@ def rank_plan(schedule: Schedule, rank: int) -> list[Step]:
     return steps
 
 
+def delivered_sends(plan: list[list[Step]]) -> list[list[tuple[Message, ...]]]:
+    """For every rank and step, the messages the rank sent whose delivery the step proves.
+
+    A rank waits for every receive of a step before it posts the next step's sends, so a
+    message ``m2`` that peer ``P`` posted at a later step than the one at which it received
+    ``m`` proves that ``m`` arrived: once this rank has ``m2``, its send of ``m`` is done
+    (waiting for it returns at once) and the tensor's storage can go. This needs no polling
+    of the send, which gloo cannot do (its sends report completion only once waited for).
+    """
+    received_at: dict[Message, int] = {}
+    posted_at: dict[Message, int] = {}
+    for steps in plan:
+        for index, step in enumerate(steps):
+            received_at.update((m, index) for m in step.recvs)
+            posted_at.update((m, index) for m in step.sends)
+    result = []
+    for steps in plan:
+        undelivered: dict[int, list[Message]] = {}  # per peer, in posting order
+        per_step = []
+        for step in steps:
+            for m in step.sends:
+                undelivered.setdefault(m.dst, []).append(m)
+            proven = []
+            for later in step.recvs:
+                pending = undelivered.get(later.src, [])
+                proven += [m for m in pending if received_at[m] < posted_at[later]]
+                undelivered[later.src] = [m for m in pending if received_at[m] >= posted_at[later]]
+            per_step.append(tuple(proven))
+        result.append(per_step)
+    return result
+
+
 def communication_plan(schedule: Schedule) -> list[list[Step]]:
     """:func:`rank_plan` for every rank, after :func:`check_actions` and :func:`check_fifo`."""
     check_actions(schedule)

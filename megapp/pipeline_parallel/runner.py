@@ -125,7 +125,9 @@ class StageRunner:
         self.inbox: dict[Message, list[torch.Tensor]] = {}
         self.outbox: dict[Message, tuple[torch.Tensor, ...]] = {}
         self.droppable: dict[Message, tuple[torch.Tensor, ...]] = {}
-        self.in_transit: list[tuple[list, list[torch.Tensor]]] = []  # (send requests, to drop)
+        # Sends not yet known to be done: their requests and the tensors to drop then.
+        self.sending: dict[Message, tuple[list, tuple[torch.Tensor, ...]]] = {}
+        self.delivered: Sequence[tuple[Message, ...]] = ()  # per step, see delivered_sends
         self.early: Posted | None = None  # the next step's receives, posted ahead
         self.sent_specs: dict[tuple[int, int], tuple[TensorSpec, ...]] = {}
         self.saved: dict[tuple[int, int], tuple[tuple, tuple]] = {}
@@ -176,21 +178,23 @@ class StageRunner:
                 specs.append(gradient)
         return specs
 
-    def communicate(self, step: Step, upcoming: Step | None = None) -> None:
+    def communicate(self, index: int, step: Step, upcoming: Step | None = None) -> None:
         if not (step.sends or step.recvs or (upcoming is not None and upcoming.recvs)):
             return
         try:
-            self._communicate(step, upcoming)
+            self._communicate(index, step, upcoming)
         except RuntimeError as err:
             before = f"before {step.action}" if step.action else "at the end of the iteration"
             what = [f"send of the {m}" for m in step.sends]
             what += [f"receive of the {m}" for m in step.recvs]
+            if upcoming is not None and self.transport.is_gloo:
+                what += [f"receive of the {m} (posted ahead)" for m in upcoming.recvs]
             raise RuntimeError(
                 f"pipeline rank {self.stage} {before} failed waiting for: {'; '.join(what)}. "
                 f"A peer rank may have failed or be stuck; look at its log first. ({err})"
             ) from err
 
-    def _communicate(self, step: Step, upcoming: Step | None) -> None:
+    def _communicate(self, index: int, step: Step, upcoming: Step | None) -> None:
         specs = self._recv_specs(step)  # also negotiates the sends' headers
         sends = [(self._peer(m), self.outbox.pop(m)) for m in step.sends]
         if self.early is not None:  # this step's receives went out with the previous step
@@ -201,37 +205,43 @@ class StageRunner:
             recvs = [(self._peer(m), s) for m, s in zip(step.recvs, specs, strict=True)]
             posted = self.transport.post(sends, recvs)
             received, recv_requests = posted.received, posted.recvs
-        if upcoming is not None and upcoming.recvs and self.transport.early_receives:
+        if upcoming is not None and upcoming.recvs and self.transport.is_gloo:
             ahead = self._specs_ahead(upcoming)
             if ahead is not None:
                 peers = [self._peer(m) for m in upcoming.recvs]
                 self.early = self.transport.post([], list(zip(peers, ahead, strict=True)))
+        for msg, requests in zip(step.sends, posted.sends, strict=True):
+            self.sending[msg] = (requests, self.droppable.pop(msg, ()))
         # Only the receives are waited for: a late peer then delays just the action that
         # needs its data, not this rank's next step.
         self.transport.wait_received(recv_requests)
         for msg, tensors in zip(step.recvs, received, strict=True):
             self.inbox[msg] = tensors
-        dropped = [t for msg in step.sends for t in self.droppable.pop(msg, ())]
-        self.in_transit.append((posted.sends, dropped))
-        self._reap(wait=False)
+        self._release(self.delivered[index] if self.delivered else ())
 
-    def _reap(self, wait: bool) -> None:
-        """Free the storage of sent activations whose sends are done (all, with ``wait``)."""
-        still = []
-        for requests, dropped in self.in_transit:
-            if wait:
-                self.transport.wait(requests)
-            elif not all(r.is_completed() for r in requests):
-                still.append((requests, dropped))
-                continue
+    def _release(self, delivered: Sequence[Message]) -> None:
+        """Finish the sends known to be done and free their activations' storage: those the
+        plan proves delivered and, where the transport can tell (NCCL), those complete."""
+        done = list(delivered)
+        if not self.transport.is_gloo:  # gloo's sends report completion only once waited for
+            done += [
+                m
+                for m, (requests, _) in self.sending.items()
+                if m not in delivered and all(r.is_completed() for r in requests)
+            ]
+        self._release_all(done)
+
+    def _release_all(self, messages: Sequence[Message]) -> None:
+        for msg in messages:
+            requests, dropped = self.sending.pop(msg)
+            self.transport.wait(requests)  # returns at once for a delivered message
             for t in dropped:
                 _drop_storage(t)
-        self.in_transit = still
 
     def finish(self) -> None:
         """Wait for every send still in flight."""
         try:
-            self._reap(wait=True)
+            self._release_all(list(self.sending))
         except RuntimeError as err:
             raise RuntimeError(
                 f"pipeline rank {self.stage} failed waiting for its last sends to be received. "
@@ -315,9 +325,13 @@ class StageRunner:
             )
 
     # ----- the loop --------------------------------------------------------
-    def run(self, steps: list[Step]) -> None:
+    def run(self, steps: list[Step], delivered: Sequence[tuple[Message, ...]]) -> None:
+        """Walk this rank's ``steps``; ``delivered`` (:func:`delivered_sends` for this rank)
+        says after which step each send is known to be done."""
+        self.delivered = delivered
         for index, step in enumerate(steps):
-            self.communicate(step, steps[index + 1] if index + 1 < len(steps) else None)
+            upcoming = steps[index + 1] if index + 1 < len(steps) else None
+            self.communicate(index, step, upcoming)
             action = step.action
             if action is None:
                 continue
