@@ -56,6 +56,23 @@ TORCH_SCHEDULES = {
 
 
 # ----- the model: sleeps instead of compute -----------------------------------------------------
+SPIN_S = 0.0005  # the last part of a sleep is spent polling the clock
+
+
+def precise_sleep(seconds: float) -> None:
+    """Sleep for ``seconds``, overshooting by microseconds rather than the scheduler's slack.
+
+    ``time.sleep`` wakes 0.2 ms late on an idle VM and later on a busy one, which would be
+    counted as compute. So the thread sleeps until ``SPIN_S`` before the deadline and polls
+    the clock for the rest: at most 0.5 ms of CPU per action, while the rank would compute.
+    """
+    deadline = time.perf_counter() + seconds
+    if seconds > SPIN_S:
+        time.sleep(seconds - SPIN_S)
+    while time.perf_counter() < deadline:
+        pass
+
+
 class _Sleep(torch.autograd.Function):
     """``x + w`` that sleeps ``forward_s`` in forward and ``backward_s`` in backward."""
 
@@ -63,13 +80,13 @@ class _Sleep(torch.autograd.Function):
     def forward(ctx, x, weight, forward_s, backward_s):
         ctx.backward_s = backward_s
         if forward_s > 0:
-            time.sleep(forward_s)
+            precise_sleep(forward_s)
         return x + weight
 
     @staticmethod
     def backward(ctx, grad):
         if ctx.backward_s > 0:
-            time.sleep(ctx.backward_s)
+            precise_sleep(ctx.backward_s)
         grad_x = grad if ctx.needs_input_grad[0] else None
         return grad_x, grad.sum(), None, None
 
@@ -115,23 +132,28 @@ class Row:
 
 
 # ----- timing ---------------------------------------------------------------------------------
-def _timed(run, iters: int, warmup: int, recorded: bool = False):
-    """Run ``warmup`` untimed iterations, with ``recorded`` one more untimed one with
-    ``record=True``, then ``iters`` timed ones. Return the slowest rank's time of each timed
-    iteration and the recorded iteration's result (None without one)."""
-    times, result = [], None
-    untimed = warmup + int(recorded)
-    for i in range(untimed + iters):
-        dist.barrier()
-        start = time.perf_counter()
-        out = run(record=recorded and i == untimed - 1)
-        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        if recorded and i == untimed - 1:
-            result = out
-        if i >= untimed:
-            times.append(elapsed.item())
-    return times, result
+def _iteration(run, record: bool = False):
+    """One iteration on every rank: barrier, the call, the slowest rank's time."""
+    dist.barrier()
+    start = time.perf_counter()
+    out = run(record=record)
+    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return elapsed.item(), out
+
+
+def _rounds(runs: dict, iters: int, warmup: int) -> dict[str, list[float]]:
+    """Time every implementation once per round, in an order that rotates each round, so a
+    slow spell of the machine falls on all of them alike; ``warmup`` rounds are untimed."""
+    names = list(runs)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for i in range(warmup + iters):
+        shift = i % len(names)
+        for name in names[shift:] + names[:shift]:
+            elapsed, _ = _iteration(runs[name])
+            if i >= warmup:
+                times[name].append(elapsed)
+    return times
 
 
 def _mean_action_times(result) -> tuple[float, float]:
@@ -269,23 +291,33 @@ def configs(args, tf: float, tb: float) -> list[Config]:
 
 
 def bench(cfg: Config, args, latency: float, iters: int, warmup: int, negotiated: bool) -> Row:
+    """megapp (declared and, with ``negotiated``, negotiated shapes) and torch, timed in
+    alternating rounds; then one untimed megapp iteration with ``record=True``."""
     p = dist.get_world_size()
     row = Row(cfg, 2 * cfg.m * cfg.v)
     row.formula = (cfg.m + (p - 1) / cfg.v) * (cfg.tf + cfg.tb)
     row.simulated = simulated(cfg, cfg.tf / cfg.v, cfg.tb / cfg.v, latency)
-    row.megapp, recorded = _timed(megapp_runner(cfg, args), iters, warmup, recorded=True)
-    row.forward_s, row.backward_s = _mean_action_times(recorded)
-    row.simulated_measured = simulated(cfg, row.forward_s, row.backward_s, latency)
+    runs = {"megapp": megapp_runner(cfg, args)}
     if negotiated:
-        row.megapp_negotiated, _ = _timed(megapp_runner(cfg, args, declared=False), iters, warmup)
+        runs["negotiated"] = megapp_runner(cfg, args, declared=False)
     if not args.no_torch:
         try:
-            runner = torch_runner(cfg, args)
+            runs["torch"] = torch_runner(cfg, args)
         except Exception as err:  # a configuration torch refuses (on every rank): report it
             row.torch_error = f"{type(err).__name__}: {err}".splitlines()[0][:120]
-        else:
-            row.torch, _ = _timed(runner, iters, warmup)
+    times = _rounds(runs, iters, warmup)
+    row.megapp = times["megapp"]
+    row.megapp_negotiated = times.get("negotiated", [])
+    row.torch = times.get("torch", [])
+    _, recorded = _iteration(runs["megapp"], record=True)
+    row.forward_s, row.backward_s = _mean_action_times(recorded)
+    row.simulated_measured = simulated(cfg, row.forward_s, row.backward_s, latency)
     return row
+
+
+def _paired(a: list[float], b: list[float]) -> float:
+    """Median over rounds of ``a / b`` within the round (nan without b)."""
+    return _med([x / y for x, y in zip(a, b, strict=False)]) if b else float("nan")
 
 
 # ----- timelines ------------------------------------------------------------------------------
@@ -341,6 +373,7 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
 def sleep_table(rows: list[Row]) -> str:
     header = ["schedule", "m", "v", "formula s", "sim s", "megapp s", "megapp/formula"]
     header += ["F/B ms", "sim* s", "megapp/sim*", "negotiated s", "torch s", "megapp/torch"]
+    header += ["paired"]
     body = []
     for r in rows:
         c, got, neg, ref = r.config, _med(r.megapp), _med(r.megapp_negotiated), _med(r.torch)
@@ -359,6 +392,7 @@ def sleep_table(rows: list[Row]) -> str:
                 _fmt(neg, ".3f"),
                 _fmt(ref, ".3f") if not r.torch_error else "error",
                 _fmt(got / ref, ".4f"),
+                _fmt(_paired(r.megapp, r.torch), ".4f"),
             ]
         )
     return _table(header, body)
@@ -367,7 +401,7 @@ def sleep_table(rows: list[Row]) -> str:
 def zero_table(rows: list[Row]) -> str:
     header = ["schedule", "m", "v", "actions/rank", "megapp ms/iter", "megapp ms/action"]
     header += ["in F/B ms", "negotiated ms/action", "torch ms/action", "megapp/torch"]
-    header += ["sim ms/action"]
+    header += ["paired", "sim ms/action"]
     body = []
     for r in rows:
         c, n = r.config, r.actions_per_rank
@@ -384,6 +418,7 @@ def zero_table(rows: list[Row]) -> str:
                 _fmt(neg * 1e3 / n, ".3f"),
                 _fmt(ref * 1e3 / n, ".3f") if not r.torch_error else "error",
                 _fmt(got / ref, ".3f"),
+                _fmt(_paired(r.megapp, r.torch), ".3f"),
                 f"{r.simulated * 1e3 / n:.3f}",
             ]
         )
@@ -416,15 +451,16 @@ def report(args, command, latencies, sleep_rows, zero_rows, files, elapsed, load
     if sleep_rows:
         print(
             f"\nSleep mode: tf={args.forward_ms:g} ms, tb={args.backward_ms:g} ms per stage, "
-            f"tf/v and tb/v per chunk; median of {args.iters} iterations after {args.warmup} "
-            "warmup.\nformula = (m + (p-1)/v)(tf + tb); sim = simulator with tf/v, tb/v; "
+            f"tf/v and tb/v per chunk; median of {args.iters} rounds after {args.warmup} "
+            "warmup; each round runs every implementation once, in a rotating order.\n"
+            "formula = (m + (p-1)/v)(tf + tb); sim = simulator with tf/v, tb/v; "
             "F/B = measured mean action times; sim* = simulator with those; negotiated = megapp "
-            "with tensor_shapes=None"
+            "with tensor_shapes=None; paired = median over rounds of megapp/torch in the round"
         )
         print(sleep_table(sleep_rows))
     if zero_rows:
         print(
-            f"\nZero-compute mode: tf = tb = 0; median of {args.zero_iters} iterations after "
+            f"\nZero-compute mode: tf = tb = 0; median of {args.zero_iters} rounds after "
             f"{args.zero_warmup} warmup; ms/action = iteration / (2 m v); in F/B = mean time "
             "inside one forward or backward action; sim = simulator, p2p latency only"
         )
