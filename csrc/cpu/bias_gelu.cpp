@@ -14,27 +14,17 @@
 #include <vector>
 
 #include "cpu_common.h"
+#include "megapp/op_checks.h"
 #include "vec_kernels.h"
 
 namespace megapp {
 namespace {
 
 using namespace cpu_detail;
-
-void check_inputs(const char* op, const at::Tensor& x, const at::Tensor& bias) {
-  TORCH_CHECK(bias.dim() == 1, op, ": bias must be 1-D [h], got shape ", bias.sizes());
-  TORCH_CHECK(x.dim() >= 1, op, ": x must be [..., h], got a 0-d tensor");
-  TORCH_CHECK(x.size(-1) == bias.size(0), op, ": last dim of x (", x.size(-1),
-              ") must equal the bias size (", bias.size(0), "); x shape ", x.sizes());
-  TORCH_CHECK(x.scalar_type() == bias.scalar_type(), op,
-              ": x and bias must have the same dtype, got ", x.scalar_type(), " and ",
-              bias.scalar_type());
-  TORCH_CHECK(x.device() == bias.device(), op, ": x and bias must be on the same device, got ",
-              x.device(), " and ", bias.device());
-}
+using namespace op_checks;
 
 at::Tensor bias_gelu_fwd(const at::Tensor& x_in, const at::Tensor& bias_in) {
-  check_inputs("bias_gelu_fwd", x_in, bias_in);
+  check_bias_gelu("bias_gelu_fwd", x_in, bias_in, at::kCPU);
   const at::Tensor x = x_in.contiguous();
   const at::Tensor bias = bias_in.contiguous();
   at::Tensor y = at::empty_like(x, at::MemoryFormat::Contiguous);
@@ -58,12 +48,8 @@ at::Tensor bias_gelu_fwd(const at::Tensor& x_in, const at::Tensor& bias_in) {
 std::tuple<at::Tensor, at::Tensor> bias_gelu_bwd(const at::Tensor& grad_in,
                                                  const at::Tensor& x_in,
                                                  const at::Tensor& bias_in) {
-  check_inputs("bias_gelu_bwd", x_in, bias_in);
-  TORCH_CHECK(grad_in.sizes() == x_in.sizes(), "bias_gelu_bwd: grad shape ", grad_in.sizes(),
-              " must equal x shape ", x_in.sizes());
-  TORCH_CHECK(grad_in.scalar_type() == x_in.scalar_type(),
-              "bias_gelu_bwd: grad and x must have the same dtype, got ", grad_in.scalar_type(),
-              " and ", x_in.scalar_type());
+  check_bias_gelu("bias_gelu_bwd", x_in, bias_in, at::kCPU);
+  check_grad("bias_gelu_bwd", grad_in, "x", x_in, at::kCPU);
   const at::Tensor grad = grad_in.contiguous();
   const at::Tensor x = x_in.contiguous();
   const at::Tensor bias = bias_in.contiguous();
@@ -91,9 +77,7 @@ std::tuple<at::Tensor, at::Tensor> bias_gelu_bwd(const at::Tensor& grad_in,
                               blocks.end(b, rows) - r0, cols);
       }
     });
-    sum_blocks(partial, blocks.count, cols);
-    scalar_t* gbp = grad_bias.mutable_data_ptr<scalar_t>();
-    for (int64_t c = 0; c < cols; ++c) gbp[c] = static_cast<scalar_t>(partial[c]);
+    store_block_sums(partial.data(), blocks.count, cols, grad_bias.mutable_data_ptr<scalar_t>());
   });
   return {grad_input, grad_bias};
 }

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "cpu_common.h"
+#include "megapp/op_checks.h"
 #include "vec_kernels.h"
 
 TORCH_LIBRARY_FRAGMENT(megapp, m) {
@@ -29,36 +30,13 @@ namespace megapp {
 namespace {
 
 using namespace cpu_detail;
-
-void check_inputs(const char* op, const at::Tensor& x, const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() >= 1, op, ": x must be [..., 2f], got a 0-d tensor");
-  TORCH_CHECK(x.size(-1) % 2 == 0, op, ": last dim of x (", x.size(-1),
-              ") must be even: x is [..., 2f] = [gate | up]; x shape ", x.sizes());
-  TORCH_CHECK(x.is_floating_point(), op, ": x must be a floating-point tensor, got ",
-              x.scalar_type());
-  if (!bias.has_value()) return;
-  TORCH_CHECK(bias->dim() == 1, op, ": bias must be 1-D [2f], got shape ", bias->sizes());
-  TORCH_CHECK(x.size(-1) == bias->size(0), op, ": last dim of x (", x.size(-1),
-              ") must equal the bias size (", bias->size(0), "); x shape ", x.sizes());
-  TORCH_CHECK(x.scalar_type() == bias->scalar_type(), op,
-              ": x and bias must have the same dtype, got ", x.scalar_type(), " and ",
-              bias->scalar_type());
-  TORCH_CHECK(x.device() == bias->device(), op, ": x and bias must be on the same device, got ",
-              x.device(), " and ", bias->device());
-}
-
-std::vector<int64_t> output_shape(const at::Tensor& x) {
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() /= 2;
-  return shape;
-}
+using namespace op_checks;
 
 at::Tensor bias_swiglu_fwd(const at::Tensor& x_in, const std::optional<at::Tensor>& bias_in) {
-  check_inputs("bias_swiglu_fwd", x_in, bias_in);
+  check_bias_swiglu("bias_swiglu_fwd", x_in, bias_in, at::kCPU);
   const at::Tensor x = x_in.contiguous();
-  const std::optional<at::Tensor> bias =
-      bias_in.has_value() ? std::optional<at::Tensor>(bias_in->contiguous()) : std::nullopt;
-  at::Tensor y = at::empty(output_shape(x), x.options());
+  const std::optional<at::Tensor> bias = contiguous(bias_in);
+  at::Tensor y = at::empty(swiglu_output_shape(x), x.options());
   const int64_t f = x.size(-1) / 2;
   const int64_t rows = f == 0 ? 0 : x.numel() / (2 * f);
 
@@ -81,21 +59,11 @@ at::Tensor bias_swiglu_fwd(const at::Tensor& x_in, const std::optional<at::Tenso
 
 std::tuple<at::Tensor, std::optional<at::Tensor>> bias_swiglu_bwd(
     const at::Tensor& grad_in, const at::Tensor& x_in, const std::optional<at::Tensor>& bias_in) {
-  check_inputs("bias_swiglu_bwd", x_in, bias_in);
-  const std::vector<int64_t> grad_shape = output_shape(x_in);
-  TORCH_CHECK(grad_in.sizes() == at::IntArrayRef(grad_shape), "bias_swiglu_bwd: grad shape ",
-              grad_in.sizes(), " must be x's shape with the last dim halved, ",
-              at::IntArrayRef(grad_shape), " (x shape ", x_in.sizes(), ")");
-  TORCH_CHECK(grad_in.scalar_type() == x_in.scalar_type(),
-              "bias_swiglu_bwd: grad and x must have the same dtype, got ", grad_in.scalar_type(),
-              " and ", x_in.scalar_type());
-  TORCH_CHECK(grad_in.device() == x_in.device(),
-              "bias_swiglu_bwd: grad and x must be on the same device, got ", grad_in.device(),
-              " and ", x_in.device());
+  check_bias_swiglu("bias_swiglu_bwd", x_in, bias_in, at::kCPU);
+  check_bias_swiglu_grad(grad_in, x_in, at::kCPU);
   const at::Tensor grad = grad_in.contiguous();
   const at::Tensor x = x_in.contiguous();
-  const std::optional<at::Tensor> bias =
-      bias_in.has_value() ? std::optional<at::Tensor>(bias_in->contiguous()) : std::nullopt;
+  const std::optional<at::Tensor> bias = contiguous(bias_in);
   at::Tensor grad_input = at::empty_like(x, at::MemoryFormat::Contiguous);
   std::optional<at::Tensor> grad_bias;
   if (bias.has_value()) grad_bias = at::empty_like(*bias, at::MemoryFormat::Contiguous);
@@ -126,9 +94,8 @@ std::tuple<at::Tensor, std::optional<at::Tensor>> bias_swiglu_bwd(
           }
         });
         if (bp == nullptr) return;
-        sum_blocks(partial, blocks.count, cols);
-        scalar_t* gbp = grad_bias->mutable_data_ptr<scalar_t>();
-        for (int64_t c = 0; c < cols; ++c) gbp[c] = static_cast<scalar_t>(partial[c]);
+        store_block_sums(partial.data(), blocks.count, cols,
+                         grad_bias->mutable_data_ptr<scalar_t>());
       });
   return {grad_input, grad_bias};
 }

@@ -16,18 +16,6 @@ inline int64_t rows_grain(int64_t cols) {
   return std::max<int64_t>(1, at::internal::GRAIN_SIZE / cols);
 }
 
-// Norm statistics (mean / rstd) are float, or double for double inputs.
-inline at::ScalarType stats_dtype(const at::Tensor& x) {
-  return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-}
-
-// Shape of the per-row statistics: x's shape without the last dim.
-inline std::vector<int64_t> stats_shape(const at::Tensor& x) {
-  std::vector<int64_t> shape = x.sizes().vec();
-  shape.pop_back();
-  return shape;
-}
-
 // Parameter gradients (bias, norm weight/bias) are summed over fixed blocks of rows, then the
 // blocks in order (b = 0, 1, ...): the blocking depends only on the shape, never on the thread
 // count, so the result is bitwise reproducible.
@@ -47,12 +35,14 @@ struct RowBlocks {
   }
 };
 
-// Adds partial[b·n .. (b+1)·n) for b = 1, 2, ... into partial[0 .. n), in that order.
-template <typename acc_t>
-void sum_blocks(std::vector<acc_t>& partial, int64_t blocks, int64_t n) {
+// Adds partial[b·n .. (b+1)·n) for b = 1, 2, ... into partial[0 .. n), in that order, and
+// rounds the totals once into out[0 .. n).
+template <typename acc_t, typename T>
+void store_block_sums(acc_t* partial, int64_t blocks, int64_t n, T* out) {
   for (int64_t b = 1; b < blocks; ++b) {
     for (int64_t c = 0; c < n; ++c) partial[c] += partial[b * n + c];
   }
+  for (int64_t c = 0; c < n; ++c) out[c] = static_cast<T>(partial[c]);
 }
 
 // p[0, n) in acc_t: p itself when it already is acc_t (or null), else a copy widened into
@@ -67,6 +57,21 @@ const acc_t* widened(const W* p, int64_t n, std::vector<acc_t>& storage) {
     for (int64_t i = 0; i < n; ++i) storage[i] = static_cast<acc_t>(p[i]);
     return storage.data();
   }
+}
+
+// Calls fn(T{}, W{}) with a norm's activation element type T (x's) and parameter element type W:
+// W is T, or float for bf16/half x with float32 parameters.
+template <typename Fn>
+void dispatch_norm_types(const at::Tensor& x, const at::Tensor& weight, Fn&& fn) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "norm", [&] {
+    if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, double>) {
+      fn(scalar_t{}, scalar_t{});
+    } else if (weight.scalar_type() == at::kFloat) {
+      fn(scalar_t{}, float{});
+    } else {
+      fn(scalar_t{}, scalar_t{});
+    }
+  });
 }
 
 }  // namespace megapp::cpu_detail

@@ -13,11 +13,11 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <cmath>
 #include <cstdint>
 #include <vector>
 
 #include "cpu_common.h"
+#include "megapp/op_checks.h"
 #include "vec_kernels.h"
 
 TORCH_LIBRARY_FRAGMENT(megapp, m) {
@@ -43,32 +43,11 @@ namespace megapp {
 namespace {
 
 using namespace cpu_detail;
-
-void check_logits(const char* op, const at::Tensor& logits, int64_t real) {
-  TORCH_CHECK(logits.dim() >= 1 && logits.size(-1) > 0, op,
-              ": logits must be [..., w] with w >= 1, got shape ", logits.sizes());
-  const at::ScalarType t = logits.scalar_type();
-  TORCH_CHECK(t == at::kFloat || t == at::kDouble || t == at::kBFloat16 || t == at::kHalf, op,
-              ": unsupported dtype ", t, " (float32, float64, bfloat16, float16)");
-  TORCH_CHECK(real >= 0 && real <= logits.size(-1), op, ": real (", real,
-              ") must be in [0, w] with w = ", logits.size(-1));
-}
-
-// A per-row tensor [...] (one value per row of logits) of the given dtype on the logits' device.
-void check_rows(const char* op, const char* name, const at::Tensor& t, const at::Tensor& logits,
-                at::ScalarType dtype) {
-  TORCH_CHECK(t.sizes() == logits.sizes().slice(0, logits.dim() - 1), op, ": ", name,
-              " must be logits.shape[:-1] = ", logits.sizes().slice(0, logits.dim() - 1),
-              ", got ", t.sizes());
-  TORCH_CHECK(t.scalar_type() == dtype, op, ": ", name, " must be ", dtype, ", got ",
-              t.scalar_type());
-  TORCH_CHECK(t.device() == logits.device(), op, ": ", name, " must be on ", logits.device(),
-              ", got ", t.device());
-}
+using namespace op_checks;
 
 at::Tensor cross_entropy_fwd_max(const at::Tensor& logits_in, int64_t real) {
   constexpr const char* op = "cross_entropy_fwd_max";
-  check_logits(op, logits_in, real);
+  check_logits(op, logits_in, real, at::kCPU);
   const at::Tensor logits = logits_in.contiguous();
   at::Tensor row_max = at::empty(stats_shape(logits), logits.options().dtype(stats_dtype(logits)));
   const int64_t cols = logits.size(-1);
@@ -89,9 +68,7 @@ at::Tensor cross_entropy_fwd_sums(const at::Tensor& logits_in, const at::Tensor&
                                   const at::Tensor& row_max_in, int64_t start, int64_t real,
                                   bool smoothing) {
   constexpr const char* op = "cross_entropy_fwd_sums";
-  check_logits(op, logits_in, real);
-  check_rows(op, "target", target_in, logits_in, at::kLong);
-  check_rows(op, "row_max", row_max_in, logits_in, stats_dtype(logits_in));
+  check_cross_entropy_fwd_sums(logits_in, target_in, row_max_in, real, at::kCPU);
   const at::Tensor logits = logits_in.contiguous();
   const at::Tensor target = target_in.contiguous();
   const at::Tensor row_max = row_max_in.contiguous();
@@ -121,15 +98,8 @@ at::Tensor cross_entropy_bwd(const at::Tensor& grad_loss_in, const at::Tensor& l
                              const at::Tensor& log_z_in, int64_t start, int64_t real, double eps,
                              int64_t vocab_size) {
   constexpr const char* op = "cross_entropy_bwd";
-  check_logits(op, logits_in, real);
-  const at::ScalarType acc = stats_dtype(logits_in);
-  check_rows(op, "grad_loss", grad_loss_in, logits_in, acc);
-  check_rows(op, "target", target_in, logits_in, at::kLong);
-  check_rows(op, "row_max", row_max_in, logits_in, acc);
-  check_rows(op, "log_z", log_z_in, logits_in, acc);
-  TORCH_CHECK(std::isfinite(eps) && eps >= 0 && eps <= 1, op, ": eps must be in [0, 1], got ",
-              eps);
-  TORCH_CHECK(vocab_size >= 1, op, ": vocab_size must be >= 1, got ", vocab_size);
+  check_cross_entropy_bwd(grad_loss_in, logits_in, target_in, row_max_in, log_z_in, real, eps,
+                          vocab_size, at::kCPU);
   const at::Tensor grad_loss = grad_loss_in.contiguous();
   const at::Tensor logits = logits_in.contiguous();
   const at::Tensor target = target_in.contiguous();

@@ -11,13 +11,12 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <cmath>
 #include <optional>
 #include <tuple>
-#include <type_traits>
 #include <vector>
 
 #include "cpu_common.h"
+#include "megapp/op_checks.h"
 #include "vec_kernels.h"
 
 TORCH_LIBRARY_FRAGMENT(megapp, m) {
@@ -42,45 +41,7 @@ namespace megapp {
 namespace {
 
 using namespace cpu_detail;
-
-void check_params(const char* op, const at::Tensor& x, const at::Tensor& weight,
-                  const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() >= 1, op, ": x must be [..., h], got a 0-d tensor");
-  TORCH_CHECK(weight.dim() == 1, op, ": weight must be 1-D [h], got shape ", weight.sizes());
-  TORCH_CHECK(x.size(-1) == weight.size(0), op, ": last dim of x (", x.size(-1),
-              ") must equal the weight size (", weight.size(0), "); x shape ", x.sizes());
-  TORCH_CHECK(weight.size(0) > 0, op, ": the normalized dim h must be positive, got x shape ",
-              x.sizes());
-  const at::ScalarType xt = x.scalar_type();
-  const at::ScalarType wt = weight.scalar_type();
-  TORCH_CHECK(xt == at::kFloat || xt == at::kDouble || xt == at::kBFloat16 || xt == at::kHalf, op,
-              ": unsupported dtype ", xt, " (float32, float64, bfloat16, float16)");
-  const bool mixed = wt == at::kFloat && (xt == at::kBFloat16 || xt == at::kHalf);
-  TORCH_CHECK(wt == xt || mixed, op,
-              ": weight must have x's dtype, or float32 for bfloat16/float16 x; got x ", xt,
-              " and weight ", wt);
-  TORCH_CHECK(x.device() == weight.device(), op, ": x and weight must be on the same device, got ",
-              x.device(), " and ", weight.device());
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->sizes() == weight.sizes(), op, ": bias shape ", bias->sizes(),
-                " must equal the weight shape ", weight.sizes());
-    TORCH_CHECK(bias->scalar_type() == wt, op, ": bias and weight must have the same dtype, got ",
-                bias->scalar_type(), " and ", wt);
-    TORCH_CHECK(bias->device() == weight.device(), op,
-                ": bias and weight must be on the same device, got ", bias->device(), " and ",
-                weight.device());
-  }
-}
-
-void check_stats(const char* op, const char* name, const at::Tensor& stat, const at::Tensor& x,
-                 int64_t rows) {
-  TORCH_CHECK(stat.numel() == rows, op, ": ", name, " must hold one value per row (", rows,
-              "), got shape ", stat.sizes());
-  TORCH_CHECK(stat.scalar_type() == stats_dtype(x), op, ": ", name, " must be ", stats_dtype(x),
-              " for ", x.scalar_type(), " inputs, got ", stat.scalar_type());
-  TORCH_CHECK(stat.device() == x.device(), op, ": ", name, " must be on ", x.device(), ", got ",
-              stat.device());
-}
+using namespace op_checks;
 
 template <typename T, typename W>
 void forward_impl(const at::Tensor& x, const at::Tensor& weight, const at::Tensor* bias,
@@ -138,50 +99,22 @@ void backward_impl(const at::Tensor& grad, const at::Tensor& saved, const at::Te
                              pb + b * cols, scratch.data(), blocks.end(b, rows) - r0, cols);
     }
   });
-  // Reduce the blocks into block 0 in a fixed order (b = 1, 2, ...).
-  for (int64_t b = 1; b < blocks.count; ++b) {
-    for (int64_t c = 0; c < cols; ++c) {
-      pw[c] += pw[b * cols + c];
-      pb[c] += pb[b * cols + c];
-    }
-  }
-  W* gwp = grad_weight.mutable_data_ptr<W>();
-  W* gbp = grad_bias.mutable_data_ptr<W>();
-  for (int64_t c = 0; c < cols; ++c) {
-    gwp[c] = static_cast<W>(pw[c]);
-    gbp[c] = static_cast<W>(pb[c]);
-  }
-}
-
-// Calls fn(T{}, W{}) with x's element type T and the parameters' element type W.
-template <typename Fn>
-void dispatch_types(const at::Tensor& x, const at::Tensor& weight, Fn&& fn) {
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "layer_norm", [&] {
-    if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, double>) {
-      fn(scalar_t{}, scalar_t{});
-    } else if (weight.scalar_type() == at::kFloat) {
-      fn(scalar_t{}, float{});
-    } else {
-      fn(scalar_t{}, scalar_t{});
-    }
-  });
+  store_block_sums(pw, blocks.count, cols, grad_weight.mutable_data_ptr<W>());
+  store_block_sums(pb, blocks.count, cols, grad_bias.mutable_data_ptr<W>());
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_fwd(
     const at::Tensor& x_in, const at::Tensor& weight_in, const std::optional<at::Tensor>& bias_in,
     double eps) {
-  check_params("layer_norm_fwd", x_in, weight_in, bias_in);
-  TORCH_CHECK(std::isfinite(eps) && eps >= 0, "layer_norm_fwd: eps must be finite and >= 0, got ",
-              eps);
+  check_norm_fwd("layer_norm_fwd", x_in, weight_in, bias_in, eps, at::kCPU);
   const at::Tensor x = x_in.contiguous();
   const at::Tensor weight = weight_in.contiguous();
-  const std::optional<at::Tensor> bias =
-      bias_in.has_value() ? std::optional<at::Tensor>(bias_in->contiguous()) : std::nullopt;
+  const std::optional<at::Tensor> bias = contiguous(bias_in);
   at::Tensor y = at::empty_like(x, at::MemoryFormat::Contiguous);
   const auto stats_options = x.options().dtype(stats_dtype(x));
   at::Tensor mean = at::empty(stats_shape(x), stats_options);
   at::Tensor rstd = at::empty(stats_shape(x), stats_options);
-  dispatch_types(x, weight, [&](auto t_tag, auto w_tag) {
+  dispatch_norm_types(x, weight, [&](auto t_tag, auto w_tag) {
     forward_impl<decltype(t_tag), decltype(w_tag)>(x, weight, bias ? &*bias : nullptr, y, mean,
                                                    rstd, eps);
   });
@@ -193,32 +126,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_bwd(
     const at::Tensor& rstd_in, const at::Tensor& weight_in,
     const std::optional<at::Tensor>& bias_in, bool memory_efficient) {
   const char* op = "layer_norm_bwd";
-  check_params(op, saved_in, weight_in, bias_in);
-  TORCH_CHECK(grad_in.sizes() == saved_in.sizes(), op, ": grad shape ", grad_in.sizes(),
-              " must equal the saved activation shape ", saved_in.sizes());
-  TORCH_CHECK(grad_in.scalar_type() == saved_in.scalar_type(), op,
-              ": grad and the saved activation must have the same dtype, got ",
-              grad_in.scalar_type(), " and ", saved_in.scalar_type());
-  TORCH_CHECK(grad_in.device() == saved_in.device(), op,
-              ": grad and the saved activation must be on the same device");
-  const int64_t rows = saved_in.numel() / weight_in.numel();
-  check_stats(op, "rstd", rstd_in, saved_in, rows);
+  check_norm_bwd(op, grad_in, saved_in, rstd_in, weight_in, bias_in, at::kCPU);
   TORCH_CHECK(memory_efficient || mean_in.has_value(), op,
               ": mean is required unless memory_efficient=True");
-  if (!memory_efficient) check_stats(op, "mean", *mean_in, saved_in, rows);
-
+  if (!memory_efficient) {
+    check_norm_stat(op, "mean", *mean_in, saved_in, saved_in.numel() / weight_in.numel());
+  }
   const at::Tensor grad = grad_in.contiguous();
   const at::Tensor saved = saved_in.contiguous();
   const at::Tensor rstd = rstd_in.contiguous();
   const at::Tensor weight = weight_in.contiguous();
   const std::optional<at::Tensor> mean =
       memory_efficient ? std::nullopt : std::optional<at::Tensor>(mean_in->contiguous());
-  const std::optional<at::Tensor> bias =
-      bias_in.has_value() ? std::optional<at::Tensor>(bias_in->contiguous()) : std::nullopt;
+  const std::optional<at::Tensor> bias = contiguous(bias_in);
   at::Tensor grad_input = at::empty_like(saved, at::MemoryFormat::Contiguous);
   at::Tensor grad_weight = at::empty_like(weight, at::MemoryFormat::Contiguous);
   at::Tensor grad_bias = at::empty_like(weight, at::MemoryFormat::Contiguous);
-  dispatch_types(saved, weight, [&](auto t_tag, auto w_tag) {
+  dispatch_norm_types(saved, weight, [&](auto t_tag, auto w_tag) {
     backward_impl<decltype(t_tag), decltype(w_tag)>(
         grad, saved, mean ? &*mean : nullptr, rstd, weight, bias ? &*bias : nullptr,
         memory_efficient, grad_input, grad_weight, grad_bias);
@@ -227,20 +151,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_bwd(
 }
 
 std::tuple<at::Tensor, at::Tensor> layer_norm_stats(const at::Tensor& x_in, double eps) {
-  const char* op = "layer_norm_stats";
-  TORCH_CHECK(x_in.dim() >= 1 && x_in.size(-1) > 0, op,
-              ": x must be [..., h] with h > 0, got shape ", x_in.sizes());
-  const at::ScalarType xt = x_in.scalar_type();
-  TORCH_CHECK(xt == at::kFloat || xt == at::kDouble || xt == at::kBFloat16 || xt == at::kHalf, op,
-              ": unsupported dtype ", xt, " (float32, float64, bfloat16, float16)");
-  TORCH_CHECK(std::isfinite(eps) && eps >= 0, op, ": eps must be finite and >= 0, got ", eps);
+  constexpr const char* op = "layer_norm_stats";
+  check_norm_stats_input(op, x_in, eps, at::kCPU);
   const at::Tensor x = x_in.contiguous();
   const auto stats_options = x.options().dtype(stats_dtype(x));
   at::Tensor mean = at::empty(stats_shape(x), stats_options);
   at::Tensor rstd = at::empty(stats_shape(x), stats_options);
   const int64_t cols = x.size(-1);
   const int64_t rows = x.numel() / cols;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, xt, "layer_norm_stats", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), op, [&] {
     using acc_t = at::opmath_type<scalar_t>;
     const auto& kernels = row_kernels<scalar_t>();
     const scalar_t* xp = x.const_data_ptr<scalar_t>();

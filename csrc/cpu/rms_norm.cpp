@@ -10,12 +10,11 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <cmath>
 #include <tuple>
-#include <type_traits>
 #include <vector>
 
 #include "cpu_common.h"
+#include "megapp/op_checks.h"
 #include "vec_kernels.h"
 
 TORCH_LIBRARY_FRAGMENT(megapp, m) {
@@ -36,25 +35,7 @@ namespace megapp {
 namespace {
 
 using namespace cpu_detail;
-
-void check_params(const char* op, const at::Tensor& x, const at::Tensor& weight) {
-  TORCH_CHECK(x.dim() >= 1, op, ": x must be [..., h], got a 0-d tensor");
-  TORCH_CHECK(weight.dim() == 1, op, ": weight must be 1-D [h], got shape ", weight.sizes());
-  TORCH_CHECK(x.size(-1) == weight.size(0), op, ": last dim of x (", x.size(-1),
-              ") must equal the weight size (", weight.size(0), "); x shape ", x.sizes());
-  TORCH_CHECK(weight.size(0) > 0, op, ": the normalized dim h must be positive, got x shape ",
-              x.sizes());
-  const at::ScalarType xt = x.scalar_type();
-  const at::ScalarType wt = weight.scalar_type();
-  TORCH_CHECK(xt == at::kFloat || xt == at::kDouble || xt == at::kBFloat16 || xt == at::kHalf, op,
-              ": unsupported dtype ", xt, " (float32, float64, bfloat16, float16)");
-  const bool mixed = wt == at::kFloat && (xt == at::kBFloat16 || xt == at::kHalf);
-  TORCH_CHECK(wt == xt || mixed, op,
-              ": weight must have x's dtype, or float32 for bfloat16/float16 x; got x ", xt,
-              " and weight ", wt);
-  TORCH_CHECK(x.device() == weight.device(), op, ": x and weight must be on the same device, got ",
-              x.device(), " and ", weight.device());
-}
+using namespace op_checks;
 
 template <typename T, typename W>
 void forward_impl(const at::Tensor& x, const at::Tensor& weight, at::Tensor& y, at::Tensor& rstd,
@@ -101,35 +82,17 @@ void backward_impl(const at::Tensor& grad, const at::Tensor& saved, const at::Te
                            blocks.end(b, rows) - r0, cols);
     }
   });
-  sum_blocks(partial, blocks.count, cols);
-  W* gwp = grad_weight.mutable_data_ptr<W>();
-  for (int64_t c = 0; c < cols; ++c) gwp[c] = static_cast<W>(partial[c]);
-}
-
-// Calls fn(T{}, W{}) with x's element type T and the weight's element type W.
-template <typename Fn>
-void dispatch_types(const at::Tensor& x, const at::Tensor& weight, Fn&& fn) {
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
-    if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, double>) {
-      fn(scalar_t{}, scalar_t{});
-    } else if (weight.scalar_type() == at::kFloat) {
-      fn(scalar_t{}, float{});
-    } else {
-      fn(scalar_t{}, scalar_t{});
-    }
-  });
+  store_block_sums(partial.data(), blocks.count, cols, grad_weight.mutable_data_ptr<W>());
 }
 
 std::tuple<at::Tensor, at::Tensor> rms_norm_fwd(const at::Tensor& x_in, const at::Tensor& weight_in,
                                                 double eps) {
-  check_params("rms_norm_fwd", x_in, weight_in);
-  TORCH_CHECK(std::isfinite(eps) && eps >= 0, "rms_norm_fwd: eps must be finite and >= 0, got ",
-              eps);
+  check_norm_fwd("rms_norm_fwd", x_in, weight_in, std::nullopt, eps, at::kCPU);
   const at::Tensor x = x_in.contiguous();
   const at::Tensor weight = weight_in.contiguous();
   at::Tensor y = at::empty_like(x, at::MemoryFormat::Contiguous);
   at::Tensor rstd = at::empty(stats_shape(x), x.options().dtype(stats_dtype(x)));
-  dispatch_types(x, weight, [&](auto t_tag, auto w_tag) {
+  dispatch_norm_types(x, weight, [&](auto t_tag, auto w_tag) {
     forward_impl<decltype(t_tag), decltype(w_tag)>(x, weight, y, rstd, eps);
   });
   return {y, rstd};
@@ -140,31 +103,14 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_bwd(const at::Tensor& grad_in,
                                                 const at::Tensor& rstd_in,
                                                 const at::Tensor& weight_in,
                                                 bool memory_efficient) {
-  const char* op = "rms_norm_bwd";
-  check_params(op, saved_in, weight_in);
-  TORCH_CHECK(grad_in.sizes() == saved_in.sizes(), op, ": grad shape ", grad_in.sizes(),
-              " must equal the saved activation shape ", saved_in.sizes());
-  TORCH_CHECK(grad_in.scalar_type() == saved_in.scalar_type(), op,
-              ": grad and the saved activation must have the same dtype, got ",
-              grad_in.scalar_type(), " and ", saved_in.scalar_type());
-  TORCH_CHECK(grad_in.device() == saved_in.device(), op,
-              ": grad and the saved activation must be on the same device");
-  const int64_t rows = saved_in.numel() / weight_in.numel();
-  TORCH_CHECK(rstd_in.numel() == rows, op, ": rstd must hold one value per row (", rows,
-              "), got shape ", rstd_in.sizes());
-  TORCH_CHECK(rstd_in.scalar_type() == stats_dtype(saved_in), op, ": rstd must be ",
-              stats_dtype(saved_in), " for ", saved_in.scalar_type(), " inputs, got ",
-              rstd_in.scalar_type());
-  TORCH_CHECK(rstd_in.device() == saved_in.device(), op, ": rstd must be on ", saved_in.device(),
-              ", got ", rstd_in.device());
-
+  check_norm_bwd("rms_norm_bwd", grad_in, saved_in, rstd_in, weight_in, std::nullopt, at::kCPU);
   const at::Tensor grad = grad_in.contiguous();
   const at::Tensor saved = saved_in.contiguous();
   const at::Tensor rstd = rstd_in.contiguous();
   const at::Tensor weight = weight_in.contiguous();
   at::Tensor grad_input = at::empty_like(saved, at::MemoryFormat::Contiguous);
   at::Tensor grad_weight = at::empty_like(weight, at::MemoryFormat::Contiguous);
-  dispatch_types(saved, weight, [&](auto t_tag, auto w_tag) {
+  dispatch_norm_types(saved, weight, [&](auto t_tag, auto w_tag) {
     backward_impl<decltype(t_tag), decltype(w_tag)>(grad, saved, rstd, weight, memory_efficient,
                                                     grad_input, grad_weight);
   });
@@ -172,18 +118,13 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_bwd(const at::Tensor& grad_in,
 }
 
 at::Tensor rms_norm_stats(const at::Tensor& x_in, double eps) {
-  const char* op = "rms_norm_stats";
-  TORCH_CHECK(x_in.dim() >= 1 && x_in.size(-1) > 0, op,
-              ": x must be [..., h] with h > 0, got shape ", x_in.sizes());
-  const at::ScalarType xt = x_in.scalar_type();
-  TORCH_CHECK(xt == at::kFloat || xt == at::kDouble || xt == at::kBFloat16 || xt == at::kHalf, op,
-              ": unsupported dtype ", xt, " (float32, float64, bfloat16, float16)");
-  TORCH_CHECK(std::isfinite(eps) && eps >= 0, op, ": eps must be finite and >= 0, got ", eps);
+  constexpr const char* op = "rms_norm_stats";
+  check_norm_stats_input(op, x_in, eps, at::kCPU);
   const at::Tensor x = x_in.contiguous();
   at::Tensor rstd = at::empty(stats_shape(x), x.options().dtype(stats_dtype(x)));
   const int64_t cols = x.size(-1);
   const int64_t rows = x.numel() / cols;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, xt, "rms_norm_stats", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), op, [&] {
     using acc_t = at::opmath_type<scalar_t>;
     const auto& kernels = row_kernels<scalar_t>();
     const scalar_t* xp = x.const_data_ptr<scalar_t>();

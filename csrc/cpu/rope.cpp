@@ -12,28 +12,11 @@
 #include <algorithm>
 #include <vector>
 
+#include "megapp/op_checks.h"
 #include "megapp/rope.h"
 
 namespace megapp {
 namespace {
-
-void check_inputs(const char* op, const at::Tensor& x, const at::Tensor& freqs) {
-  TORCH_CHECK(x.dim() == 4, op, ": x must be 4-D [s, b, heads, d], got shape ", x.sizes());
-  TORCH_CHECK(at::isFloatingType(x.scalar_type()), op, ": x must be a floating-point tensor, got ",
-              x.scalar_type());
-  TORCH_CHECK(freqs.scalar_type() == at::kFloat, op, ": freqs must be float32 angles, got ",
-              freqs.scalar_type());
-  TORCH_CHECK(freqs.device() == x.device(), op, ": x and freqs must be on the same device, got ",
-              x.device(), " and ", freqs.device());
-  TORCH_CHECK(freqs.dim() == 4 && freqs.size(0) == x.size(0) && freqs.size(1) == 1 &&
-                  freqs.size(2) == 1,
-              op, ": freqs must be [s, 1, 1, rot_dim] with s = x.size(0) = ", x.size(0),
-              ", got shape ", freqs.sizes());
-  const int64_t rot_dim = freqs.size(3);
-  TORCH_CHECK(rot_dim > 0 && rot_dim % 2 == 0 && rot_dim <= x.size(3), op,
-              ": rot_dim (freqs.size(-1) = ", rot_dim,
-              ") must be even, positive and at most the head dim d = ", x.size(3));
-}
 
 // Shared driver: src is x (forward) or grad (backward, the transposed rotation).
 template <typename scalar_t, bool kBackward>
@@ -80,7 +63,7 @@ void rope_apply(const at::Tensor& src, const at::Tensor& freqs, at::Tensor& out)
 }
 
 at::Tensor rope_fwd(const at::Tensor& x_in, const at::Tensor& freqs_in) {
-  check_inputs("rope_fwd", x_in, freqs_in);
+  op_checks::check_rope("rope_fwd", x_in, freqs_in, at::kCPU);
   const at::Tensor x = x_in.contiguous();
   const at::Tensor freqs = freqs_in.contiguous();
   at::Tensor y = at::empty_like(x, at::MemoryFormat::Contiguous);
@@ -91,7 +74,7 @@ at::Tensor rope_fwd(const at::Tensor& x_in, const at::Tensor& freqs_in) {
 }
 
 at::Tensor rope_bwd(const at::Tensor& grad_in, const at::Tensor& freqs_in) {
-  check_inputs("rope_bwd", grad_in, freqs_in);
+  op_checks::check_rope("rope_bwd", grad_in, freqs_in, at::kCPU);
   const at::Tensor grad = grad_in.contiguous();
   const at::Tensor freqs = freqs_in.contiguous();
   at::Tensor grad_x = at::empty_like(grad, at::MemoryFormat::Contiguous);

@@ -14,10 +14,13 @@
 #include <optional>
 #include <vector>
 
+#include "megapp/op_checks.h"
 #include "megapp/softmax.h"
 
 namespace megapp {
 namespace {
+
+using namespace op_checks;
 
 // The padding mask broadcast to the scores' shape: element (bi, hi, q, k) is at
 // data[bi·sb + hi·sh + q·sq + k·sk] (stride 0 on broadcast dims).
@@ -26,29 +29,9 @@ struct MaskView {
   int64_t stride_b = 0, stride_h = 0, stride_q = 0, stride_k = 0;
 };
 
-void check_scores(const char* op, const at::Tensor& x) {
-  TORCH_CHECK(x.dim() == 4, op, ": scores must be 4-D [b, heads, sq, sk], got shape ", x.sizes());
-  TORCH_CHECK(at::isFloatingType(x.scalar_type()), op,
-              ": scores must be a floating-point tensor, got ", x.scalar_type());
-}
-
-MaskView mask_view(const char* op, const at::Tensor& x, const std::optional<at::Tensor>& mask,
-                   at::Tensor& expanded) {
-  if (!mask.has_value() || !mask->defined()) return {};
-  const at::Tensor& m = *mask;
-  TORCH_CHECK(m.scalar_type() == at::kBool, op, ": mask must be bool (True = masked out), got ",
-              m.scalar_type());
-  TORCH_CHECK(m.device() == x.device(), op, ": mask and scores must be on the same device, got ",
-              m.device(), " and ", x.device());
-  TORCH_CHECK(m.dim() <= 4, op, ": mask must broadcast to the scores' shape ", x.sizes(),
-              ", got shape ", m.sizes());
-  for (int64_t d = 1; d <= m.dim(); ++d) {
-    const int64_t size = m.size(-d);
-    TORCH_CHECK(size == 1 || size == x.size(-d), op, ": mask of shape ", m.sizes(),
-                " does not broadcast to the scores' shape ", x.sizes(),
-                " (expected [b or 1, 1, sq, sk])");
-  }
-  expanded = m.expand(x.sizes());  // a view: broadcast dims get stride 0
+// The view of a mask expand_softmax_mask returned (undefined: no mask).
+MaskView mask_view(const at::Tensor& expanded) {
+  if (!expanded.defined()) return {};
   return {expanded.const_data_ptr<bool>(), expanded.stride(0), expanded.stride(1),
           expanded.stride(2), expanded.stride(3)};
 }
@@ -78,12 +61,10 @@ int64_t rows_grain(int64_t cols) {
 at::Tensor scaled_masked_softmax_fwd(const at::Tensor& x_in, const std::optional<at::Tensor>& mask,
                                      double scale, bool causal) {
   constexpr const char* op = "scaled_masked_softmax_fwd";
-  check_scores(op, x_in);
+  check_softmax_fwd(x_in, causal, at::kCPU);
   const int64_t batch = x_in.size(0), heads = x_in.size(1), sq = x_in.size(2), sk = x_in.size(3);
-  TORCH_CHECK(!causal || sk >= sq, op, ": causal masking needs sk >= sq (queries are the last sq ",
-              "of the sk positions), got sq = ", sq, ", sk = ", sk);
-  at::Tensor mask_expanded;
-  const MaskView mv = mask_view(op, x_in, mask, mask_expanded);
+  const at::Tensor mask_expanded = expand_softmax_mask(op, x_in, mask);
+  const MaskView mv = mask_view(mask_expanded);
   const at::Tensor x = x_in.contiguous();
   at::Tensor y = at::empty_like(x, at::MemoryFormat::Contiguous);
   const int64_t rows = batch * heads * sq;
@@ -134,16 +115,7 @@ at::Tensor scaled_masked_softmax_fwd(const at::Tensor& x_in, const std::optional
 
 at::Tensor scaled_masked_softmax_bwd(const at::Tensor& grad_in, const at::Tensor& y_in,
                                      double scale) {
-  constexpr const char* op = "scaled_masked_softmax_bwd";
-  check_scores(op, y_in);
-  TORCH_CHECK(grad_in.sizes() == y_in.sizes(), op, ": grad shape ", grad_in.sizes(),
-              " must equal the softmax output's shape ", y_in.sizes());
-  TORCH_CHECK(grad_in.scalar_type() == y_in.scalar_type(), op,
-              ": grad and the softmax output must have the same dtype, got ",
-              grad_in.scalar_type(), " and ", y_in.scalar_type());
-  TORCH_CHECK(grad_in.device() == y_in.device(), op,
-              ": grad and the softmax output must be on the same device, got ", grad_in.device(),
-              " and ", y_in.device());
+  check_softmax_bwd(grad_in, y_in, at::kCPU);
   const at::Tensor grad = grad_in.contiguous();
   const at::Tensor y = y_in.contiguous();
   at::Tensor grad_x = at::empty_like(y, at::MemoryFormat::Contiguous);

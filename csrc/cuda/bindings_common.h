@@ -36,10 +36,6 @@ T* out_ptr(std::optional<at::Tensor>& t) {
   return t.has_value() ? out_ptr<T>(*t) : nullptr;
 }
 
-inline std::optional<at::Tensor> contiguous(const std::optional<at::Tensor>& t) {
-  return t.has_value() ? std::optional<at::Tensor>(t->contiguous()) : std::nullopt;
-}
-
 // Calls fn(T{}) with the CUDA element type matching dtype.
 template <typename Fn>
 void dispatch_cuda_floats(at::ScalarType dtype, const char* op, Fn&& fn) {
@@ -54,6 +50,14 @@ void dispatch_cuda_floats(at::ScalarType dtype, const char* op, Fn&& fn) {
       TORCH_CHECK(false, op, ": unsupported dtype ", dtype,
                   " on CUDA (float32, bfloat16, float16)");
   }
+}
+
+// Launches a kernel on the current stream with the CUDA element type of dtype: launch(T{}, stream)
+// starts it and returns the launch status, which is checked.
+template <typename Fn>
+void launch_cuda_floats(const char* op, at::ScalarType dtype, Fn&& launch) {
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  dispatch_cuda_floats(dtype, op, [&](auto tag) { check_launch(op, launch(tag, stream)); });
 }
 
 }  // namespace megapp::bindings_detail
