@@ -1,11 +1,12 @@
 """The CPU kernels' vectorized loops: which instruction-set build runs, and each build's results.
 
 ``megapp._C`` holds the row loops of bias + GeLU, bias + SwiGLU, bias + dropout + residual,
-LayerNorm and RMSNorm twice: a baseline build and, on x86-64 with GCC, an AVX2 build, chosen once
-per process after torch's own CPU capability (``ATEN_CPU_CAPABILITY=default`` selects the
-baseline). The kernel tests in test_fused_{bias_dropout_add,bias_gelu,bias_swiglu,norm}.py check
-whichever build this process runs; one test here runs them again in a process pinned to the
-baseline build.
+the scaled masked softmax, LayerNorm, RMSNorm, RoPE and the cross entropy twice: a baseline build
+and, on x86-64 with GCC, an AVX2 build, chosen once per process after torch's own CPU capability
+(``ATEN_CPU_CAPABILITY=default`` selects the baseline). The kernel tests in
+test_fused_{bias_dropout_add,bias_gelu,bias_swiglu,norm,softmax,rope}.py check whichever build
+this process runs; one test here runs them again in a process pinned to the baseline build
+(test_fused_cross_entropy.py does so for its own kernels).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from fused_support import requires_cpu_ext
 from megapp.fusions.bias_gelu import bias_gelu_reference
 from megapp.fusions.bias_swiglu import bias_swiglu_reference
 from megapp.fusions.norm import layer_norm_reference, rms_norm_reference
+from megapp.fusions.rope import rope_reference, rotary_freqs
+from megapp.fusions.softmax import scaled_masked_softmax_reference
 
 ops = fused_support.ops
 _fused_enabled = fused_support._fused_enabled
@@ -34,6 +37,8 @@ KERNEL_TESTS = [
     "tests/test_fused_bias_gelu.py",
     "tests/test_fused_bias_swiglu.py",
     "tests/test_fused_norm.py",
+    "tests/test_fused_rope.py",
+    "tests/test_fused_softmax.py",
     "tests/test_fused_cpu_isa.py",
 ]
 
@@ -58,8 +63,15 @@ def _shapes():
     return [(64, 1000), (33, 300), (128, 13), (16, 5)]
 
 
+def _rope_freqs(x):
+    # Angles for rows of x as positions (one row per position), on the even part of the row: an
+    # odd last channel passes through.
+    return rotary_freqs(x.shape[0], x.shape[-1] // 2 * 2)
+
+
 # op -> (kernel forward, reference forward, x's last dim in units of h, number of parameters:
-# (bias,), (weight,) or (weight, bias))
+# (), (bias,), (weight,) or (weight, bias)). Softmax and RoPE see x [rows, h] as
+# [1, 1, rows, h] scores and as [rows, 1, 1, h] heads.
 _FORWARDS = {
     "bias_gelu": (lambda ops, x, b: ops.bias_gelu_fwd(x, b), bias_gelu_reference, 1, 1),
     "bias_swiglu": (lambda ops, x, b: ops.bias_swiglu_fwd(x, b), bias_swiglu_reference, 2, 1),
@@ -74,6 +86,18 @@ _FORWARDS = {
         lambda x, w: rms_norm_reference(x, w, 1e-5),
         1,
         1,
+    ),
+    "scaled_masked_softmax": (
+        lambda ops, x: ops.scaled_masked_softmax_fwd(x[None, None], None, 0.5, False)[0, 0],
+        lambda x: scaled_masked_softmax_reference(x[None, None], None, 0.5, False)[0, 0],
+        1,
+        0,
+    ),
+    "rope": (
+        lambda ops, x: ops.rope_fwd(x[:, None, None], _rope_freqs(x))[:, 0, 0],
+        lambda x: rope_reference(x[:, None, None], _rope_freqs(x))[:, 0, 0],
+        1,
+        0,
     ),
 }
 

@@ -34,8 +34,9 @@ CASES = [
 ]
 
 # fp32: kernel and reference run the same float ops per element (x1·c1 − x2·s1, x2·c2 + x1·s2);
-# only the sin/cos implementations differ (≈1 ulp of angles up to s ≈ 40 rad), which moves y by
-# ≈ eps·|x|, so 1e-6 relative plus 1e-6 absolute for outputs near zero after cancellation.
+# the sin/cos implementations differ (≈1 ulp of angles up to s ≈ 40 rad) and the AVX2 kernels
+# contract a product and a sum into one FMA, each of which moves y by ≈ eps·|x|, so 1e-6 relative
+# plus 1e-6 absolute for outputs near zero after cancellation.
 FP32_TOL = {"rtol": 1e-6, "atol": 1e-6}
 FP64_TOL = {"rtol": 1e-12, "atol": 1e-12}
 # bf16/fp16 kernels compute in float and round once to the output type, so against the fp32

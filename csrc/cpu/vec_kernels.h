@@ -35,6 +35,18 @@ struct DropoutMask {
   double scale;
 };
 
+// The masking of scaled_masked_softmax over [b, heads, sq, sk] scores: row r (bh = r / sq,
+// q = r % sq) attends keys [0, causal_key_limit(q, sq, sk)) when causal, all sk otherwise, except
+// those whose padding-mask element data[(bh / heads)·stride_b + (bh % heads)·stride_h +
+// q·stride_q + k·stride_k] is true (the mask broadcast to the scores' shape, stride 0 on broadcast
+// dims; data null: no padding mask).
+struct SoftmaxMask {
+  const bool* data;
+  int64_t stride_b, stride_h, stride_q, stride_k;
+  int64_t heads, sq;
+  bool causal;
+};
+
 template <typename T>
 struct RowKernels {
   using acc_t = at::opmath_type<T>;
@@ -98,6 +110,21 @@ struct RowKernels {
                             const acc_t* row_max, const acc_t* log_z, T* grad,
                             acc_t one_minus_eps, acc_t eps_over_k, int64_t rows, int64_t cols,
                             int64_t start, int64_t real);
+  // y = softmax(scale·x + mask) of rows row0 .. row0 + rows of the scores, sk each: masked keys
+  // exactly 0, a fully masked row all zeros (megapp/softmax.h). scratch: sk.
+  void (*scaled_masked_softmax_fwd)(const T* x, T* y, const SoftmaxMask& mask, acc_t scale,
+                                    acc_t* scratch, int64_t row0, int64_t rows, int64_t sk);
+  // grad_x = scale·y·(grad − Σ grad·y) of each row of sk.
+  void (*scaled_masked_softmax_bwd)(const T* grad, const T* y, T* grad_x, acc_t scale,
+                                    int64_t rows, int64_t sk);
+  // RoPE of rows row0 .. row0 + rows of d channels, rows_per_pos (b·heads) rows per position:
+  // the first rot_dim channels of a row at position p rotated by the float32 angles
+  // freqs[p·rot_dim ..) (megapp/rope.h), the rest copied. scratch: 4·rot_dim.
+  void (*rope_fwd)(const T* x, const float* freqs, T* y, acc_t* scratch, int64_t row0,
+                   int64_t rows, int64_t rows_per_pos, int64_t d, int64_t rot_dim);
+  // The transposed rotation (the backward), same arguments with grad for x and grad_x for y.
+  void (*rope_bwd)(const T* grad, const float* freqs, T* grad_x, acc_t* scratch, int64_t row0,
+                   int64_t rows, int64_t rows_per_pos, int64_t d, int64_t rot_dim);
 };
 
 // The tables of each compiled instruction set (explicitly instantiated for float, double,

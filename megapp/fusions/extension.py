@@ -37,13 +37,6 @@ KERNEL_DTYPES: dict[str, dict[str, frozenset[torch.dtype]]] = {
 }
 
 
-# Ops whose CPU kernels run the vectorized loops of csrc/cpu/vec_kernels_impl.h (one build per
-# instruction set); the others' CPU kernels are scalar loops.
-VECTORIZED_CPU_OPS = frozenset(
-    {"bias_gelu", "bias_swiglu", "bias_dropout_add", "layer_norm", "rms_norm", "cross_entropy"}
-)
-
-
 def _library_path(name: str) -> str | None:
     try:
         spec = importlib.util.find_spec(name)
@@ -142,9 +135,7 @@ def cpu_kernels_isa() -> str | None:
 @functools.cache
 def _log_tier(op: str, device_type: str, dtype: torch.dtype, tier: str) -> None:
     # Cached: logs once per (op, device type, dtype) and again only if the tier changes.
-    isa = (
-        f" ({cpu_kernels_isa()} vector loops)" if tier == "cpu" and op in VECTORIZED_CPU_OPS else ""
-    )
+    isa = f" ({cpu_kernels_isa()} vector loops)" if tier == "cpu" else ""
     logger.info(
         "megapp: %s on %s/%s uses the %s implementation%s", op, device_type, dtype, tier, isa
     )

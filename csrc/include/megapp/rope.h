@@ -12,7 +12,7 @@
 //   dx1 = dy1·cos θ1 + dy2·sin θ2,  dx2 = dy2·cos θ2 − dy1·sin θ1
 //
 // (for θ1 = θ2 a rotation by −θ). T is the accumulation type: float for float/bf16/half, double
-// for double.
+// for double; the CPU kernels also instantiate the pair functions on at::vec::Vectorized of it.
 #pragma once
 
 #include <math.h>

@@ -6,7 +6,8 @@
 //   y_j  = exp(z_j − max_k z_k) · (1 / Σ_k exp(z_k − max_k z_k));  y ≡ 0 on a fully masked row
 //   dx_j = scale·y_j·(dy_j − Σ_k dy_k·y_k)
 //
-// T is the accumulation type: float for float/bf16/half inputs, double for double.
+// T is the accumulation type: float for float/bf16/half inputs, double for double; the CPU
+// kernels also instantiate these on at::vec::Vectorized of it.
 #pragma once
 
 #include <math.h>
@@ -16,8 +17,11 @@
 
 namespace megapp {
 
-MEGAPP_HOST_DEVICE MEGAPP_INLINE float softmax_exp(float v) { return expf(v); }
-MEGAPP_HOST_DEVICE MEGAPP_INLINE double softmax_exp(double v) { return exp(v); }
+// exp of a logit shifted by the row max: in (0, 1], and exactly 0 for a masked (−∞) one.
+template <typename T>
+MEGAPP_HOST_DEVICE MEGAPP_INLINE T softmax_exp(T v) {
+  return Elementwise<T>::exp(v);
+}
 
 // Number of keys query row q attends to under the causal mask: keys j <= q + (sk − sq), so the
 // last query sees every key (queries are the trailing sq of the sk positions).
@@ -30,6 +34,12 @@ MEGAPP_HOST_DEVICE MEGAPP_INLINE int64_t causal_key_limit(int64_t q, int64_t sq,
 template <typename T>
 MEGAPP_HOST_DEVICE MEGAPP_INLINE T softmax_logit(T x, T scale, bool masked) {
   return masked ? T(-INFINITY) : scale * x;
+}
+
+// The same with the mask as a value: nonzero where masked (one flag per lane for vectors).
+template <typename T>
+MEGAPP_HOST_DEVICE MEGAPP_INLINE T softmax_logit_where(T x, T scale, T masked) {
+  return Elementwise<T>::where_nonzero(masked, T(-INFINITY), scale * x);
 }
 
 // dx = scale·y·(dy − Σ dy·y); dot is the row's Σ dy·y.
