@@ -32,7 +32,7 @@ from megapp.data import (
     parse_data_path,
 )
 from megapp.models import GPTConfig, GPTModel, build_gpt_chunks
-from megapp.training.arguments import ArgumentsError, parse_args
+from megapp.training.arguments import ArgumentsError, exit_with_error, parse_args
 from megapp.training.pretrain import pretrain
 from megapp.training.step import TrainGroups
 
@@ -171,9 +171,7 @@ def main(argv: list[str] | None = None) -> None:
             ),
         )
     except ArgumentsError as error:
-        if int(os.environ.get("LOCAL_RANK", "0")) == 0:
-            print(f"{os.path.basename(sys.argv[0])}: error: {error}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        exit_with_error(os.path.basename(sys.argv[0]), error)
     finally:
         if ps.model_parallel_is_initialized():
             ps.destroy_model_parallel()

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from megapp.training import arguments
 from megapp.training.arguments import ArgumentsError, build_parser, parse_args, validate_args
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -144,10 +145,15 @@ def test_command_line_error_exits_2_with_the_message(capsys, monkeypatch):
         parse_args(shlex.split(f"{BASE} --bf16 --fp16"), world_size=1)
     assert stop.value.code == 2
     assert "error: --bf16 and --fp16 are both set; choose one" in capsys.readouterr().err
-    monkeypatch.setenv("LOCAL_RANK", "3")  # only a node's first process prints
-    with pytest.raises(SystemExit):
+    # A node's other processes leave the message to its first one, which torchrun lets print
+    # before it stops them; one still running after the grace prints it itself.
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    waited = []
+    monkeypatch.setattr(arguments.time, "sleep", waited.append)
+    with pytest.raises(SystemExit) as stop:
         parse_args(shlex.split(f"{BASE} --bf16 --fp16"), world_size=1)
-    assert capsys.readouterr().err == ""
+    assert stop.value.code == 2 and waited == [arguments.ERROR_GRACE_S]
+    assert "error: --bf16 and --fp16 are both set; choose one" in capsys.readouterr().err
 
 
 def _words(command: str) -> list[str]:

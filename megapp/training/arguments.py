@@ -13,7 +13,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from collections.abc import Sequence
+from typing import NoReturn
 
 import torch
 
@@ -23,6 +25,25 @@ from megapp.data.tokenizers import BYTE_TOKENIZER, TOKENIZER_TYPES
 
 class ArgumentsError(ValueError):
     """Settings that cannot work together; the message says what to change."""
+
+
+# How long a process other than its node's first waits before reporting an error itself.
+ERROR_GRACE_S = 10.0
+
+
+def exit_with_error(prog: str, error: Exception) -> NoReturn:
+    """Print ``prog: error: <error>`` to stderr and exit with status 2, once per node.
+
+    torchrun stops every process of a node as soon as one of them exits, so the node's
+    other processes wait (up to ``ERROR_GRACE_S``) for its first one, which reaches the
+    same error, prints it and exits, which ends them. Only a process still running after
+    the grace (its first process failed otherwise, or is slow to start) prints the error
+    itself, so no message is lost to a process that exited first.
+    """
+    if int(os.environ.get("LOCAL_RANK", "0")) != 0:
+        time.sleep(ERROR_GRACE_S)
+    print(f"{prog}: error: {error}", file=sys.stderr, flush=True)
+    sys.exit(2)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -455,13 +476,11 @@ def parse_args(
 ) -> argparse.Namespace:
     """Parse and validate; on an invalid setting print ``error: ...`` and exit with status 2.
 
-    Only the first process of each node prints, so a failed launch reports once per node.
+    A failed launch reports once per node (see :func:`exit_with_error`).
     """
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         return validate_args(args, world_size_from_env() if world_size is None else world_size)
     except ArgumentsError as error:
-        if int(os.environ.get("LOCAL_RANK", "0")) == 0:
-            print(f"{parser.prog}: error: {error}", file=sys.stderr)
-        sys.exit(2)
+        exit_with_error(parser.prog, error)
