@@ -201,10 +201,10 @@ class Transport:
         """:meth:`post` one batch and wait for all of it; returns the received tensors, one
         list per entry of ``recvs``."""
         posted = self.post(sends, recvs, group)
-        self.wait_received([r for requests in posted.sends for r in requests] + posted.recvs)
+        self.timed_wait([r for requests in posted.sends for r in requests] + posted.recvs)
         return posted.received
 
-    def wait_received(self, requests: Sequence[dist.Work]) -> None:
+    def timed_wait(self, requests: Sequence[dist.Work]) -> None:
         """:meth:`wait`, reported to ``on_wait`` as one wait of the timeline."""
         if not requests:
             return

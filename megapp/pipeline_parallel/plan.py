@@ -3,8 +3,9 @@
 Both the engine and the simulator follow this plan, so what is validated is
 what runs. Each rank walks its actions; before action ``k`` it posts one
 batch holding the sends that action ``k - 1`` produced and the receive that
-action ``k`` needs, and waits for the whole batch (as Megatron's
-``send_forward_recv_backward`` does). A final batch flushes the last sends.
+action ``k`` needs (as Megatron's ``send_forward_recv_backward`` does), and
+waits for the receive; :func:`delivered_sends` says at which later step each
+send is known to be done. A final batch flushes the last sends.
 
 Batching matters on NCCL: send/recv kernels between two ranks run in posting
 order on one stream and a send blocks until its receive is posted, so a lone
@@ -45,7 +46,7 @@ class Message:
 
 @dataclass(frozen=True)
 class Step:
-    """Post ``sends`` and ``recvs`` together, wait for all of them, then run ``action``
+    """Post ``sends`` and ``recvs`` together, wait for the receives, then run ``action``
     (``None`` for the final flush)."""
 
     sends: tuple[Message, ...]

@@ -214,7 +214,7 @@ class StageRunner:
             self.sending[msg] = (requests, self.droppable.pop(msg, ()))
         # Only the receives are waited for: a late peer then delays just the action that
         # needs its data, not this rank's next step.
-        self.transport.wait_received(recv_requests)
+        self.transport.timed_wait(recv_requests)
         for msg, tensors in zip(step.recvs, received, strict=True):
             self.inbox[msg] = tensors
         self._release(self.delivered[index] if self.delivered else ())
