@@ -36,6 +36,7 @@ KERNEL_TESTS = [
     "tests/test_fused_bias_dropout_add.py",
     "tests/test_fused_bias_gelu.py",
     "tests/test_fused_bias_swiglu.py",
+    "tests/test_fused_cross_entropy.py",
     "tests/test_fused_norm.py",
     "tests/test_fused_rope.py",
     "tests/test_fused_softmax.py",
