@@ -10,6 +10,8 @@ the layouts on the pure-PyTorch reference tier (MEGAPP_FUSED=0).
 
 import contextlib
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -195,6 +197,27 @@ def test_out_of_range_target_raises_on_every_rank(world_size, tp):
         full[..., :vocab].reshape(-1, vocab), target.reshape(-1), reduction="none"
     )
     torch.testing.assert_close(loss, ref.view(S, B), **FP32_TOL)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_out_of_range_target_on_gpu_fails_the_device_assertion():
+    # A failed device assertion poisons its process's CUDA context, so it runs in its own.
+    script = (
+        "import torch\n"
+        "from megapp.tensor_parallel import vocab_parallel_cross_entropy as ce\n"
+        "logits = torch.randn(3, 2, 8, device='cuda')\n"
+        "target = torch.randint(0, 8, (3, 2), device='cuda')\n"
+        "ce(logits, target, vocab_size=7).sum().item()\n"  # valid ids pass
+        "print('valid ok', flush=True)\n"
+        "target[1, 0] = 7\n"
+        "ce(logits, target, vocab_size=7)\n"
+        "torch.cuda.synchronize()\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert "valid ok" in done.stdout
+    assert done.returncode != 0
+    assert "device-side assert" in done.stderr  # CUDA reports the failed assertion
 
 
 def test_argument_errors():

@@ -63,10 +63,24 @@ def _all_reduce(x: torch.Tensor, op: dist.ReduceOp, group: Group, world: int) ->
 
 
 def _check_target(target: torch.Tensor, vocab_size: int) -> None:
-    """Raise ValueError naming a target id outside ``[0, vocab_size)``; one min/max reduction."""
+    """Reject a target id outside ``[0, vocab_size)``.
+
+    On the host: a ValueError naming the id (one min/max reduction). On a GPU: a
+    device-side assertion queued before the loss kernels, as torch's own cross entropy
+    does, because reading the answer back would stall the host once per loss call; a
+    failed assertion surfaces as CUDA's "device-side assert triggered" at the next
+    synchronization and stops every later kernel, so no out-of-range logit is read.
+    """
     if target.numel() == 0:
         return
-    lo, hi = torch.stack(torch.aminmax(target)).tolist()  # one device→host copy
+    if target.device.type != "cpu":
+        torch._assert_async(
+            ((target >= 0) & (target < vocab_size)).all(),
+            f"vocab_parallel_cross_entropy: a target id is outside the vocabulary of size "
+            f"{vocab_size} (valid ids are [0, {vocab_size}))",
+        )
+        return
+    lo, hi = torch.stack(torch.aminmax(target)).tolist()
     if lo < 0 or hi >= vocab_size:
         bad = lo if lo < 0 else hi
         raise ValueError(
