@@ -320,6 +320,25 @@ def _paired(a: list[float], b: list[float]) -> float:
     return _med([x / y for x, y in zip(a, b, strict=False)]) if b else float("nan")
 
 
+def cold_op_cost(pause: float, rounds: int = 30) -> float:
+    """Median time of one tiny torch op (``x + w`` on an 8 x 256 tensor) run right after
+    ``pause`` seconds of sleep, as every action of a sleep-mode iteration runs.
+
+    On some VMs code and data not touched for a few milliseconds come back slowly (this
+    one: about 2 us back to back, about 0.1 ms after 10 ms or more), so an action's own
+    Python and torch work costs several times more after its sleep than in a loop; this
+    puts that figure next to the results it explains."""
+    x, w = torch.randn(8, 256), torch.zeros(())
+    times = []
+    for _ in range(rounds):
+        if pause:
+            time.sleep(pause)
+        start = time.perf_counter()
+        x + w
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
 # ----- timelines ------------------------------------------------------------------------------
 def draw_timeline(args, latency: float) -> list[str]:
     """Predicted and measured timelines of one sleep-mode configuration, on rank 0."""
@@ -439,7 +458,7 @@ def machine() -> str:
     )
 
 
-def report(args, command, latencies, sleep_rows, zero_rows, files, elapsed, load) -> None:
+def report(args, command, latencies, cold, sleep_rows, zero_rows, files, elapsed, load) -> None:
     hot, idle = latencies
     print(f"$ {command}")
     print(f"machine: {machine()}")
@@ -447,6 +466,10 @@ def report(args, command, latencies, sleep_rows, zero_rows, files, elapsed, load
         f"p={dist.get_world_size()}, activation {args.micro_batch_size}x{args.hidden} fp32 per "
         f"microbatch; one-way p2p latency {hot * 1e3:.3f} ms back to back, {idle * 1e3:.3f} ms "
         "to an idle peer (the simulator's p2p_latency)"
+    )
+    print(
+        f"one tiny torch op: {cold[0] * 1e6:.1f} us back to back, {cold[1] * 1e6:.1f} us after "
+        "a 50 ms sleep (the cost of running code that went cold during an action's sleep)"
     )
     if sleep_rows:
         print(
@@ -479,6 +502,7 @@ def report(args, command, latencies, sleep_rows, zero_rows, files, elapsed, load
             "machine": machine(),
             "load_average": load,
             "p2p_latency_s": {"back_to_back": hot, "idle_peer": idle},
+            "tiny_op_s": {"back_to_back": cold[0], "after_50ms_sleep": cold[1]},
             "sleep": [asdict(r) for r in sleep_rows],
             "zero": [asdict(r) for r in zero_rows],
         }
@@ -501,6 +525,7 @@ def worker(rank: int, world_size: int, port: int | None, args, command: str) -> 
     p2p_latency(args, pause=0.0, rounds=50)  # connect and warm up
     hot = p2p_latency(args, pause=0.0, rounds=200)
     idle = p2p_latency(args, pause=0.02, rounds=50)
+    cold = (cold_op_cost(0.0), cold_op_cost(0.05))
     tf, tb = args.forward_ms / 1e3, args.backward_ms / 1e3
     first_m = args.microbatches[0]
     sleep_rows, zero_rows = [], []
@@ -522,7 +547,7 @@ def worker(rank: int, world_size: int, port: int | None, args, command: str) -> 
     if rank == 0:
         elapsed = time.perf_counter() - started
         load = (load_before, os.getloadavg()[0])
-        report(args, command, (hot, idle), sleep_rows, zero_rows, files, elapsed, load)
+        report(args, command, (hot, idle), cold, sleep_rows, zero_rows, files, elapsed, load)
     dist.destroy_process_group()
 
 
