@@ -7,6 +7,7 @@
 
 #include <algorithm>
 
+#include "megapp/cuda_bias_grad.cuh"
 #include "megapp/cuda_common.cuh"
 #include "megapp/swiglu.h"
 
@@ -15,23 +16,7 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int64_t kMaxForwardBlocks = 1 << 16;  // grid-stride loop covers the rest
-constexpr int64_t kMaxChunks = 65535;           // gridDim.y limit
-// Backward: each thread sums a chunk of at least kMinRowsPerChunk rows of its columns; chunks are
-// added until about kTargetThreads threads run (enough to fill an H100/H200).
-constexpr int64_t kMinRowsPerChunk = 16;
-constexpr int64_t kTargetThreads = 1 << 17;
-constexpr int64_t kNominalVec = 8;  // chunking assumes this width whatever the actual one
-// Final grad_bias reduction: a block of kSumCols columns × kSumSplit chunk strides.
-constexpr int kSumCols = 32;
-constexpr int kSumSplit = 8;
-
-// Row chunks of the backward: a function of the shape only (not of the vector width or the
-// pointers' alignment), so grad_bias's summation order and bits depend on the shape alone.
-int64_t num_chunks(int64_t rows, int64_t f) {
-  const int64_t threads_per_chunk = std::max<int64_t>(1, ceil_div(f, kNominalVec));
-  const int64_t wanted = ceil_div(kTargetThreads, threads_per_chunk);
-  return std::clamp<int64_t>(std::min(wanted, ceil_div(rows, kMinRowsPerChunk)), 1, kMaxChunks);
-}
+using bias_grad::num_chunks;
 
 // Thread i handles outputs [N·(i mod f/N), +N) of row i / (f/N); N divides f.
 template <typename T, int N, bool kHasBias>
@@ -122,26 +107,6 @@ __global__ void bias_swiglu_bwd_kernel(const T* __restrict__ grad, const T* __re
   }
 }
 
-// grad_bias[c] = Σ_chunk workspace[chunk, c]: thread row y sums chunks y, y + kSumSplit, ... in
-// order, then row 0 adds the kSumSplit partial sums in order (deterministic).
-template <typename T>
-__global__ void sum_chunks_kernel(const float* __restrict__ workspace, T* __restrict__ grad_bias,
-                                  int64_t chunks, int64_t cols) {
-  __shared__ float partial[kSumSplit][kSumCols + 1];
-  const int64_t c = static_cast<int64_t>(blockIdx.x) * kSumCols + threadIdx.x;
-  float acc = 0.f;
-  if (c < cols) {
-    for (int64_t k = threadIdx.y; k < chunks; k += kSumSplit) acc += workspace[k * cols + c];
-  }
-  partial[threadIdx.y][threadIdx.x] = acc;
-  __syncthreads();
-  if (threadIdx.y != 0 || c >= cols) return;
-  float total = 0.f;
-#pragma unroll
-  for (int s = 0; s < kSumSplit; ++s) total += partial[s][threadIdx.x];
-  grad_bias[c] = from_acc<T>(total);
-}
-
 template <typename T, int N>
 cudaError_t launch_fwd_vec(const T* x, const T* bias, T* y, int64_t rows, int64_t f,
                            cudaStream_t stream) {
@@ -200,10 +165,7 @@ cudaError_t launch_bwd(const T* grad, const T* x, const T* bias, T* grad_input, 
           : launch_bwd_vec<T, 1>(grad, x, bias, grad_input, workspace, rows, f, chunks, stream);
   if (err != cudaSuccess || grad_bias == nullptr) return err;
   const int64_t cols = 2 * f;
-  const dim3 block(kSumCols, kSumSplit);
-  sum_chunks_kernel<T><<<static_cast<unsigned>(ceil_div(cols, kSumCols)), block, 0, stream>>>(
-      workspace, grad_bias, chunks, cols);
-  return cudaGetLastError();
+  return bias_grad::sum_chunks(workspace, grad_bias, chunks, cols, stream);
 }
 
 }  // namespace
