@@ -8,7 +8,6 @@ The shards run through the fused CPU kernels (megapp.fusions.cross_entropy); one
 the layouts on the pure-PyTorch reference tier (MEGAPP_FUSED=0).
 """
 
-import contextlib
 import os
 import subprocess
 import sys
@@ -19,6 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megapp import parallel_state as ps
+from megapp.fusions import extension
 from megapp.tensor_parallel import pad_vocab_size, vocab_parallel_cross_entropy, vocab_range
 from megapp.testing import distributed
 
@@ -46,20 +46,6 @@ FUSED_TIER = (
     if "0" in (os.environ.get("MEGAPP_BUILD_CPU_EXT"), os.environ.get("MEGAPP_FUSED"))
     else "cpu"
 )
-
-
-@contextlib.contextmanager
-def _reference_tier():
-    """MEGAPP_FUSED=0 for the block: the fused ops pick their tier per call, so this switches."""
-    old = os.environ.get("MEGAPP_FUSED")
-    os.environ["MEGAPP_FUSED"] = "0"
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ["MEGAPP_FUSED"]
-        else:
-            os.environ["MEGAPP_FUSED"] = old
 
 
 def _inputs(vocab: int, padded: int, dtype: torch.dtype, seed: int = 0):
@@ -141,7 +127,7 @@ def test_matches_single_process_cross_entropy(world_size, tp, vocab, multiple, s
 def test_reference_tier_matches_single_process_cross_entropy(world_size, tp, dtype):
     ps.initialize_model_parallel(tp)
     group, rank = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_rank()
-    with _reference_tier():
+    with extension.fused(False):
         for vocab, multiple in [(37, 128), (50257, 128)]:
             _check(vocab, multiple, SMOOTHING, dtype, group, tp, rank, tier="reference")
 
@@ -236,7 +222,7 @@ def test_argument_errors():
 def test_backward_twice_with_retain_graph(fused):
     # Backward only reads what it saved, so a retained graph gives the same gradient again.
     logits = torch.randn(2, 3, 8, requires_grad=True)
-    with contextlib.nullcontext() if fused else _reference_tier():
+    with extension.fused(fused):
         loss = vocab_parallel_cross_entropy(logits, torch.tensor([[0, 7, 3], [5, 5, 1]]), 0.1)
         loss.sum().backward(retain_graph=True)
         once = logits.grad.clone()

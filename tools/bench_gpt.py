@@ -169,20 +169,6 @@ def forward_step(iterator: Iterator, chunk, inputs):
 
 
 # ----- overhead: megapp against plain PyTorch in one process ------------------------------------
-@contextlib.contextmanager
-def fused_tier(enabled: bool) -> Iterator[None]:
-    """Run megapp's fused ops on the compiled kernels (True) or the PyTorch reference."""
-    before = os.environ.get("MEGAPP_FUSED")
-    os.environ["MEGAPP_FUSED"] = "1" if enabled else "0"
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ["MEGAPP_FUSED"]
-        else:
-            os.environ["MEGAPP_FUSED"] = before
-
-
 def _adamw(model: torch.nn.Module) -> torch.optim.AdamW:
     decay = [p for p in model.parameters() if p.ndim > 1]
     rest = [p for p in model.parameters() if p.ndim <= 1]
@@ -192,7 +178,7 @@ def _adamw(model: torch.nn.Module) -> torch.optim.AdamW:
 
 def _model_step(model, optimizer, tokens, labels, fused: bool | None) -> Callable[[], float]:
     def step() -> float:
-        with fused_tier(fused) if fused is not None else contextlib.nullcontext():
+        with extension.fused(fused) if fused is not None else contextlib.nullcontext():
             optimizer.zero_grad(set_to_none=True)
             loss = model(tokens, labels=labels)
             loss = loss.mean() if loss.dim() else loss

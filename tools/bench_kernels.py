@@ -68,7 +68,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -358,20 +358,6 @@ def cases(sh: dict) -> list[Case]:
 # Running and timing -------------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def megapp_fused(enabled: bool) -> Iterator[None]:
-    """Set ``MEGAPP_FUSED`` for the duration (the tier is chosen per call, so this switches it)."""
-    old = os.environ.get("MEGAPP_FUSED")
-    os.environ["MEGAPP_FUSED"] = "1" if enabled else "0"
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ["MEGAPP_FUSED"]
-        else:
-            os.environ["MEGAPP_FUSED"] = old
-
-
 def make_runner(
     fn: Callable[[Inputs], torch.Tensor],
     inputs: Inputs,
@@ -382,7 +368,7 @@ def make_runner(
 ) -> Callable[[], object]:
     """A zero-argument call of one implementation for one pass (fused: MEGAPP_FUSED, or None)."""
     diff = [inputs[name] for name in grad_names]
-    env = (lambda: megapp_fused(fused)) if fused is not None else contextlib.nullcontext
+    env = (lambda: extension.fused(fused)) if fused is not None else contextlib.nullcontext
 
     if pass_ == "fwd":
 
@@ -505,7 +491,7 @@ def check_against_reference(case: Case, inputs: Inputs, grad_out: torch.Tensor) 
     diff = [inputs[name] for name in case.grad_inputs]
     results = []
     for fused in (True, False):
-        with megapp_fused(fused):
+        with extension.fused(fused):
             out = fn(inputs)
             grads = torch.autograd.grad(out, diff, grad_out)
         results.append((out.detach(), grads))

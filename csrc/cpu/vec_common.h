@@ -136,27 +136,6 @@ inline void widen(const T* src, float* dst, int64_t n) {
   }
 }
 
-// dst[0, n) = src[0, n) rounded to bf16/half (to nearest even).
-template <typename T>
-inline void narrow(const float* src, T* dst, int64_t n) {
-  using RVec = at::vec::Vectorized<T>;
-  using FVec = at::vec::Vectorized<float>;
-  constexpr int64_t kLanes = RVec::size();
-  for (int64_t i = 0; i < n; i += kLanes) {
-    const int64_t count = std::min(kLanes, n - i);
-    const int64_t lo_count = std::min<int64_t>(count, FVec::size());
-    const FVec lo = load<float>(src + i, lo_count);
-    const FVec hi = count > FVec::size() ? load<float>(src + i + FVec::size(), count - lo_count)
-                                         : FVec(0.0f);
-    const RVec r = at::vec::convert_from_float<T>(lo, hi);
-    if (count == kLanes) {
-      r.store(dst + i);
-    } else {
-      r.store(dst + i, static_cast<int>(count));
-    }
-  }
-}
-
 // src[0, n) in acc_type<T>: src itself for float/double, else widened into buf.
 template <typename T>
 inline const acc_type<T>* as_acc(const T* src, int64_t n, acc_type<T>* buf) {
@@ -177,11 +156,6 @@ inline acc_type<T>* out_acc(T* dst, acc_type<T>* buf) {
   } else {
     return dst;
   }
-}
-
-template <typename T>
-inline void finish(const acc_type<T>* buf, T* dst, int64_t n) {
-  if constexpr (kReduced<T>) narrow<T>(buf, dst, n);
 }
 
 // dst[0, n) = value(i, count) for each vector of A at i (count lanes valid), rounded to T on the
@@ -207,6 +181,15 @@ inline void store_row(T* dst, int64_t n, Value&& value) {
         r.store(dst + i, static_cast<int>(count));
       }
     }
+  }
+}
+
+// dst[0, n) = buf[0, n) rounded to bf16/half (to nearest even); nothing for float/double, whose
+// out_acc wrote dst directly.
+template <typename T>
+inline void finish(const acc_type<T>* buf, T* dst, int64_t n) {
+  if constexpr (kReduced<T>) {
+    store_row<T>(dst, n, [&](int64_t i, int64_t count) { return load<float>(buf + i, count); });
   }
 }
 

@@ -10,10 +10,12 @@ Each fused op runs in one of three tiers: ``"cuda"``, ``"cpu"`` (compiled kernel
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import logging
 import os
+from collections.abc import Iterator
 
 import torch
 
@@ -84,6 +86,21 @@ def built_tiers() -> frozenset[str]:
 def fused_enabled() -> bool:
     """False when the environment sets ``MEGAPP_FUSED=0``."""
     return os.environ.get("MEGAPP_FUSED", "1") != "0"
+
+
+@contextlib.contextmanager
+def fused(enabled: bool) -> Iterator[None]:
+    """Set ``MEGAPP_FUSED`` for the block (the tier is chosen per call, so this switches it):
+    the compiled kernels where built (True) or the pure-PyTorch reference (False)."""
+    before = os.environ.get("MEGAPP_FUSED")
+    os.environ["MEGAPP_FUSED"] = "1" if enabled else "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["MEGAPP_FUSED"]
+        else:
+            os.environ["MEGAPP_FUSED"] = before
 
 
 def choose_tier(
