@@ -212,7 +212,7 @@ def pretrain(
     model_provider: ModelProvider,
     forward_step_func: ForwardStepFunc,
 ) -> TrainState:
-    """Train as ``args`` say (validated by :func:`~megapp.training.arguments.validate_args`,
+    """Train as ``args`` say (validated by :func:`~megapp.training.validation.validate_args`,
     plus ``args.padded_vocab_size``). Starts torch.distributed and the layout
     (:func:`~megapp.training.initialize.initialize_distributed`); the caller tears them
     down. Returns the final state.
