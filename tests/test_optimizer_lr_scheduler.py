@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from megapp.optimizer import LRScheduler
+from megapp.optimizer import LRScheduler, ScheduleMismatchError
 
 # max 1.0, min 0.1, 10 warmup steps, decay ends at step 110 (a 100-step decay span).
 SCHEDULE = dict(max_lr=1.0, min_lr=0.1, warmup_steps=10, decay_steps=110)
@@ -124,11 +124,16 @@ def test_load_state_dict_refuses_a_changed_schedule_unless_asked():
     state = LRScheduler(_optimizer(), decay_style="cosine", **SCHEDULE).state_dict()
     state["num_steps"] = 60
     other = LRScheduler(_optimizer(), decay_style="linear", **{**SCHEDULE, "max_lr": 2.0})
-    with pytest.raises(ValueError, match=r"max_lr: saved 1.0, now 2.0.*decay_style"):
+    with pytest.raises(ScheduleMismatchError, match=r"max_lr: saved 1.0, now 2.0.*decay_style"):
         other.load_state_dict(state)
-    other.load_state_dict(state, use_checkpoint_settings=True)
+    kept = LRScheduler(_optimizer(), decay_style="linear", **{**SCHEDULE, "max_lr": 2.0})
+    kept.load_state_dict(state, settings="current")  # Megatron's --override-opt_param-scheduler
+    assert (kept.decay_style, kept.max_lr, kept.num_steps) == ("linear", 2.0, 60)
+    other.load_state_dict(state, settings="checkpoint")
     assert (other.decay_style, other.max_lr, other.num_steps) == ("cosine", 1.0, 60)
     assert other.get_lr() == pytest.approx(0.55)
+    with pytest.raises(ValueError, match="settings must be one of"):
+        other.load_state_dict(state, settings="mine")
 
 
 @pytest.mark.parametrize(

@@ -7,9 +7,11 @@ from megapp.checkpointing.checkpoint import (
     read_latest,
     save_checkpoint,
 )
+from megapp.checkpointing.errors import CheckpointError
 from megapp.checkpointing.shards import TensorShard, tensor_parallel_shard
 
 __all__ = [
+    "CheckpointError",
     "CheckpointInfo",
     "TensorShard",
     "iteration_dir",

@@ -41,10 +41,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from megapp.checkpointing import rng
-from megapp.checkpointing.safe_reader import SafeFileSystemReader, read_metadata_file
+from megapp.checkpointing.errors import CheckpointError
+from megapp.checkpointing.safe_reader import (
+    SafeFileSystemReader,
+    check_data_files,
+    read_metadata_file,
+)
 from megapp.checkpointing.state import (
     STEP_KEY,
     OptimizerPieces,
@@ -105,7 +111,7 @@ def read_latest(load_dir: str | os.PathLike) -> int | None:
         return None
     text = marker.read_text().strip()
     if not text.isdigit():
-        raise ValueError(f"{marker} should hold an iteration number, found {text!r}")
+        raise CheckpointError(f"{marker} should hold an iteration number, found {text!r:.40}")
     return int(text)
 
 
@@ -258,6 +264,68 @@ def save_checkpoint(
     return final
 
 
+_COMMON_COUNTERS = (
+    "format_version",
+    "iteration",
+    "consumed_train_samples",
+    "consumed_valid_samples",
+)
+_COMMON_OBJECTS = ("model_config", "layout", "lr_scheduler", "grad_scaler", "args")
+
+
+def _read_common(path: Path) -> dict[str, Any]:
+    """The checked contents of ``path/common.json``."""
+    file = path / COMMON
+    try:
+        common = json.loads(file.read_text())
+    except FileNotFoundError as error:
+        raise CheckpointError(f"no complete checkpoint at {path} (missing {COMMON})") from error
+    except (OSError, ValueError) as error:
+        raise CheckpointError(f"{file}: unreadable ({error}); the checkpoint is corrupt") from error
+    if not isinstance(common, dict):
+        raise CheckpointError(f"{file}: not a JSON object; the checkpoint is corrupt")
+    if common.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{file}: unknown checkpoint format {common.get('format_version')!r:.40} "
+            f"(this megapp reads format {FORMAT_VERSION})"
+        )
+    for name in _COMMON_COUNTERS:
+        value = common.get(name)
+        if type(value) is not int or value < 0:
+            raise CheckpointError(f"{file}: {name} is {value!r:.40}; the checkpoint is corrupt")
+    for name in _COMMON_OBJECTS:
+        if not isinstance(common.get(name), dict | None):
+            raise CheckpointError(f"{file}: {name} is not an object; the checkpoint is corrupt")
+    return common
+
+
+def _load_plain_state(owner, state: dict | None, settings: str | None, path: Path) -> None:
+    """Load the JSON state of the LR scheduler or loss scaler; a malformed one is corrupt."""
+    if owner is None or state is None:
+        return
+    try:
+        if settings is None:
+            owner.load_state_dict(state)
+        else:
+            owner.load_state_dict(state, settings=settings)
+    except (KeyError, TypeError, AttributeError) as error:
+        raise CheckpointError(
+            f"{path / COMMON}: the {type(owner).__name__} state is malformed ({error!r:.80}); "
+            "the checkpoint is corrupt"
+        ) from error
+
+
+def _first_failure(error: Exception) -> str:
+    """One line for what went wrong: the first rank's own error inside DCP's summary."""
+    failures = getattr(error, "failures", None)
+    if failures:
+        error = next(iter(failures.values()))
+        if isinstance(error, tuple):  # (exception, traceback summary)
+            error = error[0]
+    text = " ".join(str(error).split())
+    return f"{type(error).__name__}: {text[:300]}"
+
+
 def _check_config(saved: dict | None, chunks, path: Path) -> None:
     current = _model_config(chunks)
     if saved is None or current is None:
@@ -268,7 +336,7 @@ def _check_config(saved: dict | None, chunks, path: Path) -> None:
         if name in saved and name in current and saved[name] != current[name]
     ]
     if diffs:
-        raise ValueError(
+        raise CheckpointError(
             f"checkpoint {path} is of a different model shape; set the model flags to the "
             "checkpoint's or train from scratch:\n  " + "\n  ".join(diffs)
         )
@@ -288,7 +356,7 @@ def _check_tensors(state: dict[str, torch.Tensor], metadata, path: Path) -> None
     if problems:
         shown = "\n  ".join(problems[:10])
         more = f"\n  ... and {len(problems) - 10} more" if len(problems) > 10 else ""
-        raise ValueError(f"checkpoint {path} does not fit this model:\n  {shown}{more}")
+        raise CheckpointError(f"checkpoint {path} does not fit this model:\n  {shown}{more}")
 
 
 def load_checkpoint(
@@ -301,6 +369,7 @@ def load_checkpoint(
     iteration: int | None = None,
     load_optimizer: bool = True,
     load_rng: bool = True,
+    scheduler_settings: str = "match",
 ) -> CheckpointInfo | None:
     """Restore the state saved by :func:`save_checkpoint`; None when ``load_dir`` has none.
 
@@ -308,19 +377,19 @@ def load_checkpoint(
     RNG states are restored only when the layout is the one saved (each rank's generators
     belong to its position in the grid); otherwise the run continues with its own seeds
     and a warning says so. ``load_optimizer=False`` restores the model only (fine-tuning).
+    ``scheduler_settings`` is :meth:`LRScheduler.load_state_dict`'s ``settings``. Every
+    checkpoint that cannot be loaded raises :class:`CheckpointError` naming the file
+    (:class:`~megapp.optimizer.ScheduleMismatchError` for a schedule that differs).
     """
     if iteration is None:
         iteration = read_latest(load_dir)
         if iteration is None:
             return None
     path = iteration_dir(load_dir, iteration)
-    if not (path / COMMON).exists():
-        raise FileNotFoundError(f"no complete checkpoint at {path} (missing {COMMON})")
-    common = json.loads((path / COMMON).read_text())
-    if common.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"{path}: unknown checkpoint format {common.get('format_version')!r}")
+    common = _read_common(path)
     _check_config(common.get("model_config"), chunks, path)
     metadata = read_metadata_file(path / ".metadata")
+    check_data_files(metadata, path)
     saved = metadata.state_dict_metadata
 
     tp_rank, tp_size = _rank(groups.tp), _world(groups.tp)
@@ -330,7 +399,9 @@ def load_checkpoint(
     load_optimizer = load_optimizer and optimizer is not None
     if load_optimizer:
         if not common.get("has_optimizer"):
-            raise ValueError(f"{path} holds no optimizer state; load it with load_optimizer=False")
+            raise CheckpointError(
+                f"{path} holds no optimizer state; load the model alone (load_optimizer=False)"
+            )
         kinds = optimizer_kinds(optimizer)
         if "master" in kinds and not any(k.startswith("optimizer.master.") for k in saved):
             kinds = tuple(k for k in kinds if k != "master")  # masters come from the weights
@@ -347,9 +418,18 @@ def load_checkpoint(
         state[f"rng.{rank}.{key}"] = tensor
     _check_tensors(state, metadata, path)
 
+    if load_optimizer:  # plain settings first: a mismatch fails before any tensor is read
+        _load_plain_state(lr_scheduler, common.get("lr_scheduler"), scheduler_settings, path)
+        _load_plain_state(optimizer.grad_scaler, common.get("grad_scaler"), None, path)
     with _single_process_quiet():
-        reader = SafeFileSystemReader(path)
-        dcp.load(state, storage_reader=reader, no_dist=not dist.is_initialized())
+        reader = SafeFileSystemReader(path, metadata)
+        try:
+            dcp.load(state, storage_reader=reader, no_dist=not dist.is_initialized())
+        except (Exception, CheckpointException) as error:  # DCP gathers every rank's failure
+            raise CheckpointError(
+                f"{path}: its tensors cannot be read ({_first_failure(error)}); "
+                "the checkpoint is corrupt"
+            ) from error
 
     if load_optimizer:
         pieces.scatter()
@@ -359,11 +439,6 @@ def load_checkpoint(
                 flat = s.param.data.view(-1)[s.lo : s.hi]
                 if flat.data_ptr() != s.master.data_ptr():
                     s.master.copy_(flat)
-        if lr_scheduler is not None and common.get("lr_scheduler") is not None:
-            lr_scheduler.load_state_dict(common["lr_scheduler"])
-        scaler = optimizer.grad_scaler
-        if scaler is not None and common.get("grad_scaler") is not None:
-            scaler.load_state_dict(common["grad_scaler"])
     elif optimizer is not None:
         for s in optimizer.slices:
             flat = s.param.data.view(-1)[s.lo : s.hi]

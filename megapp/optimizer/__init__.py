@@ -11,7 +11,7 @@ from megapp.optimizer.clip_grads import (
     grads_to_clip,
 )
 from megapp.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler, found_inf_in
-from megapp.optimizer.lr_scheduler import LRScheduler
+from megapp.optimizer.lr_scheduler import LRScheduler, ScheduleMismatchError
 from megapp.optimizer.optimizer import Optimizer, StepResult
 from megapp.optimizer.param_groups import default_no_decay, get_param_groups
 
@@ -20,6 +20,7 @@ __all__ = [
     "DynamicGradScaler",
     "LRScheduler",
     "Optimizer",
+    "ScheduleMismatchError",
     "StepResult",
     "build_adamw",
     "choose_adamw",

@@ -23,6 +23,21 @@ import torch
 STYLES = ("constant", "linear", "cosine")
 
 # The settings that define the schedule; a checkpoint stores them next to the counter.
+SCHEDULE_SETTINGS = ("match", "checkpoint", "current")
+
+
+class ScheduleMismatchError(ValueError):
+    """A saved schedule whose settings differ from the scheduler loading it."""
+
+    def __init__(self, differences: list[str]):
+        self.differences = differences
+        super().__init__(
+            f"the saved schedule differs from this one ({'; '.join(differences)}); "
+            "load_state_dict(settings='checkpoint') adopts the saved settings, "
+            "settings='current' keeps these"
+        )
+
+
 _SETTINGS = (
     "max_lr",
     "min_lr",
@@ -153,29 +168,27 @@ class LRScheduler:
         state["num_steps"] = self.num_steps
         return state
 
-    def load_state_dict(
-        self, state: dict[str, Any], *, use_checkpoint_settings: bool = False
-    ) -> None:
+    def load_state_dict(self, state: dict[str, Any], *, settings: str = "match") -> None:
         """Continue from a saved schedule and re-apply its values to the param groups.
 
-        By default the saved settings must equal this scheduler's, so a resumed run cannot
-        silently change its schedule; ``use_checkpoint_settings=True`` adopts the saved ones.
+        ``settings`` says whose schedule settings hold: ``"match"`` (default) requires the
+        saved ones to equal this scheduler's, so a resumed run cannot silently change its
+        schedule (:class:`ScheduleMismatchError` otherwise); ``"checkpoint"`` adopts the saved
+        ones; ``"current"`` keeps this scheduler's and takes only the step count.
         """
-        if use_checkpoint_settings:
+        if settings not in SCHEDULE_SETTINGS:
+            raise ValueError(f"settings must be one of {SCHEDULE_SETTINGS}, got {settings!r}")
+        if settings == "checkpoint":
             for name in _SETTINGS:
                 setattr(self, name, state[name])
             self._validate()
-        else:
+        elif settings == "match":
             changed = [
                 f"{name}: saved {state[name]!r}, now {getattr(self, name)!r}"
                 for name in _SETTINGS
                 if state[name] != getattr(self, name)
             ]
             if changed:
-                raise ValueError(
-                    "the saved schedule differs from this one ("
-                    + "; ".join(changed)
-                    + "); pass use_checkpoint_settings=True to adopt the saved settings"
-                )
+                raise ScheduleMismatchError(changed)
         self.num_steps = int(state["num_steps"])
         self.step(0)

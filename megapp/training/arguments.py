@@ -192,6 +192,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --load: the iteration to resume from (default: the latest)",
     )
     g.add_argument(
+        "--use-checkpoint-opt_param-scheduler",
+        action="store_true",
+        help="with --load: continue the learning-rate schedule saved in the checkpoint",
+    )
+    g.add_argument(
+        "--override-opt_param-scheduler",
+        action="store_true",
+        help="with --load: use this run's learning-rate flags instead of the saved schedule",
+    )
+    g.add_argument(
         "--exit-interval",
         type=int,
         default=None,

@@ -265,6 +265,11 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         _fail(f"--eval-iters must be >= 0 (0 turns evaluation off), got {args.eval_iters}")
     if args.ckpt_step is not None and args.load is None:
         _fail("--ckpt-step needs --load DIR (the checkpoints to pick the iteration from)")
+    if args.use_checkpoint_opt_param_scheduler and args.override_opt_param_scheduler:
+        _fail(
+            "--use-checkpoint-opt_param-scheduler and --override-opt_param-scheduler are both "
+            "set; choose one"
+        )
     if args.save_interval is not None and args.save is None:
         _fail("--save-interval needs --save DIR (where to write the checkpoints)")
     if args.tensorboard_dir is not None:
