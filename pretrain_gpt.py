@@ -22,17 +22,22 @@ import torch
 import torch.distributed as dist
 
 from megapp import parallel_state as ps
+from megapp.comm import CollectiveError
 from megapp.data import (
     IndexedDataset,
     build_default_corpus,
     build_tokenizer,
     build_train_valid_test_datasets,
     get_batch,
-    pad_vocab_size,
     parse_data_path,
 )
 from megapp.models import GPTConfig, GPTModel, build_gpt_chunks
-from megapp.training.arguments import ArgumentsError, exit_with_error, parse_args
+from megapp.training.arguments import (
+    ArgumentsError,
+    exit_after_failure,
+    exit_with_error,
+    parse_args,
+)
 from megapp.training.pretrain import pretrain
 from megapp.training.step import TrainGroups
 
@@ -77,7 +82,8 @@ def _gpt_config(args: argparse.Namespace) -> GPTConfig:
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         sequence_parallel=args.sequence_parallel,
         params_dtype=args.params_dtype,
-        vocab_size=args.padded_vocab_size,
+        vocab_size=args.vocab_size,
+        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
         max_position_embeddings=args.max_position_embeddings,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
     )
@@ -156,9 +162,7 @@ def main(argv: list[str] | None = None) -> None:
             )
         except (ValueError, OSError) as error:
             raise ArgumentsError(f"--tokenizer-type {args.tokenizer_type}: {error}") from error
-        args.padded_vocab_size = pad_vocab_size(
-            tokenizer.vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size
-        )
+        args.vocab_size = tokenizer.vocab_size
         pretrain(
             args,
             functools.partial(datasets_provider, tokenizer=tokenizer),
@@ -172,6 +176,8 @@ def main(argv: list[str] | None = None) -> None:
         )
     except ArgumentsError as error:
         exit_with_error(os.path.basename(sys.argv[0]), error)
+    except CollectiveError as error:
+        exit_after_failure(os.path.basename(sys.argv[0]), error)
     finally:
         if ps.model_parallel_is_initialized():
             ps.destroy_model_parallel()

@@ -13,10 +13,22 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch.distributed as dist
 
+from megapp import comm
 from megapp.process_grid import GROUP_NAMES, ProcessGrid
+
+# What errors (and NCCL's watchdog) call each kind of group.
+GROUP_DESCRIPTIONS = {
+    "tp": "tensor-parallel",
+    "pp": "pipeline-parallel",
+    "dp": "data-parallel",
+    "mp": "model-parallel",
+    "embedding": "embedding",
+    "position_embedding": "position-embedding",
+}
 
 __all__ = [
     "ProcessGrid",
@@ -66,12 +78,14 @@ def initialize_model_parallel(
     pipeline_model_parallel_size: int = 1,
     virtual_pipeline_model_parallel_size: int | None = None,
     order: str = "tp-dp-pp",
+    timeout: timedelta | None = None,
 ) -> ProcessGrid:
     """Create the tp, pp, dp, mp, embedding and position-embedding groups.
 
     Needs an initialized default group; every rank must call it with the same
     arguments. The groups use the default group's backend (gloo on CPU, NCCL
-    on GPU). Returns the grid.
+    on GPU) and ``timeout`` (default: the default group's), so a collective that
+    waits on a dead or stuck rank fails within it. Returns the grid.
     """
     global _STATE
     if not dist.is_initialized():
@@ -97,7 +111,7 @@ def initialize_model_parallel(
     for name in GROUP_NAMES:
         # Every rank creates every group, in the same order, as new_group requires.
         for members in grid.groups(name):
-            group = dist.new_group(members)
+            group = comm.new_group(members, GROUP_DESCRIPTIONS[name], timeout)
             if state.rank in members:
                 state.groups[name] = group
                 state.ranks[name] = members

@@ -13,7 +13,6 @@ from megapp.data.tokenizers import (
     GPT2BPETokenizer,
     build_tokenizer,
     bytes_to_unicode,
-    pad_vocab_size,
 )
 
 # "Ġ" is the byte-level symbol of the space character.
@@ -159,12 +158,3 @@ def test_build_tokenizer_errors():
     with pytest.raises(ValueError, match="needs --tokenizer-model"):
         build_tokenizer("HuggingFaceTokenizer")
     assert isinstance(build_tokenizer(), ByteTokenizer)
-
-
-def test_pad_vocab_size_rounds_up_to_divisor_times_tp():
-    assert pad_vocab_size(50257, 128, 1) == 50304
-    assert pad_vocab_size(50257, 128, 8) == 51200
-    assert pad_vocab_size(257, 128, 2) == 256 * 2
-    assert pad_vocab_size(512, 128, 4) == 512
-    with pytest.raises(ValueError):
-        pad_vocab_size(100, 0, 1)

@@ -44,6 +44,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from megapp import comm
 from megapp.checkpointing import rng
 from megapp.checkpointing.errors import CheckpointError
 from megapp.checkpointing.safe_reader import (
@@ -60,7 +61,6 @@ from megapp.checkpointing.state import (
     optimizer_step,
     set_optimizer_step,
 )
-from megapp.tensor_parallel.mappings import _rank, _world
 
 logger = logging.getLogger(__name__)
 
@@ -137,9 +137,9 @@ def _model_config(chunks) -> dict[str, Any] | None:
 def _layout(chunks, optimizer, groups) -> dict[str, Any]:
     return {
         "world_size": dist.get_world_size() if dist.is_initialized() else 1,
-        "tp": _world(groups.tp),
-        "pp": _world(groups.pp),
-        "dp": _world(groups.dp),
+        "tp": comm.world_size(groups.tp),
+        "pp": comm.world_size(groups.pp),
+        "dp": comm.world_size(groups.dp),
         "vpp": len(chunks),
         "distributed_optimizer": bool(optimizer is not None and optimizer.distributed),
     }
@@ -151,7 +151,7 @@ def _rank_tag() -> int:
 
 def _barrier() -> None:
     if dist.is_initialized():
-        dist.barrier()
+        comm.barrier()
 
 
 @contextlib.contextmanager
@@ -208,7 +208,7 @@ def save_checkpoint(
         partial.mkdir()
     _barrier()
 
-    tp_rank, tp_size = _rank(groups.tp), _world(groups.tp)
+    tp_rank, tp_size = comm.rank(groups.tp), comm.world_size(groups.tp)
     params = named_params(chunks, optimizer)
     state: dict[str, torch.Tensor] = model_shards(params, tp_rank, tp_size)
     if optimizer is not None:
@@ -322,8 +322,7 @@ def _first_failure(error: Exception) -> str:
         error = next(iter(failures.values()))
         if isinstance(error, tuple):  # (exception, traceback summary)
             error = error[0]
-    text = " ".join(str(error).split())
-    return f"{type(error).__name__}: {text[:300]}"
+    return f"{type(error).__name__}: {comm.one_line(error, 300)}"
 
 
 def _check_config(saved: dict | None, chunks, path: Path) -> None:
@@ -392,7 +391,7 @@ def load_checkpoint(
     check_data_files(metadata, path)
     saved = metadata.state_dict_metadata
 
-    tp_rank, tp_size = _rank(groups.tp), _world(groups.tp)
+    tp_rank, tp_size = comm.rank(groups.tp), comm.world_size(groups.tp)
     params = named_params(chunks, optimizer)
     state: dict[str, torch.Tensor] = model_shards(params, tp_rank, tp_size)
     pieces = None

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megapp import comm
 from megapp.checkpointing.shards import TensorShard, tensor_parallel_shard
 
 MODEL = "model."
@@ -127,7 +128,9 @@ def optimizer_step(optimizer) -> float:
     steps = [float(st["step"]) for st in optimizer.optimizer.state.values() if "step" in st]
     step = torch.tensor([max(steps, default=0.0)], dtype=torch.float64)
     if dist.is_initialized():  # a rank may own no slice of any parameter
-        dist.all_reduce(step, op=dist.ReduceOp.MAX)
+        comm.all_reduce(
+            step, None if not dist.is_initialized() else dist.group.WORLD, dist.ReduceOp.MAX
+        )
     return float(step)
 
 
@@ -184,7 +187,7 @@ class OptimizerPieces:
                 continue
             for k, lo, hi, value in self._own_ranges(c):
                 flat[k, lo:hi] = value
-            works.append(dist.all_reduce(flat, group=c.chunk.dp_group, async_op=True))
+            works.append(comm.all_reduce(flat, c.chunk.dp_group, async_op=True))
         for work in works:  # each element has exactly one owner, so the sum is exact
             work.wait()
 

@@ -29,7 +29,6 @@ from megapp.data.tokenizers import (
     GPT2BPETokenizer,
     HuggingFaceTokenizer,
     build_tokenizer,
-    pad_vocab_size,
 )
 
 _TORCH_NAMES = ("get_batch", "get_ltor_masks_and_position_ids")
@@ -62,7 +61,6 @@ __all__ = [
     "get_batch",
     "get_ltor_masks_and_position_ids",
     "optimal_dtype",
-    "pad_vocab_size",
     "parse_data_path",
     "parse_split",
     "split_document_ranges",

@@ -6,8 +6,7 @@
   implemented here (no extra dependency).
 - `HuggingFaceTokenizer`: any local tokenizer directory via `transformers`.
 
-`build_tokenizer` picks one by Megatron's `--tokenizer-type` names and
-`pad_vocab_size` pads the vocabulary as Megatron does for the embedding table.
+`build_tokenizer` picks one by Megatron's `--tokenizer-type` names.
 """
 
 from __future__ import annotations
@@ -200,12 +199,3 @@ def build_tokenizer(
     raise ValueError(
         f"unknown tokenizer type {tokenizer_type!r}; known: {', '.join(TOKENIZER_TYPES)}"
     )
-
-
-def pad_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int = 128, tp: int = 1) -> int:
-    """`vocab_size` rounded up to a multiple of `make_vocab_size_divisible_by · tp`, so every
-    tensor-parallel rank holds an equal, GEMM-friendly slice of the embedding."""
-    multiple = make_vocab_size_divisible_by * tp
-    if multiple <= 0:
-        raise ValueError(f"make_vocab_size_divisible_by · tp must be positive, got {multiple}")
-    return -(-vocab_size // multiple) * multiple

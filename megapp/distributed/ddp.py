@@ -19,11 +19,11 @@ import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import torch.distributed as dist
 from torch import nn
 
+from megapp import comm
+from megapp.comm import Group
 from megapp.distributed.buffers import Bucket, ParamAndGradBuffer
-from megapp.tensor_parallel.mappings import Group, _rank, _reduce_scatter_single, _world
 
 
 def needs_other_group_sum(param: nn.Parameter) -> bool:
@@ -60,7 +60,7 @@ class DistributedDataParallel(nn.Module):
         super().__init__()
         self.module = module
         self.dp_group = dp_group
-        self.dp_size, self.dp_rank = _world(dp_group), _rank(dp_group)
+        self.dp_size, self.dp_rank = comm.world_size(dp_group), comm.rank(dp_group)
         self.use_distributed_optimizer = use_distributed_optimizer
         self.overlap_grad_reduce = overlap_grad_reduce
         params = [p for p in module.parameters() if p.requires_grad][::-1]
@@ -107,9 +107,9 @@ class DistributedDataParallel(nn.Module):
         if self.use_distributed_optimizer:
             lo, hi = bucket.shard(self.dp_rank, self.dp_size)
             out = self.buffer.grad_data[lo:hi]
-            bucket.work = _reduce_scatter_single(out, grads, self.dp_group, async_op=True)
+            bucket.work = comm.reduce_scatter_into(out, grads, self.dp_group, async_op=True)
         else:
-            bucket.work = dist.all_reduce(grads, group=self.dp_group, async_op=True)
+            bucket.work = comm.all_reduce(grads, self.dp_group, async_op=True)
 
     def _finish(self, late: bool) -> None:
         for bucket in self.buffer.buckets:

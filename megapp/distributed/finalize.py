@@ -5,17 +5,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
 
+from megapp import comm
+from megapp.comm import Group
 from megapp.distributed.ddp import DistributedDataParallel
-from megapp.tensor_parallel.mappings import Group, _world
 
 
 def _all_reduce_coalesced(grads: list[torch.Tensor], group: Group) -> None:
-    if not grads or _world(group) == 1:
+    if not grads or comm.world_size(group) == 1:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=group)
+    comm.all_reduce(flat, group)
     torch._foreach_copy_(
         grads,
         [v.view_as(g) for v, g in zip(flat.split([g.numel() for g in grads]), grads, strict=True)],

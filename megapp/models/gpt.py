@@ -27,6 +27,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from megapp import comm
+from megapp.comm import Group
 from megapp.fusions.rope import rotary_freqs
 from megapp.pipeline_parallel.partition import rank_chunks, split_layers
 from megapp.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -36,7 +38,7 @@ from megapp.tensor_parallel.layers import (
     column_parallel_matmul,
     init_method_normal,
 )
-from megapp.tensor_parallel.mappings import Group, _world, scatter_to_sequence_parallel_region
+from megapp.tensor_parallel.mappings import scatter_to_sequence_parallel_region
 from megapp.tensor_parallel.random import get_rng_tracker
 from megapp.tensor_parallel.utils import pad_vocab_size
 from megapp.transformer.block import TransformerBlock
@@ -49,8 +51,12 @@ _WORD_SEED, _POSITION_SEED, _OUTPUT_SEED, _LAYER_SEED = 0, 1, 2, 3
 @dataclass(kw_only=True)
 class GPTConfig(TransformerConfig):
     vocab_size: int
-    """Real vocabulary size (already padded for efficiency if wanted); ids ``>= vocab_size``
-    never occur. The embedding pads it further to a multiple of the tensor-parallel size."""
+    """The tokenizer's vocabulary size; ids ``>= vocab_size`` never occur. It alone fixes the
+    model's shape: checkpoints hold these rows whatever the layout."""
+    make_vocab_size_divisible_by: int = 1
+    """Pad the embedding and output layer to a multiple of this × the tensor-parallel size
+    (Megatron's flag; 128 makes GEMM-friendly shapes). Padded rows are zero, never predicted
+    (the loss leaves them out) and never saved, so the padding may differ per layout."""
     max_position_embeddings: int = 2048
     """Longest sequence the learned absolute positions cover."""
     share_embeddings_and_output_weights: bool = True
@@ -60,6 +66,11 @@ class GPTConfig(TransformerConfig):
         super().__post_init__()
         if self.vocab_size < 1:
             raise ValueError(f"vocab_size must be >= 1, got {self.vocab_size}")
+        if self.make_vocab_size_divisible_by < 1:
+            raise ValueError(
+                "make_vocab_size_divisible_by must be >= 1, got "
+                f"{self.make_vocab_size_divisible_by}"
+            )
         if self.max_position_embeddings < 1:
             raise ValueError(
                 f"max_position_embeddings must be >= 1, got {self.max_position_embeddings}"
@@ -91,6 +102,7 @@ class GPTEmbedding(nn.Module):
                 sequence_parallel=config.sequence_parallel,
                 tp_group=tp_group,
                 params_dtype=config.params_dtype,
+                make_vocab_size_divisible_by=config.make_vocab_size_divisible_by,
             )
         self.position_embeddings = None
         if config.position_embedding_type == "learned_absolute":
@@ -148,10 +160,10 @@ class GPTModel(nn.Module):
         seed: int = 1234,
     ):
         super().__init__()
-        if _world(tp_group) != config.tensor_model_parallel_size:
+        if comm.world_size(tp_group) != config.tensor_model_parallel_size:
             raise ValueError(
                 f"config.tensor_model_parallel_size is {config.tensor_model_parallel_size} but "
-                f"the tensor-parallel group has {_world(tp_group)} ranks"
+                f"the tensor-parallel group has {comm.world_size(tp_group)} ranks"
             )
         self.config, self.tp_group = config, tp_group
         self.pre_process, self.post_process = pre_process, post_process
@@ -186,7 +198,12 @@ class GPTModel(nn.Module):
         self._freqs: torch.Tensor | None = None
 
     def _padded_vocab(self) -> int:
-        return pad_vocab_size(self.config.vocab_size, self.config.tensor_model_parallel_size, 1)
+        config = self.config
+        return pad_vocab_size(
+            config.vocab_size,
+            config.tensor_model_parallel_size,
+            config.make_vocab_size_divisible_by,
+        )
 
     def shared_embedding_or_output_weight(self) -> nn.Parameter | None:
         """The weight the output layer multiplies with (the word embedding when tied)."""

@@ -16,6 +16,8 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
+from megapp import comm
+
 
 def _local_grad(param: torch.Tensor) -> torch.Tensor | None:
     # Data-parallel wrappers accumulate into ``main_grad``; it replaces ``grad`` when present.
@@ -84,11 +86,11 @@ def get_grad_norm(
     if math.isinf(norm_type):
         total = per_tensor.max().reshape(1)
         if group is not None:
-            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
+            comm.all_reduce(total, group, dist.ReduceOp.MAX)
         return float(total.item())
     total = per_tensor.pow(norm_type).sum().reshape(1)
     if group is not None:
-        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+        comm.all_reduce(total, group)
     return float(total.item()) ** (1.0 / norm_type)
 
 

@@ -13,6 +13,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megapp import comm
+
 
 def _default_device() -> torch.device:
     if torch.cuda.is_available():
@@ -151,5 +153,5 @@ def found_inf_in(grads: list[torch.Tensor], group: dist.ProcessGroup | None = No
     else:
         flag = torch.zeros(1, dtype=torch.float32, device=_default_device())
     if group is not None:
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        comm.all_reduce(flag, group, dist.ReduceOp.MAX)
     return bool(flag.item())

@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megapp import comm
+from megapp.comm import Group
 from megapp.distributed.ddp import DistributedDataParallel
 from megapp.optimizer.adamw import build_adamw
 from megapp.optimizer.clip_grads import (
@@ -35,7 +37,6 @@ from megapp.optimizer.clip_grads import (
 )
 from megapp.optimizer.grad_scaler import found_inf_in
 from megapp.optimizer.param_groups import default_no_decay
-from megapp.tensor_parallel.mappings import Group, _all_gather_single, _rank
 
 
 @dataclass
@@ -93,7 +94,7 @@ class Optimizer:
             raise ValueError("all chunks must agree on use_distributed_optimizer")
         (self.distributed,) = modes
         self.clip_grad, self.grad_scaler, self.norm_group = clip_grad, grad_scaler, norm_group
-        tp_rank = _rank(tp_group)
+        tp_rank = comm.rank(tp_group)
         self.slices: list[_Slice] = []
         decay, no_decay = [], []
         for chunk in self.chunks:
@@ -161,7 +162,7 @@ class Optimizer:
                 lo, hi = bucket.shard(chunk.dp_rank, chunk.dp_size)
                 full = chunk.buffer.param_data[bucket.start : bucket.end]
                 own = chunk.buffer.param_data[lo:hi].clone()
-                works.append(_all_gather_single(full, own, chunk.dp_group, async_op=True))
+                works.append(comm.all_gather_into(full, own, chunk.dp_group, async_op=True))
         for work in works:
             work.wait()
 

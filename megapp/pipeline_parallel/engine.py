@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megapp import comm
 from megapp.pipeline_parallel.p2p import TensorSpec, Transport
 from megapp.pipeline_parallel.plan import Message, Step, communication_plan, delivered_sends
 from megapp.pipeline_parallel.runner import ForwardStepFunc, PipelineHooks, StageRunner
@@ -132,7 +133,7 @@ def forward_backward(
             else "cpu"
         )
     if record and distributed and p > 1:
-        dist.barrier(group=pp_group)  # one time origin for every rank's timeline
+        comm.barrier(pp_group)  # one time origin for every rank's timeline
     origin = time.perf_counter()
 
     def clock() -> float:
@@ -174,7 +175,7 @@ def forward_backward(
     if holds_loss:
         loss += torch.stack(runner.losses).float().mean()
     if distributed and p > 1:
-        dist.all_reduce(loss, group=pp_group)
+        comm.all_reduce(loss, pp_group)
     return PipelineResult(
         loss=loss,
         microbatch_losses=runner.losses,

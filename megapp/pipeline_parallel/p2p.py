@@ -21,6 +21,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from megapp import comm
+
 # Header layout: [num_tensors, then per tensor: dtype code, ndim, dims padded to _MAX_DIMS].
 _MAX_TENSORS = 8
 _MAX_DIMS = 6
@@ -95,7 +97,7 @@ _TWINS: dict[int, dist.ProcessGroup] = {}
 def _world_twin() -> dist.ProcessGroup:
     key = id(dist.group.WORLD)
     if key not in _TWINS:
-        _TWINS[key] = dist.new_group(list(range(dist.get_world_size())))
+        _TWINS[key] = comm.new_group(range(dist.get_world_size()), "pipeline-header")
     return _TWINS[key]
 
 

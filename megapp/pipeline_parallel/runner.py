@@ -14,8 +14,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from megapp import comm
+from megapp.comm import CollectiveError
 from megapp.pipeline_parallel.p2p import Posted, TensorSpec, specs_of
 from megapp.pipeline_parallel.plan import Message, Step, incoming, outgoing
 from megapp.pipeline_parallel.schedules import Action, Op
@@ -189,9 +192,10 @@ class StageRunner:
             what += [f"receive of the {m}" for m in step.recvs]
             if upcoming is not None and self.transport.is_gloo:
                 what += [f"receive of the {m} (posted ahead)" for m in upcoming.recvs]
-            raise RuntimeError(
-                f"pipeline rank {self.stage} {before} failed waiting for: {'; '.join(what)}. "
-                f"A peer rank may have failed or be stuck; look at its log first. ({err})"
+            raise CollectiveError(
+                f"rank {dist.get_rank()}: pipeline rank {self.stage} {before} failed waiting "
+                f"for: {'; '.join(what)}, over {comm.describe(self.transport.group)}. A peer "
+                f"rank may have failed or be stuck; look at its log first. ({comm.one_line(err)})"
             ) from err
 
     def _communicate(self, index: int, step: Step, upcoming: Step | None) -> None:
@@ -243,9 +247,10 @@ class StageRunner:
         try:
             self._release_all(list(self.sending))
         except RuntimeError as err:
-            raise RuntimeError(
-                f"pipeline rank {self.stage} failed waiting for its last sends to be received. "
-                f"A peer rank may have failed or be stuck; look at its log first. ({err})"
+            raise CollectiveError(
+                f"rank {dist.get_rank()}: pipeline rank {self.stage} failed waiting for its "
+                f"last sends to be received, over {comm.describe(self.transport.group)}. A peer "
+                f"rank may have failed or be stuck; look at its log first. ({comm.one_line(err)})"
             ) from err
 
     # ----- compute ---------------------------------------------------------

@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import FunctionCtx, once_differentiable
 
+from megapp import comm
 from megapp.fusions import cross_entropy as fused
 from megapp.fusions.extension import select_tier
 
@@ -59,7 +60,7 @@ def _world_and_rank(group: Group) -> tuple[int, int]:
 def _all_reduce(x: torch.Tensor, op: dist.ReduceOp, group: Group, world: int) -> None:
     # Every rank has the same shapes, so skipping empty tensors is skipped everywhere.
     if world > 1 and x.numel() > 0:
-        dist.all_reduce(x, op=op, group=group)
+        comm.all_reduce(x, group, op)
 
 
 def _check_target(target: torch.Tensor, vocab_size: int) -> None:

@@ -19,14 +19,12 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from megapp import comm
+from megapp.comm import Group
 from megapp.tensor_parallel.mappings import (
-    Group,
-    _rank,
-    _world,
     gather_first,
     gather_from_tensor_model_parallel_region,
     reduce_from_tensor_model_parallel_region,
@@ -74,9 +72,9 @@ def _sliced_weight(
     init_method(full)
     if padded_rows:
         full = torch.cat([full, full.new_zeros(padded_rows, shape[1])])
-    part = shard(full, partition_dim, _rank(group), _world(group), stride)
+    part = shard(full, partition_dim, comm.rank(group), comm.world_size(group), stride)
     weight = nn.Parameter(part.to(dtype=dtype, device=device).contiguous())
-    weight.tensor_model_parallel = _world(group) > 1
+    weight.tensor_model_parallel = comm.world_size(group) > 1
     weight.partition_dim = partition_dim
     weight.partition_stride = stride
     if padded_rows:
@@ -134,9 +132,9 @@ class _ColumnParallelMatmul(torch.autograd.Function):
             grad_input, work = reduce_scatter_first(grad_input, group, async_op=True)
         else:
             total = x
-            if _world(group) > 1:
+            if comm.world_size(group) > 1:
                 grad_input = grad_input.contiguous()
-                work = dist.all_reduce(grad_input, group=group, async_op=True)
+                work = comm.all_reduce(grad_input, group, async_op=True)
         # The weight gradient overlaps the input-gradient collective.
         grad_2d = grad.reshape(-1, grad.shape[-1])
         grad_weight = grad_2d.t().matmul(total.reshape(-1, total.shape[-1]))
@@ -159,7 +157,7 @@ def column_parallel_matmul(
     the result is ``[s, b, out/tp]``. With one rank there is nothing to communicate and it
     is plain ``F.linear``, whose autograd node is C++.
     """
-    if _world(group) == 1:
+    if comm.world_size(group) == 1:
         return F.linear(x, weight, bias)
     return _ColumnParallelMatmul.apply(x, weight, bias, group, sequence_parallel)
 
@@ -200,7 +198,7 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         if gather_output and sequence_parallel:
             raise ValueError("gather_output and sequence_parallel cannot be combined")
-        world = _world(tp_group)
+        world = comm.world_size(tp_group)
         self.input_size, self.output_size = input_size, output_size
         self.output_size_per_partition = divide(output_size, world, "output_size")
         self.gather_output, self.skip_bias_add = gather_output, skip_bias_add
@@ -260,7 +258,7 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         if sequence_parallel and not input_is_parallel:
             raise ValueError("sequence_parallel needs input_is_parallel=True")
-        world = _world(tp_group)
+        world = comm.world_size(tp_group)
         self.input_size, self.output_size = input_size, output_size
         self.input_size_per_partition = divide(input_size, world, "input_size")
         self.input_is_parallel, self.skip_bias_add = input_is_parallel, skip_bias_add
@@ -292,8 +290,9 @@ class RowParallelLinear(nn.Module):
 class VocabParallelEmbedding(nn.Module):
     """Word embedding with the vocabulary split over the TP ranks.
 
-    The vocabulary is padded to a multiple of the TP size (padded rows are
-    zero and never looked up); rank ``r`` holds a contiguous block of rows.
+    The vocabulary is padded to a multiple of ``make_vocab_size_divisible_by ×``
+    the TP size (padded rows are zero and never looked up); rank ``r`` holds a
+    contiguous block of rows.
     Each rank looks up the ids it owns, zeros the rest, and the partial
     results are summed: all-reduce, or with sequence parallelism a
     reduce-scatter that leaves ``[s/tp, b, h]``.
@@ -311,11 +310,14 @@ class VocabParallelEmbedding(nn.Module):
         tp_group: Group = None,
         params_dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
+        make_vocab_size_divisible_by: int = 1,
     ):
         super().__init__()
-        world, rank = _world(tp_group), _rank(tp_group)
+        world, rank = comm.world_size(tp_group), comm.rank(tp_group)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
-        self.padded_num_embeddings = pad_vocab_size(num_embeddings, world, multiple=1)
+        self.padded_num_embeddings = pad_vocab_size(
+            num_embeddings, world, multiple=make_vocab_size_divisible_by
+        )
         self.vocab_start, self.vocab_end = vocab_range(self.padded_num_embeddings, rank, world)
         self.sequence_parallel, self.tp_group = sequence_parallel, tp_group
         self.weight = _sliced_weight(
@@ -329,7 +331,7 @@ class VocabParallelEmbedding(nn.Module):
         )
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if _world(self.tp_group) > 1:
+        if comm.world_size(self.tp_group) > 1:
             outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
             local = (ids - self.vocab_start).masked_fill(outside, 0)
             partial = F.embedding(local, self.weight)

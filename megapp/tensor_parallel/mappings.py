@@ -10,63 +10,49 @@ parallelism, dimension 0 the sequence one split by sequence parallelism.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-Group = dist.ProcessGroup | None
-
-
-# torch 2.13 renamed the tensor-in/tensor-out collectives; older releases have the old names.
-# Looked up at call time, so wrappers installed on torch.distributed (profilers, tests) see them.
-def _all_gather_single(out: torch.Tensor, x: torch.Tensor, group: Group, async_op: bool):
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return fn(out, x, group=group, async_op=async_op)
-
-
-def _reduce_scatter_single(out: torch.Tensor, x: torch.Tensor, group: Group, async_op: bool):
-    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    return fn(out, x, group=group, async_op=async_op)
-
-
-def _world(group: Group) -> int:
-    return 1 if group is None else dist.get_world_size(group)
-
-
-def _rank(group: Group) -> int:
-    return 0 if group is None else dist.get_rank(group)
+from megapp.comm import (
+    Group,
+    all_gather_into,
+    all_reduce,
+    rank,
+    reduce_scatter_into,
+    world_size,
+)
 
 
 def _all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
-    if _world(group) == 1:
+    if world_size(group) == 1:
         return x
     # A copy: the input may be autograd's own buffer or used elsewhere.
     x = x.clone(memory_format=torch.contiguous_format)
-    dist.all_reduce(x, group=group)
+    all_reduce(x, group)
     return x
 
 
 def _split_last(x: torch.Tensor, group: Group) -> torch.Tensor:
-    world = _world(group)
+    world = world_size(group)
     if world == 1:
         return x
     if x.shape[-1] % world:
         raise ValueError(f"last dimension {x.shape[-1]} is not divisible by the {world} TP ranks")
-    return x.chunk(world, dim=-1)[_rank(group)].contiguous()
+    return x.chunk(world, dim=-1)[rank(group)].contiguous()
 
 
 def _gather_last(x: torch.Tensor, group: Group) -> torch.Tensor:
-    world = _world(group)
+    world = world_size(group)
     if world == 1:
         return x
     # all_gather_into_tensor concatenates along dim 0; move the last dim there and back.
     moved = x.movedim(-1, 0).contiguous()
     out = moved.new_empty((world * moved.shape[0], *moved.shape[1:]))
-    _all_gather_single(out, moved, group=group, async_op=False)
+    all_gather_into(out, moved, group)
     return out.movedim(0, -1).contiguous()
 
 
 def split_first(x: torch.Tensor, group: Group) -> torch.Tensor:
     """This rank's slice of dimension 0 (the sequence)."""
-    world = _world(group)
+    world = world_size(group)
     if world == 1:
         return x
     if x.shape[0] % world:
@@ -74,31 +60,31 @@ def split_first(x: torch.Tensor, group: Group) -> torch.Tensor:
             f"sequence length {x.shape[0]} is not divisible by the {world} TP ranks; "
             "sequence parallelism needs it to be"
         )
-    return x.chunk(world, dim=0)[_rank(group)].contiguous()
+    return x.chunk(world, dim=0)[rank(group)].contiguous()
 
 
 def gather_first(x: torch.Tensor, group: Group, async_op: bool = False):
     """All-gather along dimension 0; with ``async_op`` returns ``(tensor, work)``."""
-    world = _world(group)
+    world = world_size(group)
     if world == 1:
         return (x, None) if async_op else x
     x = x.contiguous()
     out = x.new_empty((world * x.shape[0], *x.shape[1:]))
-    work = _all_gather_single(out, x, group=group, async_op=async_op)
+    work = all_gather_into(out, x, group, async_op)
     return (out, work) if async_op else out
 
 
 def reduce_scatter_first(x: torch.Tensor, group: Group, async_op: bool = False):
     """Sum over ranks, keep this rank's slice of dimension 0; with ``async_op`` returns
     ``(tensor, work)``."""
-    world = _world(group)
+    world = world_size(group)
     if world == 1:
         return (x, None) if async_op else x
     if x.shape[0] % world:
         raise ValueError(f"dimension 0 ({x.shape[0]}) is not divisible by the {world} TP ranks")
     x = x.contiguous()
     out = x.new_empty((x.shape[0] // world, *x.shape[1:]))
-    work = _reduce_scatter_single(out, x, group=group, async_op=async_op)
+    work = reduce_scatter_into(out, x, group, async_op)
     return (out, work) if async_op else out
 
 
@@ -180,42 +166,42 @@ class _ReduceScatterToSequenceRegion(torch.autograd.Function):
 
 def copy_to_tensor_model_parallel_region(x: torch.Tensor, group: Group = None) -> torch.Tensor:
     """f. Forward: identity. Backward: all-reduce the gradient."""
-    if _world(group) == 1:
+    if world_size(group) == 1:
         return x
     return _CopyToRegion.apply(x, group)
 
 
 def reduce_from_tensor_model_parallel_region(x: torch.Tensor, group: Group = None) -> torch.Tensor:
     """g. Forward: all-reduce (sum of partial results). Backward: identity."""
-    if _world(group) == 1:
+    if world_size(group) == 1:
         return x
     return _ReduceFromRegion.apply(x, group)
 
 
 def scatter_to_tensor_model_parallel_region(x: torch.Tensor, group: Group = None) -> torch.Tensor:
     """Forward: keep this rank's slice of the last dim. Backward: all-gather the last dim."""
-    if _world(group) == 1:
+    if world_size(group) == 1:
         return x
     return _ScatterToRegion.apply(x, group)
 
 
 def gather_from_tensor_model_parallel_region(x: torch.Tensor, group: Group = None) -> torch.Tensor:
     """Forward: all-gather the last dim. Backward: keep this rank's slice of it."""
-    if _world(group) == 1:
+    if world_size(group) == 1:
         return x
     return _GatherFromRegion.apply(x, group)
 
 
 def scatter_to_sequence_parallel_region(x: torch.Tensor, group: Group = None) -> torch.Tensor:
     """Forward: keep this rank's slice of the sequence (dim 0). Backward: all-gather dim 0."""
-    if _world(group) == 1:
+    if world_size(group) == 1:
         return x
     return _ScatterToSequenceRegion.apply(x, group)
 
 
 def gather_from_sequence_parallel_region(x: torch.Tensor, group: Group = None) -> torch.Tensor:
     """Forward: all-gather the sequence (dim 0). Backward: reduce-scatter along dim 0."""
-    if _world(group) == 1:
+    if world_size(group) == 1:
         return x
     return _GatherFromSequenceRegion.apply(x, group)
 
@@ -224,6 +210,6 @@ def reduce_scatter_to_sequence_parallel_region(
     x: torch.Tensor, group: Group = None
 ) -> torch.Tensor:
     """Forward: sum over ranks and keep this rank's slice of dim 0. Backward: all-gather dim 0."""
-    if _world(group) == 1:
+    if world_size(group) == 1:
         return x
     return _ReduceScatterToSequenceRegion.apply(x, group)

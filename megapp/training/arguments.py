@@ -23,6 +23,7 @@ from megapp.training.validation import ArgumentsError, validate_args
 __all__ = [
     "ArgumentsError",
     "build_parser",
+    "exit_after_failure",
     "exit_with_error",
     "parse_args",
     "validate_args",
@@ -47,6 +48,17 @@ def exit_with_error(prog: str, error: Exception) -> NoReturn:
         time.sleep(ERROR_GRACE_S)
     print(f"{prog}: error: {error}", file=sys.stderr, flush=True)
     sys.exit(2)
+
+
+def exit_after_failure(prog: str, error: Exception) -> NoReturn:
+    """Print ``prog: error: <error>`` and leave at once with status 1.
+
+    For a failed collective: each rank says what it waited on, and the process groups are
+    not torn down, since that would wait on the failed peer again.
+    """
+    print(f"{prog}: error: {error}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(1)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -78,7 +90,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="default: nccl when CUDA is available, else gloo",
     )
-    g.add_argument("--distributed-timeout-minutes", type=int, default=10)
+    g.add_argument(
+        "--distributed-timeout-minutes",
+        type=float,
+        default=10,
+        help="how long a collective waits for a dead or stuck rank before the job fails",
+    )
 
     g = parser.add_argument_group("model")
     g.add_argument("--num-layers", type=int, default=None)

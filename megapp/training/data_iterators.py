@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from megapp import comm
 from megapp.data.samplers import build_pretraining_data_loader
 from megapp.training.arguments import ArgumentsError
 
@@ -33,21 +34,21 @@ def rank0_first(build: Callable[[], T]) -> T:
         except (ValueError, OSError) as error:
             raise ArgumentsError(str(error)) from error
     rank = dist.get_rank()
-    result, message = None, [None]
+    result, message = None, None
     if rank == 0:
         try:
             result = build()
         except (ValueError, OSError) as error:
-            message = [str(error)]
-    dist.broadcast_object_list(message, src=0)
-    if message[0] is not None:
-        raise ArgumentsError(message[0])
+            message = str(error)
+    message = comm.broadcast_object(message, src=0)
+    if message is not None:
+        raise ArgumentsError(message)
     if rank != 0:
         try:
             result = build()
         except (ValueError, OSError) as error:  # a node that cannot see rank 0's files
             raise ArgumentsError(f"rank {rank}: {error}") from error
-    dist.barrier()
+    comm.barrier()
     return result
 
 

@@ -5,13 +5,12 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 
 import torch
-import torch.distributed as dist
 
+from megapp import comm
 from megapp.distributed.ddp import DistributedDataParallel
 from megapp.pipeline_parallel import forward_backward
 from megapp.pipeline_parallel.p2p import TensorSpec
 from megapp.pipeline_parallel.runner import ForwardStepFunc
-from megapp.tensor_parallel.mappings import _world
 from megapp.training.step import TrainGroups
 
 
@@ -55,9 +54,9 @@ def evaluate(
     finally:
         for chunk, mode in zip(chunks, was_training, strict=True):
             chunk.train(mode)
-    if _world(groups.dp) > 1:
+    if comm.world_size(groups.dp) > 1:
         device = result.loss.device
         total = total.to(device)
-        dist.all_reduce(total, group=groups.dp)
-        total = total.cpu() / _world(groups.dp)
+        comm.all_reduce(total, groups.dp)
+        total = total.cpu() / comm.world_size(groups.dp)
     return float(total.item()) / eval_iters

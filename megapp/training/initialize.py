@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megapp import comm
 from megapp import parallel_state as ps
 from megapp.distributed import DistributedDataParallel
 from megapp.optimizer import ConstantGradScaler, DynamicGradScaler, LRScheduler, Optimizer
@@ -38,8 +39,8 @@ def initialize_distributed(args: argparse.Namespace) -> torch.device:
     if backend == "nccl":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
+    timeout = timedelta(minutes=args.distributed_timeout_minutes)
     if not dist.is_initialized():
-        timeout = timedelta(minutes=args.distributed_timeout_minutes)
         if "RANK" in os.environ:
             dist.init_process_group(backend, timeout=timeout)
         else:
@@ -55,6 +56,7 @@ def initialize_distributed(args: argparse.Namespace) -> torch.device:
         args.tensor_model_parallel_size,
         args.pipeline_model_parallel_size,
         args.virtual_pipeline_model_parallel_size,
+        timeout=timeout,
     )
     model_parallel_manual_seed(args.seed)
     return device
@@ -115,5 +117,5 @@ def count_parameters(chunks: Sequence[DistributedDataParallel], groups: TrainGro
         p.numel() for c in chunks for p in c.module.parameters() if counts_in_norm(p, tp_rank)
     )
     total = torch.tensor([mine], dtype=torch.float64, device=chunks[0].buffer.param_data.device)
-    dist.all_reduce(total, group=ps.get_model_parallel_group())
+    comm.all_reduce(total, ps.get_model_parallel_group())
     return int(total.item())

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from megapp import parallel_state as ps
 from megapp.pipeline_parallel.p2p import TensorSpec
 from megapp.pipeline_parallel.runner import ForwardStepFunc
+from megapp.tensor_parallel.utils import pad_vocab_size
 from megapp.training import checkpoints
 from megapp.training.arguments import ArgumentsError
 from megapp.training.checkpoints import TrainState, checkpoint_settings
@@ -88,7 +89,10 @@ class Trainer:
         self.groups, self.device = groups, device
         self.state = TrainState()
         self.writer: MetricsWriter | None = None
-        self.flops = flops_per_iteration(args, getattr(args, "padded_vocab_size", 0))
+        padded_vocab = pad_vocab_size(
+            args.vocab_size, args.tensor_model_parallel_size, args.make_vocab_size_divisible_by
+        )
+        self.flops = flops_per_iteration(args, padded_vocab)
         self.peak = peak_tflops(device, args.params_dtype)
         self.valid_iterators = self.test_iterators = None
         self.tensor_shapes = pipeline_tensor_shapes(args)
@@ -213,7 +217,7 @@ def pretrain(
     forward_step_func: ForwardStepFunc,
 ) -> TrainState:
     """Train as ``args`` say (validated by :func:`~megapp.training.validation.validate_args`,
-    plus ``args.padded_vocab_size``). Starts torch.distributed and the layout
+    plus ``args.vocab_size``, the tokenizer's). Starts torch.distributed and the layout
     (:func:`~megapp.training.initialize.initialize_distributed`); the caller tears them
     down. Returns the final state.
     """

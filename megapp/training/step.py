@@ -7,12 +7,13 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from megapp import comm
+from megapp.comm import Group
 from megapp.distributed.ddp import DistributedDataParallel
 from megapp.distributed.finalize import finalize_model_grads
 from megapp.optimizer.optimizer import Optimizer
 from megapp.pipeline_parallel import PipelineHooks, forward_backward
 from megapp.pipeline_parallel.runner import ForwardStepFunc
-from megapp.tensor_parallel.mappings import Group, _world
 
 
 @dataclass
@@ -111,7 +112,7 @@ def train_step(
     if stepped.updated and lr_scheduler is not None:
         lr_scheduler.step()
     loss = result.loss.detach().double().reshape(1) / scale
-    if _world(groups.dp) > 1:
-        dist.all_reduce(loss, group=groups.dp)
-        loss /= _world(groups.dp)
+    if comm.world_size(groups.dp) > 1:
+        comm.all_reduce(loss, groups.dp)
+        loss /= comm.world_size(groups.dp)
     return TrainStepResult(float(loss.item()), stepped.grad_norm, not stepped.updated)

@@ -76,6 +76,8 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
             "ddp_bucket_size",
         ),
     )
+    if not args.distributed_timeout_minutes > 0:
+        _fail(f"--distributed-timeout-minutes must be > 0, got {args.distributed_timeout_minutes}")
     if world_size < 1:
         _fail(f"world size must be >= 1, got {world_size}")
     args.world_size = world_size

@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megapp import comm
+from megapp.comm import Group
 from megapp.fusions.rope import apply_rotary_pos_emb
 from megapp.fusions.softmax import scaled_masked_softmax
 from megapp.tensor_parallel.layers import (
@@ -16,7 +18,6 @@ from megapp.tensor_parallel.layers import (
     RowParallelLinear,
     init_method_normal,
 )
-from megapp.tensor_parallel.mappings import Group, _world
 from megapp.tensor_parallel.random import checkpoint, get_rng_tracker
 from megapp.transformer.config import TransformerConfig
 from megapp.transformer.recompute import recompute_saved
@@ -64,7 +65,7 @@ class ParallelAttention(nn.Module):
         self.config = config
         # Rebuild the output projection's saved input in backward (off inside full recompute).
         self.recompute_saved_inputs = True
-        tp = _world(tp_group)
+        tp = comm.world_size(tp_group)
         for name in ("num_attention_heads", "num_query_groups"):
             if getattr(config, name) % tp:
                 raise ValueError(

@@ -1,0 +1,120 @@
+"""A dead or stuck rank ends every other rank of the job within the timeout, each with one
+line naming the group and the operation it waited on.
+
+Four ranks (pipeline 2 × data parallel 2) are started by hand, not by torchrun, so each
+rank's own exit and message can be observed (torchrun would stop the rest once the first
+one fails). Rank 0 gets stuck in the middle of iteration 2.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TIMEOUT_S = 15.0  # --distributed-timeout-minutes 0.25
+MARGIN_S = 10.0  # exit and teardown on a shared two-core machine
+FLAGS = [
+    "--pipeline-model-parallel-size",
+    "2",
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "2",
+    "--seq-length",
+    "16",
+    "--micro-batch-size",
+    "1",
+    "--global-batch-size",
+    "4",
+    "--lr",
+    "1e-3",
+    "--train-iters",
+    "20",
+    "--eval-iters",
+    "0",
+    "--log-interval",
+    "1",
+    "--use-default-corpus",
+    "--distributed-timeout-minutes",
+    "0.25",
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(mode: str, tmp_path: Path) -> tuple[list[subprocess.Popen], Path]:
+    marker = tmp_path / "stuck_at"
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "OMP_NUM_THREADS": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+        "WORLD_SIZE": "4",
+    }
+    flags = [*FLAGS, "--data-cache-path", str(tmp_path / "cache")]
+    job = [sys.executable, str(ROOT / "tests" / "stuck_rank_job.py"), mode, "0", "3", str(marker)]
+    procs = [
+        subprocess.Popen(
+            [*job, "--", *flags],
+            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(4)
+    ]
+    return procs, marker
+
+
+@pytest.mark.parametrize("mode", ["stop", "sleep", "kill"])
+def test_every_other_rank_exits_within_the_timeout(mode, tmp_path):
+    procs, marker = _launch(mode, tmp_path)
+    exits: dict[int, float] = {}
+    try:
+        deadline = time.time() + 240
+        while len(exits) < 3 and time.time() < deadline:
+            for r in (1, 2, 3):
+                if r not in exits and procs[r].poll() is not None:
+                    exits[r] = time.time()
+            time.sleep(0.1)
+        assert len(exits) == 3, f"ranks {sorted({1, 2, 3} - set(exits))} still running"
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGKILL)
+        outputs = [p.communicate(timeout=60) for p in procs]
+    stuck_at = float(marker.read_text())
+    limit = 0.0 if mode == "kill" else TIMEOUT_S  # a dead peer closes its connections
+    for r in (1, 2, 3):
+        stderr = outputs[r][1]
+        assert procs[r].returncode == 1, f"rank {r} exited {procs[r].returncode}:\n{stderr[-3000:]}"
+        took = exits[r] - stuck_at
+        assert took <= limit + MARGIN_S, f"rank {r} took {took:.1f} s:\n{stderr[-2000:]}"
+        lines = [line for line in stderr.splitlines() if "error:" in line]
+        assert len(lines) == 1 and "Traceback" not in stderr, stderr[-3000:]
+        assert re.search(
+            rf"stuck_rank_job.py: error: rank {r}: .*"
+            r"(all-reduce|all-gather|reduce-scatter|barrier|receive|send).*"
+            r" over the (data|pipeline|tensor|embedding|model)-parallel group \(ranks [\d, ]+\)",
+            lines[0],
+        ), lines[0]
+    # rank 2 runs stage 1 after rank 0: it waits for rank 0's activation
+    assert "over the pipeline-parallel group (ranks 0, 2)" in outputs[2][1]
+    assert "receive of the activation" in outputs[2][1]
