@@ -1,0 +1,94 @@
+"""pretrain_gpt.py resumes under another layout with default flags and continues the run.
+
+Two jobs train 4 iterations and save after 2; jobs under other layouts load that
+checkpoint and train iterations 3 and 4. Their losses and gradient norms equal the
+uninterrupted job's to fp32 round-off: the layouts sum in different orders, so the
+comparison is the layout tests' tolerance, not bitwise. Dropout is off: the RNG streams
+belong to a rank's place in the grid and are restored only under the same layout (a
+resharded run draws its dropout masks from its own seeds).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.test_pretrain_e2e import corpus, launch, records  # noqa: F401 (fixture)
+
+ITERS, SAVE_AT = 4, 2
+MODEL = (
+    "--num-layers 8 --hidden-size 32 --num-attention-heads 4 --seq-length 32 "
+    "--micro-batch-size 2 --global-batch-size 8 --lr 1e-3 --lr-decay-style cosine "
+    "--hidden-dropout 0 --attention-dropout 0 --split 90,5,5 --eval-iters 0 --log-interval 1 "
+    f"--train-iters {ITERS}"
+).split()
+SOURCES = {
+    "tp2 pp2": (4, "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2"),
+    "dp2 zero1": (2, "--use-distributed-optimizer"),
+}
+TARGETS = [
+    ("tp2 pp2", "tp 2->1", 4, "--pipeline-model-parallel-size 2"),
+    (
+        "tp2 pp2",
+        "pp 2->4 with vpp",
+        4,
+        "--pipeline-model-parallel-size 4 --num-layers-per-virtual-pipeline-stage 1",
+    ),
+    ("dp2 zero1", "tp 1->4", 4, "--tensor-model-parallel-size 4"),
+    ("dp2 zero1", "dp 2->4 with zero1", 4, "--use-distributed-optimizer"),
+]
+KEYS = ("iteration", "consumed_samples", "lm_loss", "grad_norm", "learning_rate")
+
+
+def _train_records(path) -> dict[int, dict]:
+    return {r["iteration"]: r for r in records(path) if r["kind"] == "train"}
+
+
+@pytest.fixture(scope="module")
+def sources(corpus, tmp_path_factory):  # noqa: F811 (the fixture)
+    """Each source job's checkpoint directory and its training records."""
+    out = {}
+    for name, (nproc, layout) in SOURCES.items():
+        root = tmp_path_factory.mktemp(name.replace(" ", "_"))
+        job = launch(
+            nproc,
+            *MODEL,
+            *layout.split(),
+            *("--data-path", str(corpus / "stdlib"), "--data-cache-path", str(root / "cache")),
+            *("--save", str(root / "ckpt"), "--save-interval", str(SAVE_AT)),
+            *("--metrics-path", str(root / "metrics.jsonl")),
+            cwd=root,
+        )
+        assert job.returncode == 0, job.stderr[-4000:]
+        out[name] = (root, _train_records(root / "metrics.jsonl"))
+    return out
+
+
+@pytest.mark.parametrize("source, name, nproc, layout", TARGETS, ids=[t[1] for t in TARGETS])
+def test_a_checkpoint_resumes_under_another_layout(
+    sources,
+    corpus,
+    tmp_path,
+    source,
+    name,
+    nproc,
+    layout,  # noqa: F811 (the fixture)
+):
+    root, full = sources[source]
+    job = launch(
+        nproc,
+        *MODEL,
+        *layout.split(),
+        *("--data-path", str(corpus / "stdlib"), "--data-cache-path", str(tmp_path / "cache")),
+        *("--load", str(root / "ckpt"), "--ckpt-step", str(SAVE_AT)),
+        *("--metrics-path", str(tmp_path / "metrics.jsonl")),
+        cwd=tmp_path,
+    )
+    assert job.returncode == 0, job.stderr[-4000:]
+    assert f"loaded checkpoint {root / 'ckpt' / 'iter_0000002'}" in job.stdout
+    resumed = _train_records(tmp_path / "metrics.jsonl")
+    assert sorted(resumed) == [3, 4]
+    for i in (3, 4):
+        for key in ("iteration", "consumed_samples", "learning_rate"):
+            assert resumed[i][key] == full[i][key], (name, i, key)
+        for key in ("lm_loss", "grad_norm"):
+            assert resumed[i][key] == pytest.approx(full[i][key], rel=1e-5), (name, i, key)
