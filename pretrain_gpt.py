@@ -28,6 +28,7 @@ from megapp.data import (
     build_default_corpus,
     build_tokenizer,
     build_train_valid_test_datasets,
+    check_token_ids,
     get_batch,
     parse_data_path,
 )
@@ -141,6 +142,7 @@ def datasets_provider(args: argparse.Namespace, num_samples, *, tokenizer):
                     "with tools/preprocess_data.py or train on --use-default-corpus"
                 )
     try:
+        check_token_ids(parse_data_path(data_path)[0], tokenizer.vocab_size, args.data_cache_path)
         return build_train_valid_test_datasets(
             data_path,
             args.split,

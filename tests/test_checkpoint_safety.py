@@ -54,7 +54,7 @@ def _pickle(body: bytes, protocol: int) -> bytes:
     return head + body + pickle.STOP
 
 
-def _dotted_system(marker: Path, protocol: int) -> bytes:
+def dotted_system_payload(marker: Path, protocol: int) -> bytes:
     # torch.distributed.checkpoint.metadata imports os: "os.system" is reachable through it
     system = _global("torch.distributed.checkpoint.metadata", "os.system", protocol)
     return _pickle(_call(system, [_text(f"touch {marker}", protocol)]), protocol)
@@ -116,7 +116,7 @@ def _nested(marker: Path, protocol: int) -> bytes:
 
 
 PAYLOADS = {
-    "dotted os.system": (_dotted_system, range(4, pickle.HIGHEST_PROTOCOL + 1)),
+    "dotted os.system": (dotted_system_payload, range(4, pickle.HIGHEST_PROTOCOL + 1)),
     "dotted io.open": (_dotted_open, range(4, pickle.HIGHEST_PROTOCOL + 1)),
     "operator.attrgetter": (_attrgetter_chain, PROTOCOLS),
     "builtins.getattr": (_getattr_chain, PROTOCOLS),
@@ -148,7 +148,7 @@ def test_a_hostile_metadata_file_is_refused_and_runs_nothing(tmp_path, name, pro
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 def test_dotted_names_are_refused_even_at_old_protocols(tmp_path, protocol):
     file = tmp_path / ".metadata"
-    file.write_bytes(_dotted_system(tmp_path / "ran", protocol))
+    file.write_bytes(dotted_system_payload(tmp_path / "ran", protocol))
     with pytest.raises(CheckpointError, match="dotted global"):
         read_metadata_file(file)
 

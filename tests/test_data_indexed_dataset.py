@@ -12,6 +12,7 @@ from megapp.data.indexed_dataset import (
     IndexedDatasetBuilder,
     optimal_dtype,
 )
+from megapp.data.token_check import check_token_ids, token_id_range
 
 DOCUMENTS = [[5, 6, 7], [], [1], [9, 9, 9, 9, 2], []]
 
@@ -163,3 +164,35 @@ def test_pickled_dataset_reopens_by_path(tmp_path):
     assert len(payload) < 500  # the maps are not copied into the pickle
     copy = pickle.loads(payload)
     assert [copy[i].tolist() for i in range(len(copy))] == DOCUMENTS
+
+
+def test_token_id_range_is_scanned_in_chunks_and_cached(tmp_path):
+    prefix = str(tmp_path / "ids")
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.int32)
+    for doc in range(30):
+        builder.add_document(np.arange(doc, doc + 7) * (-1 if doc == 29 else 1))
+    builder.finalize(prefix + ".idx")
+    assert IndexedDataset(prefix).token_id_range(chunk=5) == (-35, 34)
+    cache = tmp_path / "cache"
+    assert token_id_range(prefix, str(cache)) == (-35, 34)
+    cached = list(cache.glob("ids_ids_*_range.npy"))
+    assert len(cached) == 1
+    np.save(cached[0], np.array([3, 4]))  # the next call reads the cache, not the data
+    assert token_id_range(prefix, str(cache)) == (3, 4)
+    with pytest.raises(ValueError, match=r"ids.bin: its smallest token id is -35, outside"):
+        check_token_ids([prefix], 36)
+
+
+def test_check_token_ids_names_the_file_the_id_and_the_vocabulary(tmp_path):
+    prefix = str(tmp_path / "other")
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16)
+    builder.add_document(np.array([1, 2, 50256, 3]))
+    builder.add_document(np.array([], dtype=np.uint16))
+    builder.finalize(prefix + ".idx")
+    check_token_ids([prefix], 50257)  # fits GPT-2's vocabulary
+    with pytest.raises(
+        ValueError,
+        match=r"other.bin: its largest token id is 50256, outside the tokenizer's vocabulary "
+        r"of 257",
+    ):
+        check_token_ids([prefix], 257)

@@ -1,6 +1,7 @@
 """pretrain_gpt.py end to end under torchrun: 4 ranks (tp 2 × pp 2) train, evaluate, save;
 a second launch resumes from the middle checkpoint and continues with exactly the losses
-of the uninterrupted run; bad data and a bad batch size stop the job with a clear error.
+of the uninterrupted run; bad settings, bad data and a hostile or corrupt checkpoint stop
+the job with one clear error line.
 
 Dropout stays on (Megatron's 0.1), so exact equality also needs the RNG streams restored
 and nothing outside the iterations drawing from them. Everything runs in fp32 on CPU with
@@ -16,9 +17,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from megapp.data import ByteTokenizer, build_default_corpus
+from megapp.data import IndexedDatasetBuilder
+from tests.test_checkpoint_safety import dotted_system_payload
 
 ROOT = Path(__file__).resolve().parents[1]
 ITERS, SAVE_AT = 6, 3
@@ -55,25 +58,26 @@ def records(path: Path) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    """A small dataset: the first ~400 kB of the standard-library corpus, byte tokens."""
-    root = tmp_path_factory.mktemp("pretrain_data")
-    build_default_corpus(str(root / "stdlib"), ByteTokenizer(), max_bytes=400_000)
-    return root
-
-
-def test_train_save_resume_continues_exactly(corpus, tmp_path):
-    data = ["--data-path", str(corpus / "stdlib"), "--data-cache-path", str(tmp_path / "cache")]
-    ckpt = tmp_path / "checkpoints"
+def full_run(corpus, tmp_path_factory):
+    """The uninterrupted run: trains ITERS iterations and saves after SAVE_AT and at the end."""
+    root = tmp_path_factory.mktemp("full_run")
+    data = ["--data-path", str(corpus / "stdlib"), "--data-cache-path", str(root / "cache")]
     full = launch(
         4,
         *MODEL,
         *data,
-        *("--save", str(ckpt), "--save-interval", str(SAVE_AT)),
-        *("--metrics-path", str(tmp_path / "full.jsonl")),
-        cwd=tmp_path,
+        *("--save", str(root / "checkpoints"), "--save-interval", str(SAVE_AT)),
+        *("--metrics-path", str(root / "full.jsonl")),
+        cwd=root,
     )
     assert full.returncode == 0, full.stderr[-4000:]
+    return root, full
+
+
+def test_train_save_resume_continues_exactly(corpus, full_run, tmp_path):
+    root, full = full_run
+    ckpt = root / "checkpoints"
+    data = ["--data-path", str(corpus / "stdlib"), "--data-cache-path", str(tmp_path / "cache")]
     resumed = launch(
         4,
         *MODEL,
@@ -85,7 +89,7 @@ def test_train_save_resume_continues_exactly(corpus, tmp_path):
     assert resumed.returncode == 0, resumed.stderr[-4000:]
 
     full_records, resumed_records = (
-        records(tmp_path / "full.jsonl"),
+        records(root / "full.jsonl"),
         records(tmp_path / "resumed.jsonl"),
     )
     train = {r["iteration"]: r for r in full_records if r["kind"] == "train"}
@@ -114,43 +118,13 @@ def test_train_save_resume_continues_exactly(corpus, tmp_path):
     assert "loaded checkpoint" in resumed.stdout
 
 
-def test_bad_data_and_batch_fail_with_clear_errors(corpus, tmp_path):
-    """Three broken launches, run side by side: each exits nonzero naming the problem."""
-    broken = tmp_path / "broken"
-    broken.mkdir()
-    for suffix in (".bin", ".idx"):
-        shutil.copy(corpus / f"stdlib{suffix}", broken / f"stdlib{suffix}")
-    idx = broken / "stdlib.idx"
-    idx.write_bytes(idx.read_bytes()[:-8])  # a truncated index
-    small = "--tensor-model-parallel-size 2 --num-layers 2 --hidden-size 32 "
-    small += "--num-attention-heads 2 --seq-length 16 --micro-batch-size 2 --lr 1e-3 "
-    small += "--train-iters 2"
-    cache = ["--data-cache-path", str(tmp_path / "cache")]
-    cases = {
-        "missing": (
-            2,
-            [*small.split(), "--data-path", str(tmp_path / "nowhere"), *cache],
-            f"--data-path {tmp_path / 'nowhere'}: {tmp_path / 'nowhere'}.bin / ",
-        ),
-        "corrupt": (
-            2,
-            [*small.split(), "--data-path", str(broken / "stdlib"), *cache],
-            f"--data-path: {idx}: header says",
-        ),
-        "batch": (
-            2,
-            [
-                *small.replace("--tensor-model-parallel-size 2", "").split(),
-                *("--global-batch-size", "6", "--use-default-corpus"),
-            ],
-            "--global-batch-size (6) is not divisible by --micro-batch-size × data-parallel "
-            "size (2 × 2 = 4); use a global batch of 4 or 8",
-        ),
-    }
+def _run_side_by_side(cases: dict, cwd: Path) -> None:
+    """Launch every ``name: (nproc, flags, message)`` case at once; each must exit with
+    status 2 and exactly one ``error:`` line, ``message``, with no worker traceback."""
     running = {
         name: subprocess.Popen(
             torchrun(n, *flags),
-            cwd=tmp_path,
+            cwd=cwd,
             env=ENV,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -162,6 +136,106 @@ def test_bad_data_and_batch_fail_with_clear_errors(corpus, tmp_path):
         _, stderr = process.communicate(timeout=300)
         message = cases[name][2]
         assert process.returncode != 0, f"{name}: exited 0"
-        assert f"pretrain_gpt.py: error: {message}" in stderr, (
-            f"{name}: {message!r} not in stderr:\n{stderr[-3000:]}"
+        errors = [line for line in stderr.splitlines() if "pretrain_gpt.py: error:" in line]
+        assert len(errors) == 1, f"{name}: {len(errors)} error lines:\n{stderr[-3000:]}"
+        assert errors[0].startswith(f"pretrain_gpt.py: error: {message}"), (
+            f"{name}: {message!r} does not start the error line:\n{errors[0]}"
         )
+        assert "megapp/" not in stderr and 'pretrain_gpt.py", line' not in stderr, (
+            f"{name}: a worker printed a traceback:\n{stderr[-3000:]}"
+        )
+
+
+SMALL = (
+    "--tensor-model-parallel-size 2 --num-layers 2 --hidden-size 32 --num-attention-heads 2 "
+    "--seq-length 16 --micro-batch-size 2 --lr 1e-3 --train-iters 2"
+)
+
+
+def test_bad_settings_and_data_fail_with_one_clear_error(corpus, tmp_path):
+    """Broken launches, run side by side: each exits nonzero with one line naming the
+    problem, before any training."""
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for suffix in (".bin", ".idx"):
+        shutil.copy(corpus / f"stdlib{suffix}", broken / f"stdlib{suffix}")
+    idx = broken / "stdlib.idx"
+    idx.write_bytes(idx.read_bytes()[:-8])  # a truncated index
+    # ids of another tokenizer: one document reaches 3999, past the byte tokenizer's 257
+    builder = IndexedDatasetBuilder(str(tmp_path / "other.bin"), dtype=np.uint16)
+    for doc in range(200):
+        tokens = np.arange(200) % 250
+        tokens[17] = 3999 if doc == 10 else tokens[17]
+        builder.add_document(tokens)
+    builder.finalize(str(tmp_path / "other.idx"))
+    small = SMALL.split()
+    cache = ["--data-cache-path", str(tmp_path / "cache")]
+    cases = {
+        "missing": (
+            2,
+            [*small, "--data-path", str(tmp_path / "nowhere"), *cache],
+            f"--data-path {tmp_path / 'nowhere'}: {tmp_path / 'nowhere'}.bin / ",
+        ),
+        "corrupt": (
+            2,
+            [*small, "--data-path", str(broken / "stdlib"), *cache],
+            f"--data-path: {idx}: header says",
+        ),
+        "token ids": (
+            2,
+            [*small, "--data-path", str(tmp_path / "other"), *cache],
+            f"--data-path: {tmp_path / 'other.bin'}: its largest token id is 3999, outside the "
+            "tokenizer's vocabulary of 257",
+        ),
+        "batch": (
+            2,
+            [
+                *SMALL.replace("--tensor-model-parallel-size 2", "").split(),
+                *("--global-batch-size", "6", "--use-default-corpus"),
+            ],
+            "--global-batch-size (6) is not divisible by --micro-batch-size × data-parallel "
+            "size (2 × 2 = 4); use a global batch of 4 or 8",
+        ),
+        "flag": (
+            2,
+            [*small, "--hidden-size", "wide", "--use-default-corpus"],
+            "argument --hidden-size: invalid int value: 'wide' (see pretrain_gpt.py --help)",
+        ),
+        "load typo": (
+            2,
+            [*small, "--use-default-corpus", *cache, "--load", str(tmp_path / "chekpoints")],
+            f"--load {tmp_path / 'chekpoints'}: the directory does not exist",
+        ),
+    }
+    _run_side_by_side(cases, tmp_path)
+
+
+def test_a_hostile_or_corrupt_checkpoint_ends_the_job_with_one_error(full_run, corpus, tmp_path):
+    """A .metadata file that would run a command, and a truncated tensor shard: the job
+    stops before training with one line naming the file, and the command never ran."""
+    root, _ = full_run
+    marker = tmp_path / "ran"
+    hostile, truncated = tmp_path / "hostile", tmp_path / "truncated"
+    for copy in (hostile, truncated):
+        shutil.copytree(root / "checkpoints", copy)
+    step = f"iter_{SAVE_AT:07d}"
+    (hostile / step / ".metadata").write_bytes(dotted_system_payload(marker, protocol=4))
+    shard = truncated / step / "__1_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:1000])
+    data = ["--data-path", str(corpus / "stdlib"), "--data-cache-path", str(tmp_path / "cache")]
+    load = ("--ckpt-step", str(SAVE_AT), "--load")
+    cases = {
+        "hostile": (
+            4,
+            [*MODEL, *data, *load, str(hostile)],
+            f"--load {hostile}: {hostile / step / '.metadata'}: names the dotted global "
+            "torch.distributed.checkpoint.metadata.os.system",
+        ),
+        "truncated": (
+            4,
+            [*MODEL, *data, *load, str(truncated)],
+            f"--load {truncated}: {shard}: truncated (1000 bytes; ",
+        ),
+    }
+    _run_side_by_side(cases, tmp_path)
+    assert not marker.exists()

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.test_pretrain_e2e import corpus, launch, records  # noqa: F401 (fixture)
+from tests.test_pretrain_e2e import launch, records
 
 ITERS, SAVE_AT = 4, 2
 MODEL = (
@@ -44,7 +44,7 @@ def _train_records(path) -> dict[int, dict]:
 
 
 @pytest.fixture(scope="module")
-def sources(corpus, tmp_path_factory):  # noqa: F811 (the fixture)
+def sources(corpus, tmp_path_factory):
     """Each source job's checkpoint directory and its training records."""
     out = {}
     for name, (nproc, layout) in SOURCES.items():
@@ -71,7 +71,7 @@ def test_a_checkpoint_resumes_under_another_layout(
     source,
     name,
     nproc,
-    layout,  # noqa: F811 (the fixture)
+    layout,
 ):
     root, full = sources[source]
     job = launch(

@@ -24,6 +24,7 @@ from megapp.data.indexed_dataset import (
     optimal_dtype,
 )
 from megapp.data.samplers import MegatronPretrainingSampler, build_pretraining_data_loader
+from megapp.data.token_check import check_token_ids, token_id_range
 from megapp.data.tokenizers import (
     ByteTokenizer,
     GPT2BPETokenizer,
@@ -58,10 +59,12 @@ __all__ = [
     "build_pretraining_data_loader",
     "build_tokenizer",
     "build_train_valid_test_datasets",
+    "check_token_ids",
     "get_batch",
     "get_ltor_masks_and_position_ids",
     "optimal_dtype",
     "parse_data_path",
     "parse_split",
     "split_document_ranges",
+    "token_id_range",
 ]

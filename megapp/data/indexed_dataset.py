@@ -282,6 +282,21 @@ class IndexedDataset:
         )
         return self._data[start:stop].view(self.dtype)
 
+    def token_id_range(self, chunk: int = 1 << 26) -> tuple[int, int] | None:
+        """The smallest and largest token id in the `.bin` file (None when it holds none).
+        One pass over the file, ``chunk`` tokens at a time."""
+        count = self._data.size // self.dtype.itemsize
+        if count == 0:
+            return None
+        tokens = self._data[: count * self.dtype.itemsize].view(self.dtype)
+        low, high = None, None
+        for start in range(0, count, chunk):
+            part = tokens[start : start + chunk]
+            lo, hi = int(part.min()), int(part.max())
+            low = lo if low is None else min(low, lo)
+            high = hi if high is None else max(high, hi)
+        return low, high
+
     @staticmethod
     def exists(path_prefix: str) -> bool:
         """Whether both `{path_prefix}.bin` and `{path_prefix}.idx` exist."""

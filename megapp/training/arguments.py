@@ -61,8 +61,15 @@ def exit_after_failure(prog: str, error: Exception) -> NoReturn:
     os._exit(1)
 
 
+class _Parser(argparse.ArgumentParser):
+    """A parser whose errors are printed like every other setting's: once per node, one line."""
+
+    def error(self, message: str) -> NoReturn:
+        exit_with_error(self.prog, ArgumentsError(f"{message} (see {self.prog} --help)"))
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog=os.path.basename(sys.argv[0]) or "pretrain_gpt.py",
         description="Pre-train a GPT with data, tensor and pipeline parallelism.",
         allow_abbrev=False,
