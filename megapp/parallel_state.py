@@ -56,6 +56,7 @@ __all__ = [
     "initialize_model_parallel",
     "is_pipeline_first_stage",
     "is_pipeline_last_stage",
+    "layout_group",
     "model_parallel_is_initialized",
     "set_virtual_pipeline_model_parallel_rank",
 ]
@@ -131,6 +132,23 @@ def destroy_model_parallel() -> None:
 
 def model_parallel_is_initialized() -> bool:
     return _STATE is not None
+
+
+def layout_group(name: str, needs: str) -> dist.ProcessGroup | None:
+    """The current layout's group of kind ``name`` for an API that was not given one.
+
+    Without a layout: ``None`` (no such parallelism) in a job of one rank; in a larger
+    job a ValueError that starts with ``needs`` (what the caller must pass), since
+    guessing there gives silently wrong numbers.
+    """
+    if _STATE is not None:
+        return get_group(name)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        raise ValueError(
+            f"{needs}: this job has {dist.get_world_size()} ranks and no megapp.parallel_state "
+            "layout to take it from (call initialize_model_parallel() first, or pass it)"
+        )
+    return None
 
 
 def _state() -> _State:

@@ -148,7 +148,7 @@ def test_distributed_optimizer_keeps_one_dp_th_of_the_state():
     sizes = {}
     for sharded in (False, True):
         ddp, groups = _dp_model(distributed_optimizer=sharded)
-        optimizer = Optimizer([ddp], lr=1e-3, norm_group=None if not sharded else dist.group.WORLD)
+        optimizer = Optimizer([ddp], lr=1e-3)
         batch = global_batch(0, 4)[dist.get_rank() :: 4]
         result = train_step(
             forward_step, iter(batch), [ddp], optimizer, num_microbatches=4, groups=groups
@@ -167,7 +167,7 @@ def test_distributed_optimizer_keeps_one_dp_th_of_the_state():
 @distributed(world_size=2)
 def test_bf16_model_steps_fp32_masters():
     ddp, groups = _dp_model(params_dtype=torch.bfloat16)
-    optimizer = Optimizer([ddp], lr=1e-2, norm_group=dist.group.WORLD)
+    optimizer = Optimizer([ddp], lr=1e-2)
     assert all(s.master.dtype == torch.float32 for s in optimizer.slices)
     losses = []
     batch = global_batch(0, 2)[dist.get_rank() :: 2]
@@ -190,7 +190,7 @@ def test_bf16_model_steps_fp32_masters():
 def test_fp16_overflow_skips_the_step_on_every_rank():
     ddp, groups = _dp_model(params_dtype=torch.float16)
     scaler = DynamicGradScaler(initial_scale=2.0**12, hysteresis=1)
-    optimizer = Optimizer([ddp], lr=1e-2, grad_scaler=scaler, norm_group=dist.group.WORLD)
+    optimizer = Optimizer([ddp], lr=1e-2, grad_scaler=scaler)
     batch = global_batch(0, 2)[dist.get_rank() :: 2]
     poison = {"on": False}
 

@@ -24,6 +24,7 @@ from torch import nn
 from megapp import comm
 from megapp.comm import Group
 from megapp.distributed.buffers import Bucket, ParamAndGradBuffer
+from megapp.parallel_state import layout_group
 
 
 def needs_other_group_sum(param: nn.Parameter) -> bool:
@@ -39,7 +40,9 @@ class DistributedDataParallel(nn.Module):
 
     Args:
         module: the model chunk; its parameters become views into a flat buffer.
-        dp_group: the data-parallel group (``None``: one replica, nothing to reduce).
+        dp_group: the data-parallel group. ``None``: the data-parallel group of
+            :mod:`megapp.parallel_state`'s layout, or one replica (nothing to reduce) in a
+            job of one rank; in a larger job without a layout it must be given.
         bucket_size: elements per bucket (``None``: one bucket per chunk).
         use_distributed_optimizer: reduce-scatter instead of all-reduce (ZeRO-1).
         overlap_grad_reduce: start a bucket's reduction as soon as it is ready; False
@@ -58,6 +61,10 @@ class DistributedDataParallel(nn.Module):
         is_late: Callable[[nn.Parameter], bool] = needs_other_group_sum,
     ):
         super().__init__()
+        if dp_group is None:
+            dp_group = layout_group(
+                "dp", "DistributedDataParallel needs dp_group (the ranks that hold replicas)"
+            )
         self.module = module
         self.dp_group = dp_group
         self.dp_size, self.dp_rank = comm.world_size(dp_group), comm.rank(dp_group)

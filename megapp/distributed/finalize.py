@@ -42,10 +42,20 @@ def finalize_model_grads(
         chunk.finish_grad_sync()
     params = [p for chunk in chunks for p in chunk.buffer.params]
     sequence_parallel = [p.main_grad for p in params if getattr(p, "sequence_parallel", False)]
+    if sequence_parallel and tp_group is None:
+        raise ValueError(
+            "the model is sequence parallel but no tp_group was given: its norm and bias "
+            "gradients would miss the other tensor-parallel ranks' tokens"
+        )
     _all_reduce_coalesced(sequence_parallel, tp_group)
     embedding = [p.main_grad for p in params if getattr(p, "shared_embedding", False)]
     if len(embedding) > 1:
         raise ValueError("a rank holds the tied embedding at most once")
+    if embedding and embedding_group is None:
+        raise ValueError(
+            "the word embedding is tied across pipeline stages but no embedding_group was "
+            "given: its two copies would take different steps"
+        )
     _all_reduce_coalesced(embedding, embedding_group)
     for chunk in chunks:
         chunk.sync_late_grads()

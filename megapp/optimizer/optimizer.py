@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megapp import comm
+from megapp import parallel_state as ps
 from megapp.comm import Group
 from megapp.distributed.ddp import DistributedDataParallel
 from megapp.optimizer.adamw import build_adamw
@@ -60,6 +61,42 @@ class _Slice:
     counted: bool  # does its gradient enter the norm on this rank
 
 
+def _norm_groups(distributed: bool, tp_group: Group, norm_group: Group) -> tuple[Group, Group]:
+    """The (tp_group, norm_group) to use: the layout's, given ones checked against it."""
+    if not ps.model_parallel_is_initialized():
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return tp_group, norm_group
+        if distributed and norm_group is None:
+            norm_group = dist.group.WORLD  # every rank holds its own slice of the gradients
+        if norm_group is None:
+            raise ValueError(
+                f"Optimizer needs norm_group (the ranks that together hold every gradient "
+                f"once) in a job of {dist.get_world_size()} ranks without a "
+                "megapp.parallel_state layout; call initialize_model_parallel() first or "
+                "pass tp_group and norm_group"
+            )
+        return tp_group, norm_group
+    grid = ps.get_grid()
+    want = {
+        "tp_group": (ps.get_tensor_model_parallel_group(), grid.tp, "tensor-parallel group"),
+        "norm_group": (
+            (dist.group.WORLD, grid.world_size, "every rank (distributed optimizer)")
+            if distributed
+            else (ps.get_model_parallel_group(), grid.tp * grid.pp, "model-parallel group")
+        ),
+    }
+    given = {"tp_group": tp_group, "norm_group": norm_group}
+    for name, (group, size, what) in want.items():
+        if given[name] is None:
+            given[name] = group
+        elif comm.world_size(given[name]) != size:
+            raise ValueError(
+                f"Optimizer {name} has {comm.world_size(given[name])} ranks, but this layout's "
+                f"{what} has {size}; leave {name} out to use the layout's"
+            )
+    return given["tp_group"], given["norm_group"]
+
+
 class Optimizer:
     """AdamW over the master weights of ``chunks``.
 
@@ -72,7 +109,11 @@ class Optimizer:
         tp_group: the tensor-parallel group (which replicas to count once in the norm).
         norm_group: the group whose ranks together hold every gradient once: the
             model-parallel (tp × pp) group, or every rank with the distributed optimizer.
-            ``None`` means this rank alone.
+        Both default to the groups of :mod:`megapp.parallel_state`'s layout, and given ones
+        are checked against it; without a layout, a job of one rank needs none, and a
+        larger one must pass them (the distributed optimizer's norm group is then every
+        rank). A wrong group gives a different gradient norm per rank, so the replicas
+        would drift apart silently.
     """
 
     def __init__(
@@ -93,6 +134,7 @@ class Optimizer:
         if len(modes) != 1:
             raise ValueError("all chunks must agree on use_distributed_optimizer")
         (self.distributed,) = modes
+        tp_group, norm_group = _norm_groups(self.distributed, tp_group, norm_group)
         self.clip_grad, self.grad_scaler, self.norm_group = clip_grad, grad_scaler, norm_group
         tp_rank = comm.rank(tp_group)
         self.slices: list[_Slice] = []

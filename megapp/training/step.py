@@ -90,6 +90,11 @@ def train_step(
     1F1B, interleaved when there is more than one chunk.
     """
     for chunk in chunks:
+        if chunk.dp_size != comm.world_size(groups.dp):
+            raise ValueError(
+                f"groups.dp has {comm.world_size(groups.dp)} ranks but the model chunk is "
+                f"replicated over {chunk.dp_size}; use TrainGroups.from_parallel_state()"
+            )
         chunk.zero_grad_buffer()
     scaler = optimizer.grad_scaler
     scale = float(scaler.scale) if scaler is not None else 1.0
