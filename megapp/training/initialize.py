@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 
@@ -19,6 +20,7 @@ from megapp.optimizer import ConstantGradScaler, DynamicGradScaler, LRScheduler,
 from megapp.optimizer.clip_grads import counts_in_norm
 from megapp.tensor_parallel.random import model_parallel_manual_seed
 from megapp.training.arguments import ArgumentsError
+from megapp.training.launcher_watch import exit_with_launcher
 from megapp.training.step import TrainGroups
 
 ModelProvider = Callable[[argparse.Namespace, TrainGroups], list[nn.Module]]
@@ -33,7 +35,9 @@ def print_rank_0(message: str) -> None:
 def initialize_distributed(args: argparse.Namespace) -> torch.device:
     """Start torch.distributed (NCCL with CUDA, else gloo; torchrun's environment, or a
     world of one for a plain ``python`` launch), the layout's groups and the seeds.
+    Under torchrun, the process also exits by itself if its torchrun is killed.
     Returns this rank's device."""
+    exit_with_launcher(os.path.basename(sys.argv[0]) or "pretrain_gpt.py")
     backend = args.distributed_backend or ("nccl" if torch.cuda.is_available() else "gloo")
     device = torch.device("cpu")
     if backend == "nccl":
