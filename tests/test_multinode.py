@@ -137,7 +137,10 @@ def test_killing_one_nodes_torchrun_ends_the_whole_job(corpus, tmp_path):
         outputs = [node.communicate(timeout=60) for node in nodes]
     assert not left, f"workers still running {took:.1f} s after the kill: {left}"
     assert other.returncode not in (0, None), outputs[0][1][-3000:]
-    orphans = outputs[1][1]
-    assert orphans.count("its launcher (torchrun, pid") == 2, orphans[-3000:]
+    # each orphan exits: by noticing its launcher is gone, or because the other orphan
+    # (its data-parallel peer on the same node) did so first
+    orphans = [line for line in outputs[1][1].splitlines() if "pretrain_gpt.py: error:" in line]
+    assert len(orphans) == 2, outputs[1][1][-3000:]
+    assert any("its launcher (torchrun, pid" in line for line in orphans), orphans
     survivors = [line for line in outputs[0][1].splitlines() if "pretrain_gpt.py: error:" in line]
     assert survivors and all(" over the " in line for line in survivors), outputs[0][1][-3000:]
