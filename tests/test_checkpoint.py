@@ -36,6 +36,8 @@ from megapp.optimizer import LRScheduler, Optimizer
 from megapp.tensor_parallel.random import model_parallel_manual_seed
 from megapp.testing import distributed
 from megapp.training import TrainGroups, train_step
+from megapp.training import checkpoints as training_checkpoints
+from megapp.training.arguments import ArgumentsError, build_parser
 from tests.gpt_support import SEED, VOCAB, full_tensor, global_batch, gpt_config, reference_name
 from tests.test_gpt_layouts import TOL, forward_step
 
@@ -340,3 +342,43 @@ def test_model_only_load_needs_no_optimizer_state(tmp_path):
         fresh[0].module.parameters(), chunks[0].module.parameters(), strict=True
     ):
         assert torch.equal(mine, theirs)
+
+
+# --- what pretrain_gpt.py's --load says (one process) ---------------------------------------
+
+
+def test_load_flags_name_flags_not_python_arguments(tmp_path):
+    chunks, _, groups = _single()
+    save_checkpoint(tmp_path, 1, chunks, None, groups=groups)  # a model-only checkpoint
+    fresh, optimizer, _ = _single(seed=SEED + 1)
+    args = build_parser().parse_args(["--load", str(tmp_path)])
+    with pytest.raises(ArgumentsError, match="holds no optimizer state; pass --no-load-optim") as e:
+        training_checkpoints.load(args, fresh, optimizer, None, groups)
+    assert "load_optimizer" not in str(e.value)
+    args.no_load_optim = True
+    assert training_checkpoints.load(args, fresh, optimizer, None, groups).iteration == 1
+
+    schedule = _schedule(optimizer)
+    save_checkpoint(tmp_path, 2, fresh, optimizer, groups=groups, lr_scheduler=schedule)
+    args.no_load_optim = False
+    other = _schedule(optimizer, max_lr=2e-2)
+    with pytest.raises(
+        ArgumentsError, match=r"--lr: saved 0.01, now 0.02.*pass --use-checkpoint"
+    ) as e:
+        training_checkpoints.load(args, fresh, optimizer, other, groups)
+    assert "settings=" not in str(e.value)
+    args.override_opt_param_scheduler = True
+    training_checkpoints.load(args, fresh, optimizer, other, groups)
+    assert (other.max_lr, other.num_steps) == (2e-2, 0)  # the flags' schedule, the saved step
+    assert not (tmp_path / "nowhere").exists()
+    args.load = str(tmp_path / "nowhere")
+    with pytest.raises(ArgumentsError, match="the directory does not exist"):
+        training_checkpoints.load(args, fresh, optimizer, other, groups)
+    args.save = args.load  # a job that saves and resumes in one place starts fresh
+    assert training_checkpoints.load(args, fresh, optimizer, other, groups).iteration == 0
+
+
+def _schedule(optimizer, max_lr=1e-2):
+    return LRScheduler(
+        optimizer, max_lr=max_lr, min_lr=0.0, warmup_steps=0, decay_steps=10, decay_style="linear"
+    )

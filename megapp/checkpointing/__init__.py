@@ -7,12 +7,13 @@ from megapp.checkpointing.checkpoint import (
     read_latest,
     save_checkpoint,
 )
-from megapp.checkpointing.errors import CheckpointError
+from megapp.checkpointing.errors import CheckpointError, NoOptimizerStateError
 from megapp.checkpointing.shards import TensorShard, tensor_parallel_shard
 
 __all__ = [
     "CheckpointError",
     "CheckpointInfo",
+    "NoOptimizerStateError",
     "TensorShard",
     "iteration_dir",
     "load_checkpoint",

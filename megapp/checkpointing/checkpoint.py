@@ -46,7 +46,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from megapp import comm
 from megapp.checkpointing import rng
-from megapp.checkpointing.errors import CheckpointError
+from megapp.checkpointing.errors import CheckpointError, NoOptimizerStateError
 from megapp.checkpointing.safe_reader import (
     SafeFileSystemReader,
     check_data_files,
@@ -398,9 +398,7 @@ def load_checkpoint(
     load_optimizer = load_optimizer and optimizer is not None
     if load_optimizer:
         if not common.get("has_optimizer"):
-            raise CheckpointError(
-                f"{path} holds no optimizer state; load the model alone (load_optimizer=False)"
-            )
+            raise NoOptimizerStateError(path)
         kinds = optimizer_kinds(optimizer)
         if "master" in kinds and not any(k.startswith("optimizer.master.") for k in saved):
             kinds = tuple(k for k in kinds if k != "master")  # masters come from the weights

@@ -216,6 +216,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --load: the iteration to resume from (default: the latest)",
     )
     g.add_argument(
+        "--no-load-optim",
+        action="store_true",
+        help="with --load: load the model only (fresh optimizer state and schedule)",
+    )
+    g.add_argument(
+        "--no-load-rng",
+        action="store_true",
+        help="with --load: keep this run's random seeds instead of the saved generators",
+    )
+    g.add_argument(
         "--use-checkpoint-opt_param-scheduler",
         action="store_true",
         help="with --load: continue the learning-rate schedule saved in the checkpoint",

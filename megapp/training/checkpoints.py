@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from megapp.checkpointing import load_checkpoint, save_checkpoint
+from megapp.checkpointing import NoOptimizerStateError, load_checkpoint, save_checkpoint
 from megapp.checkpointing.checkpoint import LATEST
 from megapp.optimizer import ScheduleMismatchError
 from megapp.training.arguments import ArgumentsError
@@ -75,6 +75,8 @@ def load(args: argparse.Namespace, chunks, optimizer, scheduler, groups) -> Trai
             groups=groups,
             lr_scheduler=scheduler,
             scheduler_settings=settings,
+            load_optimizer=not args.no_load_optim,
+            load_rng=not args.no_load_rng,
             **where,
         )
     except ScheduleMismatchError as error:
@@ -83,6 +85,11 @@ def load(args: argparse.Namespace, chunks, optimizer, scheduler, groups) -> Trai
             f"--load {args.load}: the saved learning-rate schedule differs from this run's "
             f"({'; '.join(differences)}); pass --use-checkpoint-opt_param-scheduler to "
             "continue the saved schedule or --override-opt_param-scheduler to use this run's"
+        ) from error
+    except NoOptimizerStateError as error:
+        raise ArgumentsError(
+            f"--load {args.load}: {error.path} holds no optimizer state; pass --no-load-optim "
+            "to load the model alone"
         ) from error
     except (ValueError, OSError) as error:
         raise ArgumentsError(f"--load {args.load}: {error}") from error

@@ -28,7 +28,7 @@ ModelProvider = Callable[[argparse.Namespace, TrainGroups], list[nn.Module]]
 
 
 def print_rank_0(message: str) -> None:
-    if dist.get_rank() == 0:
+    if not dist.is_initialized() or dist.get_rank() == 0:
         print(message, flush=True)
 
 
