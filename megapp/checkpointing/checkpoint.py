@@ -57,9 +57,7 @@ from megapp.checkpointing.state import (
     OptimizerPieces,
     model_shards,
     named_params,
-    optimizer_kinds,
     optimizer_step,
-    set_optimizer_step,
 )
 
 logger = logging.getLogger(__name__)
@@ -212,7 +210,7 @@ def save_checkpoint(
     params = named_params(chunks, optimizer)
     state: dict[str, torch.Tensor] = model_shards(params, tp_rank, tp_size)
     if optimizer is not None:
-        pieces = OptimizerPieces(params, optimizer, optimizer_kinds(optimizer))
+        pieces = OptimizerPieces(params, optimizer, optimizer.state_kinds())
         pieces.gather()
         state.update(pieces.shards(tp_rank, tp_size))
         state[STEP_KEY] = torch.tensor(optimizer_step(optimizer), dtype=torch.float64)
@@ -399,7 +397,7 @@ def load_checkpoint(
     if load_optimizer:
         if not common.get("has_optimizer"):
             raise NoOptimizerStateError(path)
-        kinds = optimizer_kinds(optimizer)
+        kinds = optimizer.state_kinds()
         if "master" in kinds and not any(k.startswith("optimizer.master.") for k in saved):
             kinds = tuple(k for k in kinds if k != "master")  # masters come from the weights
         pieces = OptimizerPieces(params, optimizer, kinds)
@@ -430,17 +428,11 @@ def load_checkpoint(
 
     if load_optimizer:
         pieces.scatter()
-        set_optimizer_step(optimizer, float(state[STEP_KEY]))
+        optimizer.set_step_count(float(state[STEP_KEY]))
         if "master" not in pieces.kinds:
-            for s in optimizer.slices:  # fp32 copies of the loaded bf16/fp16 weights
-                flat = s.param.data.view(-1)[s.lo : s.hi]
-                if flat.data_ptr() != s.master.data_ptr():
-                    s.master.copy_(flat)
+            optimizer.copy_masters_from_weights()  # fp32 copies of the loaded bf16/fp16 weights
     elif optimizer is not None:
-        for s in optimizer.slices:
-            flat = s.param.data.view(-1)[s.lo : s.hi]
-            if flat.data_ptr() != s.master.data_ptr():
-                s.master.copy_(flat)
+        optimizer.copy_masters_from_weights()
     if rng_states:
         rng.restore(rng_states)
     elif load_rng and rank == 0:

@@ -30,7 +30,6 @@ from megapp.checkpointing.shards import TensorShard, tensor_parallel_shard
 MODEL = "model."
 OPTIMIZER = "optimizer."
 STEP_KEY = "optimizer.step"
-MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def checkpoint_name(module: nn.Module, name: str, param: nn.Parameter) -> str:
@@ -48,7 +47,7 @@ class _Param:
     name: str
     param: nn.Parameter
     chunk: nn.Module  # the DistributedDataParallel wrapper
-    slice: object | None = None  # the optimizer's _Slice of it on this rank
+    owned: tuple[int, int] | None = None  # the flat range the optimizer updates on this rank
 
 
 @dataclass
@@ -59,8 +58,7 @@ class _Chunk:
 
 def named_params(chunks: Sequence[nn.Module], optimizer=None) -> list[_Chunk]:
     """Every parameter of ``chunks`` (DistributedDataParallel wrappers) with its checkpoint
-    name, and the optimizer's slice of it on this rank."""
-    slices = {id(s.param): s for s in optimizer.slices} if optimizer is not None else {}
+    name, and the range of it the optimizer updates on this rank."""
     seen: set[str] = set()
     out = []
     for chunk in chunks:
@@ -71,7 +69,8 @@ def named_params(chunks: Sequence[nn.Module], optimizer=None) -> list[_Chunk]:
             if key in seen:
                 raise ValueError(f"two parameters on this rank are both named {key!r}")
             seen.add(key)
-            entry.params.append(_Param(key, param, chunk, slices.get(id(param))))
+            owned = optimizer.owned_range(param) if optimizer is not None else None
+            entry.params.append(_Param(key, param, chunk, owned))
         out.append(entry)
     return out
 
@@ -88,55 +87,13 @@ def model_shards(chunks: list[_Chunk], tp_rank: int, tp_size: int) -> dict[str, 
     return state
 
 
-def _has_own_masters(optimizer) -> bool:
-    """True when the masters are fp32 copies (bf16/fp16 model), not the parameters."""
-    return any(
-        s.master.data_ptr() != s.param.data.view(-1)[s.lo : s.hi].data_ptr()
-        for s in optimizer.slices
-    )
-
-
-def optimizer_kinds(optimizer) -> tuple[str, ...]:
-    """The per-parameter states this optimizer keeps: the moments, and masters if separate."""
-    return (*MOMENTS, "master") if _has_own_masters(optimizer) else MOMENTS
-
-
-def adam_state(optimizer, master: torch.Tensor) -> dict:
-    """The AdamW state of ``master``, created empty (step 0, zero moments) if it has none yet,
-    in the layout torch's AdamW itself would create."""
-    inner = optimizer.optimizer
-    state = inner.state[master]
-    if not state:
-        group = next(g for g in inner.param_groups if any(p is master for p in g["params"]))
-        on_device = group.get("fused") or group.get("capturable")
-        state["step"] = (
-            torch.zeros((), dtype=torch.float32, device=master.device)
-            if on_device
-            else torch.tensor(0.0, dtype=torch.float32)
-        )
-        for kind in MOMENTS:
-            state[kind] = torch.zeros_like(master, memory_format=torch.preserve_format)
-    return state
-
-
-def _value(optimizer, s, kind: str) -> torch.Tensor:
-    return s.master if kind == "master" else adam_state(optimizer, s.master)[kind]
-
-
 def optimizer_step(optimizer) -> float:
-    """The number of updates so far (the same on every rank)."""
-    steps = [float(st["step"]) for st in optimizer.optimizer.state.values() if "step" in st]
-    step = torch.tensor([max(steps, default=0.0)], dtype=torch.float64)
-    if dist.is_initialized():  # a rank may own no slice of any parameter
-        comm.all_reduce(
-            step, None if not dist.is_initialized() else dist.group.WORLD, dist.ReduceOp.MAX
-        )
+    """The number of updates so far, the same on every rank (a rank may own no slice of any
+    parameter, and so no AdamW state)."""
+    step = torch.tensor([optimizer.step_count()], dtype=torch.float64)
+    if dist.is_initialized():
+        comm.all_reduce(step, dist.group.WORLD, dist.ReduceOp.MAX)
     return float(step)
-
-
-def set_optimizer_step(optimizer, step: float) -> None:
-    for s in optimizer.slices:
-        adam_state(optimizer, s.master)["step"].fill_(step)
 
 
 class OptimizerPieces:
@@ -164,19 +121,19 @@ class OptimizerPieces:
                         lo, hi = c.chunk.buffer.ranges[id(p.param)]
                         tensor = self.flat[id(c)][k, lo:hi].view(p.param.shape)
                     else:
-                        if p.slice is None:
+                        if p.owned is None:
                             raise ValueError(f"the optimizer does not update {p.name}")
-                        tensor = _value(optimizer, p.slice, kind).view(p.param.shape)
+                        tensor = optimizer.state_of(p.param, kind).view(p.param.shape)
                     self.tensors[(kind, p.name)] = (tensor, p.param)
 
     def _own_ranges(self, c: _Chunk):
         for p in c.params:
-            if p.slice is None:
+            if p.owned is None:
                 continue
             start = c.chunk.buffer.ranges[id(p.param)][0]
-            lo, hi = start + p.slice.lo, start + p.slice.hi
+            lo, hi = start + p.owned[0], start + p.owned[1]
             for k, kind in enumerate(self.kinds):
-                yield k, lo, hi, _value(self.optimizer, p.slice, kind)
+                yield k, lo, hi, self.optimizer.state_of(p.param, kind)
 
     def gather(self) -> None:
         """Fill the flat tensors from every data-parallel rank's slices."""

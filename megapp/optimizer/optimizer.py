@@ -39,6 +39,8 @@ from megapp.optimizer.clip_grads import (
 from megapp.optimizer.grad_scaler import found_inf_in
 from megapp.optimizer.param_groups import default_no_decay
 
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
 
 @dataclass
 class StepResult:
@@ -59,6 +61,11 @@ class _Slice:
     hi: int
     master: torch.Tensor  # fp32 weights of that range
     counted: bool  # does its gradient enter the norm on this rank
+    separate: bool  # the master is an fp32 copy (bf16/fp16 model), not the weights themselves
+
+    def weights(self) -> torch.Tensor:
+        """The model's own flat weights of this range."""
+        return self.param.data.view(-1)[self.lo : self.hi]
 
 
 def _norm_groups(distributed: bool, tp_group: Group, norm_group: Group) -> tuple[Group, Group]:
@@ -149,9 +156,10 @@ class Optimizer:
                     continue
                 lo, hi = part
                 flat = p.data.view(-1)[lo:hi]
-                master = flat if flat.dtype == torch.float32 else flat.float()
+                separate = flat.dtype != torch.float32
+                master = flat.float() if separate else flat
                 counted = counts_in_norm(p, tp_rank)
-                self.slices.append(_Slice(p, lo, hi, master, counted))
+                self.slices.append(_Slice(p, lo, hi, master, counted, separate))
                 (no_decay if default_no_decay(names[id(p)], p) else decay).append(master)
         groups = [
             {"params": decay, "weight_decay": weight_decay},
@@ -159,6 +167,7 @@ class Optimizer:
         ]
         groups = [g for g in groups if g["params"]]
         self.optimizer = build_adamw(groups, lr=lr, betas=betas, eps=eps)
+        self._slice_of = {id(s.param): s for s in self.slices}
 
     @property
     def param_groups(self) -> list[dict]:
@@ -188,9 +197,8 @@ class Optimizer:
         self.optimizer.step()
         for s in self.slices:
             s.master.grad = None
-            flat = s.param.data.view(-1)[s.lo : s.hi]
-            if flat.data_ptr() != s.master.data_ptr():
-                flat.copy_(s.master)
+            if s.separate:
+                s.weights().copy_(s.master)
         if self.distributed:
             self._all_gather_params()
         return StepResult(True, grad_norm)
@@ -214,6 +222,64 @@ class Optimizer:
         for state in self.optimizer.state.values():
             total += sum(t.numel() * t.element_size() for t in state.values() if t.dim() > 0)
         for s in self.slices:
-            if s.master.data_ptr() != s.param.data.view(-1)[s.lo : s.hi].data_ptr():
+            if s.separate:
                 total += s.master.numel() * s.master.element_size()
         return total
+
+    # ----- what a checkpoint needs ------------------------------------------
+    @property
+    def has_separate_masters(self) -> bool:
+        """True when the fp32 masters are copies (a bf16/fp16 model), not the weights."""
+        return any(s.separate for s in self.slices)
+
+    def state_kinds(self) -> tuple[str, ...]:
+        """The per-parameter states a checkpoint keeps: AdamW's moments, and the masters
+        when they are copies."""
+        return (*MOMENTS, "master") if self.has_separate_masters else MOMENTS
+
+    def owned_range(self, param: nn.Parameter) -> tuple[int, int] | None:
+        """The flat range ``[lo, hi)`` of ``param`` this rank updates (all of it without the
+        distributed optimizer); None when it owns none of it."""
+        s = self._slice_of.get(id(param))
+        return None if s is None else (s.lo, s.hi)
+
+    def state_of(self, param: nn.Parameter, kind: str) -> torch.Tensor:
+        """The flat fp32 state ``kind`` (``exp_avg``, ``exp_avg_sq`` or ``master``) of the
+        range of ``param`` this rank updates; moments are created (zero, step 0) the way
+        AdamW would create them if it has not stepped yet."""
+        s = self._slice_of[id(param)]
+        if kind == "master":
+            return s.master
+        if kind not in MOMENTS:
+            raise ValueError(f"unknown optimizer state {kind!r}; known: master, {MOMENTS}")
+        return self._adam_state(s.master)[kind]
+
+    def _adam_state(self, master: torch.Tensor) -> dict:
+        state = self.optimizer.state[master]
+        if not state:
+            group = next(g for g in self.param_groups if any(p is master for p in g["params"]))
+            on_device = group.get("fused") or group.get("capturable")
+            state["step"] = (
+                torch.zeros((), dtype=torch.float32, device=master.device)
+                if on_device
+                else torch.tensor(0.0, dtype=torch.float32)
+            )
+            for kind in MOMENTS:
+                state[kind] = torch.zeros_like(master, memory_format=torch.preserve_format)
+        return state
+
+    def step_count(self) -> float:
+        """Updates applied so far, as this rank's AdamW state records them (0 before the first,
+        and on a rank that owns no parameter slice)."""
+        steps = [float(st["step"]) for st in self.optimizer.state.values() if "step" in st]
+        return max(steps, default=0.0)
+
+    def set_step_count(self, step: float) -> None:
+        for s in self.slices:
+            self._adam_state(s.master)["step"].fill_(step)
+
+    def copy_masters_from_weights(self) -> None:
+        """Refresh the fp32 masters from the model's weights (after loading weights alone)."""
+        for s in self.slices:
+            if s.separate:
+                s.master.copy_(s.weights())
