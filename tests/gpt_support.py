@@ -7,7 +7,7 @@ import dataclasses
 import torch
 
 from megapp.models import GPTConfig, GPTModel
-from tests.tests_support import gather
+from megapp.param_attributes import gather_tensor_parallel
 
 VOCAB, SEQ, MICRO_BATCH, MICROBATCHES, SEED = 37, 8, 2, 4, 1234
 
@@ -88,7 +88,5 @@ def full_tensor(
 ) -> torch.Tensor:
     """The whole tensor ``t`` (the parameter or its gradient) from every tp rank's part;
     ``vocab``: keep that many rows (drop the vocabulary padding)."""
-    if not getattr(param, "tensor_model_parallel", False):
-        return t
-    full = gather(t, tp_group, param.partition_dim, param.partition_stride)
+    full = gather_tensor_parallel(t, param, tp_group)
     return full if vocab is None else full[:vocab]

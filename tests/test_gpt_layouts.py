@@ -105,8 +105,8 @@ def train_layout(tp, pp, vpp, *, distributed_optimizer=False, bucket_size=2000, 
         assert not result.skipped
         losses.append(result.loss)
         norms.append(result.grad_norm)
-        if first_grads is None and not distributed_optimizer:
-            first_grads = _gathered(chunks, lambda p: p.main_grad, groups.tp)
+        if first_grads is None:  # under the distributed optimizer too: the slices gathered
+            first_grads = _gathered(chunks, lambda c, p: c.reduced_grad(p), groups.tp)
     return chunks, losses, norms, first_grads
 
 
@@ -117,7 +117,7 @@ def _gathered(chunks, what, tp_group) -> dict[str, torch.Tensor]:
         for name, p in model.named_parameters():
             ref = reference_name(model, name)
             vocab = VOCAB if ref in ("embedding.word_embeddings.weight", "output_weight") else None
-            out[ref] = full_tensor(what(p).detach().clone(), p, tp_group, vocab)
+            out[ref] = full_tensor(what(chunk, p).detach().clone(), p, tp_group, vocab)
     return out
 
 
@@ -135,7 +135,7 @@ def _check(chunks, losses, norms, first_grads, config_kw):
                 grad, ref_grads[name], **TOL, msg=lambda m, n=name: f"grad of {n}: {m}"
             )
     ref_params = dict(reference.named_parameters())
-    params = _gathered(chunks, lambda p: p.data, ps.get_tensor_model_parallel_group())
+    params = _gathered(chunks, lambda c, p: p.data, ps.get_tensor_model_parallel_group())
     for name, value in params.items():
         torch.testing.assert_close(
             value, ref_params[name].detach(), **PARAM_TOL, msg=lambda m, n=name: f"{n}: {m}"
@@ -189,5 +189,5 @@ def test_training_matches_single_process(world_size, tp, pp, vpp, config):
 @pytest.mark.parametrize("world_size, tp, pp, vpp", [(4, 1, 1, None), (8, 2, 2, None)])
 @distributed(timeout=240)
 def test_distributed_optimizer_matches_single_process(world_size, tp, pp, vpp):
-    chunks, losses, norms, _ = train_layout(tp, pp, vpp, distributed_optimizer=True)
-    _check(chunks, losses, norms, None, {})
+    chunks, losses, norms, first_grads = train_layout(tp, pp, vpp, distributed_optimizer=True)
+    _check(chunks, losses, norms, first_grads, {})

@@ -3,7 +3,7 @@
 import torch
 import torch.distributed as dist
 
-from megapp.tensor_parallel.layers import unshard
+from megapp.param_attributes import gather_tensor_parallel, is_sequence_parallel, unshard
 
 
 def gather(t: torch.Tensor, group, dim: int, stride: int = 1) -> torch.Tensor:
@@ -17,9 +17,8 @@ def full_grad(param: torch.nn.Parameter, group) -> torch.Tensor:
     """The gradient of the whole parameter, however it is split or replicated."""
     if group is None:
         return param.grad
-    if getattr(param, "tensor_model_parallel", False):
-        return gather(param.grad, group, param.partition_dim, param.partition_stride)
-    grad = param.grad.clone()
-    if getattr(param, "sequence_parallel", False):  # each rank saw only its sequence shard
+    grad = gather_tensor_parallel(param.grad, param, group)
+    if is_sequence_parallel(param):  # each rank saw only its sequence shard
+        grad = grad.clone()
         dist.all_reduce(grad, group=group)
     return grad

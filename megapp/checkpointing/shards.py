@@ -29,6 +29,8 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
+from megapp.param_attributes import is_tensor_parallel, partition, unpadded_size
+
 
 class TensorShard(torch.Tensor):
     """``local`` placed at ``offsets`` inside a tensor of shape ``global_shape``.
@@ -105,14 +107,13 @@ def tensor_parallel_shard(
     vocabulary padding."""
     if tensor.shape != param.shape:
         raise ValueError(f"state of shape {tuple(tensor.shape)} for a {tuple(param.shape)} param")
-    if not getattr(param, "tensor_model_parallel", False):
+    if not is_tensor_parallel(param):
         tp_rank, tp_size = 0, 1  # whole on every rank (a strided weight still shows its parts)
-    stride = getattr(param, "partition_stride", 1)
-    if tp_size == 1 and stride == 1 and getattr(param, "unpadded_size", None) is None:
+    unpadded, parts = unpadded_size(param), partition(param)
+    if parts is None or (tp_size == 1 and parts[1] == 1 and unpadded is None):
         return TensorShard(tensor, [0] * tensor.dim(), tensor.shape)
-    dim = param.partition_dim
+    dim, stride = parts
     n = tensor.shape[dim]
-    unpadded = getattr(param, "unpadded_size", None)
     if unpadded is not None:
         if stride != 1:
             raise ValueError("a padded vocabulary dimension cannot also be strided")

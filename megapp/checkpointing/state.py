@@ -26,6 +26,7 @@ from torch import nn
 
 from megapp import comm
 from megapp.checkpointing.shards import TensorShard, tensor_parallel_shard
+from megapp.param_attributes import is_duplicate, is_tied_embedding
 
 MODEL = "model."
 OPTIMIZER = "optimizer."
@@ -34,7 +35,7 @@ STEP_KEY = "optimizer.step"
 
 def checkpoint_name(module: nn.Module, name: str, param: nn.Parameter) -> str:
     """The layout-independent name of ``module``'s parameter ``name``."""
-    if getattr(param, "shared", False) and getattr(param, "shared_embedding", False):
+    if is_duplicate(param) and is_tied_embedding(param):
         return "embedding.word_embeddings.weight"  # the last stage's copy of the tied embedding
     parts = name.split(".")
     if len(parts) > 2 and parts[0] == "decoder" and parts[1] == "layers":

@@ -19,20 +19,20 @@ import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch
 from torch import nn
 
 from megapp import comm
 from megapp.comm import Group
 from megapp.distributed.buffers import Bucket, ParamAndGradBuffer
 from megapp.parallel_state import layout_group
+from megapp.param_attributes import is_sequence_parallel, is_tied_embedding
 
 
 def needs_other_group_sum(param: nn.Parameter) -> bool:
     """Parameters whose gradient is also summed over the tensor-parallel group (replicated
     under sequence parallelism) or the embedding group (tied embedding copies)."""
-    return bool(
-        getattr(param, "sequence_parallel", False) or getattr(param, "shared_embedding", False)
-    )
+    return is_sequence_parallel(param) or is_tied_embedding(param)
 
 
 class DistributedDataParallel(nn.Module):
@@ -134,6 +134,24 @@ class DistributedDataParallel(nn.Module):
     def sync_late_grads(self) -> None:
         """Reduce the late buckets (after their other-group sums)."""
         self._finish(late=True)
+
+    def reduced_grad(self, param: nn.Parameter) -> torch.Tensor:
+        """``param``'s data-parallel mean gradient, whole and shaped like ``param``, after
+        :meth:`finish_grad_sync` (and :meth:`sync_late_grads` for late parameters).
+
+        With the distributed optimizer each rank holds only its reduce-scattered slice of
+        every bucket: the slices of ``param``'s bucket are all-gathered over the
+        data-parallel group, so every rank of it must call this for the same parameters in
+        the same order. Otherwise ``param.main_grad`` itself.
+        """
+        if not self.use_distributed_optimizer or self.dp_size == 1:
+            return param.main_grad
+        bucket = self.buffer.bucket_of[id(param)]
+        lo, hi = bucket.shard(self.dp_rank, self.dp_size)
+        whole = self.buffer.grad_data.new_empty(bucket.end - bucket.start)
+        comm.all_gather_into(whole, self.buffer.grad_data[lo:hi], self.dp_group)
+        start, end = self.buffer.ranges[id(param)]
+        return whole[start - bucket.start : end - bucket.start].view(param.shape)
 
     def zero_grad_buffer(self) -> None:
         """Zero ``main_grad`` and re-arm the buckets; call before each iteration."""

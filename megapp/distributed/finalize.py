@@ -9,6 +9,7 @@ import torch
 from megapp import comm
 from megapp.comm import Group
 from megapp.distributed.ddp import DistributedDataParallel
+from megapp.param_attributes import is_sequence_parallel, is_tied_embedding
 
 
 def _all_reduce_coalesced(grads: list[torch.Tensor], group: Group) -> None:
@@ -41,14 +42,14 @@ def finalize_model_grads(
     for chunk in chunks:
         chunk.finish_grad_sync()
     params = [p for chunk in chunks for p in chunk.buffer.params]
-    sequence_parallel = [p.main_grad for p in params if getattr(p, "sequence_parallel", False)]
+    sequence_parallel = [p.main_grad for p in params if is_sequence_parallel(p)]
     if sequence_parallel and tp_group is None:
         raise ValueError(
             "the model is sequence parallel but no tp_group was given: its norm and bias "
             "gradients would miss the other tensor-parallel ranks' tokens"
         )
     _all_reduce_coalesced(sequence_parallel, tp_group)
-    embedding = [p.main_grad for p in params if getattr(p, "shared_embedding", False)]
+    embedding = [p.main_grad for p in params if is_tied_embedding(p)]
     if len(embedding) > 1:
         raise ValueError("a rank holds the tied embedding at most once")
     if embedding and embedding_group is None:

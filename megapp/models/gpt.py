@@ -30,13 +30,14 @@ from torch import nn
 from megapp import comm
 from megapp.comm import Group
 from megapp.fusions.rope import rotary_freqs
+from megapp.param_attributes import mark_tied_embedding
 from megapp.pipeline_parallel.partition import rank_chunks, split_layers
 from megapp.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megapp.tensor_parallel.layers import (
     VocabParallelEmbedding,
-    _sliced_weight,
     column_parallel_matmul,
     init_method_normal,
+    sliced_weight,
 )
 from megapp.tensor_parallel.mappings import scatter_to_sequence_parallel_region
 from megapp.tensor_parallel.random import get_rng_tracker
@@ -181,7 +182,7 @@ class GPTModel(nn.Module):
             tied = config.share_embeddings_and_output_weights
             if not tied or not pre_process:
                 with _seeded(seed + (_WORD_SEED if tied else _OUTPUT_SEED)):
-                    self.output_weight = _sliced_weight(
+                    self.output_weight = sliced_weight(
                         (config.vocab_size, config.hidden_size),
                         0,
                         tp_group,
@@ -191,10 +192,9 @@ class GPTModel(nn.Module):
                         padded_rows=self._padded_vocab() - config.vocab_size,
                     )
             if tied and not pre_process:  # a copy of the first stage's word embedding
-                self.output_weight.shared = True
-                self.output_weight.shared_embedding = True
+                mark_tied_embedding(self.output_weight, duplicate=True)
         if pre_process and not post_process and config.share_embeddings_and_output_weights:
-            self.embedding.word_embeddings.weight.shared_embedding = True
+            mark_tied_embedding(self.embedding.word_embeddings.weight, duplicate=False)
         self._freqs: torch.Tensor | None = None
 
     def _padded_vocab(self) -> int:

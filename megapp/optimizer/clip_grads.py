@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from megapp import comm
+from megapp.param_attributes import is_duplicate, is_tensor_parallel
 
 
 def _local_grad(param: torch.Tensor) -> torch.Tensor | None:
@@ -29,9 +30,9 @@ def _local_grad(param: torch.Tensor) -> torch.Tensor | None:
 def counts_in_norm(param: torch.Tensor, tp_rank: int) -> bool:
     """Whether this rank's copy of ``param`` enters the global norm: not a ``shared``
     duplicate, and either a tensor-parallel shard or (replicated over tp) on tp rank 0."""
-    if getattr(param, "shared", False):
+    if is_duplicate(param):
         return False
-    return getattr(param, "tensor_model_parallel", False) or tp_rank == 0
+    return is_tensor_parallel(param) or tp_rank == 0
 
 
 def grads_for_norm(params: Iterable[torch.Tensor], tp_rank: int) -> list[torch.Tensor]:

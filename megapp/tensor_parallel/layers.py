@@ -24,6 +24,12 @@ from torch import nn
 
 from megapp import comm
 from megapp.comm import Group
+from megapp.param_attributes import (
+    mark_sequence_parallel,
+    set_tensor_parallel,
+    set_unpadded_size,
+    shard,
+)
 from megapp.tensor_parallel.mappings import (
     gather_first,
     gather_from_tensor_model_parallel_region,
@@ -55,7 +61,7 @@ def divide(numerator: int, denominator: int, what: str) -> int:
     return numerator // denominator
 
 
-def _sliced_weight(
+def sliced_weight(
     shape: tuple[int, int],
     partition_dim: int,
     group: Group,
@@ -74,29 +80,10 @@ def _sliced_weight(
         full = torch.cat([full, full.new_zeros(padded_rows, shape[1])])
     part = shard(full, partition_dim, comm.rank(group), comm.world_size(group), stride)
     weight = nn.Parameter(part.to(dtype=dtype, device=device).contiguous())
-    weight.tensor_model_parallel = comm.world_size(group) > 1
-    weight.partition_dim = partition_dim
-    weight.partition_stride = stride
+    set_tensor_parallel(weight, partition_dim, stride, comm.world_size(group))
     if padded_rows:
-        weight.unpadded_size = shape[0]
+        set_unpadded_size(weight, shape[0])
     return weight
-
-
-def shard(full: torch.Tensor, dim: int, rank: int, world: int, stride: int = 1) -> torch.Tensor:
-    """Rank ``rank``'s part of ``full`` along ``dim``.
-
-    With ``stride`` s the dimension is cut into ``world·s`` blocks and a rank
-    keeps blocks ``rank, rank + world, ...``: a fused ``[gate; up]`` weight
-    (stride 2) then gives every rank matching gate and up columns.
-    """
-    blocks = full.chunk(world * stride, dim=dim)
-    return torch.cat(blocks[rank::world], dim=dim)
-
-
-def unshard(parts: list[torch.Tensor], dim: int, stride: int = 1) -> torch.Tensor:
-    """Inverse of :func:`shard`: the full tensor from every rank's part, in rank order."""
-    blocks = [p.chunk(stride, dim=dim) for p in parts]
-    return torch.cat([b[i] for i in range(stride) for b in blocks], dim=dim)
 
 
 class _ColumnParallelMatmul(torch.autograd.Function):
@@ -205,16 +192,14 @@ class ColumnParallelLinear(nn.Module):
         self.sequence_parallel, self.tp_group = sequence_parallel, tp_group
         init = init_method or init_method_normal()
         divide(output_size, world * stride, "output_size / stride")
-        self.weight = _sliced_weight(
+        self.weight = sliced_weight(
             (output_size, input_size), 0, tp_group, init, params_dtype, device, stride=stride
         )
         if bias:
             self.bias = nn.Parameter(
                 torch.zeros(self.output_size_per_partition, dtype=params_dtype, device=device)
             )
-            self.bias.tensor_model_parallel = world > 1
-            self.bias.partition_dim = 0
-            self.bias.partition_stride = stride
+            set_tensor_parallel(self.bias, 0, stride, world)
         else:
             self.register_parameter("bias", None)
 
@@ -264,13 +249,13 @@ class RowParallelLinear(nn.Module):
         self.input_is_parallel, self.skip_bias_add = input_is_parallel, skip_bias_add
         self.sequence_parallel, self.tp_group = sequence_parallel, tp_group
         init = init_method or init_method_normal()
-        self.weight = _sliced_weight(
+        self.weight = sliced_weight(
             (output_size, input_size), 1, tp_group, init, params_dtype, device
         )
         if bias:
             self.bias = nn.Parameter(torch.zeros(output_size, dtype=params_dtype, device=device))
             # Each rank sees only its sequence shard: the gradient needs a TP all-reduce.
-            self.bias.sequence_parallel = sequence_parallel
+            mark_sequence_parallel(self.bias, sequence_parallel)
         else:
             self.register_parameter("bias", None)
 
@@ -320,7 +305,7 @@ class VocabParallelEmbedding(nn.Module):
         )
         self.vocab_start, self.vocab_end = vocab_range(self.padded_num_embeddings, rank, world)
         self.sequence_parallel, self.tp_group = sequence_parallel, tp_group
-        self.weight = _sliced_weight(
+        self.weight = sliced_weight(
             (num_embeddings, embedding_dim),
             0,
             tp_group,
