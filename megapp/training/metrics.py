@@ -20,36 +20,32 @@ from typing import Any
 
 import torch
 
-# Dense 16-bit tensor-core peaks in TFLOP/s (vendor data sheets, SXM parts).
-_PEAK_16BIT_TFLOPS = (("H200", 989.0), ("H100", 989.0), ("A100", 312.0), ("B200", 2250.0))
+from megapp.training.flops import gpt_training_flops, peak_16bit_tflops
 
 
 def flops_per_iteration(args: Any, padded_vocab_size: int) -> float:
-    """Model FLOPs of one training iteration (forward and backward) of the global batch.
-
-    Per token and layer the forward pass multiplies: the query/key/value projection
-    ``2·h·(a·d + 2·g·d)``, scores and weighted values ``2·2·s·a·d``, the output projection
-    ``2·a·d·h``, the MLP ``2·2·h·f`` (``2·3·h·f`` with SwiGLU's gate), and once per token the
-    logits ``2·h·V``. Backward costs twice the forward, hence the factor 3.
-    """
-    h, s, f = args.hidden_size, args.seq_length, args.ffn_hidden_size
-    a, g = args.num_attention_heads, args.num_query_groups
-    d = args.kv_channels or h // a
-    attention = 2 * h * (a * d + 2 * g * d) + 4 * s * a * d + 2 * a * d * h
-    mlp = (6 if args.swiglu else 4) * h * f
-    per_token = args.num_layers * (attention + mlp) + 2 * h * padded_vocab_size
-    return 3.0 * per_token * s * args.global_batch_size
+    """Model FLOPs of one training iteration (forward and backward) of the global batch,
+    from the run's arguments; see :func:`megapp.training.flops.gpt_training_flops`."""
+    return gpt_training_flops(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups,
+        kv_channels=args.kv_channels or args.hidden_size // args.num_attention_heads,
+        swiglu=args.swiglu,
+        seq_length=args.seq_length,
+        vocab_size=padded_vocab_size,
+        tokens=args.seq_length * args.global_batch_size,
+    )
 
 
 def peak_tflops(device: torch.device, dtype: torch.dtype) -> float | None:
-    """The device's dense peak for ``dtype`` when known (16-bit on the listed GPUs), else None."""
+    """The device's dense peak for ``dtype`` when known (16-bit on the GPUs of
+    :data:`megapp.training.flops.GPU_PEAKS`), else None."""
     if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
         return None
-    name = torch.cuda.get_device_name(device)
-    for model, peak in _PEAK_16BIT_TFLOPS:
-        if model in name:
-            return peak
-    return None
+    return peak_16bit_tflops(torch.cuda.get_device_name(device))
 
 
 def perplexity(loss: float) -> float:
