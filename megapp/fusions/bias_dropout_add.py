@@ -28,6 +28,7 @@ from collections.abc import Sequence
 import torch
 from torch.autograd.function import FunctionCtx, once_differentiable
 
+from megapp.fusions.common import acc_dtype, check_bias, run_tier
 from megapp.fusions.extension import select_tier
 
 _OP = "bias_dropout_add"
@@ -136,20 +137,8 @@ def _check_inputs(x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Te
         raise ValueError(
             f"bias_dropout_add: x and residual dtypes differ: {x.dtype} vs {residual.dtype}"
         )
-    if bias is None:
-        return
-    if bias.dim() != 1 or x.shape[-1] != bias.shape[0]:
-        raise ValueError(
-            f"bias_dropout_add: bias must be [h] and x [..., h]; got x {tuple(x.shape)}, "
-            f"bias {tuple(bias.shape)}"
-        )
-    if x.dtype != bias.dtype:
-        raise ValueError(f"bias_dropout_add: x and bias dtypes differ: {x.dtype} vs {bias.dtype}")
-
-
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    # float32 math for low-precision inputs (as the kernels), float64 stays float64.
-    return torch.promote_types(dtype, torch.float32)
+    if bias is not None:
+        check_bias(_OP, x, bias)
 
 
 def _apply_mask(t: torch.Tensor, p: float, seed: int, offset: int) -> torch.Tensor:
@@ -176,7 +165,7 @@ def bias_dropout_add_reference(
     draws nothing (``seed`` is ignored).
     """
     _check_dropout_args(p, seed, offset)
-    acc = _acc_dtype(x.dtype)
+    acc = acc_dtype(x.dtype)
     z = x.to(acc)
     if bias is not None:
         z = z + bias.to(acc)
@@ -193,7 +182,7 @@ def bias_dropout_add_reference_backward(
     The residual's gradient is ``grad`` itself.
     """
     _check_dropout_args(p, seed, offset)
-    grad_x = _apply_mask(grad.to(_acc_dtype(grad.dtype)), p, seed, offset)
+    grad_x = _apply_mask(grad.to(acc_dtype(grad.dtype)), p, seed, offset)
     grad_bias = None
     if bias_grad:
         # Sum the unrounded grad_x, as the kernels do.
@@ -219,11 +208,10 @@ class BiasDropoutAddFunction(torch.autograd.Function):
         seed: int,
         offset: int,
     ) -> torch.Tensor:
-        tier = select_tier(_OP, x)
-        ctx.tier, ctx.p, ctx.seed, ctx.offset = tier, p, seed, offset
-        if tier == "reference":
-            return bias_dropout_add_reference(x, bias, residual, p, seed, offset)
-        return torch.ops.megapp.bias_dropout_add_fwd(x, bias, residual, p, seed, offset)
+        ctx.tier = select_tier(_OP, x)
+        ctx.p, ctx.seed, ctx.offset = p, seed, offset
+        args = (x, bias, residual, p, seed, offset)
+        return run_tier(ctx.tier, "bias_dropout_add_fwd", bias_dropout_add_reference, *args)
 
     @staticmethod
     @once_differentiable
@@ -232,10 +220,9 @@ class BiasDropoutAddFunction(torch.autograd.Function):
         grad_x = grad_bias = None
         if need_x or need_bias:
             args = (grad, ctx.p, ctx.seed, ctx.offset, need_bias)
-            if ctx.tier == "reference":
-                grad_x, grad_bias = bias_dropout_add_reference_backward(*args)
-            else:
-                grad_x, grad_bias = torch.ops.megapp.bias_dropout_add_bwd(*args)
+            grad_x, grad_bias = run_tier(
+                ctx.tier, "bias_dropout_add_bwd", bias_dropout_add_reference_backward, *args
+            )
         return (
             grad_x if need_x else None,
             grad_bias if need_bias else None,

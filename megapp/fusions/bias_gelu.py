@@ -13,6 +13,7 @@ import math
 import torch
 from torch.autograd.function import FunctionCtx, once_differentiable
 
+from megapp.fusions.common import acc_dtype, check_bias, run_tier
 from megapp.fusions.extension import select_tier
 
 _OP = "bias_gelu"
@@ -20,19 +21,8 @@ _BETA = math.sqrt(2.0 / math.pi)
 _KAPPA = 0.044715
 
 
-def _check_inputs(x: torch.Tensor, bias: torch.Tensor) -> None:
-    if bias.dim() != 1 or x.dim() == 0 or x.shape[-1] != bias.shape[0]:
-        raise ValueError(
-            f"bias_gelu: bias must be [h] and x [..., h]; got x {tuple(x.shape)}, "
-            f"bias {tuple(bias.shape)}"
-        )
-    if x.dtype != bias.dtype:
-        raise ValueError(f"bias_gelu: x and bias dtypes differ: {x.dtype} vs {bias.dtype}")
-
-
 def _acc(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    # float32 math for low-precision inputs (as the kernels), float64 stays float64.
-    dtype = torch.promote_types(x.dtype, torch.float32)
+    dtype = acc_dtype(x.dtype)
     return x.to(dtype) + bias.to(dtype)
 
 
@@ -71,12 +61,9 @@ class BiasGeLUFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: FunctionCtx, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-        tier = select_tier(_OP, x)
-        ctx.tier = tier
+        ctx.tier = select_tier(_OP, x)
         ctx.save_for_backward(x, bias)
-        if tier == "reference":
-            return bias_gelu_reference(x, bias)
-        return torch.ops.megapp.bias_gelu_fwd(x, bias)
+        return run_tier(ctx.tier, "bias_gelu_fwd", bias_gelu_reference, x, bias)
 
     @staticmethod
     @once_differentiable
@@ -84,10 +71,9 @@ class BiasGeLUFunction(torch.autograd.Function):
         ctx: FunctionCtx, grad: torch.Tensor
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         x, bias = ctx.saved_tensors
-        if ctx.tier == "reference":
-            grad_input, grad_bias = bias_gelu_reference_backward(grad, x, bias)
-        else:
-            grad_input, grad_bias = torch.ops.megapp.bias_gelu_bwd(grad, x, bias)
+        grad_input, grad_bias = run_tier(
+            ctx.tier, "bias_gelu_bwd", bias_gelu_reference_backward, grad, x, bias
+        )
         return (
             grad_input if ctx.needs_input_grad[0] else None,
             grad_bias if ctx.needs_input_grad[1] else None,
@@ -99,7 +85,7 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
 
     Uses the CUDA or CPU kernel when built and applicable, else the PyTorch reference.
     """
-    _check_inputs(x, bias)
+    check_bias(_OP, x, bias)
     return BiasGeLUFunction.apply(x, bias)
 
 

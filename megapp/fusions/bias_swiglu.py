@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import FunctionCtx, once_differentiable
 
+from megapp.fusions.common import acc_dtype, check_bias, run_tier
 from megapp.fusions.extension import select_tier
 
 _OP = "bias_swiglu"
@@ -27,20 +28,12 @@ def _check_inputs(x: torch.Tensor, bias: torch.Tensor | None) -> None:
             f"bias_swiglu: x must be [..., 2f] = [gate | up] with an even last dim; "
             f"got x {tuple(x.shape)}"
         )
-    if bias is None:
-        return
-    if bias.dim() != 1 or x.shape[-1] != bias.shape[0]:
-        raise ValueError(
-            f"bias_swiglu: bias must be [2f] and x [..., 2f]; got x {tuple(x.shape)}, "
-            f"bias {tuple(bias.shape)}"
-        )
-    if x.dtype != bias.dtype:
-        raise ValueError(f"bias_swiglu: x and bias dtypes differ: {x.dtype} vs {bias.dtype}")
+    if bias is not None:
+        check_bias(_OP, x, bias, "2f")
 
 
 def _acc_gate_up(x: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    # float32 math for low-precision inputs (as the kernels), float64 stays float64.
-    dtype = torch.promote_types(x.dtype, torch.float32)
+    dtype = acc_dtype(x.dtype)
     gate, up = x.to(dtype).chunk(2, dim=-1)
     if bias is not None:
         bias_gate, bias_up = bias.to(dtype).chunk(2)
@@ -93,12 +86,9 @@ class BiasSwiGLUFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: FunctionCtx, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        tier = select_tier(_OP, x)
-        ctx.tier = tier
+        ctx.tier = select_tier(_OP, x)
         ctx.save_for_backward(x, bias)
-        if tier == "reference":
-            return bias_swiglu_reference(x, bias)
-        return torch.ops.megapp.bias_swiglu_fwd(x, bias)
+        return run_tier(ctx.tier, "bias_swiglu_fwd", bias_swiglu_reference, x, bias)
 
     @staticmethod
     @once_differentiable
@@ -106,10 +96,9 @@ class BiasSwiGLUFunction(torch.autograd.Function):
         ctx: FunctionCtx, grad: torch.Tensor
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         x, bias = ctx.saved_tensors
-        if ctx.tier == "reference":
-            grad_input, grad_bias = bias_swiglu_reference_backward(grad, x, bias)
-        else:
-            grad_input, grad_bias = torch.ops.megapp.bias_swiglu_bwd(grad, x, bias)
+        grad_input, grad_bias = run_tier(
+            ctx.tier, "bias_swiglu_bwd", bias_swiglu_reference_backward, grad, x, bias
+        )
         return (
             grad_input if ctx.needs_input_grad[0] else None,
             grad_bias if ctx.needs_input_grad[1] else None,

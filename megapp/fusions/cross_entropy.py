@@ -22,15 +22,12 @@ from __future__ import annotations
 
 import torch
 
-
-def _acc_dtype(logits: torch.Tensor) -> torch.dtype:
-    # float32 math for low-precision logits (as the kernels), float64 stays float64.
-    return torch.promote_types(logits.dtype, torch.float32)
+from megapp.fusions.common import acc_dtype, run_tier
 
 
 def _shifted(logits: torch.Tensor, row_max: torch.Tensor, real: int) -> torch.Tensor:
     """``z − m`` over the real ids, ``[..., real]`` in the accumulation type."""
-    return logits[..., :real].to(_acc_dtype(logits)) - row_max.unsqueeze(-1)
+    return logits[..., :real].to(acc_dtype(logits.dtype)) - row_max.unsqueeze(-1)
 
 
 def _local_target(target: torch.Tensor, start: int, real: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -42,11 +39,10 @@ def _local_target(target: torch.Tensor, start: int, real: int) -> tuple[torch.Te
 
 def cross_entropy_fwd_max_reference(logits: torch.Tensor, real: int) -> torch.Tensor:
     """Row max over the real ids: ``[..., w]`` -> ``[...]`` float32 (float64 for float64)."""
+    acc = acc_dtype(logits.dtype)
     if real == 0:  # a shard of padding only
-        return torch.full(
-            logits.shape[:-1], float("-inf"), dtype=_acc_dtype(logits), device=logits.device
-        )
-    return logits[..., :real].amax(dim=-1).to(_acc_dtype(logits))  # a max is exact in any dtype
+        return torch.full(logits.shape[:-1], float("-inf"), dtype=acc, device=logits.device)
+    return logits[..., :real].amax(dim=-1).to(acc)  # a max is exact in any dtype
 
 
 def cross_entropy_fwd_sums_reference(
@@ -83,7 +79,7 @@ def cross_entropy_bwd_reference(
     vocab_size: int,
 ) -> torch.Tensor:
     """Gradient of the loss w.r.t. the logits shard, ``[..., w]`` in the logits' dtype."""
-    acc = _acc_dtype(logits)
+    acc = acc_dtype(logits.dtype)
     # The weights in double, rounded once to the accumulation type (as the kernels do).
     one_minus_eps = torch.tensor(1.0 - eps, dtype=acc, device=logits.device)
     eps_over_k = torch.tensor(eps / vocab_size, dtype=acc, device=logits.device)
@@ -100,9 +96,7 @@ def cross_entropy_bwd_reference(
 
 def cross_entropy_fwd_max(logits: torch.Tensor, real: int, tier: str) -> torch.Tensor:
     """:func:`cross_entropy_fwd_max_reference` in ``tier``."""
-    if tier == "reference":
-        return cross_entropy_fwd_max_reference(logits, real)
-    return torch.ops.megapp.cross_entropy_fwd_max(logits, real)
+    return run_tier(tier, "cross_entropy_fwd_max", cross_entropy_fwd_max_reference, logits, real)
 
 
 def cross_entropy_fwd_sums(
@@ -115,9 +109,8 @@ def cross_entropy_fwd_sums(
     tier: str,
 ) -> torch.Tensor:
     """:func:`cross_entropy_fwd_sums_reference` in ``tier``; target holds int64 global ids."""
-    if tier == "reference":
-        return cross_entropy_fwd_sums_reference(logits, target, row_max, start, real, smoothing)
-    return torch.ops.megapp.cross_entropy_fwd_sums(logits, target, row_max, start, real, smoothing)
+    args = (logits, target, row_max, start, real, smoothing)
+    return run_tier(tier, "cross_entropy_fwd_sums", cross_entropy_fwd_sums_reference, *args)
 
 
 def cross_entropy_bwd(
@@ -134,9 +127,7 @@ def cross_entropy_bwd(
 ) -> torch.Tensor:
     """:func:`cross_entropy_bwd_reference` in ``tier``."""
     args = (grad_loss, logits, target, row_max, log_z, start, real, eps, vocab_size)
-    if tier == "reference":
-        return cross_entropy_bwd_reference(*args)
-    return torch.ops.megapp.cross_entropy_bwd(*args)
+    return run_tier(tier, "cross_entropy_bwd", cross_entropy_bwd_reference, *args)
 
 
 __all__ = [

@@ -9,10 +9,10 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import FunctionCtx, once_differentiable
 
+from megapp.fusions.common import acc_dtype, run_tier
 from megapp.fusions.extension import select_tier
 from megapp.fusions.norm_common import (
     FusedNorm,
-    acc_dtype,
     check_inputs,
     check_memory_efficient,
     check_saving_mode,
@@ -101,12 +101,10 @@ def _stats(
     eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward's (mean, rstd) of x, recomputed bit for bit by the tier that computed them."""
-    if tier == "reference":
-        return layer_norm_reference_stats(x, eps)
-    if tier == "cpu":
-        return torch.ops.megapp.layer_norm_stats(x, eps)
-    # No statistics-only CUDA kernel: the forward kernel again (its y is dropped).
-    return torch.ops.megapp.layer_norm_fwd(x, weight, bias, eps)[1:]
+    if tier == "cuda":
+        # No statistics-only CUDA kernel: the forward kernel again (its y is dropped).
+        return torch.ops.megapp.layer_norm_fwd(x, weight, bias, eps)[1:]
+    return run_tier(tier, "layer_norm_stats", layer_norm_reference_stats, x, eps)
 
 
 class LayerNormFunction(torch.autograd.Function):
@@ -128,10 +126,8 @@ class LayerNormFunction(torch.autograd.Function):
         recompute_stats: bool = False,
     ) -> torch.Tensor:
         tier = select_tier(_LN, x)
-        if tier == "reference":
-            y, mean, rstd = layer_norm_reference_forward(x, weight, bias, eps)
-        else:
-            y, mean, rstd = torch.ops.megapp.layer_norm_fwd(x, weight, bias, eps)
+        args = (x, weight, bias, eps)
+        y, mean, rstd = run_tier(tier, "layer_norm_fwd", layer_norm_reference_forward, *args)
         ctx.tier, ctx.eps = tier, eps
         ctx.memory_efficient = memory_efficient
         ctx.recompute_stats = recompute_stats and not memory_efficient
@@ -154,14 +150,13 @@ class LayerNormFunction(torch.autograd.Function):
             mean, rstd = _stats(ctx.tier, saved, weight, bias, ctx.eps)
         else:
             saved, mean, rstd, weight, bias = ctx.saved_tensors
-        if ctx.tier == "reference":
-            grad_input, grad_weight, grad_bias = layer_norm_reference_backward(
-                grad, saved, weight, bias, mean, rstd, memory_efficient=ctx.memory_efficient
-            )
-        else:
-            grad_input, grad_weight, grad_bias = torch.ops.megapp.layer_norm_bwd(
-                grad, saved, mean, rstd, weight, bias, ctx.memory_efficient
-            )
+        # By name: the reference orders these unlike the kernel's schema.
+        named = dict(
+            mean=mean, rstd=rstd, weight=weight, bias=bias, memory_efficient=ctx.memory_efficient
+        )
+        grad_input, grad_weight, grad_bias = run_tier(
+            ctx.tier, "layer_norm_bwd", layer_norm_reference_backward, grad, saved, **named
+        )
         needs = ctx.needs_input_grad
         return (
             grad_input if needs[0] else None,

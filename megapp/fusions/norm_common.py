@@ -1,5 +1,5 @@
-"""Plumbing shared by the fused LayerNorm and RMSNorm: dtype rules, argument checks, x̂ from
-the output (the memory-efficient backward) and the modules' common base.
+"""Plumbing shared by the fused LayerNorm and RMSNorm: argument checks, x̂ from the output (the
+memory-efficient backward) and the modules' common base.
 
 See :mod:`megapp.fusions.norm` for what the norms compute and keep for backward.
 """
@@ -13,11 +13,6 @@ from torch import nn
 
 FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 LOW_PRECISION = (torch.bfloat16, torch.float16)
-
-
-def acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    """float32 math for low-precision inputs (as the kernels); float64 stays float64."""
-    return torch.promote_types(dtype, torch.float32)
 
 
 def check_inputs(

@@ -9,10 +9,10 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import FunctionCtx, once_differentiable
 
+from megapp.fusions.common import acc_dtype, run_tier
 from megapp.fusions.extension import select_tier
 from megapp.fusions.norm_common import (
     FusedNorm,
-    acc_dtype,
     check_inputs,
     check_memory_efficient,
     check_saving_mode,
@@ -74,12 +74,10 @@ def rms_norm_reference_backward(
 
 def _rstd(tier: str, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """The forward's rstd of x, recomputed bit for bit by the tier that computed it."""
-    if tier == "reference":
-        return rms_norm_reference_stats(x, eps)
-    if tier == "cpu":
-        return torch.ops.megapp.rms_norm_stats(x, eps)
-    # No statistics-only CUDA kernel: the forward kernel again (its y is dropped).
-    return torch.ops.megapp.rms_norm_fwd(x, weight, eps)[1]
+    if tier == "cuda":
+        # No statistics-only CUDA kernel: the forward kernel again (its y is dropped).
+        return torch.ops.megapp.rms_norm_fwd(x, weight, eps)[1]
+    return run_tier(tier, "rms_norm_stats", rms_norm_reference_stats, x, eps)
 
 
 class RMSNormFunction(torch.autograd.Function):
@@ -100,10 +98,7 @@ class RMSNormFunction(torch.autograd.Function):
         recompute_stats: bool = False,
     ) -> torch.Tensor:
         tier = select_tier(_RMS, x)
-        if tier == "reference":
-            y, rstd = rms_norm_reference_forward(x, weight, eps)
-        else:
-            y, rstd = torch.ops.megapp.rms_norm_fwd(x, weight, eps)
+        y, rstd = run_tier(tier, "rms_norm_fwd", rms_norm_reference_forward, x, weight, eps)
         ctx.tier, ctx.eps = tier, eps
         ctx.memory_efficient = memory_efficient
         ctx.recompute_stats = recompute_stats and not memory_efficient
@@ -121,14 +116,11 @@ class RMSNormFunction(torch.autograd.Function):
             rstd = _rstd(ctx.tier, saved, weight, ctx.eps)
         else:
             saved, rstd, weight = ctx.saved_tensors
-        if ctx.tier == "reference":
-            grad_input, grad_weight = rms_norm_reference_backward(
-                grad, saved, weight, rstd, memory_efficient=ctx.memory_efficient
-            )
-        else:
-            grad_input, grad_weight = torch.ops.megapp.rms_norm_bwd(
-                grad, saved, rstd, weight, ctx.memory_efficient
-            )
+        # By name: the reference orders these unlike the kernel's schema.
+        named = dict(rstd=rstd, weight=weight, memory_efficient=ctx.memory_efficient)
+        grad_input, grad_weight = run_tier(
+            ctx.tier, "rms_norm_bwd", rms_norm_reference_backward, grad, saved, **named
+        )
         needs = ctx.needs_input_grad
         return (
             grad_input if needs[0] else None,

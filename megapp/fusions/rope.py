@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import FunctionCtx, once_differentiable
 
+from megapp.fusions.common import acc_dtype, run_tier
 from megapp.fusions.extension import select_tier
 
 _OP = "rope"
@@ -76,8 +77,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def _rotate(x: torch.Tensor, freqs: torch.Tensor, backward: bool) -> torch.Tensor:
     rot_dim = freqs.shape[-1]
-    # float32 math for low-precision inputs (as the kernels), float64 stays float64.
-    dtype = torch.promote_types(x.dtype, torch.float32)
+    dtype = acc_dtype(x.dtype)
     angles = freqs.to(dtype)
     cos, sin = angles.cos(), angles.sin()
     x_rot = x[..., :rot_dim].to(dtype)
@@ -110,12 +110,9 @@ class RotaryPosEmbFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: FunctionCtx, x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-        tier = select_tier(_OP, x)
-        ctx.tier = tier
+        ctx.tier = select_tier(_OP, x)
         ctx.save_for_backward(freqs)
-        if tier == "reference":
-            return rope_reference(x, freqs)
-        return torch.ops.megapp.rope_fwd(x, freqs)
+        return run_tier(ctx.tier, "rope_fwd", rope_reference, x, freqs)
 
     @staticmethod
     @once_differentiable
@@ -123,9 +120,7 @@ class RotaryPosEmbFunction(torch.autograd.Function):
         (freqs,) = ctx.saved_tensors
         if not ctx.needs_input_grad[0]:
             return None, None
-        if ctx.tier == "reference":
-            return rope_reference_backward(grad, freqs), None
-        return torch.ops.megapp.rope_bwd(grad, freqs), None
+        return run_tier(ctx.tier, "rope_bwd", rope_reference_backward, grad, freqs), None
 
 
 def apply_rotary_pos_emb(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import FunctionCtx, once_differentiable
 
+from megapp.fusions.common import acc_dtype, run_tier
 from megapp.fusions.extension import select_tier
 
 _OP = "scaled_masked_softmax"
@@ -72,8 +73,7 @@ def scaled_masked_softmax_reference(
     mask: bool, broadcastable to ``scores`` (True = masked out) or None; causal adds the
     ``j > i + (sk − sq)`` mask. Fully masked rows give zeros. Differentiable.
     """
-    # float32 math for low-precision inputs (as the kernels), float64 stays float64.
-    dtype = torch.promote_types(scores.dtype, torch.float32)
+    dtype = acc_dtype(scores.dtype)
     z = scores.to(dtype) * scale
     masked = mask
     if causal:
@@ -95,7 +95,7 @@ def scaled_masked_softmax_reference_backward(
     grad: torch.Tensor, y: torch.Tensor, scale: float
 ) -> torch.Tensor:
     """Gradient of the scores from the output alone: ``scale · y · (dy − Σ dy · y)``."""
-    dtype = torch.promote_types(y.dtype, torch.float32)
+    dtype = acc_dtype(y.dtype)
     y_acc, dy = y.to(dtype), grad.to(dtype)
     dot = (dy * y_acc).sum(dim=-1, keepdim=True)
     return (scale * y_acc * (dy - dot)).to(y.dtype)
@@ -116,13 +116,10 @@ class ScaledMaskedSoftmaxFunction(torch.autograd.Function):
         scale: float,
         causal: bool,
     ) -> torch.Tensor:
-        tier = select_tier(_OP, scores)
-        ctx.tier = tier
+        ctx.tier = select_tier(_OP, scores)
         ctx.scale = scale
-        if tier == "reference":
-            y = scaled_masked_softmax_reference(scores, mask, scale, causal)
-        else:
-            y = torch.ops.megapp.scaled_masked_softmax_fwd(scores, mask, scale, causal)
+        args = (scores, mask, scale, causal)
+        y = run_tier(ctx.tier, "scaled_masked_softmax_fwd", scaled_masked_softmax_reference, *args)
         ctx.save_for_backward(y)
         return y
 
@@ -134,10 +131,10 @@ class ScaledMaskedSoftmaxFunction(torch.autograd.Function):
         (y,) = ctx.saved_tensors
         if not ctx.needs_input_grad[0]:
             return None, None, None, None
-        if ctx.tier == "reference":
-            grad_scores = scaled_masked_softmax_reference_backward(grad, y, ctx.scale)
-        else:
-            grad_scores = torch.ops.megapp.scaled_masked_softmax_bwd(grad, y, ctx.scale)
+        args = (grad, y, ctx.scale)
+        grad_scores = run_tier(
+            ctx.tier, "scaled_masked_softmax_bwd", scaled_masked_softmax_reference_backward, *args
+        )
         return grad_scores, None, None, None
 
 
