@@ -191,43 +191,10 @@ def layer_norm(
 
 
 class LayerNorm(FusedNorm):
-    """LayerNorm over the last dim of ``[..., hidden_size]`` with the fused kernels.
+    """LayerNorm over the last dim of ``[..., hidden_size]`` with the fused kernels; weight and
+    bias ``[hidden_size]``. Constructor arguments: see :class:`FusedNorm`."""
 
-    Args:
-        hidden_size: h, the normalized (last) dim.
-        eps: added to the variance.
-        memory_efficient: save the output instead of the input for backward (needs nonzero
-            weight entries; see :mod:`megapp.fusions.norm`).
-        recompute_stats: save the input without the per-row statistics; backward recomputes
-            them (not with ``memory_efficient``).
-        sequence_parallel: the input is a sequence shard ``[s/tp, b, h]``; sets the attribute
-            ``sequence_parallel`` on weight and bias, whose gradients then need an all-reduce
-            over the tensor-parallel group.
-        params_dtype: dtype of weight and bias (float32 also serves bf16/fp16 inputs).
-        device: where to create the parameters.
-    """
-
-    def __init__(
-        self,
-        hidden_size: int,
-        eps: float = 1e-5,
-        *,
-        memory_efficient: bool = False,
-        recompute_stats: bool = False,
-        sequence_parallel: bool = False,
-        params_dtype: torch.dtype = torch.float32,
-        device: torch.device | str | None = None,
-    ) -> None:
-        super().__init__(
-            hidden_size,
-            eps,
-            memory_efficient,
-            recompute_stats,
-            sequence_parallel,
-            params_dtype,
-            device,
-            with_bias=True,
-        )
+    has_bias = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x ``[..., hidden_size]`` -> ``[..., hidden_size]`` in x's dtype."""

@@ -1,5 +1,5 @@
 """Plumbing shared by the fused LayerNorm and RMSNorm: argument checks, x̂ from the output (the
-memory-efficient backward) and the modules' common base.
+memory-efficient backward) and the modules' common base with their one constructor.
 
 See :mod:`megapp.fusions.norm` for what the norms compute and keep for backward.
 """
@@ -7,6 +7,7 @@ See :mod:`megapp.fusions.norm` for what the norms compute and keep for backward.
 from __future__ import annotations
 
 import math
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -83,19 +84,36 @@ def xhat_from_output(
 
 
 class FusedNorm(nn.Module):
-    """Parameters and settings of :class:`~megapp.fusions.layer_norm.LayerNorm` and
-    :class:`~megapp.fusions.rms_norm.RMSNorm`; weight = 1, bias = 0 initially."""
+    """Constructor, parameters and settings of :class:`~megapp.fusions.layer_norm.LayerNorm` and
+    :class:`~megapp.fusions.rms_norm.RMSNorm`, which differ in ``has_bias`` and their forward.
+
+    Args:
+        hidden_size: h, the normalized (last) dim; weight (and bias) are ``[h]``, initially 1
+            (and 0).
+        eps: added to the variance (LayerNorm) or the mean square (RMSNorm).
+        memory_efficient: save the output instead of the input for backward (needs nonzero
+            weight entries; see :mod:`megapp.fusions.norm`).
+        recompute_stats: save the input without the per-row statistics; backward recomputes
+            them (not with ``memory_efficient``).
+        sequence_parallel: the input is a sequence shard ``[s/tp, b, h]``; sets the attribute
+            ``sequence_parallel`` on the parameters, whose gradients then need an all-reduce
+            over the tensor-parallel group.
+        params_dtype: dtype of the parameters (float32 also serves bf16/fp16 inputs).
+        device: where to create the parameters.
+    """
+
+    has_bias: ClassVar[bool]
 
     def __init__(
         self,
         hidden_size: int,
-        eps: float,
-        memory_efficient: bool,
-        recompute_stats: bool,
-        sequence_parallel: bool,
-        params_dtype: torch.dtype,
-        device: torch.device | str | None,
-        with_bias: bool,
+        eps: float = 1e-5,
+        *,
+        memory_efficient: bool = False,
+        recompute_stats: bool = False,
+        sequence_parallel: bool = False,
+        params_dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(hidden_size, int) or hidden_size <= 0:
@@ -107,7 +125,7 @@ class FusedNorm(nn.Module):
         self.sequence_parallel = sequence_parallel
         factory = dict(dtype=params_dtype, device=device)
         self.weight = nn.Parameter(torch.empty(hidden_size, **factory))
-        if with_bias:
+        if self.has_bias:
             self.bias = nn.Parameter(torch.empty(hidden_size, **factory))
         else:
             self.register_parameter("bias", None)

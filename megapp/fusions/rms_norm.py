@@ -153,32 +153,10 @@ def rms_norm(
 
 
 class RMSNorm(FusedNorm):
-    """RMSNorm over the last dim of ``[..., hidden_size]`` with the fused kernels.
+    """RMSNorm over the last dim of ``[..., hidden_size]`` with the fused kernels; weight
+    ``[hidden_size]``, no bias. Constructor arguments: see :class:`FusedNorm`."""
 
-    Same arguments as :class:`LayerNorm`; there is no bias.
-    """
-
-    def __init__(
-        self,
-        hidden_size: int,
-        eps: float = 1e-5,
-        *,
-        memory_efficient: bool = False,
-        recompute_stats: bool = False,
-        sequence_parallel: bool = False,
-        params_dtype: torch.dtype = torch.float32,
-        device: torch.device | str | None = None,
-    ) -> None:
-        super().__init__(
-            hidden_size,
-            eps,
-            memory_efficient,
-            recompute_stats,
-            sequence_parallel,
-            params_dtype,
-            device,
-            with_bias=False,
-        )
+    has_bias = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x ``[..., hidden_size]`` -> ``[..., hidden_size]`` in x's dtype."""
