@@ -1,13 +1,17 @@
 """Point-to-point transport between pipeline ranks.
 
-A :class:`Transport` posts one batch of sends and receives (``batch_isend_irecv``,
-one NCCL group) in the order the plan gives, so every channel stays
-FIFO-consistent, and waits for its receives; the runner lets the sends finish
-in the background. On gloo the runner also posts a step's receives one step
-early (:attr:`Transport.is_gloo`). Activation shapes are either declared up front
-or negotiated: each activation is preceded by a small header (number of
-tensors, dtypes, shapes) exchanged in its own batch on a second process group
-over the same ranks, so headers never interleave with data on one channel.
+A :class:`Transport` posts one step's sends and receives in the order the plan
+gives, so every channel stays FIFO-consistent: on NCCL as one batch
+(``batch_isend_irecv``, one NCCL group), on gloo each message on its own
+(:attr:`Transport.posts_batches`). The runner waits for the receives and lets
+the sends finish in the background; on gloo it also posts a step's receives
+one step early (:attr:`Transport.posts_receives_early`) and learns that a send
+is done from the plan rather than from the send
+(:attr:`Transport.sends_report_completion`). Activation shapes are either
+declared up front or negotiated: each activation is preceded by a small header
+(number of tensors, dtypes, shapes) exchanged in its own batch on a second
+process group over the same ranks, so headers never interleave with data on
+one channel.
 """
 
 from __future__ import annotations
@@ -144,8 +148,26 @@ class Transport:
         self.meta_group  # noqa: B018 (creates the twin group now, not mid-schedule)
 
     @functools.cached_property
-    def is_gloo(self) -> bool:
-        """Whether the group runs on gloo, where receives are posted ahead of their step.
+    def backend(self) -> str | None:
+        """The group's backend (``"gloo"``, ``"nccl"``, ...), ``None`` without torch.distributed."""
+        if not dist.is_initialized():
+            return None
+        return dist.get_backend(self.group if self.group is not None else dist.group.WORLD)
+
+    @property
+    def posts_batches(self) -> bool:
+        """Whether a step's messages go out as one ``batch_isend_irecv`` (one NCCL group).
+
+        On NCCL a lone send posted while the peer is itself sending would deadlock, so
+        both directions are posted in one group. gloo has no groups to form: each message
+        is posted on its own, in the batch's order, which costs half of
+        ``batch_isend_irecv``'s bookkeeping.
+        """
+        return self.backend != "gloo"
+
+    @property
+    def posts_receives_early(self) -> bool:
+        """Whether the runner posts a step's receives while the step before it finishes.
 
         gloo writes a message only once its receiver has posted the receive (the receiver
         notifies the sender, then the data follows), so a receive posted just before it is
@@ -154,16 +176,19 @@ class Transport:
         direction queue separately and posting never blocks, and receives on each channel
         keep their order, so FIFO matching is unchanged. On NCCL a lone receive would hold
         the pair's stream and block the sends posted after it, so receives stay in their
-        step's batch there. gloo has no batches either: each message is posted on its own,
-        in the batch's order, which costs half of ``batch_isend_irecv``'s bookkeeping. And a
-        gloo send reports completion only once waited for, so the runner learns that a send
-        is done from the plan (:func:`~megapp.pipeline_parallel.plan.delivered_sends`), not
-        by polling it.
+        step's batch there.
         """
-        if not dist.is_initialized():
-            return False
-        group = self.group if self.group is not None else dist.group.WORLD
-        return dist.get_backend(group) == "gloo"
+        return self.backend == "gloo"
+
+    @property
+    def sends_report_completion(self) -> bool:
+        """Whether a send's request says it is complete before anyone waits for it.
+
+        A gloo send reports completion only once waited for, so there the runner learns
+        that a send is done from the plan
+        (:func:`~megapp.pipeline_parallel.plan.delivered_sends`), not by polling it.
+        """
+        return self.backend != "gloo"
 
     def post(
         self,
@@ -172,7 +197,8 @@ class Transport:
         group: dist.ProcessGroup | None = None,
     ) -> Posted:
         """Post sends of each ``(peer, tensors)`` and receives of each ``(peer, specs)`` as
-        one batch, in that order; peers are ranks within the pipeline group."""
+        one batch (see :attr:`posts_batches`), in that order; peers are ranks within the
+        pipeline group."""
         group = group or self.group
         ops, received = [], []
         for peer, tensors in sends:
@@ -184,10 +210,10 @@ class Transport:
             received.append(buffers)
         if not ops:
             requests = []
-        elif self.is_gloo:  # gloo: no groups to form, post one by one in this order
-            requests = [op.op(op.tensor, op.peer, op.group) for op in ops]
-        else:
+        elif self.posts_batches:
             requests = dist.batch_isend_irecv(ops)
+        else:  # one by one, in this order
+            requests = [op.op(op.tensor, op.peer, op.group) for op in ops]
         per_send, start = [], 0
         for _, tensors in sends:
             per_send.append(requests[start : start + len(tensors)])

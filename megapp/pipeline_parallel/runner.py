@@ -190,7 +190,7 @@ class StageRunner:
             before = f"before {step.action}" if step.action else "at the end of the iteration"
             what = [f"send of the {m}" for m in step.sends]
             what += [f"receive of the {m}" for m in step.recvs]
-            if upcoming is not None and self.transport.is_gloo:
+            if upcoming is not None and self.transport.posts_receives_early:
                 what += [f"receive of the {m} (posted ahead)" for m in upcoming.recvs]
             raise CollectiveError(
                 f"rank {dist.get_rank()}: pipeline rank {self.stage} {before} failed waiting "
@@ -209,7 +209,7 @@ class StageRunner:
             recvs = [(self._peer(m), s) for m, s in zip(step.recvs, specs, strict=True)]
             posted = self.transport.post(sends, recvs)
             received, recv_requests = posted.received, posted.recvs
-        if upcoming is not None and upcoming.recvs and self.transport.is_gloo:
+        if upcoming is not None and upcoming.recvs and self.transport.posts_receives_early:
             ahead = self._specs_ahead(upcoming)
             if ahead is not None:
                 peers = [self._peer(m) for m in upcoming.recvs]
@@ -227,7 +227,7 @@ class StageRunner:
         """Finish the sends known to be done and free their activations' storage: those the
         plan proves delivered and, where the transport can tell (NCCL), those complete."""
         done = list(delivered)
-        if not self.transport.is_gloo:  # gloo's sends report completion only once waited for
+        if self.transport.sends_report_completion:
             done += [
                 m
                 for m, (requests, _) in self.sending.items()
