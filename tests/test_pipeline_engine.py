@@ -272,7 +272,7 @@ def test_recorded_timeline_follows_the_schedule():
 
 
 def test_sent_activation_storage_is_dropped_only_when_backward_does_not_need_it():
-    from megapp.pipeline_parallel.runner import SavedStorages
+    from megapp.pipeline_parallel.activation_storage import SavedStorages
 
     w = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
     x = torch.randn(3, 4, dtype=torch.float64)
@@ -330,10 +330,10 @@ def test_gloo_posts_receives_one_step_ahead(declared):
     seen = []  # (kinds of the step's receives, whether they were already posted)
     original = StageRunner._communicate
 
-    def spy(self, index, step, upcoming):
+    def spy(self, step, upcoming, delivered):
         if step.recvs:
-            seen.append(({m.op for m in step.recvs}, self.early is not None))
-        return original(self, index, step, upcoming)
+            seen.append(({m.op for m in step.recvs}, self.early.posted is not None))
+        return original(self, step, upcoming, delivered)
 
     StageRunner._communicate = spy
     try:
@@ -363,18 +363,22 @@ def test_sent_activations_are_freed_during_the_iteration(schedule, v, m):
     from megapp.pipeline_parallel.runner import StageRunner
 
     held = []  # after every forward: sent outputs whose storage is still there
-    original = StageRunner.forward
+    original = StageRunner.act
 
     def spy(self, action):
         original(self, action)
-        alive = [t for _, dropped in self.sending.values() for t in dropped if t.numel() > 1]
-        held.append(len(alive) + len(self.droppable))
+        if action.op is not Op.FORWARD:
+            return
+        pending = self.sends.pending.values()
+        alive = [t for _, droppable in pending for t in droppable if t.numel() > 1]
+        unposted = [msg for msg in self.compute.outbox if msg.op is Op.FORWARD]
+        held.append(len(alive) + len(unposted))
 
-    StageRunner.forward = spy
+    StageRunner.act = spy
     try:
         result, _, reference, batches, stage = _run(4, v, m, schedule)
     finally:
-        StageRunner.forward = original
+        StageRunner.act = original
     torch.testing.assert_close(
         result.loss.double(), _reference(reference, batches), rtol=1e-6, atol=0
     )

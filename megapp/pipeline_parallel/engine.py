@@ -1,9 +1,11 @@
 """Run any pipeline schedule on real processes.
 
 The engine walks this rank's steps of the communication plan
-(:mod:`megapp.pipeline_parallel.plan`): post the step's batch of sends and
-receives, wait for it, run the step's forward or backward. Which tensors go
-where follows from the schedule; the engine holds no schedule-specific code.
+(:mod:`megapp.pipeline_parallel.plan`) through a
+:class:`~megapp.pipeline_parallel.runner.StageRunner`: post the step's sends
+and receives, wait for the receives, run the step's action; sends finish in
+the background. Which tensors go where follows from the schedule; the engine
+holds no schedule-specific code.
 
 The user's ``forward_step_func(data_iterator, model_chunk, inputs)`` runs one
 microbatch through one chunk. ``inputs`` is ``None`` on the first virtual
@@ -26,9 +28,10 @@ import torch.distributed as dist
 from torch import nn
 
 from megapp import comm
+from megapp.pipeline_parallel.compute import ForwardStepFunc, PipelineHooks
 from megapp.pipeline_parallel.p2p import TensorSpec, Transport
 from megapp.pipeline_parallel.plan import Message, Step, communication_plan, delivered_sends
-from megapp.pipeline_parallel.runner import ForwardStepFunc, PipelineHooks, StageRunner
+from megapp.pipeline_parallel.runner import StageRunner
 from megapp.pipeline_parallel.schedules import Schedule, build_schedule
 from megapp.pipeline_parallel.simulate import Event
 
@@ -79,7 +82,8 @@ def forward_backward(
     Args:
         forward_step_func: ``(data_iterator, model_chunk, inputs) -> (output, loss_func)``.
         data_iterator: one iterator, or one per model chunk.
-        model_chunks: this rank's model chunk(s); chunk ``c`` is virtual stage ``c·p + rank``.
+        model_chunks: this rank's model chunk(s); chunk ``c`` runs the virtual stage the
+            schedule places there (``c·p + rank`` for the schedules built here).
         num_microbatches: microbatches per iteration.
         schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved-1f1b"`` or a :class:`Schedule`;
             default 1f1b, or interleaved-1f1b with several chunks.
@@ -108,7 +112,7 @@ def forward_backward(
         iterators = [data_iterator] * len(chunks)
     distributed = dist.is_available() and dist.is_initialized()
     p = dist.get_world_size(pp_group) if distributed else 1
-    stage = dist.get_rank(pp_group) if distributed else 0
+    pp_rank = dist.get_rank(pp_group) if distributed else 0
     if isinstance(schedule, Schedule):
         sched = schedule
         if (sched.num_stages, sched.num_microbatches, sched.num_chunks) != (
@@ -143,7 +147,7 @@ def forward_backward(
 
     def on_wait(start: float, end: float) -> None:
         if record and runner is not None:
-            runner.events.append(Event(stage, "wait", "p2p", start - origin, end - origin))
+            runner.events.append(Event(pp_rank, "wait", "p2p", start - origin, end - origin))
 
     transport = Transport(
         pp_group if distributed else None,
@@ -153,33 +157,34 @@ def forward_backward(
     )
     if distributed and p > 1 and tensor_shapes is None:
         transport.prepare()
+    hooks = hooks or PipelineHooks()
     runner = StageRunner(
-        sched,
-        stage,
-        forward_step_func,
-        iterators,
-        chunks,
-        transport,
+        schedule=sched,
+        pp_rank=pp_rank,
+        transport=transport,
+        forward_step_func=forward_step_func,
+        iterators=iterators,
+        chunks=chunks,
         tensor_shapes=tensor_shapes,
-        hooks=hooks or PipelineHooks(),
+        hooks=hooks,
         clock=clock,
     )
     plan, delivered = _plan(sched)
-    runner.run(plan[stage], delivered[stage])
-    if not forward_only and runner.hooks.post_backward is not None:
-        runner.hooks.post_backward()
+    runner.run(plan[pp_rank], delivered[pp_rank])
+    if not forward_only and hooks.post_backward is not None:
+        hooks.post_backward()
 
     # Every rank reports the loss: the last stage's mean, summed over the pipeline group.
-    holds_loss = stage == sched.rank_of(sched.num_virtual_stages - 1)
+    holds_loss = pp_rank == sched.rank_of(sched.num_virtual_stages - 1)
     loss = torch.zeros((), dtype=torch.float32, device=device)
     if holds_loss:
-        loss += torch.stack(runner.losses).float().mean()
+        loss += torch.stack(runner.compute.losses).float().mean()
     if distributed and p > 1:
         comm.all_reduce(loss, pp_group)
     return PipelineResult(
         loss=loss,
-        microbatch_losses=runner.losses,
-        peak_in_flight=runner.peak,
+        microbatch_losses=runner.compute.losses,
+        peak_in_flight=runner.compute.peak,
         events=runner.events if record else [],
     )
 
