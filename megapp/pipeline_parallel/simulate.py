@@ -1,12 +1,17 @@
 """Run a schedule's communication plan against a cost model, without processes.
 
 The simulator walks every rank's plan (:mod:`megapp.pipeline_parallel.plan`)
-exactly as the engine does: post a batch of sends and receives, wait until
-every message in it has met its peer, run the action. It returns every rank's
-timeline, the makespan, the bubble fraction and the peak number of
-microbatch activations each rank holds. A schedule whose ranks would wait on
-each other forever raises :class:`ScheduleError` naming what each stuck rank
-waits for.
+conservatively: a rank posts a step's sends and receives when it reaches the
+step, and the step's action starts once every message of the step, sends
+included, has met its peer (as if sends blocked), plus ``p2p_latency`` from
+the later of the two postings. The engine waits for less: only for a step's
+receives (sends finish in the background), and on gloo it posts receives a
+step early; so a plan that completes here cannot deadlock in the engine.
+Header negotiation and the engine's own cost per message are not modelled.
+It returns every rank's timeline, the makespan, the bubble fraction and the
+peak number of microbatches whose activations each rank holds (forwards whose
+backward has not run). A schedule whose ranks would wait on each other
+forever raises :class:`ScheduleError` naming what each stuck rank waits for.
 """
 
 from __future__ import annotations
