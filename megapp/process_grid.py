@@ -6,8 +6,13 @@ tensor-parallel neighbours are consecutive ranks (same node, NVLink) and the
 pipeline dimension varies slowest (across nodes), as in Megatron-LM.
 
 Nothing here touches ``torch.distributed``: every group, coordinate and
-neighbour is rank arithmetic and can be tested without processes. New
-dimensions (context or expert parallel) only need a size in ``dims``.
+neighbour is rank arithmetic and can be tested without processes. A new
+dimension takes more than a size in ``dims``: context parallel would need a
+constructor argument, an entry in ``DIMENSION_NAMES`` (so every ``order`` must
+name it), its share divided out of dp in ``__post_init__``, its place in the
+composite groups (Megatron reduces gradients over dp × cp) and a column in
+:meth:`ProcessGrid.describe`; expert parallel splits the data-parallel ranks
+differently for expert layers, so it needs a second grid over the same ranks.
 """
 
 from __future__ import annotations
