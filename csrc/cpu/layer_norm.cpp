@@ -126,12 +126,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_bwd(
     const at::Tensor& rstd_in, const at::Tensor& weight_in,
     const std::optional<at::Tensor>& bias_in, bool memory_efficient) {
   const char* op = "layer_norm_bwd";
-  check_norm_bwd(op, grad_in, saved_in, rstd_in, weight_in, bias_in, at::kCPU);
-  TORCH_CHECK(memory_efficient || mean_in.has_value(), op,
-              ": mean is required unless memory_efficient=True");
-  if (!memory_efficient) {
-    check_norm_stat(op, "mean", *mean_in, saved_in, saved_in.numel() / weight_in.numel());
-  }
+  check_layer_norm_bwd(op, grad_in, saved_in, mean_in, rstd_in, weight_in, bias_in,
+                       memory_efficient, at::kCPU);
   const at::Tensor grad = grad_in.contiguous();
   const at::Tensor saved = saved_in.contiguous();
   const at::Tensor rstd = rstd_in.contiguous();

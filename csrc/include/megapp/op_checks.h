@@ -265,6 +265,18 @@ inline void check_norm_bwd(const char* op, const at::Tensor& grad, const at::Ten
   check_norm_stat(op, "rstd", rstd, saved, saved.numel() / weight.numel());
 }
 
+// LayerNorm's backward: the shared arguments and, unless memory_efficient (which saves y and
+// no mean), the per-row mean.
+inline void check_layer_norm_bwd(const char* op, const at::Tensor& grad, const at::Tensor& saved,
+                                 const std::optional<at::Tensor>& mean, const at::Tensor& rstd,
+                                 const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                                 bool memory_efficient, c10::DeviceType device) {
+  check_norm_bwd(op, grad, saved, rstd, weight, bias, device);
+  TORCH_CHECK(memory_efficient || mean.has_value(), op,
+              ": mean is required unless memory_efficient=True");
+  if (!memory_efficient) check_norm_stat(op, "mean", *mean, saved, saved.numel() / weight.numel());
+}
+
 // x of the norms' *_stats ops (which recompute the forward's statistics).
 inline void check_norm_stats_input(const char* op, const at::Tensor& x, double eps,
                                    c10::DeviceType device) {
