@@ -22,6 +22,7 @@ _KAPPA = 0.044715
 
 
 def _acc(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """``x + bias``, ``[..., h]``, in the accumulation dtype."""
     dtype = acc_dtype(x.dtype)
     return x.to(dtype) + bias.to(dtype)
 
