@@ -1,14 +1,27 @@
-"""The correctness guard of tools/bench_gpt.py: the plain-PyTorch GPT it times megapp against
+"""tools/bench_gpt.py: the correctness guard (the plain-PyTorch GPT it times megapp against
 computes the same loss and gradients as GPTModel from the same weights, and the guard notices
-when it does not."""
+when it does not), a run of the tool end to end with a toy model, and its MFU measurement on
+the CPU."""
 
 from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from megapp.models import GPTConfig, GPTModel
 from tools.plain_gpt import PlainGPT, compare, megapp_qkv_to_plain, plain_qkv_to_megapp
+
+ROOT = Path(__file__).resolve().parents[1]
+# l 2, h 32, 4 heads, s 16, V 64: per token 2·(6144 + 2048 + 2048 + 16384) + 4096 = 57344
+# forward FLOPs (see tests/test_flops.py for the terms), × 3 for the training step.
+TOY = dict(layers=2, hidden=32, heads=4, seq=16, vocab=64)
+TOY_FLOPS_PER_TOKEN = 3 * 57344
 
 
 def _config(dtype: torch.dtype, **overrides) -> GPTConfig:
@@ -70,3 +83,44 @@ def test_qkv_reordering_round_trips_and_unsupported_configs_fail():
     assert torch.equal(plain_qkv_to_megapp(plain, 4), rows)
     with pytest.raises(ValueError, match="cannot mirror"):
         PlainGPT.from_megapp(GPTModel(_config(torch.float32, activation="swiglu")))
+
+
+def test_the_tool_runs_overhead_and_layouts_end_to_end(tmp_path):
+    out = tmp_path / "bench_gpt.json"
+    command = [
+        sys.executable, str(ROOT / "tools" / "bench_gpt.py"),
+        *(x for k, v in TOY.items() for x in (f"--{k}", str(v))),
+        *("--batch", "4", "--repeats", "2", "--warmup", "1", "--target", "1e9"),
+        *("--no-reference-tier", "--no-ablation", "--layouts", "1,1,2,-"),
+        *("--global-batch", "4", "--micro-batch", "2", "--iters", "1", "--warmup-iters", "0"),
+        *("--json", str(out)),
+    ]  # fmt: skip
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert done.stdout.startswith("$ python ") and "\nsources: commit " in done.stdout
+    report = json.loads(out.read_text())
+    overhead = report["overhead"]
+    assert set(overhead["median_ms"]) == {"megapp", "stack", "plain"}
+    assert overhead["flops_per_step"] == 4 * 16 * TOY_FLOPS_PER_TOKEN
+    agreement = overhead["agreement"]
+    assert agreement["max_grad_rel"] <= agreement["tolerance"]
+    (layout,) = report["layouts"]
+    assert layout["ranks"] == 2 and len(layout["times_s"]) == 1
+    # The same model and batch on two pipeline stages: the guarded single-process loss.
+    assert layout["first_loss"] == pytest.approx(agreement["loss"], rel=1e-5)
+
+
+def test_mfu_measurement_on_the_cpu():
+    sys.path.insert(0, str(ROOT / "tools"))
+    from gpt_mfu import throughput  # a sibling of bench_gpt.py, as the tool imports it
+
+    args = argparse.Namespace(
+        **TOY, batch=2, global_batch=4, micro_batch=2, iters=2, warmup_iters=1
+    )
+    r = throughput(args, torch.device("cpu"), torch.float32, peak=1.0)
+    assert r["flops_per_iteration"] == 4 * 16 * TOY_FLOPS_PER_TOKEN
+    assert r["tflops_per_device"] == pytest.approx(
+        r["flops_per_iteration"] / r["iteration_s"] / 1e12
+    )
+    assert r["mfu"] == pytest.approx(r["tflops_per_device"])  # against a 1 TFLOP/s peak
+    assert len(r["times_s"]) == 2 and r["max_memory_allocated_gib"] is None
