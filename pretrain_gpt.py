@@ -13,7 +13,6 @@ forward step with its loss, and the datasets provider; the loop itself is
 
 from __future__ import annotations
 
-import argparse
 import functools
 import os
 import sys
@@ -32,61 +31,51 @@ from megapp.data import (
     get_batch,
     parse_data_path,
 )
-from megapp.models import GPTConfig, GPTModel, build_gpt_chunks
+from megapp.models import GPTModel, build_gpt_chunks
+from megapp.parallel_state import TrainGroups
+from megapp.tensor_parallel.utils import pad_vocab_size
 from megapp.training.arguments import (
     ArgumentsError,
     exit_after_failure,
     exit_with_error,
     parse_args,
 )
+from megapp.training.config import PretrainConfig
+from megapp.training.flops import gpt_training_flops
 from megapp.training.pretrain import pretrain
-from megapp.training.step import TrainGroups
 
 
-def model_provider(args: argparse.Namespace, groups: TrainGroups) -> list[GPTModel]:
+def model_provider(
+    config: PretrainConfig, groups: TrainGroups, *, vocab_size: int
+) -> list[GPTModel]:
     """This rank's GPT chunks for the current (virtual) pipeline position."""
-    try:
-        config = _gpt_config(args)
-    except ValueError as error:
-        raise ArgumentsError(f"model settings: {error}") from error
     return build_gpt_chunks(
-        config,
+        config.gpt_config(vocab_size),
         pp_rank=ps.get_pipeline_model_parallel_rank(),
-        pp_size=args.pipeline_model_parallel_size,
-        vpp_size=args.virtual_pipeline_model_parallel_size,
+        pp_size=config.parallel.pipeline_model_parallel_size,
+        vpp_size=config.virtual_pipeline_model_parallel_size,
         tp_group=groups.tp,
-        seed=args.seed,
+        seed=config.training.seed,
     )
 
 
-def _gpt_config(args: argparse.Namespace) -> GPTConfig:
-    return GPTConfig(
-        num_layers=args.num_layers,
-        hidden_size=args.hidden_size,
-        ffn_hidden_size=args.ffn_hidden_size,
-        num_attention_heads=args.num_attention_heads,
-        num_query_groups=args.num_query_groups,
-        kv_channels=args.kv_channels,
-        hidden_dropout=args.hidden_dropout,
-        attention_dropout=args.attention_dropout,
-        activation="swiglu" if args.swiglu else "gelu",
-        add_bias_linear=not args.disable_bias_linear,
-        normalization=args.normalization,
-        layernorm_epsilon=args.norm_epsilon,
-        position_embedding_type=args.position_embedding_type,
-        rotary_base=args.rotary_base,
-        attention_backend=args.attention_backend,
-        init_method_std=args.init_method_std,
-        recompute_granularity=args.recompute_granularity,
-        recompute_method=args.recompute_method,
-        recompute_num_layers=args.recompute_num_layers,
-        tensor_model_parallel_size=args.tensor_model_parallel_size,
-        sequence_parallel=args.sequence_parallel,
-        params_dtype=args.params_dtype,
-        vocab_size=args.vocab_size,
-        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-        max_position_embeddings=args.max_position_embeddings,
-        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+def flops_per_iteration(config: PretrainConfig, vocab_size: int) -> float:
+    """Model FLOPs of one iteration of the global batch (what the log's TFLOP/s counts)."""
+    gpt = config.gpt_config(vocab_size)
+    seq = config.model.seq_length
+    return gpt_training_flops(
+        num_layers=gpt.num_layers,
+        hidden_size=gpt.hidden_size,
+        ffn_hidden_size=gpt.ffn_hidden_size,
+        num_attention_heads=gpt.num_attention_heads,
+        num_query_groups=gpt.num_query_groups,
+        kv_channels=gpt.kv_channels,
+        swiglu=gpt.activation == "swiglu",
+        seq_length=seq,
+        vocab_size=pad_vocab_size(
+            vocab_size, gpt.tensor_model_parallel_size, gpt.make_vocab_size_divisible_by
+        ),
+        tokens=seq * config.training.global_batch_size,
     )
 
 
@@ -121,20 +110,22 @@ def forward_step(
     return output, functools.partial(loss_func, batch["loss_mask"])
 
 
-def default_corpus_prefix(args: argparse.Namespace) -> str:
-    root = args.data_cache_path or os.path.join(os.path.expanduser("~"), ".cache", "megapp")
-    return os.path.join(root, "default_corpus", f"stdlib_{args.tokenizer_type}")
+def default_corpus_prefix(config: PretrainConfig) -> str:
+    data = config.data
+    root = data.data_cache_path or os.path.join(os.path.expanduser("~"), ".cache", "megapp")
+    return os.path.join(root, "default_corpus", f"stdlib_{data.tokenizer_type}")
 
 
-def datasets_provider(args: argparse.Namespace, num_samples, *, tokenizer):
+def datasets_provider(config: PretrainConfig, num_samples, *, tokenizer):
     """Train, valid and test GPT datasets from ``--data-path`` or the default corpus
     (tokenized with ``tokenizer``)."""
-    if args.use_default_corpus:
-        data_path = [build_default_corpus(default_corpus_prefix(args), tokenizer)]
+    data = config.data
+    if data.use_default_corpus:
+        data_path = [build_default_corpus(default_corpus_prefix(config), tokenizer)]
         if dist.get_rank() == 0:
             print(f" > default corpus: {data_path[0]}.bin/.idx", flush=True)
     else:
-        data_path = args.data_path
+        data_path = data.data_path
         for prefix in parse_data_path(data_path)[0]:
             if not IndexedDataset.exists(prefix):
                 raise ArgumentsError(
@@ -142,44 +133,46 @@ def datasets_provider(args: argparse.Namespace, num_samples, *, tokenizer):
                     "with tools/preprocess_data.py or train on --use-default-corpus"
                 )
     try:
-        check_token_ids(parse_data_path(data_path)[0], tokenizer.vocab_size, args.data_cache_path)
+        check_token_ids(parse_data_path(data_path)[0], tokenizer.vocab_size, data.data_cache_path)
         return build_train_valid_test_datasets(
             data_path,
-            args.split,
+            data.split,
             num_samples,
-            args.seq_length,
-            args.seed,
-            cache_dir=args.data_cache_path,
+            config.model.seq_length,
+            config.training.seed,
+            cache_dir=data.data_cache_path,
         )
     except (ValueError, OSError) as error:
         raise ArgumentsError(f"--data-path: {error}") from error
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
+    config = parse_args(argv)
+    prog = os.path.basename(sys.argv[0])
     try:
+        data = config.data
         try:
             tokenizer = build_tokenizer(
-                args.tokenizer_type, args.vocab_file, args.merge_file, args.tokenizer_model
+                data.tokenizer_type, data.vocab_file, data.merge_file, data.tokenizer_model
             )
         except (ValueError, OSError) as error:
-            raise ArgumentsError(f"--tokenizer-type {args.tokenizer_type}: {error}") from error
-        args.vocab_size = tokenizer.vocab_size
+            raise ArgumentsError(f"--tokenizer-type {data.tokenizer_type}: {error}") from error
         pretrain(
-            args,
+            config,
             functools.partial(datasets_provider, tokenizer=tokenizer),
-            model_provider,
+            functools.partial(model_provider, vocab_size=tokenizer.vocab_size),
             functools.partial(
                 forward_step,
                 eod=tokenizer.eod,
-                eod_mask_loss=args.eod_mask_loss,
-                reset_position_ids=args.reset_position_ids,
+                eod_mask_loss=data.eod_mask_loss,
+                reset_position_ids=data.reset_position_ids,
             ),
+            flops_per_iteration=flops_per_iteration(config, tokenizer.vocab_size),
         )
     except ArgumentsError as error:
-        exit_with_error(os.path.basename(sys.argv[0]), error)
+        exit_with_error(prog, error)
     except CollectiveError as error:
-        exit_after_failure(os.path.basename(sys.argv[0]), error)
+        exit_after_failure(prog, error)
     finally:
         if ps.model_parallel_is_initialized():
             ps.destroy_model_parallel()

@@ -32,6 +32,7 @@ GROUP_DESCRIPTIONS = {
 
 __all__ = [
     "ProcessGrid",
+    "TrainGroups",
     "destroy_model_parallel",
     "get_data_parallel_group",
     "get_data_parallel_rank",
@@ -149,6 +150,29 @@ def layout_group(name: str, needs: str) -> dist.ProcessGroup | None:
             "layout to take it from (call initialize_model_parallel() first, or pass it)"
         )
     return None
+
+
+@dataclass
+class TrainGroups:
+    """The process groups a training step talks to, by purpose (``None``: that dimension
+    is 1, or this rank is in no such group)."""
+
+    tp: comm.Group = None
+    pp: comm.Group = None
+    dp: comm.Group = None
+    embedding: comm.Group = None
+
+    @classmethod
+    def from_parallel_state(cls) -> TrainGroups:
+        """The groups of the current layout (a rank in no embedding group, a middle pipeline
+        stage, gets ``embedding=None``)."""
+        state = _state()
+        return cls(
+            tp=state.groups["tp"],
+            pp=state.groups["pp"],
+            dp=state.groups["dp"],
+            embedding=state.groups.get("embedding"),
+        )
 
 
 def _state() -> _State:

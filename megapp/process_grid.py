@@ -62,9 +62,9 @@ class ProcessGrid:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if self.world_size % (tp * pp) != 0:
             raise ValueError(
-                f"world_size {self.world_size} is not divisible by "
-                f"tensor_model_parallel_size {tp} × pipeline_model_parallel_size {pp} "
-                f"= {tp * pp}; choose tp and pp whose product divides {self.world_size}"
+                f"world_size {self.world_size} is not divisible by tensor_model_parallel_size "
+                f"× pipeline_model_parallel_size ({tp} × {pp} = {tp * pp}); launch a multiple "
+                f"of {tp * pp} processes or choose sizes whose product divides {self.world_size}"
             )
         if vpp is not None:
             if not isinstance(vpp, int) or vpp < 1:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
+import shlex
 import signal
 import tempfile
 
@@ -37,7 +38,9 @@ from megapp.tensor_parallel.random import model_parallel_manual_seed
 from megapp.testing import distributed
 from megapp.training import TrainGroups, train_step
 from megapp.training import checkpoints as training_checkpoints
-from megapp.training.arguments import ArgumentsError, build_parser
+from megapp.training.arguments import ArgumentsError, config_from_flags
+from megapp.training.config import OptimizerArgs
+from megapp.training.setup import TrainingSetup, build_training_setup
 from tests.gpt_support import SEED, VOCAB, full_tensor, global_batch, gpt_config, reference_name
 from tests.test_gpt_layouts import TOL, forward_step
 
@@ -96,36 +99,29 @@ def _shared_tmpdir() -> str:
     return path[0]
 
 
+OPTIMIZER = OptimizerArgs(
+    lr=1e-2,
+    weight_decay=0.1,
+    clip_grad=0.5,
+    min_lr=1e-3,
+    lr_warmup_iters=2,
+    lr_decay_iters=8,
+    lr_decay_style="cosine",
+)
+
+
 def _build(tp, pp, vpp=None, *, distributed_optimizer=False, seed=SEED, **config):
     ps.initialize_model_parallel(tp, pp, vpp)
-    groups = TrainGroups.from_parallel_state()
     config = gpt_config(**{"tensor_model_parallel_size": tp, "num_layers": 4, **config})
-    chunks = build_gpt_chunks(
+    setup = build_training_setup(
         config,
-        pp_rank=ps.get_pipeline_model_parallel_rank(),
-        pp_size=pp,
-        vpp_size=vpp,
-        tp_group=groups.tp,
+        OPTIMIZER,
+        bucket_size=1500,
+        use_distributed_optimizer=distributed_optimizer,
         seed=seed,
     )
-    chunks = [
-        DistributedDataParallel(
-            c,
-            dp_group=groups.dp,
-            bucket_size=1500,
-            use_distributed_optimizer=distributed_optimizer,
-        )
-        for c in chunks
-    ]
-    norm_group = dist.group.WORLD if distributed_optimizer else ps.get_model_parallel_group()
-    optimizer = Optimizer(
-        chunks, lr=1e-2, weight_decay=0.1, clip_grad=0.5, tp_group=groups.tp, norm_group=norm_group
-    )
-    scheduler = LRScheduler(
-        optimizer, max_lr=1e-2, min_lr=1e-3, warmup_steps=2, decay_steps=8, decay_style="cosine"
-    )
     model_parallel_manual_seed(seed)
-    return chunks, optimizer, scheduler, groups
+    return setup.chunks, setup.optimizer, setup.scheduler, setup.groups
 
 
 def _train(chunks, optimizer, scheduler, groups, steps) -> list[float]:
@@ -347,35 +343,46 @@ def test_model_only_load_needs_no_optimizer_state(tmp_path):
 # --- what pretrain_gpt.py's --load says (one process) ---------------------------------------
 
 
+FLAGS = (
+    "--num-layers 2 --hidden-size 16 --num-attention-heads 2 --seq-length 8 "
+    "--micro-batch-size 1 --lr 1e-2 --train-iters 10 --use-default-corpus"
+)
+
+
+def _config(extra: str):
+    return config_from_flags(shlex.split(f"{FLAGS} {extra}"), world_size=1)
+
+
 def test_load_flags_name_flags_not_python_arguments(tmp_path):
     chunks, _, groups = _single()
     save_checkpoint(tmp_path, 1, chunks, None, groups=groups)  # a model-only checkpoint
     fresh, optimizer, _ = _single(seed=SEED + 1)
-    args = build_parser().parse_args(["--load", str(tmp_path)])
+    setup = TrainingSetup(fresh, optimizer, None, groups)
     with pytest.raises(ArgumentsError, match="holds no optimizer state; pass --no-load-optim") as e:
-        training_checkpoints.load(args, fresh, optimizer, None, groups)
+        training_checkpoints.load(_config(f"--load {tmp_path}"), setup)
     assert "load_optimizer" not in str(e.value)
-    args.no_load_optim = True
-    assert training_checkpoints.load(args, fresh, optimizer, None, groups).iteration == 1
+    assert (
+        training_checkpoints.load(_config(f"--load {tmp_path} --no-load-optim"), setup).iteration
+        == 1
+    )
 
     schedule = _schedule(optimizer)
     save_checkpoint(tmp_path, 2, fresh, optimizer, groups=groups, lr_scheduler=schedule)
-    args.no_load_optim = False
-    other = _schedule(optimizer, max_lr=2e-2)
-    with pytest.raises(
-        ArgumentsError, match=r"--lr: saved 0.01, now 0.02.*pass --use-checkpoint"
-    ) as e:
-        training_checkpoints.load(args, fresh, optimizer, other, groups)
+    setup.scheduler = _schedule(optimizer, max_lr=2e-2)
+    mismatch = r"--lr: saved 0.01, now 0.02.*pass --use-checkpoint-opt_param-scheduler"
+    with pytest.raises(ArgumentsError, match=mismatch) as e:
+        training_checkpoints.load(_config(f"--load {tmp_path}"), setup)
     assert "settings=" not in str(e.value)
-    args.override_opt_param_scheduler = True
-    training_checkpoints.load(args, fresh, optimizer, other, groups)
-    assert (other.max_lr, other.num_steps) == (2e-2, 0)  # the flags' schedule, the saved step
-    assert not (tmp_path / "nowhere").exists()
-    args.load = str(tmp_path / "nowhere")
+    training_checkpoints.load(_config(f"--load {tmp_path} --override-opt_param-scheduler"), setup)
+    assert (setup.scheduler.max_lr, setup.scheduler.num_steps) == (2e-2, 0)  # flags' schedule
+    nowhere = tmp_path / "nowhere"
     with pytest.raises(ArgumentsError, match="the directory does not exist"):
-        training_checkpoints.load(args, fresh, optimizer, other, groups)
-    args.save = args.load  # a job that saves and resumes in one place starts fresh
-    assert training_checkpoints.load(args, fresh, optimizer, other, groups).iteration == 0
+        training_checkpoints.load(_config(f"--load {nowhere}"), setup)
+    # a job that saves and resumes in one place starts fresh
+    assert (
+        training_checkpoints.load(_config(f"--load {nowhere} --save {nowhere}"), setup).iteration
+        == 0
+    )
 
 
 def _schedule(optimizer, max_lr=1e-2):

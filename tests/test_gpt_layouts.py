@@ -26,11 +26,10 @@ import pytest
 import torch
 
 from megapp import parallel_state as ps
-from megapp.distributed import DistributedDataParallel
-from megapp.models import build_gpt_chunks
-from megapp.optimizer.optimizer import Optimizer
 from megapp.testing import distributed
-from megapp.training import TrainGroups, train_step
+from megapp.training import train_step
+from megapp.training.config import OptimizerArgs
+from megapp.training.setup import build_training_setup
 from tests.gpt_support import (
     SEED,
     VOCAB,
@@ -61,34 +60,16 @@ def forward_step(iterator, chunk, inputs):
 def train_layout(tp, pp, vpp, *, distributed_optimizer=False, bucket_size=2000, **config):
     """Train STEPS steps under the layout; return (chunks, losses, grad norms, step-1 grads)."""
     ps.initialize_model_parallel(tp, pp, vpp)
-    config = gpt_config(tensor_model_parallel_size=tp, **config)
-    groups = TrainGroups.from_parallel_state()
-    chunks = build_gpt_chunks(
-        config,
-        pp_rank=ps.get_pipeline_model_parallel_rank(),
-        pp_size=pp,
-        vpp_size=vpp,
-        tp_group=groups.tp,
+    setup = build_training_setup(
+        gpt_config(tensor_model_parallel_size=tp, **config),
+        OptimizerArgs(
+            lr=LR, weight_decay=WD, clip_grad=CLIP, lr_decay_style="constant", lr_decay_iters=STEPS
+        ),
+        bucket_size=bucket_size,
+        use_distributed_optimizer=distributed_optimizer,
         seed=SEED,
     )
-    chunks = [
-        DistributedDataParallel(
-            c,
-            dp_group=groups.dp,
-            bucket_size=bucket_size,
-            use_distributed_optimizer=distributed_optimizer,
-        )
-        for c in chunks
-    ]
-    norm_group = None if distributed_optimizer else ps.get_model_parallel_group()
-    optimizer = Optimizer(
-        chunks,
-        lr=LR,
-        weight_decay=WD,
-        clip_grad=CLIP,
-        tp_group=groups.tp,
-        norm_group=norm_group or torch.distributed.group.WORLD,
-    )
+    chunks, optimizer, groups = setup.chunks, setup.optimizer, setup.groups
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     losses, norms, first_grads = [], [], None
     for step in range(STEPS):

@@ -75,7 +75,9 @@ def test_same_seed_same_model_under_any_split():
 
 def test_bad_layouts_and_configs_fail_clearly():
     config = gpt_config()  # 8 layers
-    with pytest.raises(ValueError, match=r"num_layers \(8\) is not divisible .*\(3 × 1 = 3\)"):
+    with pytest.raises(
+        ValueError, match=r"num_layers \(8\) is not divisible by .* \(3\); use 6 or 9"
+    ):
         build_gpt_chunks(config, pp_rank=0, pp_size=3)
     with pytest.raises(ValueError, match=r"2 × 3 = 6"):
         build_gpt_chunks(config, pp_rank=0, pp_size=2, vpp_size=3)

@@ -1,5 +1,6 @@
-"""pretrain_gpt.py's settings: derived sizes, start-up errors that name what to change,
-and the README's demo command."""
+"""pretrain_gpt.py's settings: the typed config built from the flags, derived sizes,
+start-up errors that name what to change (each rule checked once, where it lives, its
+field names translated to flags), and the README's demo command."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import pytest
 import torch
 
 from megapp.training import arguments
-from megapp.training.arguments import ArgumentsError, build_parser, parse_args, validate_args
+from megapp.training.arguments import ArgumentsError, config_from_flags, parse_args
+from megapp.training.config import PretrainConfig, as_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = (
@@ -20,21 +22,22 @@ BASE = (
 )
 
 
-def args_for(extra: str = "", world_size: int = 8, base: str = BASE):
-    args = build_parser().parse_args(shlex.split(f"{base} {extra}"))
-    return validate_args(args, world_size)
+def args_for(extra: str = "", world_size: int = 8, base: str = BASE) -> PretrainConfig:
+    return config_from_flags(shlex.split(f"{base} {extra}"), world_size)
 
 
 def test_layout_and_microbatches_are_derived():
-    args = args_for(
+    config = args_for(
         "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --global-batch-size 32"
     )
-    assert (args.data_parallel_size, args.num_microbatches) == (2, 8)  # 32 / (2 × 2)
-    assert args.virtual_pipeline_model_parallel_size is None
-    assert args.max_position_embeddings == 32 and args.ffn_hidden_size == 256
-    assert args.lr_decay_iters == 10 and args.params_dtype == torch.float32
+    assert (config.data_parallel_size, config.num_microbatches) == (2, 8)  # 32 / (2 × 2)
+    assert config.virtual_pipeline_model_parallel_size is None
+    gpt = config.gpt_config(vocab_size=257)
+    assert gpt.max_position_embeddings == 32 and gpt.ffn_hidden_size == 256
+    assert gpt.vocab_size == 257 and gpt.make_vocab_size_divisible_by == 128
+    assert config.optimizer.lr_decay_iters == 10 and gpt.params_dtype == torch.float32
     default = args_for("--tensor-model-parallel-size 2")
-    assert (default.global_batch_size, default.num_microbatches) == (8, 1)  # micro × dp 4
+    assert (default.training.global_batch_size, default.num_microbatches) == (8, 1)  # micro × dp
     interleaved = args_for(
         "--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1 "
         "--global-batch-size 16",
@@ -42,10 +45,28 @@ def test_layout_and_microbatches_are_derived():
     )
     assert interleaved.virtual_pipeline_model_parallel_size == 2  # 4 layers / (2 stages × 1)
     assert (interleaved.data_parallel_size, interleaved.num_microbatches) == (2, 4)
-    gqa = args_for("--num-query-groups 2 --swiglu --bf16", world_size=1)
-    assert gqa.group_query_attention and gqa.num_query_groups == 2
+    gqa = args_for("--num-query-groups 2 --swiglu --bf16", world_size=1).gpt_config(257)
+    assert gqa.num_query_groups == 2 and gqa.activation == "swiglu"
     # 8·64/3 = 170, rounded down to a multiple of 64
     assert gqa.ffn_hidden_size == 128 and gqa.params_dtype == torch.bfloat16
+
+
+def test_the_config_is_built_once_and_reads_like_the_flags():
+    config = args_for("--tensor-model-parallel-size 2 --lr-warmup-iters 3")
+    assert config.parallel.tensor_model_parallel_size == 2 and config.optimizer.lr == 1e-3
+    with pytest.raises(AttributeError):  # frozen: nothing changes it on its way through
+        config.optimizer.lr = 1.0
+    plain = config.to_dict()
+    assert plain["optimizer"]["lr_warmup_iters"] == 3 and plain["world_size"] == 8
+    assert plain["derived"] == {
+        "data_parallel_size": 4,
+        "virtual_pipeline_model_parallel_size": None,
+        "num_microbatches": 1,
+        "params_dtype": "torch.float32",
+    }
+    assert as_flags("num_attention_heads (4) and layernorm_epsilon") == (
+        "--num-attention-heads (4) and --norm-epsilon"
+    )
 
 
 ERRORS = [
@@ -60,13 +81,13 @@ ERRORS = [
         "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2",
         6,
         r"world size 6 is not divisible by --tensor-model-parallel-size × "
-        r"--pipeline-model-parallel-size \(2 × 2 = 4\)",
+        r"--pipeline-model-parallel-size \(2 × 2 = 4\); launch a multiple of 4 processes",
     ),
     (
         "--pipeline-model-parallel-size 3",
         3,
         r"--num-layers \(4\) is not divisible by --pipeline-model-parallel-size \(3\); "
-        r"use 3 or 6 layers",
+        r"use 3 or 6 layers or another layout",
     ),
     (
         "--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 3",
@@ -78,8 +99,9 @@ ERRORS = [
         "--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1 "
         "--global-batch-size 6",
         2,
-        r"interleaved pipeline schedule needs the number of microbatches \(3 = .*\) to be a "
-        r"multiple of --pipeline-model-parallel-size \(2\); use a global batch of 4 or 8",
+        r"--global-batch-size 6 / \(--micro-batch-size 2 × data-parallel size 1\) gives 3 "
+        r"microbatches, which the interleaved schedule cannot run: .* multiple of 2; got 3, "
+        r"use 2 or 4; use a global batch of 4 or 8",
     ),
     (
         "--tensor-model-parallel-size 8",
@@ -100,7 +122,7 @@ ERRORS = [
     ("--recompute-granularity full", 1, r"needs --recompute-method uniform\|block"),
     ("--recompute-method block", 1, r"only apply with --recompute-granularity full"),
     ("--min-lr 1e-2", 1, r"need 0 <= --min-lr <= --lr"),
-    ("--lr-warmup-iters 20", 1, r"--lr-warmup-iters \(20\) must be between 0 and"),
+    ("--lr-warmup-iters 20", 1, r"--lr-warmup-iters \(20\) must not exceed --lr-decay-iters"),
     ("--save-interval 5", 1, r"--save-interval needs --save DIR"),
     ("--ckpt-step 5", 1, r"--ckpt-step needs --load DIR"),
     ("--data-path 30 a 70", 1, r"--data-path needs one prefix or weight/prefix pairs"),
@@ -136,7 +158,7 @@ def test_tensorboard_dir_needs_tensorboard():
         with pytest.raises(ArgumentsError, match=r"--tensorboard-dir needs the tensorboard"):
             args_for("--tensorboard-dir tb", 1)
     else:
-        assert args_for("--tensorboard-dir tb", 1).tensorboard_dir == "tb"
+        assert args_for("--tensorboard-dir tb", 1).logging.tensorboard_dir == "tb"
 
 
 def test_command_line_error_exits_2_with_the_message(capsys, monkeypatch):
@@ -170,6 +192,7 @@ def test_readme_runs_the_cpu_demo_script():
     assert _words(demo[demo.index("torchrun") :]) == script_words
     # and it is a valid layout for its 8 processes
     flags = script_words[script_words.index("pretrain_gpt.py") + 1 :]
-    args = validate_args(build_parser().parse_args(flags), 8)
-    assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size) == (2, 2)
-    assert args.data_parallel_size == 2
+    config = config_from_flags(flags, 8)
+    parallel = config.parallel
+    assert (parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size) == (2, 2)
+    assert config.data_parallel_size == 2

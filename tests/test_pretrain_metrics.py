@@ -3,6 +3,7 @@ line and evaluation block, and the JSON-lines metrics file."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -10,10 +11,10 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from megapp.models import GPTConfig, GPTModel
+import pretrain_gpt
+from megapp.models import GPTModel
 from megapp.training.metrics import (
     MetricsWriter,
-    flops_per_iteration,
     format_eval_lines,
     format_train_line,
     peak_tflops,
@@ -25,30 +26,25 @@ from tests.test_pretrain_args import args_for
 @pytest.mark.parametrize("swiglu", [False, True])
 def test_flops_match_a_count_of_the_model_forward(swiglu):
     """The throughput's FLOPs are 3 × what torch counts in the model's forward pass."""
-    args = args_for(
+    config = args_for(
         "--micro-batch-size 1 --global-batch-size 3 --num-query-groups 2"
         + (" --swiglu" if swiglu else ""),
         1,
     )
-    vocab = 384
-    config = GPTConfig(
-        num_layers=args.num_layers,
-        hidden_size=args.hidden_size,
-        ffn_hidden_size=args.ffn_hidden_size,
-        num_attention_heads=args.num_attention_heads,
-        num_query_groups=args.num_query_groups,
-        activation="swiglu" if swiglu else "gelu",
-        vocab_size=vocab,
-        max_position_embeddings=args.seq_length,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        attention_backend="fused_softmax",  # explicit matmuls (torch counts no CPU sdpa kernel)
+    vocab = 384  # a multiple of 128: no padding rows
+    model = GPTModel(
+        dataclasses.replace(
+            config.gpt_config(vocab),
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+            attention_backend="fused_softmax",  # explicit matmuls (no CPU sdpa kernel counted)
+        )
     )
-    model = GPTModel(config)
-    tokens = torch.randint(0, vocab, (args.global_batch_size, args.seq_length))
+    seq = config.model.seq_length
+    tokens = torch.randint(0, vocab, (config.training.global_batch_size, seq))
     with torch.no_grad(), FlopCounterMode(display=False) as counter:
         model(tokens, labels=tokens)
-    assert flops_per_iteration(args, vocab) == 3 * counter.get_total_flops()
+    assert pretrain_gpt.flops_per_iteration(config, vocab) == 3 * counter.get_total_flops()
 
 
 def test_log_line_has_megatrons_layout():

@@ -31,7 +31,7 @@ from megapp import comm
 from megapp.comm import Group
 from megapp.fusions.rope import rotary_freqs
 from megapp.param_attributes import mark_tied_embedding
-from megapp.pipeline_parallel.partition import rank_chunks, split_layers
+from megapp.pipeline_parallel.partition import check_layer_split, rank_chunks, split_layers
 from megapp.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megapp.tensor_parallel.layers import (
     VocabParallelEmbedding,
@@ -279,12 +279,8 @@ def build_gpt_chunks(
     uneven = first_stage_layers is not None or last_stage_layers is not None
     if uneven and v > 1:
         raise ValueError("uneven first/last stages are not supported with virtual pipeline stages")
-    if not uneven and config.num_layers % stages:
-        raise ValueError(
-            f"num_layers ({config.num_layers}) is not divisible by pipeline stages × virtual "
-            f"stages ({pp_size} × {v} = {stages}); change the layout or num_layers, or give "
-            "first/last stage layer counts for an uneven split"
-        )
+    if not uneven:
+        check_layer_split(config.num_layers, pp_size, vpp_size)
     ranges = split_layers(
         config.num_layers,
         stages,

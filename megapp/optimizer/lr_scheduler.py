@@ -52,6 +52,51 @@ _SETTINGS = (
 )
 
 
+def check_schedule(
+    *,
+    max_lr: float,
+    min_lr: float,
+    warmup_steps: int,
+    decay_steps: int,
+    decay_style: str,
+    init_lr: float = 0.0,
+    start_wd: float | None = None,
+    end_wd: float | None = None,
+    wd_incr_steps: int | None = None,
+    wd_incr_style: str = "linear",
+) -> None:
+    """Raise ValueError naming the setting when a schedule cannot work; the rules of
+    :class:`LRScheduler`, checkable before any optimizer exists."""
+    if wd_incr_steps is None:
+        wd_incr_steps = decay_steps
+    if decay_style not in STYLES:
+        raise ValueError(f"decay_style must be one of {STYLES}, got {decay_style!r}")
+    if not 0.0 <= min_lr <= max_lr:
+        raise ValueError(f"need 0 <= min_lr <= max_lr, got min_lr={min_lr}, max_lr={max_lr}")
+    if init_lr < 0.0:
+        raise ValueError(f"init_lr must be >= 0, got {init_lr}")
+    if warmup_steps < 0:
+        raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
+    if warmup_steps > decay_steps:
+        raise ValueError(
+            f"warmup_steps ({warmup_steps}) must not exceed decay_steps "
+            f"({decay_steps}); raise decay_steps or shorten the warmup"
+        )
+    if decay_style != "constant" and decay_steps <= 0:
+        raise ValueError(f"decay_style={decay_style!r} needs decay_steps > 0")
+    if (start_wd is None) != (end_wd is None):
+        raise ValueError("give both start_wd and end_wd for a weight-decay schedule or neither")
+    if start_wd is not None:
+        if start_wd < 0.0 or end_wd < 0.0:
+            raise ValueError(f"weight decay must be >= 0, got {start_wd}, {end_wd}")
+        if wd_incr_style not in STYLES:
+            raise ValueError(f"wd_incr_style must be one of {STYLES}, got {wd_incr_style!r}")
+        if wd_incr_style == "constant" and start_wd != end_wd:
+            raise ValueError("wd_incr_style='constant' needs start_wd == end_wd")
+        if wd_incr_style != "constant" and wd_incr_steps <= 0:
+            raise ValueError(f"wd_incr_style={wd_incr_style!r} needs wd_incr_steps > 0")
+
+
 class LRScheduler:
     """Set ``lr`` (and optionally ``weight_decay``) in every param group of ``optimizer``.
 
@@ -90,36 +135,7 @@ class LRScheduler:
         self.step(0)
 
     def _validate(self) -> None:
-        if self.decay_style not in STYLES:
-            raise ValueError(f"decay_style must be one of {STYLES}, got {self.decay_style!r}")
-        if not 0.0 <= self.min_lr <= self.max_lr:
-            raise ValueError(
-                f"need 0 <= min_lr <= max_lr, got min_lr={self.min_lr}, max_lr={self.max_lr}"
-            )
-        if self.init_lr < 0.0:
-            raise ValueError(f"init_lr must be >= 0, got {self.init_lr}")
-        if self.warmup_steps < 0:
-            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
-        if self.warmup_steps > self.decay_steps:
-            raise ValueError(
-                f"warmup_steps ({self.warmup_steps}) must not exceed decay_steps "
-                f"({self.decay_steps}); raise decay_steps or shorten the warmup"
-            )
-        if self.decay_style != "constant" and self.decay_steps <= 0:
-            raise ValueError(f"decay_style={self.decay_style!r} needs decay_steps > 0")
-        if (self.start_wd is None) != (self.end_wd is None):
-            raise ValueError("give both start_wd and end_wd for a weight-decay schedule or neither")
-        if self.start_wd is not None:
-            if self.start_wd < 0.0 or self.end_wd < 0.0:
-                raise ValueError(f"weight decay must be >= 0, got {self.start_wd}, {self.end_wd}")
-            if self.wd_incr_style not in STYLES:
-                raise ValueError(
-                    f"wd_incr_style must be one of {STYLES}, got {self.wd_incr_style!r}"
-                )
-            if self.wd_incr_style == "constant" and self.start_wd != self.end_wd:
-                raise ValueError("wd_incr_style='constant' needs start_wd == end_wd")
-            if self.wd_incr_style != "constant" and self.wd_incr_steps <= 0:
-                raise ValueError(f"wd_incr_style={self.wd_incr_style!r} needs wd_incr_steps > 0")
+        check_schedule(**{name: getattr(self, name) for name in _SETTINGS})
 
     def get_lr(self) -> float:
         """The schedule's learning rate at the current step (before any group's ``lr_mult``)."""

@@ -67,6 +67,51 @@ def split_layers(
     return [range(a, b) for a, b in pairwise(bounds)]
 
 
+def nearest_multiples(value: int, step: int) -> str:
+    """The multiples of ``step`` around ``value``, for a message's hint: ``"6 or 9"``."""
+    lower, upper = value // step * step, (value // step + 1) * step
+    return f"{upper}" if lower == 0 else f"{lower} or {upper}"
+
+
+def check_layer_split(num_layers: int, pp: int, vpp: int | None = None) -> None:
+    """Megatron's rule for an even split: ``num_layers`` divides by the ``pp × vpp``
+    virtual stages (an uneven first or last stage is asked for explicitly)."""
+    stages = pp * (vpp or 1)
+    if num_layers % stages == 0:
+        return
+    if vpp is None:
+        layout = f"pipeline_model_parallel_size ({pp})"
+    else:
+        layout = (
+            f"pipeline_model_parallel_size × virtual_pipeline_model_parallel_size "
+            f"({pp} × {vpp} = {stages})"
+        )
+    raise ValueError(
+        f"num_layers ({num_layers}) is not divisible by {layout}; use "
+        f"{nearest_multiples(num_layers, stages)} layers or another layout"
+    )
+
+
+def virtual_stages(num_layers: int, pp: int, layers_per_virtual_stage: int) -> int | None:
+    """Model chunks per pipeline rank when each virtual stage holds
+    ``layers_per_virtual_stage`` layers (Megatron's way of asking for the interleaved
+    schedule); None when that leaves one chunk per rank."""
+    if pp < 2:
+        raise ValueError(
+            "num_layers_per_virtual_pipeline_stage needs pipeline_model_parallel_size >= 2; "
+            "drop it or use more pipeline stages"
+        )
+    group = pp * layers_per_virtual_stage
+    if num_layers % group:
+        raise ValueError(
+            f"num_layers ({num_layers}) is not divisible by pipeline_model_parallel_size × "
+            f"num_layers_per_virtual_pipeline_stage ({pp} × {layers_per_virtual_stage} = "
+            f"{group}); use {nearest_multiples(num_layers, group)} layers or change the two sizes"
+        )
+    chunks = num_layers // group
+    return chunks if chunks > 1 else None
+
+
 def _check_enough(num_layers: int, num_stages: int) -> None:
     if num_layers < num_stages:
         raise ValueError(

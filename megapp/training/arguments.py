@@ -1,32 +1,32 @@
 """Command-line settings of ``pretrain_gpt.py``, with Megatron-LM's flag names.
 
-:func:`build_parser` declares the flags; :func:`validate_args` (in
-:mod:`megapp.training.validation`) checks them against each other and the world
-size before anything starts and derives the rest. Every failure is an
-:class:`ArgumentsError` whose message names the flags to change.
-:func:`parse_args` does both and, launched from the command line, turns an
-error into ``error: ...`` on stderr and exit status 2.
+The flags are the fields of :mod:`megapp.training.config`'s dataclasses, one argument group
+per dataclass: :func:`build_parser` makes them, :func:`parse_args` parses and builds the
+checked :class:`~megapp.training.config.PretrainConfig` (for the world size torchrun
+announces). Every failure is an :class:`ArgumentsError` whose message names the flags to
+change; launched from the command line it becomes one ``error: ...`` line on stderr and
+exit status 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
 from collections.abc import Sequence
 from typing import NoReturn
 
-from megapp.data.tokenizers import BYTE_TOKENIZER, TOKENIZER_TYPES
-from megapp.training.validation import ArgumentsError, validate_args
+from megapp.training.config import GROUPS, ArgumentsError, PretrainConfig, flag_name
 
 __all__ = [
     "ArgumentsError",
     "build_parser",
+    "config_from_flags",
     "exit_after_failure",
     "exit_with_error",
     "parse_args",
-    "validate_args",
     "world_size_from_env",
 ]
 
@@ -68,191 +68,32 @@ class _Parser(argparse.ArgumentParser):
         exit_with_error(self.prog, ArgumentsError(f"{message} (see {self.prog} --help)"))
 
 
+def _add_flag(group: argparse._ArgumentGroup, f: dataclasses.Field) -> None:
+    meta = dict(f.metadata)
+    help_text = meta.pop("help", "") or None
+    kind = meta.pop("kind", None)
+    meta.pop("flag", None)
+    if isinstance(f.default, bool):
+        group.add_argument(flag_name(f), dest=f.name, action="store_true", help=help_text)
+        return
+    if kind is None:
+        kind = str if f.default is None or meta.get("nargs") else type(f.default)
+    group.add_argument(
+        flag_name(f), dest=f.name, type=kind, default=f.default, help=help_text, **meta
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
+    """One flag per field of every config group, grouped as the dataclasses are."""
     parser = _Parser(
         prog=os.path.basename(sys.argv[0]) or "pretrain_gpt.py",
         description="Pre-train a GPT with data, tensor and pipeline parallelism.",
         allow_abbrev=False,
     )
-    g = parser.add_argument_group("parallelism")
-    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    g.add_argument(
-        "--num-layers-per-virtual-pipeline-stage",
-        type=int,
-        default=None,
-        help="layers per virtual stage; interleaves the pipeline schedule",
-    )
-    g.add_argument("--sequence-parallel", action="store_true")
-    g.add_argument("--use-distributed-optimizer", action="store_true")
-    g.add_argument(
-        "--ddp-bucket-size",
-        type=int,
-        default=40_000_000,
-        help="elements per data-parallel gradient bucket",
-    )
-    g.add_argument(
-        "--distributed-backend",
-        choices=("nccl", "gloo"),
-        default=None,
-        help="default: nccl when CUDA is available, else gloo",
-    )
-    g.add_argument(
-        "--distributed-timeout-minutes",
-        type=float,
-        default=10,
-        help="how long a collective waits for a dead or stuck rank before the job fails",
-    )
-
-    g = parser.add_argument_group("model")
-    g.add_argument("--num-layers", type=int, default=None)
-    g.add_argument("--hidden-size", type=int, default=None)
-    g.add_argument(
-        "--ffn-hidden-size",
-        type=int,
-        default=None,
-        help="default 4 × hidden size (8/3 × hidden size, rounded to 64, with --swiglu)",
-    )
-    g.add_argument("--num-attention-heads", type=int, default=None)
-    g.add_argument("--kv-channels", type=int, default=None)
-    g.add_argument("--group-query-attention", action="store_true")
-    g.add_argument(
-        "--num-query-groups",
-        type=int,
-        default=None,
-        help="key/value heads (implies --group-query-attention)",
-    )
-    g.add_argument("--seq-length", type=int, default=None)
-    g.add_argument(
-        "--max-position-embeddings", type=int, default=None, help="default: --seq-length"
-    )
-    g.add_argument(
-        "--position-embedding-type",
-        default="learned_absolute",
-        choices=("learned_absolute", "rope", "none"),
-    )
-    g.add_argument("--rotary-base", type=int, default=10000)
-    g.add_argument("--normalization", default="LayerNorm", choices=("LayerNorm", "RMSNorm"))
-    g.add_argument("--norm-epsilon", type=float, default=1e-5)
-    g.add_argument("--swiglu", action="store_true")
-    g.add_argument("--disable-bias-linear", action="store_true")
-    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
-    g.add_argument("--hidden-dropout", type=float, default=0.1)
-    g.add_argument("--attention-dropout", type=float, default=0.1)
-    g.add_argument("--attention-backend", default="sdpa", choices=("sdpa", "fused_softmax"))
-    g.add_argument("--init-method-std", type=float, default=0.02)
-    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
-    g.add_argument("--recompute-granularity", default=None, choices=("full", "selective"))
-    g.add_argument("--recompute-method", default=None, choices=("uniform", "block"))
-    g.add_argument("--recompute-num-layers", type=int, default=None)
-
-    g = parser.add_argument_group("mixed precision")
-    g.add_argument("--bf16", action="store_true")
-    g.add_argument("--fp16", action="store_true")
-    g.add_argument(
-        "--loss-scale",
-        type=float,
-        default=None,
-        help="a constant fp16 loss scale; default: dynamic scaling",
-    )
-    g.add_argument("--initial-loss-scale", type=float, default=2.0**32)
-    g.add_argument("--min-loss-scale", type=float, default=1.0)
-    g.add_argument("--loss-scale-window", type=int, default=1000)
-    g.add_argument("--hysteresis", type=int, default=2)
-
-    g = parser.add_argument_group("optimization")
-    g.add_argument("--micro-batch-size", type=int, default=None)
-    g.add_argument(
-        "--global-batch-size",
-        type=int,
-        default=None,
-        help="default: micro batch size × data-parallel size",
-    )
-    g.add_argument("--train-iters", type=int, default=None)
-    g.add_argument("--lr", type=float, default=None)
-    g.add_argument("--min-lr", type=float, default=0.0)
-    g.add_argument("--lr-decay-style", default="linear", choices=("constant", "linear", "cosine"))
-    g.add_argument("--lr-warmup-iters", type=int, default=0)
-    g.add_argument("--lr-decay-iters", type=int, default=None, help="default: --train-iters")
-    g.add_argument("--weight-decay", type=float, default=0.01)
-    g.add_argument("--adam-beta1", type=float, default=0.9)
-    g.add_argument("--adam-beta2", type=float, default=0.999)
-    g.add_argument("--adam-eps", type=float, default=1e-8)
-    g.add_argument("--clip-grad", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=1234)
-
-    g = parser.add_argument_group("data")
-    g.add_argument(
-        "--data-path",
-        nargs="*",
-        default=None,
-        help="PREFIX, or weight/prefix pairs: 30 A_text_document 70 B_text_document",
-    )
-    g.add_argument(
-        "--use-default-corpus",
-        action="store_true",
-        help="train on the built-in corpus (this Python's standard-library sources)",
-    )
-    g.add_argument("--split", default="969, 30, 1")
-    g.add_argument(
-        "--data-cache-path", default=None, help="where index caches and the default corpus go"
-    )
-    g.add_argument("--num-workers", type=int, default=0)
-    g.add_argument("--eod-mask-loss", action="store_true")
-    g.add_argument("--reset-position-ids", action="store_true")
-    g.add_argument("--tokenizer-type", default=BYTE_TOKENIZER, choices=TOKENIZER_TYPES)
-    g.add_argument("--vocab-file", default=None)
-    g.add_argument("--merge-file", default=None)
-    g.add_argument("--tokenizer-model", default=None)
-
-    g = parser.add_argument_group("checkpoints")
-    g.add_argument("--save", default=None, help="checkpoint directory to write")
-    g.add_argument("--load", default=None, help="checkpoint directory to resume from")
-    g.add_argument("--save-interval", type=int, default=None)
-    g.add_argument(
-        "--ckpt-step",
-        type=int,
-        default=None,
-        help="with --load: the iteration to resume from (default: the latest)",
-    )
-    g.add_argument(
-        "--no-load-optim",
-        action="store_true",
-        help="with --load: load the model only (fresh optimizer state and schedule)",
-    )
-    g.add_argument(
-        "--no-load-rng",
-        action="store_true",
-        help="with --load: keep this run's random seeds instead of the saved generators",
-    )
-    g.add_argument(
-        "--use-checkpoint-opt_param-scheduler",
-        action="store_true",
-        help="with --load: continue the learning-rate schedule saved in the checkpoint",
-    )
-    g.add_argument(
-        "--override-opt_param-scheduler",
-        action="store_true",
-        help="with --load: use this run's learning-rate flags instead of the saved schedule",
-    )
-    g.add_argument(
-        "--exit-interval",
-        type=int,
-        default=None,
-        help="stop (after saving, with --save) when the iteration is a multiple",
-    )
-
-    g = parser.add_argument_group("logging and evaluation")
-    g.add_argument("--log-interval", type=int, default=100)
-    g.add_argument("--eval-interval", type=int, default=1000)
-    g.add_argument("--eval-iters", type=int, default=100, help="0 turns evaluation off")
-    g.add_argument("--tensorboard-dir", default=None)
-    g.add_argument(
-        "--metrics-path",
-        default=None,
-        help="JSON-lines metrics file (default: metrics.jsonl in --save, else "
-        "in the working directory); appended to",
-    )
+    for name, config in GROUPS.items():
+        group = parser.add_argument_group(name, (config.__doc__ or "").split("\n")[0])
+        for f in dataclasses.fields(config):
+            _add_flag(group, f)
     return parser
 
 
@@ -261,16 +102,21 @@ def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def parse_args(
+def config_from_flags(
     argv: Sequence[str] | None = None, world_size: int | None = None
-) -> argparse.Namespace:
-    """Parse and validate; on an invalid setting print ``error: ...`` and exit with status 2.
+) -> PretrainConfig:
+    """Parse ``argv`` and build the checked config; raises :class:`ArgumentsError`."""
+    namespace = build_parser().parse_args(argv)
+    world = world_size_from_env() if world_size is None else world_size
+    if world < 1:
+        raise ArgumentsError(f"world size must be >= 1, got {world}")
+    return PretrainConfig.from_flags(vars(namespace), world)
 
-    A failed launch reports once per node (see :func:`exit_with_error`).
-    """
-    parser = build_parser()
-    args = parser.parse_args(argv)
+
+def parse_args(argv: Sequence[str] | None = None, world_size: int | None = None) -> PretrainConfig:
+    """:func:`config_from_flags`; on an invalid setting print ``error: ...`` and exit with
+    status 2 (once per node, see :func:`exit_with_error`)."""
     try:
-        return validate_args(args, world_size_from_env() if world_size is None else world_size)
+        return config_from_flags(argv, world_size)
     except ArgumentsError as error:
-        exit_with_error(parser.prog, error)
+        exit_with_error(build_parser().prog, error)

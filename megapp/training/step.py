@@ -5,40 +5,13 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-import torch.distributed as dist
-
 from megapp import comm
-from megapp.comm import Group
 from megapp.distributed.ddp import DistributedDataParallel
 from megapp.distributed.finalize import finalize_model_grads
 from megapp.optimizer.optimizer import Optimizer
+from megapp.parallel_state import TrainGroups
 from megapp.pipeline_parallel import PipelineHooks, forward_backward
 from megapp.pipeline_parallel.runner import ForwardStepFunc
-
-
-@dataclass
-class TrainGroups:
-    """The process groups a training step talks to (``None``: that dimension is 1)."""
-
-    tp: Group = None
-    pp: Group = None
-    dp: Group = None
-    embedding: Group = None
-
-    @classmethod
-    def from_parallel_state(cls) -> TrainGroups:
-        """The groups of the current :mod:`megapp.parallel_state` layout (a rank in no
-        embedding group, a middle pipeline stage, gets ``embedding=None``)."""
-        from megapp import parallel_state as ps
-
-        grid, rank = ps.get_grid(), dist.get_rank()
-        in_embedding = any(rank in ranks for ranks in grid.groups("embedding"))
-        return cls(
-            tp=ps.get_tensor_model_parallel_group(),
-            pp=ps.get_pipeline_model_parallel_group(),
-            dp=ps.get_data_parallel_group(),
-            embedding=ps.get_embedding_group() if in_embedding else None,
-        )
 
 
 @dataclass

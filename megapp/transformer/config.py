@@ -78,15 +78,16 @@ class TransformerConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_attention_heads % self.num_query_groups:
             raise ValueError(
-                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_attention_heads ({self.num_attention_heads}) is not a multiple of "
                 f"num_query_groups ({self.num_query_groups})"
             )
         tp = self.tensor_model_parallel_size
         for name in ("num_attention_heads", "num_query_groups", "ffn_hidden_size"):
             if getattr(self, name) % tp:
                 raise ValueError(
-                    f"{name} ({getattr(self, name)}) is not divisible by the tensor-parallel "
-                    f"size ({tp}); choose a tensor-parallel size that divides it"
+                    f"{name} ({getattr(self, name)}) is not divisible by "
+                    f"tensor_model_parallel_size ({tp}); choose a tensor-parallel size that "
+                    "divides it"
                 )
         for name, value, allowed in (
             ("activation", self.activation, _ACTIVATIONS),
@@ -101,11 +102,18 @@ class TransformerConfig:
         for name in ("hidden_dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
-        if self.recompute_granularity == "full" and self.recompute_method is None:
-            raise ValueError("recompute_granularity='full' needs recompute_method uniform or block")
-        if self.recompute_method is not None and self.recompute_granularity != "full":
-            raise ValueError("recompute_method is only used with recompute_granularity='full'")
-        if self.recompute_method is not None and (self.recompute_num_layers or 0) < 1:
-            raise ValueError("recompute_method needs recompute_num_layers >= 1")
+        full = self.recompute_granularity == "full"
+        if full and (self.recompute_method is None or self.recompute_num_layers is None):
+            raise ValueError(
+                "recompute_granularity full needs recompute_method uniform|block and "
+                "recompute_num_layers N"
+            )
+        if not full and (self.recompute_method, self.recompute_num_layers) != (None, None):
+            raise ValueError(
+                "recompute_method and recompute_num_layers only apply with "
+                "recompute_granularity full"
+            )
+        if full and self.recompute_num_layers < 1:
+            raise ValueError(f"recompute_num_layers must be >= 1, got {self.recompute_num_layers}")
         if self.sequence_parallel and tp == 1:
             raise ValueError("sequence_parallel needs tensor_model_parallel_size > 1")

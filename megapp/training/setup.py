@@ -1,0 +1,106 @@
+"""One way to build what training needs on this rank: model chunks wrapped for data
+parallelism, the optimizer and the learning-rate schedule, for the current layout."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from megapp import parallel_state as ps
+from megapp.distributed import DistributedDataParallel
+from megapp.models import GPTConfig, build_gpt_chunks
+from megapp.optimizer import ConstantGradScaler, DynamicGradScaler, LRScheduler, Optimizer
+from megapp.parallel_state import TrainGroups
+from megapp.training.config import OptimizerArgs, PrecisionArgs
+
+ChunkBuilder = Callable[[TrainGroups], list[nn.Module]]
+"""``groups -> this rank's model chunks`` (chunk ``c`` is its ``c``-th virtual stage)."""
+
+
+@dataclass
+class TrainingSetup:
+    """This rank's part of a training run."""
+
+    chunks: list[DistributedDataParallel]
+    optimizer: Optimizer
+    scheduler: LRScheduler
+    groups: TrainGroups
+
+
+def build_grad_scaler(precision: PrecisionArgs):
+    """The fp16 loss scaler the settings ask for (None for bf16 and fp32)."""
+    if not precision.fp16:
+        return None
+    if precision.loss_scale is not None:
+        return ConstantGradScaler(precision.loss_scale)
+    return DynamicGradScaler(
+        initial_scale=precision.initial_loss_scale,
+        min_scale=precision.min_loss_scale,
+        growth_interval=precision.loss_scale_window,
+        hysteresis=precision.hysteresis,
+    )
+
+
+def build_training_setup(
+    model: GPTConfig | ChunkBuilder,
+    optimizer: OptimizerArgs,
+    *,
+    precision: PrecisionArgs | None = None,
+    bucket_size: int | None = 40_000_000,
+    use_distributed_optimizer: bool = False,
+    seed: int = 1234,
+    device: torch.device | str = "cpu",
+) -> TrainingSetup:
+    """Chunks, optimizer and schedule of this rank under the current
+    :mod:`megapp.parallel_state` layout (call ``initialize_model_parallel`` first).
+
+    ``model``: a GPTConfig (this rank's GPT chunks are built from ``seed``), or a provider
+    that returns this rank's chunks. ``optimizer.lr_decay_iters`` must be set (the config
+    built from flags sets it). The optimizer's groups come from the layout.
+    """
+    if optimizer.lr_decay_iters is None:
+        raise ValueError("optimizer.lr_decay_iters must be set (the run's length, usually)")
+    precision = precision or PrecisionArgs()
+    groups = TrainGroups.from_parallel_state()
+    if isinstance(model, GPTConfig):
+        grid = ps.get_grid()
+        modules = build_gpt_chunks(
+            model,
+            pp_rank=ps.get_pipeline_model_parallel_rank(),
+            pp_size=grid.pp,
+            vpp_size=grid.vpp,
+            tp_group=groups.tp,
+            seed=seed,
+        )
+    else:
+        modules = model(groups)
+    chunks = [
+        DistributedDataParallel(
+            module.to(device),
+            dp_group=groups.dp,
+            bucket_size=bucket_size,
+            use_distributed_optimizer=use_distributed_optimizer,
+        )
+        for module in modules
+    ]
+    adamw = Optimizer(
+        chunks,
+        lr=optimizer.lr,
+        weight_decay=optimizer.weight_decay,
+        betas=(optimizer.adam_beta1, optimizer.adam_beta2),
+        eps=optimizer.adam_eps,
+        clip_grad=optimizer.clip_grad or None,
+        grad_scaler=build_grad_scaler(precision),
+    )
+    scheduler = LRScheduler(
+        adamw,
+        max_lr=optimizer.lr,
+        min_lr=optimizer.min_lr,
+        warmup_steps=optimizer.lr_warmup_iters,
+        decay_steps=optimizer.lr_decay_iters,
+        decay_style=optimizer.lr_decay_style,
+    )
+    return TrainingSetup(chunks, adamw, scheduler, groups)
