@@ -4,6 +4,7 @@ machinery: overlap and no-sync, ZeRO-1 memory, bf16 masters, fp16 skipped steps,
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -108,25 +109,20 @@ def _dp_model(distributed_optimizer=False, bucket_size=500, **config):
 def test_buckets_reduce_during_the_last_backward_only():
     ddp, groups = _dp_model()
     assert len(ddp.buffer.buckets) > 2
-    started = []  # (microbatch backward count, bucket start) at each launch
-    launch = ddp._start
-    backwards = []
+    in_flight = []  # buckets whose reduction has started, seen before each backward
 
-    def record(bucket):
-        if bucket.work is None:
-            started.append((len(backwards), bucket.start))
-        launch(bucket)
+    def before_backward(chunk, last):
+        in_flight.append(sum(b.work is not None for b in ddp.buffer.buckets))
+        ddp.set_grad_sync(last)
 
-    ddp._start = record
-    hooks = PipelineHooks(
-        before_backward=lambda c, last: (backwards.append(last), ddp.set_grad_sync(last))
-    )
     ddp.zero_grad_buffer()
     batch = global_batch(0, 2)[dist.get_rank() :: 2][:3]
+    hooks = PipelineHooks(before_backward=before_backward)
     forward_backward(forward_step, iter(batch), ddp, 3, pp_group=groups.pp, hooks=hooks)
-    # every bucket started inside the third (last) backward, none before, none left over
-    assert {n for n, _ in started} == {3}
-    assert sorted(s for _, s in started) == sorted(b.start for b in ddp.buffer.buckets)
+    # none started during the first two backwards; every one during the third (the last),
+    # before forward_backward returned, i.e. overlapped with that backward
+    assert in_flight == [0, 0, 0]
+    assert all(b.work is not None for b in ddp.buffer.buckets)
     ddp.finish_grad_sync()
     # and the reduced gradient is the data-parallel mean of the accumulated ones
     local = _local_grads(batch)
@@ -203,7 +199,7 @@ def test_fp16_overflow_skips_the_step_on_every_rank():
         return output, loss_func
 
     first = train_step(step_func, iter(batch), [ddp], optimizer, num_microbatches=4, groups=groups)
-    assert not first.skipped and first.loss == pytest.approx(first.loss)
+    assert not first.skipped and math.isfinite(first.loss)
     before = ddp.buffer.param_data.clone()
     poison["on"] = True
     skipped = train_step(

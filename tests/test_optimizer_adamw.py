@@ -45,7 +45,7 @@ def test_cpu_gets_foreach_adamw_and_logs_the_choice_once(caplog):
     assert type(optimizer) is torch.optim.AdamW
     assert optimizer.defaults["foreach"] is True and not optimizer.defaults["fused"]
     messages = [r.getMessage() for r in caplog.records if "AdamW uses" in r.getMessage()]
-    assert messages == ["megapp: AdamW uses the torch_foreach implementation"]
+    assert len(messages) == 1 and "torch_foreach" in messages[0]  # once, naming the choice
 
 
 def test_steps_match_hand_written_adamw_with_decay_only_on_matrices():

@@ -75,12 +75,18 @@ def test_fused_layer_equals_plain_torch(variant):
         torch.testing.assert_close(got, want, **TOL, msg=lambda m, n=name: f"{n}: {m}")
 
 
-@pytest.mark.parametrize("tp, sp", [(2, False), (2, True), (4, True)])
-@pytest.mark.parametrize("variant", VARIANTS[:3], ids=["base", "swiglu-rms", "rope-gqa"])
+# 2 query groups cannot split over 4 ranks (test_tensor_parallel checks the error)
+LAYER_CASES = [
+    pytest.param(tp, sp, variant, id=f"{name}-tp{tp}-{'sp' if sp else 'nosp'}")
+    for variant, name in zip(VARIANTS[:3], ["base", "swiglu-rms", "rope-gqa"], strict=True)
+    for tp, sp in [(2, False), (2, True), (4, True)]
+    if variant.get("num_query_groups", 4) % tp == 0
+]
+
+
+@pytest.mark.parametrize("tp, sp, variant", LAYER_CASES)
 @distributed(world_size=4)
 def test_tensor_parallel_layer_equals_one_process(tp, sp, variant):
-    if variant.get("num_query_groups", 4) % tp:
-        return  # 2 query groups cannot split over 4 ranks (checked in test_tensor_parallel)
     ps.initialize_model_parallel(tp)
     group, rank = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_rank()
     torch.manual_seed(0)
