@@ -202,15 +202,24 @@ def fmt(value: float | None, spec: str) -> str:
     return format(value, spec)
 
 
-def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    """A markdown table with right-aligned, padded columns (it reads in a terminal too)."""
+def markdown_table(
+    header: Sequence[str], rows: Sequence[Sequence[str]], align: str | None = None
+) -> str:
+    """A markdown table with padded columns (it reads in a terminal too); ``align`` has an
+    ``l`` or ``r`` per column (default: every column right-aligned)."""
+    align = align or "r" * len(header)
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
 
     def line(cells: Sequence[str]) -> str:
-        padded = (str(c).rjust(w) for c, w in zip(cells, widths, strict=True))
+        padded = (
+            str(c).ljust(w) if a == "l" else str(c).rjust(w)
+            for c, w, a in zip(cells, widths, align, strict=True)
+        )
         return "| " + " | ".join(padded) + " |"
 
-    rule = "|" + "|".join("-" * (w + 1) + ":" for w in widths) + "|"
+    pairs = zip(widths, align, strict=True)
+    marks = [":" + "-" * (w + 1) if a == "l" else "-" * (w + 1) + ":" for w, a in pairs]
+    rule = "|" + "|".join(marks) + "|"
     return "\n".join([line(header), rule, *(line(r) for r in rows)])
 
 

@@ -1,0 +1,116 @@
+"""tools/gpu_check.py end to end with every stage shrunk: without a GPU each GPU stage is
+skipped with its reason and the report is still written where the caller says; a stage that
+fails, hangs past its limit or raises is recorded with its output and the next stage runs;
+the multi-rank smoke run's command works (on gloo, where no GPU is)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+import gpu_check  # noqa: E402 (a sibling of the benchmarks, as tools/gpu_check.sh runs it)
+from gpu_stages import Check, StageResult, cuda_toolkit  # noqa: E402
+
+GPU_STAGES = ("tests", "kernels", "gpt", "nccl")
+
+
+def run_tool(tmp_path: Path, *extra: str) -> tuple[subprocess.CompletedProcess, dict, str]:
+    md, js = tmp_path / "check.md", tmp_path / "check.json"
+    command = [str(ROOT / "tools" / "gpu_check.sh"), "--quick", "--markdown", str(md)]
+    command += ["--json", str(js), "--logs", str(tmp_path / "logs"), *extra]
+    env = {**os.environ, "PYTHON": sys.executable}
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=240, env=env)
+    return done, json.loads(js.read_text()), md.read_text()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks what a machine without a GPU does")
+def test_without_a_gpu_every_gpu_stage_is_skipped_and_the_report_written(tmp_path):
+    done, report, page = run_tool(tmp_path, "--stages", "env", *GPU_STAGES)
+    assert done.returncode == 0, done.stdout + done.stderr
+    stages = {s["name"]: s for s in report["stages"]}
+    assert list(stages) == ["env", *GPU_STAGES]
+    assert stages["env"]["status"] == "ok" and "no CUDA device" in stages["env"]["summary"]
+    for name in GPU_STAGES:
+        assert stages[name]["status"] == "skipped"
+        assert stages[name]["summary"].startswith("no CUDA device")
+        assert f"\n{name} " in done.stdout  # one line per stage
+    assert "CUDA-marked tests in" in stages["tests"]["summary"]
+    assert report["gpus"] == [] and report["command"].startswith("python ")
+    assert "| tests   | skipped |" in page
+
+
+def test_the_smoke_run_command_trains_on_gloo(tmp_path):
+    done, report, page = run_tool(tmp_path, "--stages", "nccl", "--nccl-backend", "gloo")
+    assert done.returncode == 0, done.stdout + done.stderr
+    (stage,) = report["stages"]
+    assert stage["status"] == "ok", stage
+    assert stage["details"]["tp 2"]["iteration"] == 2
+    assert 0 < stage["details"]["tp 2"]["lm_loss"] < 10
+    assert "## NCCL smoke run" in page
+
+
+def test_failed_hung_and_broken_stages_are_recorded_and_the_next_runs(tmp_path, monkeypatch):
+    python = sys.executable
+
+    def fails(check, r):
+        check.run(r, [python, "-c", "print('about to fail'); raise SystemExit(3)"], "a.log")
+
+    def hangs(check, r):
+        check.run(r, [python, "-c", "import time; print('waiting', flush=True); time.sleep(60)"],
+                  "b.log")  # fmt: skip
+
+    def raises(check, r):
+        raise ValueError("unreadable output")
+
+    def works(check, r):
+        if check.run(r, [python, "-c", "print('fine')"], "d.log") == 0:
+            r.status, r.summary = "ok", "fine"
+
+    fakes = dict(env=fails, build=hangs, tests=raises, kernels=works)
+    monkeypatch.setattr(gpu_check, "RUNNERS", fakes)
+    monkeypatch.setattr(gpu_check, "skip_reason", lambda name, check: None)
+    md, js = tmp_path / "c.md", tmp_path / "c.json"
+    start = time.monotonic()
+    code = gpu_check.main(
+        ["--stages", *fakes, "--limit", "build=2", "--markdown", str(md), "--json", str(js),
+         "--logs", str(tmp_path / "logs")]
+    )  # fmt: skip
+    assert time.monotonic() - start < 20  # the hung stage was stopped at its limit
+    assert code == 1
+    stages = {s["name"]: s for s in json.loads(js.read_text())["stages"]}
+    assert stages["env"]["status"] == "failed" and "about to fail" in stages["env"]["tail"]
+    assert stages["env"]["summary"] == "exit status 3 (a.log)"
+    assert stages["build"]["status"] == "timeout" and "waiting" in stages["build"]["tail"]
+    assert stages["build"]["limit_s"] == 2 and stages["build"]["seconds"] < 15
+    assert stages["tests"]["status"] == "failed"
+    assert stages["tests"]["summary"] == "ValueError: unreadable output"
+    assert stages["kernels"]["status"] == "ok"
+    page = md.read_text()
+    assert "### env (failed)" in page and "### build (timeout)" in page
+
+
+def test_limits_are_checked_on_the_command_line():
+    with pytest.raises(SystemExit):
+        gpu_check.parse_args(["--limit", "kernel=10"])
+    assert gpu_check.parse_args(["--limit", "gpt=90"]).limits == {"gpt": 90.0}
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+def test_the_build_finds_the_toolkit_nvcc_runs_from(tmp_path):
+    args = argparse.Namespace(quick=True, limits={}, nccl_backend="nccl")
+    check = Check(args, tmp_path, time.monotonic() + 120, [])
+    result = StageResult("build", status="running", limit_s=60)
+    toolkit = Path(cuda_toolkit(check, result))
+    assert (toolkit / "bin" / "nvcc").is_file() and (toolkit / "include" / "cuda.h").is_file()
+    assert result.status == "running"  # nothing failed
