@@ -1,13 +1,15 @@
 """The distributed test harness itself: results, tracebacks, hangs and recovery."""
 
 import os
+import subprocess
+import sys
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from megapp.testing import DistributedTestError, distributed, get_world
+from megapp.testing import DistributedTestError, World, distributed, get_world
 
 
 def _rank_and_sum():
@@ -78,3 +80,45 @@ def test_a_dead_rank_is_reported():
 @distributed()
 def test_decorator_takes_world_size_from_parameters(world_size):
     assert dist.get_world_size() == world_size
+
+
+DRIVER = """
+import torch.distributed as dist
+
+from megapp.testing import World
+
+
+def rank():
+    return dist.get_rank()
+
+
+if __name__ == "__main__":  # the forkserver imports this module in every worker
+    world = World(2)
+    print(world.run(rank), world._logdir is not None)
+    world.close()
+    print(world._logdir)
+"""
+
+
+def test_a_driver_script_runs_a_world_and_leaves_no_files(tmp_path):
+    """A plain script (its own __main__, no PYTHONPATH) starts a world, and close() removes
+    the world's log folder."""
+    (tmp_path / "driver.py").write_text(DRIVER)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run(
+        [sys.executable, "driver.py"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines() == ["[0, 1] True", "None"]
+    world = World(1)
+    world.start()
+    logdir = world._logdir
+    assert os.path.isdir(logdir)
+    world.close()
+    assert not os.path.exists(logdir)

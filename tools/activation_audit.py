@@ -27,7 +27,7 @@ from megapp.fusions.extension import select_tier
 from megapp.fusions.norm import LayerNorm, layer_norm_reference_stats, rms_norm_reference_stats
 from megapp.tensor_parallel.random import model_parallel_manual_seed
 from megapp.transformer import TransformerConfig, TransformerLayer
-from megapp.transformer.attention import _merge_heads
+from megapp.transformer.attention import merge_heads
 from megapp.transformer.memory_audit import audit_saved_activations
 
 
@@ -80,7 +80,7 @@ def extra_work(layer: TransformerLayer, x: torch.Tensor) -> dict[str, Callable[[
             for norm in norms:
                 norm(x)
             layer.mlp.activation(inner, fc1.bias)
-            _merge_heads(heads).contiguous()
+            merge_heads(heads).contiguous()
 
     def stats() -> None:
         # What the norms' backward runs on CPU (the compiled kernel, else the reference).

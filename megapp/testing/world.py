@@ -11,6 +11,13 @@ defined at module level. Its return value comes back from every rank. An
 exception on any rank fails the call with that rank's traceback; a rank that
 does not answer within the timeout fails the call with every rank's stack, and
 the broken world is torn down so the next call starts a fresh one.
+
+A script that starts a world must keep its own work under
+``if __name__ == "__main__":``: multiprocessing's forkserver imports the main
+module in every worker, as with the spawn start method. Nothing else is needed:
+the workers see the caller's ``sys.path``, and the folder megapp is imported from
+is put on the forkserver's ``PYTHONPATH``, so megapp need not be installed.
+Each world keeps its ranks' logs in a temporary folder, removed by :meth:`World.close`.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import faulthandler
 import importlib
 import multiprocessing as mp
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -112,7 +120,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _megapp_on_pythonpath() -> None:
+    """Let the forkserver import megapp: it is started with the interpreter's default path
+    (the caller's ``sys.path`` reaches each task, but only after the fork)."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    if root not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in [root, *paths] if p)
+
+
 def _context() -> mp.context.BaseContext:
+    _megapp_on_pythonpath()
     ctx = mp.get_context("forkserver")
     # Import torch once in the forkserver; every worker forks with it loaded.
     ctx.set_forkserver_preload(["torch", "torch.distributed", __name__])
@@ -249,6 +267,9 @@ class World:
         for conn in self._conns:
             conn.close()
         self._procs, self._conns = [], []
+        if self._logdir is not None:
+            shutil.rmtree(self._logdir, ignore_errors=True)
+            self._logdir = None
 
 
 _WORLDS: dict[int, World] = {}

@@ -44,7 +44,7 @@ def core_attention(
     return F.dropout(probs, p=dropout).matmul(v)
 
 
-def _merge_heads(context: torch.Tensor) -> torch.Tensor:
+def merge_heads(context: torch.Tensor) -> torch.Tensor:
     """``[b, heads, s, d]`` -> ``[s, b, heads · d]``."""
     b, heads, s, d = context.shape
     return context.permute(2, 0, 1, 3).reshape(s, b, heads * d)
@@ -123,7 +123,7 @@ class ParallelAttention(nn.Module):
             return core_attention(q, k, v, dropout, self.config.attention_backend)
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return _merge_heads(self._attend(q, k, v))
+        return merge_heads(self._attend(q, k, v))
 
     def forward(
         self, x: torch.Tensor, rotary_freqs: torch.Tensor | None = None
@@ -134,9 +134,9 @@ class ParallelAttention(nn.Module):
             # Megatron's selective recompute: keep q, k, v; rebuild the attention in backward.
             return self.linear_proj(checkpoint(self._core, q, k, v))
         heads = self._attend(q, k, v)
-        context = _merge_heads(heads)
+        context = merge_heads(heads)
         if not self.recompute_saved_inputs:
             return self.linear_proj(context)
         # The projection's saved input is a relayout of the attention output: rebuild it.
-        with recompute_saved(context, _merge_heads, heads):
+        with recompute_saved(context, merge_heads, heads):
             return self.linear_proj(context)
