@@ -215,7 +215,7 @@ def zero_table(rows: list[Row]) -> str:
     return markdown_table(header, body)
 
 
-def report(args, p, command, latencies, cold, sleep_rows, zero_rows, files, elapsed, load):
+def report(args, p, command, latencies, cold, sleep_rows, zero_rows, files, elapsed, load) -> None:
     hot, idle = latencies
     print(f"$ {command}")
     print(f"machine: {machine()}, gloo")
@@ -268,7 +268,7 @@ def report(args, p, command, latencies, cold, sleep_rows, zero_rows, files, elap
     sys.stdout.flush()
 
 
-def parse_args(argv=None):
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
     )

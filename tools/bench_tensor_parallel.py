@@ -206,7 +206,7 @@ def measure(args, tp: int, sp: bool, threads: int) -> Result:
     )
 
 
-def parse_args(argv=None):
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4], help="spawn mode")
     parser.add_argument(

@@ -20,7 +20,7 @@ import inspect
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -73,7 +73,7 @@ _local = threading.local()  # depth > 0 inside a shim: nested collectives pass t
 
 
 @contextlib.contextmanager
-def intercept(handler):
+def intercept(handler: Callable) -> Iterator[None]:
     """Route every collective in COLLECTIVES through ``handler(name, original, bound)``.
 
     Patched in ``torch.distributed``, ``distributed_c10d`` and in every loaded ``megapp``
@@ -219,7 +219,7 @@ class _Done:
         return True
 
 
-def no_communication(name, original, bound):
+def no_communication(name: str, original: Callable, bound: inspect.BoundArguments) -> object:
     """Do locally what a collective leaves in its outputs, with the same shapes."""
     a = bound.arguments
     kind = KIND.get(name)

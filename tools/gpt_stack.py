@@ -10,7 +10,7 @@ iteration's model FLOPs with ``megapp.training.flops``.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -115,7 +115,7 @@ def microbatches_of(
     return [(tokens[i : i + size], labels[i : i + size]) for i in range(0, len(tokens), size)]
 
 
-def forward_step(iterator: Iterator, chunk, inputs):
+def forward_step(iterator: Iterator, chunk, inputs) -> tuple[torch.Tensor, Callable]:
     """The pipeline engine's step: the chunk's output and the mean per-token loss."""
     tokens, labels = next(iterator)
     model = chunk.module

@@ -114,7 +114,9 @@ def _forward_step(iterator, chunk, inputs):
     return out, lambda output: F.mse_loss(output, target)
 
 
-def megapp_runner(cfg: Config, micro_batch_size: int, hidden: int, declared: bool = True):
+def megapp_runner(
+    cfg: Config, micro_batch_size: int, hidden: int, declared: bool = True
+) -> Callable[..., object]:
     """``run(record)``: one megapp iteration on this rank, returning its PipelineResult.
 
     ``declared`` passes the activation shape as ``tensor_shapes``; otherwise the engine
@@ -138,7 +140,7 @@ def megapp_runner(cfg: Config, micro_batch_size: int, hidden: int, declared: boo
     return run
 
 
-def torch_runner(cfg: Config, micro_batch_size: int, hidden: int):
+def torch_runner(cfg: Config, micro_batch_size: int, hidden: int) -> Callable[..., object]:
     """``run(record)``: one torch.distributed.pipelining iteration on this rank (never records).
 
     Shapes are static (``input_args``/``output_args``), as megapp's ``tensor_shapes``."""
