@@ -39,7 +39,7 @@ from megapp.testing import distributed
 from megapp.training import TrainGroups, train_step
 from megapp.training import checkpoints as training_checkpoints
 from megapp.training.arguments import ArgumentsError, config_from_flags
-from megapp.training.config import OptimizerArgs
+from megapp.training.flag_groups import OptimizerArgs
 from megapp.training.setup import TrainingSetup, build_training_setup
 from tests.gpt_support import SEED, VOCAB, full_tensor, global_batch, gpt_config, reference_name
 from tests.test_gpt_layouts import TOL, forward_step

@@ -28,7 +28,7 @@ import torch
 from megapp import parallel_state as ps
 from megapp.testing import distributed
 from megapp.training import train_step
-from megapp.training.config import OptimizerArgs
+from megapp.training.flag_groups import OptimizerArgs
 from megapp.training.setup import build_training_setup
 from tests.gpt_support import (
     SEED,

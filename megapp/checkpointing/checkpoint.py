@@ -42,10 +42,20 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from megapp import comm
 from megapp.checkpointing import rng
+from megapp.checkpointing.checks import (
+    COMMON,
+    FORMAT_VERSION,
+    check_config,
+    check_tensors,
+    first_failure,
+    load_plain_state,
+    model_config,
+    plain,
+    read_common,
+)
 from megapp.checkpointing.errors import CheckpointError, NoOptimizerStateError
 from megapp.checkpointing.safe_reader import (
     SafeFileSystemReader,
@@ -63,26 +73,6 @@ from megapp.checkpointing.state import (
 logger = logging.getLogger(__name__)
 
 LATEST = "latest_checkpointed_iteration.txt"
-COMMON = "common.json"
-FORMAT_VERSION = 1
-
-# Config fields that fix the tensors' shapes; a checkpoint loads only into a model that
-# agrees on all of them.
-SHAPE_FIELDS = (
-    "num_layers",
-    "hidden_size",
-    "ffn_hidden_size",
-    "num_attention_heads",
-    "num_query_groups",
-    "kv_channels",
-    "vocab_size",
-    "max_position_embeddings",
-    "position_embedding_type",
-    "normalization",
-    "activation",
-    "add_bias_linear",
-    "share_embeddings_and_output_weights",
-)
 
 
 @dataclasses.dataclass
@@ -111,25 +101,6 @@ def read_latest(load_dir: str | os.PathLike) -> int | None:
     if not text.isdigit():
         raise CheckpointError(f"{marker} should hold an iteration number, found {text!r:.40}")
     return int(text)
-
-
-def _plain(value: Any) -> Any:
-    """``value`` as JSON-able data (dtypes and other objects become their str)."""
-    if isinstance(value, bool | int | float | str) or value is None:
-        return value
-    if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_plain(v) for v in value]
-    return str(value)
-
-
-def _model_config(chunks) -> dict[str, Any] | None:
-    module = getattr(chunks[0], "module", chunks[0])
-    config = getattr(module, "config", None)
-    if config is None or not dataclasses.is_dataclass(config):
-        return None
-    return {f.name: _plain(getattr(config, f.name)) for f in dataclasses.fields(config)}
 
 
 def _layout(chunks, optimizer, groups) -> dict[str, Any]:
@@ -232,12 +203,12 @@ def save_checkpoint(
                 "iteration": int(iteration),
                 "consumed_train_samples": int(consumed_train_samples),
                 "consumed_valid_samples": int(consumed_valid_samples),
-                "lr_scheduler": _plain(lr_scheduler.state_dict()) if lr_scheduler else None,
-                "grad_scaler": _plain(scaler.state_dict()) if scaler is not None else None,
+                "lr_scheduler": plain(lr_scheduler.state_dict()) if lr_scheduler else None,
+                "grad_scaler": plain(scaler.state_dict()) if scaler is not None else None,
                 "has_optimizer": optimizer is not None,
-                "model_config": _model_config(chunks),
+                "model_config": model_config(chunks),
                 "layout": _layout(chunks, optimizer, groups),
-                "args": _plain(args or {}),
+                "args": plain(args or {}),
             },
         )
     _barrier()  # every rank's files are complete before the directory becomes final
@@ -260,100 +231,6 @@ def save_checkpoint(
         logger.info("megapp: saved iteration %d to %s", iteration, final)
     _barrier()
     return final
-
-
-_COMMON_COUNTERS = (
-    "format_version",
-    "iteration",
-    "consumed_train_samples",
-    "consumed_valid_samples",
-)
-_COMMON_OBJECTS = ("model_config", "layout", "lr_scheduler", "grad_scaler", "args")
-
-
-def _read_common(path: Path) -> dict[str, Any]:
-    """The checked contents of ``path/common.json``."""
-    file = path / COMMON
-    try:
-        common = json.loads(file.read_text())
-    except FileNotFoundError as error:
-        raise CheckpointError(f"no complete checkpoint at {path} (missing {COMMON})") from error
-    except (OSError, ValueError) as error:
-        raise CheckpointError(f"{file}: unreadable ({error}); the checkpoint is corrupt") from error
-    if not isinstance(common, dict):
-        raise CheckpointError(f"{file}: not a JSON object; the checkpoint is corrupt")
-    if common.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(
-            f"{file}: unknown checkpoint format {common.get('format_version')!r:.40} "
-            f"(this megapp reads format {FORMAT_VERSION})"
-        )
-    for name in _COMMON_COUNTERS:
-        value = common.get(name)
-        if type(value) is not int or value < 0:
-            raise CheckpointError(f"{file}: {name} is {value!r:.40}; the checkpoint is corrupt")
-    for name in _COMMON_OBJECTS:
-        if not isinstance(common.get(name), dict | None):
-            raise CheckpointError(f"{file}: {name} is not an object; the checkpoint is corrupt")
-    return common
-
-
-def _load_plain_state(owner, state: dict | None, settings: str | None, path: Path) -> None:
-    """Load the JSON state of the LR scheduler or loss scaler; a malformed one is corrupt."""
-    if owner is None or state is None:
-        return
-    try:
-        if settings is None:
-            owner.load_state_dict(state)
-        else:
-            owner.load_state_dict(state, settings=settings)
-    except (KeyError, TypeError, AttributeError) as error:
-        raise CheckpointError(
-            f"{path / COMMON}: the {type(owner).__name__} state is malformed ({error!r:.80}); "
-            "the checkpoint is corrupt"
-        ) from error
-
-
-def _first_failure(error: Exception) -> str:
-    """One line for what went wrong: the first rank's own error inside DCP's summary."""
-    failures = getattr(error, "failures", None)
-    if failures:
-        error = next(iter(failures.values()))
-        if isinstance(error, tuple):  # (exception, traceback summary)
-            error = error[0]
-    return f"{type(error).__name__}: {comm.one_line(error, 300)}"
-
-
-def _check_config(saved: dict | None, chunks, path: Path) -> None:
-    current = _model_config(chunks)
-    if saved is None or current is None:
-        return
-    diffs = [
-        f"{name}: checkpoint {saved[name]!r}, this model {current[name]!r}"
-        for name in SHAPE_FIELDS
-        if name in saved and name in current and saved[name] != current[name]
-    ]
-    if diffs:
-        raise CheckpointError(
-            f"checkpoint {path} is of a different model shape; set the model flags to the "
-            "checkpoint's or train from scratch:\n  " + "\n  ".join(diffs)
-        )
-
-
-def _check_tensors(state: dict[str, torch.Tensor], metadata, path: Path) -> None:
-    saved = metadata.state_dict_metadata
-    problems = []
-    for key, tensor in state.items():
-        md = saved.get(key)
-        if not isinstance(md, TensorStorageMetadata):
-            problems.append(f"{key}: not in the checkpoint")
-        elif md.size != tensor.size():
-            problems.append(
-                f"{key}: checkpoint {tuple(md.size)}, this model {tuple(tensor.size())}"
-            )
-    if problems:
-        shown = "\n  ".join(problems[:10])
-        more = f"\n  ... and {len(problems) - 10} more" if len(problems) > 10 else ""
-        raise CheckpointError(f"checkpoint {path} does not fit this model:\n  {shown}{more}")
 
 
 def load_checkpoint(
@@ -383,8 +260,8 @@ def load_checkpoint(
         if iteration is None:
             return None
     path = iteration_dir(load_dir, iteration)
-    common = _read_common(path)
-    _check_config(common.get("model_config"), chunks, path)
+    common = read_common(path)
+    check_config(common.get("model_config"), chunks, path)
     metadata = read_metadata_file(path / ".metadata")
     check_data_files(metadata, path)
     saved = metadata.state_dict_metadata
@@ -411,18 +288,18 @@ def load_checkpoint(
         rng_states = {}  # saved with other generators (e.g. without CUDA): keep our seeds
     for key, tensor in rng_states.items():
         state[f"rng.{rank}.{key}"] = tensor
-    _check_tensors(state, metadata, path)
+    check_tensors(state, metadata, path)
 
     if load_optimizer:  # plain settings first: a mismatch fails before any tensor is read
-        _load_plain_state(lr_scheduler, common.get("lr_scheduler"), scheduler_settings, path)
-        _load_plain_state(optimizer.grad_scaler, common.get("grad_scaler"), None, path)
+        load_plain_state(lr_scheduler, common.get("lr_scheduler"), scheduler_settings, path)
+        load_plain_state(optimizer.grad_scaler, common.get("grad_scaler"), None, path)
     with _single_process_quiet():
         reader = SafeFileSystemReader(path, metadata)
         try:
             dcp.load(state, storage_reader=reader, no_dist=not dist.is_initialized())
         except (Exception, CheckpointException) as error:  # DCP gathers every rank's failure
             raise CheckpointError(
-                f"{path}: its tensors cannot be read ({_first_failure(error)}); "
+                f"{path}: its tensors cannot be read ({first_failure(error)}); "
                 "the checkpoint is corrupt"
             ) from error
 

@@ -18,7 +18,8 @@ import time
 from collections.abc import Sequence
 from typing import NoReturn
 
-from megapp.training.config import GROUPS, ArgumentsError, PretrainConfig, flag_name
+from megapp.training.config import GROUPS, PretrainConfig
+from megapp.training.flag_groups import ArgumentsError, flag_name
 
 __all__ = [
     "ArgumentsError",

@@ -15,7 +15,8 @@ from pathlib import Path
 from megapp.checkpointing import NoOptimizerStateError, load_checkpoint, save_checkpoint
 from megapp.checkpointing.checkpoint import LATEST
 from megapp.optimizer import ScheduleMismatchError
-from megapp.training.config import ArgumentsError, PretrainConfig, as_flags
+from megapp.training.config import PretrainConfig, as_flags
+from megapp.training.flag_groups import ArgumentsError
 from megapp.training.initialize import print_rank_0
 from megapp.training.setup import TrainingSetup
 

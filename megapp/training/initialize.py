@@ -16,7 +16,8 @@ from megapp.distributed import DistributedDataParallel
 from megapp.optimizer.clip_grads import counts_in_norm
 from megapp.parallel_state import TrainGroups
 from megapp.tensor_parallel.random import model_parallel_manual_seed
-from megapp.training.config import ArgumentsError, PretrainConfig
+from megapp.training.config import PretrainConfig
+from megapp.training.flag_groups import ArgumentsError
 from megapp.training.launcher_watch import exit_with_launcher
 
 

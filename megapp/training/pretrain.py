@@ -29,9 +29,10 @@ from megapp.pipeline_parallel.p2p import TensorSpec
 from megapp.pipeline_parallel.runner import ForwardStepFunc
 from megapp.training import checkpoints
 from megapp.training.checkpoints import TrainState
-from megapp.training.config import ArgumentsError, PretrainConfig
+from megapp.training.config import PretrainConfig
 from megapp.training.data_iterators import chunk_iterators, rank0_first
 from megapp.training.evaluate import evaluate
+from megapp.training.flag_groups import ArgumentsError
 from megapp.training.initialize import count_parameters, initialize_distributed, print_rank_0
 from megapp.training.metrics import (
     MetricsWriter,

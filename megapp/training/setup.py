@@ -14,7 +14,7 @@ from megapp.distributed import DistributedDataParallel
 from megapp.models import GPTConfig, build_gpt_chunks
 from megapp.optimizer import ConstantGradScaler, DynamicGradScaler, LRScheduler, Optimizer
 from megapp.parallel_state import TrainGroups
-from megapp.training.config import OptimizerArgs, PrecisionArgs
+from megapp.training.flag_groups import OptimizerArgs, PrecisionArgs
 
 ChunkBuilder = Callable[[TrainGroups], list[nn.Module]]
 """``groups -> this rank's model chunks`` (chunk ``c`` is its ``c``-th virtual stage)."""

@@ -1,0 +1,366 @@
+"""The flag groups of ``pretrain_gpt.py``: one frozen dataclass per group of Megatron's flags.
+
+Each field is a flag (:func:`arg` gives its default, help and argparse options;
+``--field-name`` unless the field names its own Megatron spelling) and each group checks
+the rules that concern its own flags when it is built. The whole run's config, with the
+rules that span groups, is :class:`~megapp.training.config.PretrainConfig`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from megapp.data.builder import parse_data_path, parse_split
+from megapp.data.tokenizers import BYTE_TOKENIZER, TOKENIZER_TYPES
+
+
+class ArgumentsError(ValueError):
+    """Settings that cannot work together; the message says what to change."""
+
+
+def arg(default: Any, help: str = "", *, kind: type | None = None, **argparse: Any) -> Any:
+    """A config field that is also a flag: its ``default``, ``help`` and flag options
+    (``kind``: the value type when ``default`` is None; ``flag``, ``choices``, ``nargs``)."""
+    return field(default=default, metadata={"help": help, "kind": kind, **argparse})
+
+
+def flag_name(f: dataclasses.Field) -> str:
+    return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+
+
+def _require_positive(group: Any, names: tuple[str, ...]) -> None:
+    for name in names:
+        value = getattr(group, name)
+        if value is not None and value < 1:
+            raise ArgumentsError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+
+
+def _require(group: Any, names: tuple[str, ...]) -> None:
+    for name in names:
+        if getattr(group, name) is None:
+            raise ArgumentsError(f"--{name.replace('_', '-')} is required")
+
+
+@dataclass(frozen=True)
+class ParallelArgs:
+    """How the ranks are laid out (Megatron's distributed flags)."""
+
+    tensor_model_parallel_size: int = arg(1, "ranks that split every layer")
+    pipeline_model_parallel_size: int = arg(1, "pipeline stages")
+    num_layers_per_virtual_pipeline_stage: int | None = arg(
+        None, "layers per virtual stage; interleaves the pipeline schedule", kind=int
+    )
+    sequence_parallel: bool = arg(False, "split activations outside tp regions by sequence")
+    use_distributed_optimizer: bool = arg(False, "shard optimizer states over dp (ZeRO-1)")
+    ddp_bucket_size: int = arg(40_000_000, "elements per data-parallel gradient bucket")
+    distributed_backend: str | None = arg(
+        None, "default: nccl when CUDA is available, else gloo", choices=("nccl", "gloo")
+    )
+    distributed_timeout_minutes: float = arg(
+        10.0, "how long a collective waits for a dead or stuck rank before the job fails"
+    )
+
+    def __post_init__(self) -> None:
+        _require_positive(
+            self,
+            (
+                "tensor_model_parallel_size",
+                "pipeline_model_parallel_size",
+                "num_layers_per_virtual_pipeline_stage",
+                "ddp_bucket_size",
+            ),
+        )
+        if not self.distributed_timeout_minutes > 0:
+            raise ArgumentsError(
+                f"--distributed-timeout-minutes must be > 0, got {self.distributed_timeout_minutes}"
+            )
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    """The GPT's shape and behaviour (Megatron's network-size, regularization and recompute
+    flags); :meth:`PretrainConfig.gpt_config` turns it into a GPTConfig."""
+
+    num_layers: int | None = arg(None, "transformer layers", kind=int)
+    hidden_size: int | None = arg(None, "width of the residual stream", kind=int)
+    ffn_hidden_size: int | None = arg(
+        None, "default 4 × hidden size (8/3 × hidden size, rounded to 64, with --swiglu)", kind=int
+    )
+    num_attention_heads: int | None = arg(None, "query heads", kind=int)
+    kv_channels: int | None = arg(None, "width of one head; default hidden / heads", kind=int)
+    group_query_attention: bool = arg(False, "grouped-query attention (needs the groups)")
+    num_query_groups: int | None = arg(
+        None, "key/value heads (implies --group-query-attention)", kind=int
+    )
+    seq_length: int | None = arg(None, "tokens per sample", kind=int)
+    max_position_embeddings: int | None = arg(None, "default: --seq-length", kind=int)
+    position_embedding_type: str = arg(
+        "learned_absolute", "", choices=("learned_absolute", "rope", "none")
+    )
+    rotary_base: int = arg(10000, "base of the rotary frequencies")
+    normalization: str = arg("LayerNorm", "", choices=("LayerNorm", "RMSNorm"))
+    norm_epsilon: float = arg(1e-5, "epsilon of the normalization layers")
+    swiglu: bool = arg(False, "SwiGLU MLP instead of GeLU")
+    disable_bias_linear: bool = arg(False, "no biases in the linear layers")
+    untie_embeddings_and_output_weights: bool = arg(False, "a separate output layer")
+    hidden_dropout: float = arg(0.1, "dropout before each residual add")
+    attention_dropout: float = arg(0.1, "dropout on the attention probabilities")
+    attention_backend: str = arg("sdpa", "", choices=("sdpa", "fused_softmax"))
+    init_method_std: float = arg(0.02, "std of the normal weight initialization")
+    make_vocab_size_divisible_by: int = arg(128, "pad the vocabulary to a multiple of this × tp")
+    recompute_granularity: str | None = arg(None, "", choices=("full", "selective"))
+    recompute_method: str | None = arg(None, "", choices=("uniform", "block"))
+    recompute_num_layers: int | None = arg(None, "layers per recomputed group", kind=int)
+
+    def __post_init__(self) -> None:
+        _require(self, ("num_layers", "hidden_size", "num_attention_heads", "seq_length"))
+        _require_positive(
+            self,
+            (
+                "num_layers",
+                "hidden_size",
+                "ffn_hidden_size",
+                "num_attention_heads",
+                "kv_channels",
+                "num_query_groups",
+                "seq_length",
+                "max_position_embeddings",
+                "make_vocab_size_divisible_by",
+            ),
+        )
+        if self.group_query_attention and self.num_query_groups is None:
+            raise ArgumentsError(
+                "--group-query-attention needs --num-query-groups N (the key/value heads)"
+            )
+        if self.seq_length > self.positions:
+            raise ArgumentsError(
+                f"--seq-length ({self.seq_length}) exceeds --max-position-embeddings "
+                f"({self.positions}); raise --max-position-embeddings or shorten the sequences"
+            )
+
+    @property
+    def positions(self) -> int:
+        """Longest sequence the learned positions cover (default: the sequence length)."""
+        return self.max_position_embeddings or self.seq_length
+
+    @property
+    def ffn(self) -> int:
+        """The MLP width: given, or 4h (8h/3 rounded down to 64 for SwiGLU, which keeps its
+        parameter count near the 4h GeLU MLP's)."""
+        if self.ffn_hidden_size is not None:
+            return self.ffn_hidden_size
+        if self.swiglu:
+            return (8 * self.hidden_size // 3) // 64 * 64 or 8 * self.hidden_size // 3
+        return 4 * self.hidden_size
+
+
+@dataclass(frozen=True)
+class PrecisionArgs:
+    """Parameter dtype and fp16 loss scaling (Megatron's mixed-precision flags)."""
+
+    bf16: bool = arg(False, "bf16 parameters and activations")
+    fp16: bool = arg(False, "fp16 parameters and activations, with loss scaling")
+    loss_scale: float | None = arg(None, "a constant fp16 loss scale; default: dynamic", kind=float)
+    initial_loss_scale: float = arg(2.0**32, "first dynamic loss scale")
+    min_loss_scale: float = arg(1.0, "smallest dynamic loss scale")
+    loss_scale_window: int = arg(1000, "clean steps before the scale grows")
+    hysteresis: int = arg(2, "overflows tolerated before the scale shrinks")
+
+    def __post_init__(self) -> None:
+        if self.bf16 and self.fp16:
+            raise ArgumentsError("--bf16 and --fp16 are both set; choose one")
+        if self.loss_scale is not None and not self.fp16:
+            raise ArgumentsError(
+                "--loss-scale only applies with --fp16 (bf16 and fp32 need no loss scaling)"
+            )
+
+    @property
+    def params_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.bf16 else torch.float16 if self.fp16 else torch.float32
+
+
+@dataclass(frozen=True)
+class OptimizerArgs:
+    """AdamW and its learning-rate schedule (Megatron's learning-rate and regularization
+    flags)."""
+
+    lr: float | None = arg(None, "peak learning rate", kind=float)
+    min_lr: float = arg(0.0, "learning rate at the end of the decay")
+    lr_decay_style: str = arg("linear", "", choices=("constant", "linear", "cosine"))
+    lr_warmup_iters: int = arg(0, "iterations of linear warmup")
+    lr_decay_iters: int | None = arg(None, "default: --train-iters", kind=int)
+    weight_decay: float = arg(0.01, "decoupled weight decay")
+    adam_beta1: float = arg(0.9, "")
+    adam_beta2: float = arg(0.999, "")
+    adam_eps: float = arg(1e-8, "")
+    clip_grad: float = arg(1.0, "clip the global gradient norm to this; 0 turns it off")
+
+    def __post_init__(self) -> None:
+        _require(self, ("lr",))
+        if self.clip_grad < 0:
+            raise ArgumentsError(
+                f"--clip-grad must be >= 0 (0 turns clipping off), got {self.clip_grad}"
+            )
+
+
+@dataclass(frozen=True)
+class TrainingArgs:
+    """Batch and length of the run (Megatron's training flags)."""
+
+    micro_batch_size: int | None = arg(None, "samples per microbatch", kind=int)
+    global_batch_size: int | None = arg(
+        None, "default: micro batch size × data-parallel size", kind=int
+    )
+    train_iters: int | None = arg(None, "iterations to train", kind=int)
+    seed: int = arg(1234, "seed of the weights and every random stream")
+    exit_interval: int | None = arg(
+        None, "stop (after saving, with --save) when the iteration is a multiple", kind=int
+    )
+
+    def __post_init__(self) -> None:
+        _require(self, ("micro_batch_size", "train_iters"))
+        _require_positive(
+            self, ("micro_batch_size", "global_batch_size", "train_iters", "exit_interval")
+        )
+
+
+@dataclass(frozen=True)
+class DataArgs:
+    """Where the tokens come from (Megatron's data and tokenizer flags)."""
+
+    data_path: list[str] | None = arg(
+        None, "PREFIX, or weight/prefix pairs: 30 A_text_document 70 B_text_document", nargs="*"
+    )
+    use_default_corpus: bool = arg(False, "train on this Python's standard-library sources")
+    split: str = arg("969, 30, 1", "train/valid/test weights")
+    data_cache_path: str | None = arg(
+        None, "where index caches and the default corpus go", kind=str
+    )
+    num_workers: int = arg(0, "data-loading worker processes")
+    eod_mask_loss: bool = arg(False, "leave end-of-document tokens out of the loss")
+    reset_position_ids: bool = arg(False, "restart positions after every end of document")
+    tokenizer_type: str = arg(BYTE_TOKENIZER, "", choices=TOKENIZER_TYPES)
+    vocab_file: str | None = arg(None, "GPT-2 BPE vocab.json", kind=str)
+    merge_file: str | None = arg(None, "GPT-2 BPE merges.txt", kind=str)
+    tokenizer_model: str | None = arg(None, "a local Hugging Face tokenizer directory", kind=str)
+
+    def __post_init__(self) -> None:
+        if self.data_path is not None and len(self.data_path) == 0:
+            raise ArgumentsError("--data-path needs a path prefix (or weight/prefix pairs)")
+        if self.data_path is None and not self.use_default_corpus:
+            raise ArgumentsError(
+                "no training data: give --data-path PREFIX (tools/preprocess_data.py writes "
+                "PREFIX.bin/.idx) or --use-default-corpus"
+            )
+        if self.data_path is not None and self.use_default_corpus:
+            raise ArgumentsError("--data-path and --use-default-corpus are both set; choose one")
+        try:
+            if self.data_path is not None:
+                parse_data_path(self.data_path)
+        except ValueError as error:
+            raise ArgumentsError(str(error)) from error
+        try:
+            parse_split(self.split)
+        except ValueError as error:
+            raise ArgumentsError(f"--split: {error}") from error
+        if self.num_workers < 0:
+            raise ArgumentsError(f"--num-workers must be >= 0, got {self.num_workers}")
+        if self.tokenizer_type == "GPT2BPETokenizer" and not (self.vocab_file and self.merge_file):
+            raise ArgumentsError(
+                "--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file"
+            )
+        if self.tokenizer_type == "HuggingFaceTokenizer" and not self.tokenizer_model:
+            raise ArgumentsError(
+                "--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model DIR"
+            )
+        for name in ("vocab_file", "merge_file"):
+            path = getattr(self, name)
+            if path is not None and not os.path.isfile(path):
+                raise ArgumentsError(f"--{name.replace('_', '-')} {path}: no such file")
+
+
+@dataclass(frozen=True)
+class CheckpointArgs:
+    """Saving and resuming (Megatron's checkpointing flags)."""
+
+    save: str | None = arg(None, "checkpoint directory to write", kind=str)
+    load: str | None = arg(None, "checkpoint directory to resume from", kind=str)
+    save_interval: int | None = arg(None, "iterations between checkpoints", kind=int)
+    ckpt_step: int | None = arg(
+        None, "with --load: the iteration to resume from (default: the latest)", kind=int
+    )
+    no_load_optim: bool = arg(
+        False, "with --load: load the model only (fresh optimizer state and schedule)"
+    )
+    no_load_rng: bool = arg(
+        False, "with --load: keep this run's random seeds instead of the saved generators"
+    )
+    use_checkpoint_opt_param_scheduler: bool = arg(
+        False,
+        "with --load: continue the learning-rate schedule saved in the checkpoint",
+        flag="--use-checkpoint-opt_param-scheduler",
+    )
+    override_opt_param_scheduler: bool = arg(
+        False,
+        "with --load: use this run's learning-rate flags instead of the saved schedule",
+        flag="--override-opt_param-scheduler",
+    )
+
+    def __post_init__(self) -> None:
+        _require_positive(self, ("save_interval",))
+        if self.ckpt_step is not None and self.load is None:
+            raise ArgumentsError(
+                "--ckpt-step needs --load DIR (the checkpoints to pick the iteration from)"
+            )
+        if self.use_checkpoint_opt_param_scheduler and self.override_opt_param_scheduler:
+            raise ArgumentsError(
+                "--use-checkpoint-opt_param-scheduler and --override-opt_param-scheduler are "
+                "both set; choose one"
+            )
+        if self.save_interval is not None and self.save is None:
+            raise ArgumentsError(
+                "--save-interval needs --save DIR (where to write the checkpoints)"
+            )
+
+    @property
+    def scheduler_settings(self) -> str:
+        """Whose learning-rate schedule a resumed run follows (``LRScheduler.load_state_dict``)."""
+        if self.use_checkpoint_opt_param_scheduler:
+            return "checkpoint"
+        return "current" if self.override_opt_param_scheduler else "match"
+
+
+@dataclass(frozen=True)
+class LoggingArgs:
+    """What the run reports and when (Megatron's logging and validation flags)."""
+
+    log_interval: int = arg(100, "iterations per log line")
+    eval_interval: int = arg(1000, "iterations between evaluations")
+    eval_iters: int = arg(100, "iterations per evaluation; 0 turns evaluation off")
+    tensorboard_dir: str | None = arg(None, "also log to TensorBoard here", kind=str)
+    metrics_path: str | None = arg(
+        None,
+        "JSON-lines metrics file (default: metrics.jsonl in --save, else in the working "
+        "directory); appended to",
+        kind=str,
+    )
+
+    def __post_init__(self) -> None:
+        _require_positive(self, ("log_interval", "eval_interval"))
+        if self.eval_iters < 0:
+            raise ArgumentsError(
+                f"--eval-iters must be >= 0 (0 turns evaluation off), got {self.eval_iters}"
+            )
+        if self.tensorboard_dir is not None:
+            try:
+                import tensorboard  # noqa: F401
+            except ImportError:
+                raise ArgumentsError(
+                    "--tensorboard-dir needs the tensorboard package (pip install tensorboard); "
+                    "drop the flag to log to the metrics file only"
+                ) from None
