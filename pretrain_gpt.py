@@ -33,7 +33,6 @@ from megapp.data import (
 )
 from megapp.models import GPTModel, build_gpt_chunks
 from megapp.parallel_state import TrainGroups
-from megapp.tensor_parallel.utils import pad_vocab_size
 from megapp.training.arguments import (
     ArgumentsError,
     exit_after_failure,
@@ -41,7 +40,7 @@ from megapp.training.arguments import (
     parse_args,
 )
 from megapp.training.config import PretrainConfig
-from megapp.training.flops import gpt_training_flops
+from megapp.training.flops import gpt_config_training_flops
 from megapp.training.pretrain import pretrain
 
 
@@ -61,22 +60,9 @@ def model_provider(
 
 def flops_per_iteration(config: PretrainConfig, vocab_size: int) -> float:
     """Model FLOPs of one iteration of the global batch (what the log's TFLOP/s counts)."""
-    gpt = config.gpt_config(vocab_size)
     seq = config.model.seq_length
-    return gpt_training_flops(
-        num_layers=gpt.num_layers,
-        hidden_size=gpt.hidden_size,
-        ffn_hidden_size=gpt.ffn_hidden_size,
-        num_attention_heads=gpt.num_attention_heads,
-        num_query_groups=gpt.num_query_groups,
-        kv_channels=gpt.kv_channels,
-        swiglu=gpt.activation == "swiglu",
-        seq_length=seq,
-        vocab_size=pad_vocab_size(
-            vocab_size, gpt.tensor_model_parallel_size, gpt.make_vocab_size_divisible_by
-        ),
-        tokens=seq * config.training.global_batch_size,
-    )
+    tokens = seq * config.training.global_batch_size
+    return gpt_config_training_flops(config.gpt_config(vocab_size), seq, tokens)
 
 
 def loss_func(loss_mask: torch.Tensor, per_token_loss: torch.Tensor) -> torch.Tensor:

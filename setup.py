@@ -21,12 +21,15 @@ from torch.utils.cpp_extension import (
     is_ninja_available,
 )
 
-INCLUDE_DIRS = [os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "include")]
+ROOT = os.path.dirname(os.path.abspath(__file__))
+INCLUDE_DIRS = [os.path.join(ROOT, "csrc", "include")]
 # No -std flag: BuildExtension adds the one the installed torch wants (torch 2.14's headers
 # refuse anything below C++20); the sources are valid C++17 and C++20.
 # -fopenmp: at::parallel_for in the CPU kernels splits work over threads only under OpenMP,
 # which the torch build uses; without it every kernel runs on one thread.
-CXX_FLAGS = ["-O3", "-fopenmp"]
+# -g0: Python's default flags ask for debug info, which costs about 40% of the compile time
+# (14.5 s -> 8.7 s for one kernel file here) and most of the library's size.
+CXX_FLAGS = ["-O3", "-fopenmp", "-g0"]
 NVCC_FLAGS = ["-O3", "-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_90,code=sm_90"]
 
 
@@ -86,6 +89,16 @@ def _extensions() -> list:
     return exts
 
 
+class PersistentBuildExt(BuildExtension):
+    """Compile into ``build/temp`` of the source tree instead of pip's throwaway folder, so
+    a second install (the test command after the demo's) and a rebuild after a small change
+    recompile only what changed (ninja tracks every object and header)."""
+
+    def finalize_options(self) -> None:
+        super().finalize_options()
+        self.build_temp = os.path.join(ROOT, "build", "temp")
+
+
 setup(
     name="megapp",
     version="0.1.0",
@@ -95,5 +108,5 @@ setup(
     install_requires=["torch>=2.4", "einops>=0.7", "numpy"],
     extras_require={"dev": ["pytest>=8", "ruff==0.17.6", "hypothesis", "matplotlib"]},
     ext_modules=_extensions(),
-    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=is_ninja_available())},
+    cmdclass={"build_ext": PersistentBuildExt.with_options(use_ninja=is_ninja_available())},
 )

@@ -1,8 +1,9 @@
 """The GPT that ``tools/bench_gpt.py`` trains, and the one place it builds the training stack.
 
 :func:`gpt_config` turns the benchmark's shape flags into a ``GPTConfig``; :func:`build_stack`
-builds a rank's model chunks, wraps them in ``DistributedDataParallel`` and gives them an
-``Optimizer`` (every part of the benchmark that trains the full stack goes through it);
+builds a rank's model chunks, wrapped in ``DistributedDataParallel``, and their ``Optimizer``
+with ``megapp.training.build_training_setup``, as the training loop and the tests do (every
+part of the benchmark that trains the full stack goes through it);
 :func:`batch_of` and :func:`forward_step` feed ``train_step``; :func:`model_flops` counts an
 iteration's model FLOPs with ``megapp.training.flops``.
 """
@@ -16,11 +17,11 @@ import torch
 
 from megapp import parallel_state as ps
 from megapp.distributed import DistributedDataParallel
-from megapp.models import GPTConfig, build_gpt_chunks
+from megapp.models import GPTConfig
 from megapp.optimizer import Optimizer
-from megapp.tensor_parallel.utils import pad_vocab_size
-from megapp.training import TrainGroups
-from megapp.training.flops import gpt_training_flops
+from megapp.training import TrainGroups, build_training_setup
+from megapp.training.flag_groups import OptimizerArgs
+from megapp.training.flops import gpt_config_training_flops
 
 SEED, LR, WD = 1234, 1e-4, 0.1
 
@@ -45,21 +46,7 @@ def gpt_config(
 
 def model_flops(config: GPTConfig, sequences: int, seq: int) -> float:
     """Model FLOPs of one training step over ``sequences`` sequences of ``seq`` tokens."""
-    padded = pad_vocab_size(
-        config.vocab_size, config.tensor_model_parallel_size, config.make_vocab_size_divisible_by
-    )
-    return gpt_training_flops(
-        num_layers=config.num_layers,
-        hidden_size=config.hidden_size,
-        ffn_hidden_size=config.ffn_hidden_size,
-        num_attention_heads=config.num_attention_heads,
-        num_query_groups=config.num_query_groups,
-        kv_channels=config.kv_channels,
-        swiglu=config.activation == "swiglu",
-        seq_length=seq,
-        vocab_size=padded,
-        tokens=sequences * seq,
-    )
+    return gpt_config_training_flops(config, seq, sequences * seq)
 
 
 def build_stack(
@@ -77,26 +64,20 @@ def build_stack(
     (virtual) pipeline chunks of the layout set by ``initialize_model_parallel``, tensor-
     parallel over its group, with gradient clipping over the model-parallel group.
     """
-    groups = TrainGroups.from_parallel_state() if layout else TrainGroups()
     tp = ps.get_tensor_model_parallel_world_size() if layout else 1
-    chunks = build_gpt_chunks(
+    setup = build_training_setup(  # the layout's, or one process's whole model
         gpt_config(args, tp=tp, dtype=dtype),
-        pp_rank=ps.get_pipeline_model_parallel_rank() if layout else 0,
-        pp_size=ps.get_pipeline_model_parallel_world_size() if layout else 1,
-        vpp_size=ps.get_virtual_pipeline_model_parallel_world_size() if layout else None,
-        tp_group=groups.tp,
+        OptimizerArgs(
+            lr=LR,
+            weight_decay=WD,
+            clip_grad=clip_grad or 0.0,
+            lr_decay_style="constant",
+            lr_decay_iters=1,
+        ),
         seed=SEED,
+        device=device,
     )
-    ddp = [DistributedDataParallel(c.to(device), dp_group=groups.dp) for c in chunks]
-    optimizer = Optimizer(
-        ddp,
-        lr=LR,
-        weight_decay=WD,
-        clip_grad=clip_grad,
-        tp_group=groups.tp,
-        norm_group=ps.get_model_parallel_group() if layout else None,
-    )
-    return ddp, optimizer, groups
+    return setup.chunks, setup.optimizer, setup.groups
 
 
 def batch_of(

@@ -12,6 +12,8 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from megapp.param_attributes import mark_sequence_parallel
+
 FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
@@ -133,7 +135,7 @@ class FusedNorm(nn.Module):
         # With sequence parallelism each tensor-parallel rank normalizes its own [s/tp, b, h]
         # shard, so these gradients are partial sums to all-reduce over the tensor-parallel group.
         for param in self.parameters():
-            param.sequence_parallel = sequence_parallel
+            mark_sequence_parallel(param, sequence_parallel)
 
     def reset_parameters(self) -> None:
         """weight = 1, bias = 0: the identity affine map."""

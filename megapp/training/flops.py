@@ -6,7 +6,7 @@ count the same way:
 
 * :func:`gpt_training_flops`: model FLOPs of one iteration (what the model needs; the second
   forward of activation recompute is not counted, so figures compare across recompute
-  settings);
+  settings); :func:`gpt_config_training_flops` reads the numbers from a GPTConfig;
 * :data:`GPU_PEAKS`: each GPU part's dense 16-bit tensor-core peak and HBM bandwidth from the
   vendor's data sheet, matched against ``torch.cuda.get_device_name()`` by
   :func:`gpu_peak`, :func:`peak_16bit_tflops` and :func:`hbm_peak_tbps`.
@@ -15,6 +15,7 @@ count the same way:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 def gpt_training_flops(
@@ -52,6 +53,24 @@ def gpt_training_flops(
     mlp = (6 if swiglu else 4) * h * ffn_hidden_size
     per_token = num_layers * (attention + mlp) + 2 * h * vocab_size
     return 3.0 * per_token * tokens
+
+
+def gpt_config_training_flops(config: Any, seq_length: int, tokens: int) -> float:
+    """:func:`gpt_training_flops` of a :class:`~megapp.models.GPTConfig` (its vocabulary
+    padded as the model pads it) for ``tokens`` tokens in sequences of ``seq_length``."""
+    step = config.make_vocab_size_divisible_by * config.tensor_model_parallel_size
+    return gpt_training_flops(
+        num_layers=config.num_layers,
+        hidden_size=config.hidden_size,
+        ffn_hidden_size=config.ffn_hidden_size,
+        num_attention_heads=config.num_attention_heads,
+        num_query_groups=config.num_query_groups,
+        kv_channels=config.kv_channels,
+        swiglu=config.activation == "swiglu",
+        seq_length=seq_length,
+        vocab_size=-(-config.vocab_size // step) * step,
+        tokens=tokens,
+    )
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ object per line with a ``"kind"`` of ``"train"`` (one per log interval),
 ``"eval"`` (one per evaluation) or ``"run"`` (the start of a run), and, when a
 TensorBoard directory is given, to TensorBoard as scalars.
 
-Throughput counts model FLOPs (:func:`flops_per_iteration`), not the extra
+Throughput counts model FLOPs (:mod:`megapp.training.flops`), not the extra
 forward of activation recompute, so it compares across recompute settings.
 """
 
@@ -20,24 +20,7 @@ from typing import Any
 
 import torch
 
-from megapp.training.flops import gpt_training_flops, peak_16bit_tflops
-
-
-def flops_per_iteration(args: Any, padded_vocab_size: int) -> float:
-    """Model FLOPs of one training iteration (forward and backward) of the global batch,
-    from the run's arguments; see :func:`megapp.training.flops.gpt_training_flops`."""
-    return gpt_training_flops(
-        num_layers=args.num_layers,
-        hidden_size=args.hidden_size,
-        ffn_hidden_size=args.ffn_hidden_size,
-        num_attention_heads=args.num_attention_heads,
-        num_query_groups=args.num_query_groups,
-        kv_channels=args.kv_channels or args.hidden_size // args.num_attention_heads,
-        swiglu=args.swiglu,
-        seq_length=args.seq_length,
-        vocab_size=padded_vocab_size,
-        tokens=args.seq_length * args.global_batch_size,
-    )
+from megapp.training.flops import peak_16bit_tflops
 
 
 def peak_tflops(device: torch.device, dtype: torch.dtype) -> float | None:

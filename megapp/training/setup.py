@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from megapp import parallel_state as ps
@@ -55,7 +56,8 @@ def build_training_setup(
     device: torch.device | str = "cpu",
 ) -> TrainingSetup:
     """Chunks, optimizer and schedule of this rank under the current
-    :mod:`megapp.parallel_state` layout (call ``initialize_model_parallel`` first).
+    :mod:`megapp.parallel_state` layout (call ``initialize_model_parallel`` first; a single
+    process without one gets the whole model).
 
     ``model``: a GPTConfig (this rank's GPT chunks are built from ``seed``), or a provider
     that returns this rank's chunks. ``optimizer.lr_decay_iters`` must be set (the config
@@ -64,16 +66,19 @@ def build_training_setup(
     if optimizer.lr_decay_iters is None:
         raise ValueError("optimizer.lr_decay_iters must be set (the run's length, usually)")
     precision = precision or PrecisionArgs()
-    groups = TrainGroups.from_parallel_state()
+    if ps.model_parallel_is_initialized():
+        groups, grid = TrainGroups.from_parallel_state(), ps.get_grid()
+        pp_rank, pp, vpp = ps.get_pipeline_model_parallel_rank(), grid.pp, grid.vpp
+    elif dist.is_initialized() and dist.get_world_size() > 1:
+        raise ValueError(
+            "build_training_setup needs megapp.parallel_state's layout in a job of "
+            f"{dist.get_world_size()} ranks; call initialize_model_parallel() first"
+        )
+    else:  # one process, no layout: the whole model, nothing to communicate
+        groups, pp_rank, pp, vpp = TrainGroups(), 0, 1, None
     if isinstance(model, GPTConfig):
-        grid = ps.get_grid()
         modules = build_gpt_chunks(
-            model,
-            pp_rank=ps.get_pipeline_model_parallel_rank(),
-            pp_size=grid.pp,
-            vpp_size=grid.vpp,
-            tp_group=groups.tp,
-            seed=seed,
+            model, pp_rank=pp_rank, pp_size=pp, vpp_size=vpp, tp_group=groups.tp, seed=seed
         )
     else:
         modules = model(groups)
