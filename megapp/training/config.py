@@ -131,7 +131,9 @@ class PretrainConfig:
         self._set("virtual_pipeline_model_parallel_size", vpp)
         self._set("data_parallel_size", grid.dp)
         check_layer_split(model.num_layers, pp, vpp)
-        self.transformer_config()  # the model's own rules (heads, widths, recompute, ...)
+        # The model's own rules (sizes, heads, widths, recompute, positions, padding); the
+        # vocabulary comes from the tokenizer later and no rule but its own depends on it.
+        self.gpt_config(vocab_size=1)
 
         mbs, dp = training.micro_batch_size, grid.dp
         gbs = training.global_batch_size or mbs * dp
@@ -164,12 +166,6 @@ class PretrainConfig:
             decay_steps=decay,
             decay_style=opt.lr_decay_style,
         )
-
-    def transformer_config(self):
-        """The model's shape and behaviour as a TransformerConfig (checked there)."""
-        from megapp.transformer.config import TransformerConfig
-
-        return TransformerConfig(**self._transformer_fields())
 
     def gpt_config(self, vocab_size: int):
         """The model as a :class:`~megapp.models.GPTConfig` for a tokenizer of

@@ -119,20 +119,8 @@ class ModelArgs:
 
     def __post_init__(self) -> None:
         _require(self, ("num_layers", "hidden_size", "num_attention_heads", "seq_length"))
-        _require_positive(
-            self,
-            (
-                "num_layers",
-                "hidden_size",
-                "ffn_hidden_size",
-                "num_attention_heads",
-                "kv_channels",
-                "num_query_groups",
-                "seq_length",
-                "max_position_embeddings",
-                "make_vocab_size_divisible_by",
-            ),
-        )
+        # the model's own sizes are TransformerConfig's and GPTConfig's to check
+        _require_positive(self, ("seq_length",))
         if self.group_query_attention and self.num_query_groups is None:
             raise ArgumentsError(
                 "--group-query-attention needs --num-query-groups N (the key/value heads)"
@@ -146,7 +134,9 @@ class ModelArgs:
     @property
     def positions(self) -> int:
         """Longest sequence the learned positions cover (default: the sequence length)."""
-        return self.max_position_embeddings or self.seq_length
+        if self.max_position_embeddings is None:
+            return self.seq_length
+        return self.max_position_embeddings
 
     @property
     def ffn(self) -> int:

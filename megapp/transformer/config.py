@@ -62,6 +62,11 @@ class TransformerConfig:
     """Dtype of the parameters."""
 
     def __post_init__(self) -> None:
+        sizes = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups")
+        for name in (*sizes, "ffn_hidden_size", "kv_channels", "tensor_model_parallel_size"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
         if self.num_query_groups is None:
             self.num_query_groups = self.num_attention_heads
         if self.ffn_hidden_size is None:
@@ -73,9 +78,6 @@ class TransformerConfig:
                     f"({self.num_attention_heads}); set kv_channels or change one of them"
                 )
             self.kv_channels = self.hidden_size // self.num_attention_heads
-        for name in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_attention_heads % self.num_query_groups:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) is not a multiple of "
