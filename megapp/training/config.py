@@ -172,18 +172,8 @@ class PretrainConfig:
         ``vocab_size`` ids."""
         from megapp.models import GPTConfig
 
-        model = self.model
+        model, parallel = self.model, self.parallel
         return GPTConfig(
-            **self._transformer_fields(),
-            vocab_size=vocab_size,
-            make_vocab_size_divisible_by=model.make_vocab_size_divisible_by,
-            max_position_embeddings=model.positions,
-            share_embeddings_and_output_weights=not model.untie_embeddings_and_output_weights,
-        )
-
-    def _transformer_fields(self) -> dict[str, Any]:
-        model = self.model
-        return dict(
             num_layers=model.num_layers,
             hidden_size=model.hidden_size,
             ffn_hidden_size=model.ffn,
@@ -203,9 +193,13 @@ class PretrainConfig:
             recompute_granularity=model.recompute_granularity,
             recompute_method=model.recompute_method,
             recompute_num_layers=model.recompute_num_layers,
-            tensor_model_parallel_size=self.parallel.tensor_model_parallel_size,
-            sequence_parallel=self.parallel.sequence_parallel,
+            tensor_model_parallel_size=parallel.tensor_model_parallel_size,
+            sequence_parallel=parallel.sequence_parallel,
             params_dtype=self.precision.params_dtype,
+            vocab_size=vocab_size,
+            make_vocab_size_divisible_by=model.make_vocab_size_divisible_by,
+            max_position_embeddings=model.positions,
+            share_embeddings_and_output_weights=not model.untie_embeddings_and_output_weights,
         )
 
     def to_dict(self) -> dict[str, Any]:

@@ -10,8 +10,8 @@ from megapp import comm
 from megapp.distributed.ddp import DistributedDataParallel
 from megapp.parallel_state import TrainGroups
 from megapp.pipeline_parallel import forward_backward
+from megapp.pipeline_parallel.compute import ForwardStepFunc
 from megapp.pipeline_parallel.p2p import TensorSpec
-from megapp.pipeline_parallel.runner import ForwardStepFunc
 
 
 def evaluate(

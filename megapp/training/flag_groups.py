@@ -69,8 +69,6 @@ class ParallelArgs:
         _require_positive(
             self,
             (
-                "tensor_model_parallel_size",
-                "pipeline_model_parallel_size",
                 "num_layers_per_virtual_pipeline_stage",
                 "ddp_bucket_size",
             ),

@@ -25,8 +25,8 @@ from torch import nn
 
 from megapp import parallel_state as ps
 from megapp.parallel_state import TrainGroups
+from megapp.pipeline_parallel.compute import ForwardStepFunc
 from megapp.pipeline_parallel.p2p import TensorSpec
-from megapp.pipeline_parallel.runner import ForwardStepFunc
 from megapp.training import checkpoints
 from megapp.training.checkpoints import TrainState
 from megapp.training.config import PretrainConfig

@@ -11,7 +11,7 @@ from megapp.distributed.finalize import finalize_model_grads
 from megapp.optimizer.optimizer import Optimizer
 from megapp.parallel_state import TrainGroups
 from megapp.pipeline_parallel import PipelineHooks, forward_backward
-from megapp.pipeline_parallel.runner import ForwardStepFunc
+from megapp.pipeline_parallel.compute import ForwardStepFunc
 
 
 @dataclass
