@@ -127,6 +127,7 @@ def datasets_provider(config: PretrainConfig, num_samples, *, tokenizer):
             config.model.seq_length,
             config.training.seed,
             cache_dir=data.data_cache_path,
+            rules=data.data_rules,
         )
     except (ValueError, OSError) as error:
         raise ArgumentsError(f"--data-path: {error}") from error

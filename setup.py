@@ -106,7 +106,17 @@ setup(
     packages=find_packages(include=["megapp*"]),
     python_requires=">=3.10",
     install_requires=["torch>=2.4", "einops>=0.7", "numpy"],
-    extras_require={"dev": ["pytest>=8", "ruff==0.17.6", "hypothesis", "matplotlib"]},
+    extras_require={
+        "dev": [
+            "pytest>=8",
+            "ruff==0.17.6",
+            "hypothesis",
+            "matplotlib",
+            # The data tests compare samples with Megatron-Core's own builder. 0.16.1 is the
+            # newest release with a CPython 3.11 wheel; its dataset code equals 0.19's.
+            "megatron-core==0.16.1",
+        ]
+    },
     ext_modules=_extensions(),
     cmdclass={"build_ext": PersistentBuildExt.with_options(use_ninja=is_ninja_available())},
 )

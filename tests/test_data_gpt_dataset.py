@@ -121,9 +121,9 @@ def test_seed_fixes_the_shuffle_like_megatron():
     assert indices["shuffle_index"].dtype == np.uint32
 
 
-def test_document_range_limits_the_split(tmp_path):
+def test_sequence_range_limits_the_split(tmp_path):
     prefix, _ = write_numbered(tmp_path / "d", LENGTHS)
-    dataset = GPTDataset(IndexedDataset(prefix), None, 3, document_range=(3, 8), cache=False)
+    dataset = GPTDataset(IndexedDataset(prefix), None, 3, sequence_range=(3, 8), cache=False)
     assert sorted(set(dataset.document_index.tolist())) == [3, 4, 5, 6, 7]
     assert len(dataset) == (sum(LENGTHS[3:8]) - 1) // 3
 

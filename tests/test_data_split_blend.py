@@ -3,18 +3,15 @@
 import numpy as np
 import pytest
 
-from megapp.data.blended_dataset import (
-    BlendedDataset,
-    blend_sample_counts,
-    build_blending_indices,
-)
-from megapp.data.builder import (
-    build_train_valid_test_datasets,
-    parse_data_path,
-    parse_split,
-    split_document_ranges,
-)
+from megapp.data.blended_dataset import BlendedDataset, build_blending_indices
+from megapp.data.builder import build_train_valid_test_datasets, parse_data_path, parse_split
 from megapp.data.indexed_dataset import IndexedDatasetBuilder
+from megapp.data.split_rules import (
+    blend_sizes,
+    core_sequence_ranges,
+    legacy_document_ranges,
+    split_sequence_ranges,
+)
 
 
 def write_numbered(prefix, lengths, start):
@@ -35,15 +32,50 @@ def test_parse_split_normalizes_and_pads():
             parse_split(bad)
 
 
-def test_split_ranges_use_megatrons_rounding():
-    assert split_document_ranges(parse_split("969,30,1"), 1000) == [
+def test_core_split_rounds_the_cumulative_bookends():
+    assert core_sequence_ranges(parse_split("969,30,1"), 1000) == [
+        (0, 969),
+        (969, 999),
+        (999, 1000),
+    ]
+    # Bookends 0, 1/3, 2/3, 1 of 10 round to 0, 3, 7, 10.
+    assert core_sequence_ranges(parse_split("1,1,1"), 10) == [(0, 3), (3, 7), (7, 10)]
+    assert core_sequence_ranges(parse_split("1,1,1"), 301) == [(0, 100), (100, 201), (201, 301)]
+    assert core_sequence_ranges(parse_split("98,2"), 7) == [(0, 7), (7, 7), None]
+
+
+def test_legacy_split_rounds_each_share_then_shifts():
+    assert legacy_document_ranges(parse_split("969,30,1"), 1000) == [
         (0, 969),
         (969, 999),
         (999, 1000),
     ]
     # Each share rounds down to 3 of 10; the missing document shifts every boundary by one.
-    assert split_document_ranges(parse_split("1,1,1"), 10) == [(0, 4), (4, 7), (7, 10)]
-    assert split_document_ranges(parse_split("969,30,1"), 7) == [(0, 7), (7, 7), (7, 7)]
+    assert legacy_document_ranges(parse_split("1,1,1"), 10) == [(0, 4), (4, 7), (7, 10)]
+    assert legacy_document_ranges(parse_split("1,1,1"), 301) == [(0, 101), (101, 201), (201, 301)]
+    assert legacy_document_ranges(parse_split("969,30,1"), 7) == [(0, 7), (7, 7), (7, 7)]
+
+
+def test_core_splits_sequences_and_legacy_splits_documents():
+    # Four documents of 3, 1, 4 and 2 sequences: 10 sequences.
+    document_indices = np.array([0, 3, 4, 8, 10])
+    fractions = parse_split("1,1")
+    assert split_sequence_ranges(fractions, document_indices, "core") == [(0, 5), (5, 10), None]
+    # Legacy: documents [0, 2) and [2, 4), i.e. sequences [0, 4) and [4, 10).
+    assert split_sequence_ranges(fractions, document_indices, "legacy") == [
+        (0, 4),
+        (4, 10),
+        None,
+    ]
+    with pytest.raises(ValueError, match="data rules 'newest' unknown"):
+        split_sequence_ranges(fractions, document_indices, "newest")
+
+
+def test_blend_sizes_core_and_legacy():
+    # A 30/70 blend of 33 samples: core asks 10 -> 11 and 24 -> 25 and has 10 + 24 = 34.
+    assert blend_sizes([30, 70], 33) == ([11, 25], 34)
+    assert blend_sizes([30, 70], 33, "legacy") == ([10, 24], 33)
+    assert blend_sizes([3, 1], 1000, "legacy") == ([754, 252], 1000)
 
 
 def test_blending_order_by_hand():
@@ -76,7 +108,6 @@ def test_blended_dataset_serves_member_samples_and_checks_sizes():
         blend[8]
     with pytest.raises(ValueError, match="takes 15 samples from dataset 0, which has 10"):
         BlendedDataset([a, b], [3, 1], 20)
-    assert blend_sample_counts([3, 1], 1000) == [754, 252]
 
 
 def test_parse_data_path():
@@ -86,6 +117,20 @@ def test_parse_data_path():
         parse_data_path(["30", "a", "b"])
     with pytest.raises(ValueError, match="weights must be numbers"):
         parse_data_path(["a", "30", "b", "70"])
+    with pytest.raises(ValueError, match="weights must be positive"):
+        parse_data_path(["0", "a", "1", "b"])
+
+
+def test_a_split_without_sequences_is_absent_even_when_samples_are_asked(tmp_path):
+    # 80 sequences at 969,30,1: the test bookends round to [80, 80). megatron-core builds
+    # an empty dataset there and loops forever looking for its samples; megapp has none.
+    prefix = write_numbered(tmp_path / "d", [6] * 80, start=0)
+    train, valid, test = build_train_valid_test_datasets(prefix, "969,30,1", [50, 8, 1], 4)
+    assert test is None and len(valid) >= 8 and len(train) >= 50
+    # A split of only empty sequences cannot give samples either: one clear error.
+    empty_tail = write_numbered(tmp_path / "e", [6] * 8 + [0] * 2, start=0)
+    with pytest.raises(ValueError, match="cannot draw 3 samples from a split with no tokens"):
+        build_train_valid_test_datasets(empty_tail, "8,2", [10, 3, 0], 4, cache=False)
 
 
 def test_splits_of_one_dataset_hold_disjoint_documents(tmp_path):

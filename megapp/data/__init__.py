@@ -12,7 +12,6 @@ from megapp.data.builder import (
     build_train_valid_test_datasets,
     parse_data_path,
     parse_split,
-    split_document_ranges,
 )
 from megapp.data.corpus import build_default_corpus
 from megapp.data.gpt_dataset import GPTDataset
@@ -24,6 +23,7 @@ from megapp.data.indexed_dataset import (
     optimal_dtype,
 )
 from megapp.data.samplers import MegatronPretrainingSampler, build_pretraining_data_loader
+from megapp.data.split_rules import DATA_RULES, blend_sizes, split_sequence_ranges
 from megapp.data.token_check import check_token_ids, token_id_range
 from megapp.data.tokenizers import (
     ByteTokenizer,
@@ -44,6 +44,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "DATA_RULES",
     "DTYPE_CODES",
     "BlendedDataset",
     "ByteTokenizer",
@@ -53,6 +54,7 @@ __all__ = [
     "IndexedDataset",
     "IndexedDatasetBuilder",
     "MegatronPretrainingSampler",
+    "blend_sizes",
     "build_blending_indices",
     "build_default_corpus",
     "build_gpt_indices",
@@ -65,6 +67,6 @@ __all__ = [
     "optimal_dtype",
     "parse_data_path",
     "parse_split",
-    "split_document_ranges",
+    "split_sequence_ranges",
     "token_id_range",
 ]

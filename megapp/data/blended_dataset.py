@@ -55,7 +55,7 @@ class BlendedDataset:
 
     Args:
         datasets: map-style datasets; dataset d must hold at least as many samples as
-            the blend takes from it (about `weight_d · size`, see `blend_sample_counts`).
+            the blend takes from it (about `weight_d · size`, see `split_rules.blend_sizes`).
         weights: relative weights, normalised here.
         size: number of blended samples.
         cache_dir: where to cache the blending indices (None: no cache). The key
@@ -112,12 +112,6 @@ class BlendedDataset:
             raise IndexError(f"sample {idx} out of range for {self.size} samples")
         dataset = self.datasets[int(self.dataset_index[idx])]
         return dataset[int(self.dataset_sample_index[idx])]
-
-
-def blend_sample_counts(weights: Sequence[float], size: int, surplus: float = 0.005) -> list[int]:
-    """Samples to request from each dataset of a blend of `size`: Megatron's
-    `ceil(size · weight · (1 + surplus))`, the surplus covering the greedy order's lead."""
-    return [int(np.ceil(size * w * (1 + surplus))) for w in normalize_weights(weights)]
 
 
 def default_blend_cache_dir(path_prefixes: Sequence[str]) -> str:

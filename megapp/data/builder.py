@@ -1,10 +1,11 @@
-"""Train/valid/test datasets from `--data-path` and `--split`, Megatron's way.
+"""Train/valid/test datasets from `--data-path` and `--split`, Megatron-Core's way.
 
 `--data-path` is one path prefix, or alternating weights and prefixes
 (`30 corpusA_text_document 70 corpusB_text_document`). `--split` weights the
-train/valid/test shares of every prefix's documents (`969,30,1`); each split is a
-contiguous run of documents, so no document is in two splits. With several
-prefixes, every split is a blend of that split of each prefix.
+train/valid/test shares of every prefix; how a share becomes a range of sequences and
+how a blend sizes its members are `split_rules` (Megatron-Core's by default, legacy
+Megatron-LM's on request). With several prefixes, every split is a blend of that split
+of each prefix.
 """
 
 from __future__ import annotations
@@ -12,13 +13,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from megapp.data.blended_dataset import (
-    BlendedDataset,
-    blend_sample_counts,
-    default_blend_cache_dir,
-)
+from megapp.data.blended_dataset import BlendedDataset, default_blend_cache_dir
 from megapp.data.gpt_dataset import GPTDataset
 from megapp.data.indexed_dataset import IndexedDataset
+from megapp.data.split_rules import CORE, blend_sizes, check_rules, normalize, split_sequence_ranges
 
 SPLIT_NAMES = ("train", "valid", "test")
 
@@ -32,19 +30,7 @@ def parse_split(split: str) -> list[float]:
     if not 1 <= len(parts) <= 3 or any(p < 0 for p in parts) or sum(parts) <= 0:
         raise ValueError(f"split {split!r} must be up to 3 non-negative numbers, not all 0")
     parts += [0.0] * (3 - len(parts))
-    total = sum(parts)
-    return [p / total for p in parts]
-
-
-def split_document_ranges(fractions: Sequence[float], num_documents: int) -> list[tuple[int, int]]:
-    """Document ranges `[start, stop)` per split: each boundary advances by
-    `round(fraction · documents)`, then all boundaries shift so the last is exact."""
-    bounds = [0]
-    for fraction in fractions:
-        bounds.append(bounds[-1] + round(fraction * float(num_documents)))
-    overshoot = bounds[-1] - num_documents
-    bounds[1:] = [b - overshoot for b in bounds[1:]]
-    return [(bounds[i], bounds[i + 1]) for i in range(len(fractions))]
+    return normalize(parts)
 
 
 def parse_data_path(data_path: str | Sequence[str]) -> tuple[list[str], list[float] | None]:
@@ -58,6 +44,8 @@ def parse_data_path(data_path: str | Sequence[str]) -> tuple[list[str], list[flo
         weights = [float(w) for w in words[0::2]]
     except ValueError:
         raise ValueError(f"--data-path weights must be numbers, got {words[0::2]}") from None
+    if any(not w > 0 for w in weights):
+        raise ValueError(f"--data-path weights must be positive, got {words[0::2]}")
     return words[1::2], weights
 
 
@@ -69,8 +57,9 @@ def build_train_valid_test_datasets(
     seed: int = 1234,
     cache: bool = True,
     cache_dir: str | None = None,
+    rules: str = CORE,
 ) -> tuple[Any, Any, Any]:
-    """Datasets for train, valid and test; None for a split that gets no documents.
+    """Datasets for train, valid and test; None for a split that gets no sequences.
 
     Args:
         data_path: see the module docstring.
@@ -80,47 +69,52 @@ def build_train_valid_test_datasets(
         sequence_length: model sequence length.
         seed: shuffle seed.
         cache, cache_dir: index caching, see GPTDataset.
+        rules: `core` (Megatron-Core) or `legacy` (legacy Megatron-LM), see split_rules.
     """
+    check_rules(rules)
     prefixes, weights = parse_data_path(data_path)
     fractions = parse_split(split)
-    if weights is not None and len(prefixes) > 1 and any(n is None for n in num_samples):
+    # Weights make a blend, even of one prefix (`--data-path 1 A`), as in Megatron-Core.
+    blended = weights is not None
+    if blended and any(n is None for n in num_samples):
         raise ValueError("a blend of datasets needs a sample count for every split")
+    # Megatron-Core normalises the weights here and the blend normalises them again.
+    shares = normalize(weights) if blended else None
+    sizes = [blend_sizes(shares, n, rules) if blended else None for n in num_samples]
     per_prefix = []
     for i, prefix in enumerate(prefixes):
         indexed = IndexedDataset(prefix)
-        ranges = split_document_ranges(fractions, indexed.num_documents)
+        ranges = split_sequence_ranges(fractions, indexed.document_indices, rules)
         splits = []
-        for name, (start, stop), target in zip(SPLIT_NAMES, ranges, num_samples, strict=True):
-            if stop == start:
+        for s, (name, sequence_range) in enumerate(zip(SPLIT_NAMES, ranges, strict=True)):
+            if sequence_range is None:
                 splits.append(None)
                 continue
-            wanted = target
-            if weights is not None and len(prefixes) > 1:
-                wanted = blend_sample_counts(weights, target)[i]
+            wanted = sizes[s][0][i] if blended else num_samples[s]
             splits.append(
                 GPTDataset(
                     indexed,
                     wanted,
                     sequence_length,
                     seed,
-                    (start, stop),
+                    sequence_range,
                     name,
                     cache=cache,
                     cache_dir=cache_dir,
                 )
             )
         per_prefix.append(splits)
-    if len(prefixes) == 1:
+    if not blended:
         return tuple(per_prefix[0])
     blend_dir = cache_dir if cache_dir is not None else default_blend_cache_dir(prefixes)
     result = []
-    for s, target in enumerate(num_samples):
+    for s in range(len(SPLIT_NAMES)):
         members = [splits[s] for splits in per_prefix]
         if all(m is None for m in members):
             result.append(None)
             continue
         if any(m is None for m in members):
             empty = [p for p, m in zip(prefixes, members, strict=True) if m is None]
-            raise ValueError(f"split {SPLIT_NAMES[s]!r} gets no documents of {empty}")
-        result.append(BlendedDataset(members, weights, target, blend_dir if cache else None))
+            raise ValueError(f"split {SPLIT_NAMES[s]!r} gets no sequences of {empty}")
+        result.append(BlendedDataset(members, shares, sizes[s][1], blend_dir if cache else None))
     return tuple(result)

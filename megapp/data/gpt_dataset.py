@@ -31,8 +31,9 @@ class GPTDataset:
             None means one epoch. `len(dataset)` can exceed it (whole epochs are built).
         sequence_length: model sequence length; samples hold one token more.
         seed: seed of the document and sample shuffles.
-        document_range: `(start, stop)` documents of the dataset forming this split;
-            None is all of them.
+        sequence_range: `(start, stop)` sequences of the dataset forming this split;
+            None is all of them. Sequences are the units of the stream (a document
+            written as several sequences contributes each one separately, as in Megatron).
         split: split name, for cache file names and logs.
         cache: whether to cache the index arrays as `.npy` files.
         cache_dir: where; None puts them next to the `.bin`/`.idx` files.
@@ -46,7 +47,7 @@ class GPTDataset:
         num_samples: int | None,
         sequence_length: int,
         seed: int = 1234,
-        document_range: tuple[int, int] | None = None,
+        sequence_range: tuple[int, int] | None = None,
         split: str = "train",
         cache: bool = True,
         cache_dir: str | None = None,
@@ -54,14 +55,11 @@ class GPTDataset:
         self.indexed_dataset = indexed_dataset
         self.sequence_length = int(sequence_length)
         self.split = split
-        num_documents = indexed_dataset.num_documents
-        start, stop = document_range if document_range is not None else (0, num_documents)
-        if not 0 <= start <= stop <= num_documents:
-            raise ValueError(f"document range [{start}, {stop}) outside {num_documents} documents")
-        # Sequences are the units of the stream; a document's sequences stay adjacent in
-        # the split because the split is taken over whole documents.
-        doc_bounds = indexed_dataset.document_indices
-        self.sequences = np.arange(int(doc_bounds[start]), int(doc_bounds[stop]), dtype=np.int64)
+        num_sequences = len(indexed_dataset)
+        start, stop = sequence_range if sequence_range is not None else (0, num_sequences)
+        if not 0 <= start <= stop <= num_sequences:
+            raise ValueError(f"sequence range [{start}, {stop}) outside {num_sequences} sequences")
+        self.sequences = np.arange(start, stop, dtype=np.int64)
 
         prefix = indexed_dataset.path_prefix
         idx_path = index_file_path(prefix)
@@ -70,7 +68,7 @@ class GPTDataset:
             "format": INDEX_FORMAT_VERSION,
             "path_prefix": os.path.abspath(prefix),
             "split": split,
-            "document_range": [int(start), int(stop)],
+            "sequence_range": [int(start), int(stop)],
             "num_samples": num_samples,
             "sequence_length": self.sequence_length,
             "seed": int(seed),

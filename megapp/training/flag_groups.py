@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from megapp.data.builder import parse_data_path, parse_split
+from megapp.data.split_rules import CORE, DATA_RULES
 from megapp.data.tokenizers import BYTE_TOKENIZER, TOKENIZER_TYPES
 
 
@@ -226,6 +227,12 @@ class DataArgs:
     )
     use_default_corpus: bool = arg(False, "train on this Python's standard-library sources")
     split: str = arg("969, 30, 1", "train/valid/test weights")
+    data_rules: str = arg(
+        CORE,
+        "how --split and blend weights pick samples: Megatron-Core's rules, or legacy "
+        "Megatron-LM's (documents split by per-share rounding) to reproduce an old run",
+        choices=DATA_RULES,
+    )
     data_cache_path: str | None = arg(
         None, "where index caches and the default corpus go", kind=str
     )

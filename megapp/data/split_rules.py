@@ -1,0 +1,113 @@
+"""How `--split` and `--data-path` weights become per-dataset ranges and sample counts.
+
+Two rule sets, chosen with `--data-rules`:
+
+- `core` (default): Megatron-Core's `BlendedMegatronDatasetBuilder`.
+  * The split is over *sequences* (a document written with several sequences, e.g.
+    sentences, can straddle two splits).
+  * Split i is sequences `[round(c[i]·N), round(c[i+1]·N))` where `c` are the cumulative
+    sums of the normalised weights (`c[0] = 0`); a split whose weight is 0 is absent.
+  * A blend of `n` samples asks dataset d for `ceil(ceil(n·w_d)·1.005)` samples and has
+    `Σ_d ceil(n·w_d)` samples itself.
+- `legacy`: the legacy Megatron-LM rule, to reproduce an older run.
+  * The split is over *documents*: boundary i advances by `round(w_i·D)`, then every
+    boundary shifts so the last equals the document count D.
+  * A blend of `n` samples asks dataset d for `ceil(n·w_d·1.005)` and has `n` samples.
+
+All arithmetic is float64 in Megatron's order of operations (numpy normalisation, then a
+left-to-right cumulative sum, Python's round-half-to-even), so the boundaries agree to
+the last sequence.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+CORE = "core"
+LEGACY = "legacy"
+DATA_RULES = (CORE, LEGACY)
+# Extra samples asked of each member of a blend, so the greedy blending order (which can
+# run ahead of a dataset's exact share by one sample) never exhausts it.
+BLEND_SURPLUS = 0.005
+
+
+def check_rules(rules: str) -> str:
+    if rules not in DATA_RULES:
+        raise ValueError(f"data rules {rules!r} unknown; choose one of {', '.join(DATA_RULES)}")
+    return rules
+
+
+def normalize(weights: Sequence[float]) -> list[float]:
+    """Weights divided by their float64 sum (numpy's, as Megatron-Core does)."""
+    array = np.asarray(weights, dtype=np.float64)
+    if array.ndim != 1 or len(array) == 0 or np.any(array < 0) or array.sum() <= 0:
+        raise ValueError(f"weights must be non-negative with a positive sum, got {list(weights)}")
+    return (array / np.sum(array)).tolist()
+
+
+def split_bookends(fractions: Sequence[float]) -> list[tuple[float, float] | None]:
+    """`[(c[i], c[i+1])]` from the cumulative sums of `fractions`; None for a zero share."""
+    cumulative = [0.0]
+    for fraction in fractions:
+        cumulative.append(cumulative[-1] + fraction)
+    return [(low, high) if high > low else None for low, high in itertools.pairwise(cumulative)]
+
+
+def core_sequence_ranges(
+    fractions: Sequence[float], num_sequences: int
+) -> list[tuple[int, int] | None]:
+    """Megatron-Core's split: sequence ranges from rounded cumulative bookends."""
+    n = float(num_sequences)
+    return [
+        None if ends is None else (round(ends[0] * n), round(ends[1] * n))
+        for ends in split_bookends(fractions)
+    ]
+
+
+def legacy_document_ranges(fractions: Sequence[float], num_documents: int) -> list[tuple[int, int]]:
+    """Legacy Megatron-LM's split: document ranges, each advancing by `round(w·D)`, then
+    shifted so the last boundary is exact."""
+    bounds = [0]
+    for fraction in fractions:
+        bounds.append(bounds[-1] + round(fraction * float(num_documents)))
+    overshoot = bounds[-1] - num_documents
+    bounds[1:] = [b - overshoot for b in bounds[1:]]
+    return [(bounds[i], bounds[i + 1]) for i in range(len(fractions))]
+
+
+def split_sequence_ranges(
+    fractions: Sequence[float], document_indices: np.ndarray, rules: str = CORE
+) -> list[tuple[int, int] | None]:
+    """Per split, the `[start, stop)` sequences it holds, or None when it holds none.
+
+    Args:
+        fractions: normalised train/valid/test weights.
+        document_indices: the dataset's document index (`D + 1` entries, last = sequences).
+        rules: `core` or `legacy` (see the module docstring).
+    """
+    num_sequences = int(document_indices[-1])
+    if check_rules(rules) == CORE:
+        ranges = core_sequence_ranges(fractions, num_sequences)
+    else:
+        ranges = [
+            (int(document_indices[start]), int(document_indices[stop]))
+            for start, stop in legacy_document_ranges(fractions, len(document_indices) - 1)
+        ]
+    return [None if r is None or r[0] == r[1] else r for r in ranges]
+
+
+def blend_sizes(weights: Sequence[float], size: int, rules: str = CORE) -> tuple[list[int], int]:
+    """Samples to ask of each dataset of a blend of `size` samples, and the blend's length.
+
+    `weights` are normalised here. See the module docstring for the two rules.
+    """
+    shares = normalize(weights)
+    if check_rules(rules) == CORE:
+        targets = [math.ceil(size * w) for w in shares]
+        asked = [math.ceil(t * (1 + BLEND_SURPLUS)) for t in targets]
+        return asked, sum(targets)
+    return [math.ceil(size * w * (1 + BLEND_SURPLUS)) for w in shares], int(size)
