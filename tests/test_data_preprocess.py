@@ -45,20 +45,57 @@ def test_jsonl_with_two_keys_and_two_workers(tmp_path):
     out = tmp_path / "out" / "corpus"
     result = run_tool(
         "--input", source, "--output-prefix", out, "--json-keys", "text", "title",
-        "--append-eod", "--workers", 2, "--log-interval", 10,
+        "--append-eod", "--workers", 2, "--log-interval", 1e-9,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
-    assert "processed 40 documents" in result.stderr
+    assert f"processed {len(RECORDS)} documents" in result.stderr
+    assert "100.0% of the input, ETA 0m00s" in result.stderr
     tokenizer = ByteTokenizer()
     for key in ("text", "title"):
         dataset = IndexedDataset(f"{out}_{key}_document")
         assert dataset.dtype == np.uint16
         assert dataset.num_documents == len(RECORDS)
+        # An empty text is a document with no sequence, as in Megatron-LM's tool.
+        assert len(dataset) == sum(1 for r in RECORDS if r[key])
         for i, record in enumerate(RECORDS):
             expected = tokenizer.tokenize(record[key])
             if expected:  # EOD ends every non-empty document
                 expected.append(tokenizer.eod)
-            assert dataset[i].tolist() == expected, (key, i)
+            assert dataset.document(i).tolist() == expected, (key, i)
+
+
+def megatron_lm_pair(prefix, texts, tokenizer):
+    """What Megatron-LM's tools/preprocess_data.py writes for these texts with --append-eod:
+    its encoding rule driving megatron-core's own IndexedDatasetBuilder."""
+    mc_indexed = pytest.importorskip("megatron.core.datasets.indexed_dataset")
+    builder = mc_indexed.IndexedDatasetBuilder(f"{prefix}.bin", dtype=np.uint16)
+    for text in texts:
+        ids, lengths = [], []
+        for sentence in text if isinstance(text, list) else [text]:
+            sentence_ids = tokenizer.tokenize(sentence)
+            if sentence_ids:
+                ids += sentence_ids
+                lengths.append(len(sentence_ids))
+        if ids:
+            ids.append(tokenizer.eod)
+            lengths[-1] += 1
+        builder.add_document(ids, lengths)
+    builder.finalize(f"{prefix}.idx")
+
+
+def test_output_is_byte_identical_to_megatron_lm_with_empty_texts_and_sentences(tmp_path):
+    texts = ["", "one", ["first sentence. ", "", "second."], [], "  ", "", ["", ""], "last"]
+    texts += [f"document {i}" if i % 4 else "" for i in range(40)]
+    source = write_jsonl(tmp_path / "in.jsonl", [{"text": t} for t in texts])
+    result = run_tool("--input", source, "--output-prefix", tmp_path / "o", "--append-eod")
+    assert result.returncode == 0, result.stderr
+    megatron_lm_pair(tmp_path / "reference", texts, ByteTokenizer())
+    for suffix in (".bin", ".idx"):
+        ours = (tmp_path / f"o_text_document{suffix}").read_bytes()
+        assert ours == (tmp_path / f"reference{suffix}").read_bytes(), suffix
+    dataset = IndexedDataset(str(tmp_path / "o_text_document"))
+    assert dataset.num_documents == len(texts)
+    assert len(dataset) == 35  # 14 empty texts write no sequence; one text holds two
 
 
 def test_plain_text_one_document_per_file_or_per_line(tmp_path):
@@ -140,7 +177,7 @@ def test_unreadable_and_undecodable_input(tmp_path):
     assert "latin1.txt: not UTF-8 text" in binary.stderr
     bad_tokenizer = run_tool(
         "--input", tmp_path / "latin1.txt", "--output-prefix", tmp_path / "o",
-        "--tokenizer-type", "GPT2BPETokenizer",
+        "--tokenizer-type", "GPT2BPETokenizer", "--merge-file", tmp_path / "m.txt",
     )  # fmt: skip
     assert bad_tokenizer.returncode == 1
-    assert "needs --vocab-file and --merge-file" in bad_tokenizer.stderr
+    assert "needs both --vocab-file and --merge-file" in bad_tokenizer.stderr

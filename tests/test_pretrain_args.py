@@ -127,7 +127,7 @@ ERRORS = [
     ("--ckpt-step 5", 1, r"--ckpt-step needs --load DIR"),
     ("--data-path 30 a 70", 1, r"--data-path needs one prefix or weight/prefix pairs"),
     ("--split 1,x", 1, r"--split: split '1,x' must be"),
-    ("--tokenizer-type GPT2BPETokenizer", 1, r"needs --vocab-file and --merge-file"),
+    ("--tokenizer-type GPT2BPETokenizer --merge-file m.txt", 1, r"needs both --vocab-file and"),
     ("--micro-batch-size 0", 1, r"--micro-batch-size must be >= 1, got 0"),
 ]
 

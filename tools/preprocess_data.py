@@ -8,8 +8,11 @@ Inputs are JSON-lines files (`.jsonl`/`.json`: one object per line, text under
 `--json-keys`, default `text`) or plain text files (one document per file, or one
 per non-empty line with `--one-document-per-line`). Each key gets its own pair
 `{output_prefix}_{key}_document.bin/.idx` (plain text uses the key `text`); pass
-that prefix to `--data-path`. Unreadable, malformed or empty input stops the run
-with one line naming the file (and line), exit status 1, and no output left behind.
+that prefix to `--data-path`. As in Megatron-LM's tool, a JSON text may be a list of
+strings (sentences): each non-empty one becomes a sequence of the document, the EOD
+closing the last; a text with no tokens becomes a document with no sequences.
+Unreadable, malformed or empty input stops the run with one line naming the file
+(and line), exit status 1, and no output left behind.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from megapp.data.gpt2_bpe import BACKENDS
 from megapp.data.indexed_dataset import (
     IndexedDatasetBuilder,
     data_file_path,
@@ -63,15 +67,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     group.add_argument("--merge-file", help="GPT-2 merges.txt")
     group.add_argument("--tokenizer-model", help="local HuggingFace tokenizer directory")
     group.add_argument("--append-eod", action="store_true", help="end each document with EOD")
+    group.add_argument(
+        "--tokenizer-backend",
+        choices=BACKENDS,
+        default="auto",
+        help="GPT2BPETokenizer's encoder: tiktoken when installed (auto), or pure Python",
+    )
     group = parser.add_argument_group("output")
     group.add_argument("--output-prefix", required=True, help="prefix of the output pairs")
     group.add_argument("--workers", type=int, default=1, help="tokenizing processes")
     group.add_argument(
-        "--log-interval", type=int, default=10000, help="documents per progress line"
+        "--log-interval", type=float, default=10.0, help="seconds between progress lines"
     )
     args = parser.parse_args(argv)
-    if args.workers < 1 or args.log_interval < 1:
-        parser.error("--workers and --log-interval must be at least 1")
+    if args.workers < 1 or args.log_interval <= 0:
+        parser.error("--workers must be at least 1 and --log-interval positive")
     return args
 
 
@@ -81,7 +91,16 @@ def _is_jsonl(path: str, input_format: str) -> bool:
     return input_format == "jsonl"
 
 
-def _jsonl_documents(path: str, keys: list[str]) -> Iterator[dict[str, str]]:
+Text = str | list[str]
+
+
+def _is_text(value: Any) -> bool:
+    return isinstance(value, str) or (
+        isinstance(value, list) and all(isinstance(v, str) for v in value)
+    )
+
+
+def _jsonl_documents(path: str, keys: list[str]) -> Iterator[tuple[dict[str, Text], int]]:
     with open(path, encoding="utf-8") as stream:
         for number, line in enumerate(stream, start=1):
             if not line.strip():
@@ -93,26 +112,27 @@ def _jsonl_documents(path: str, keys: list[str]) -> Iterator[dict[str, str]]:
             if not isinstance(record, dict):
                 raise InputError(f"{path}:{number}: expected a JSON object")
             for key in keys:
-                if not isinstance(record.get(key), str):
-                    problem = "missing" if key not in record else "not a string"
+                if not _is_text(record.get(key)):
+                    problem = "missing" if key not in record else "not a string or strings"
                     raise InputError(f"{path}:{number}: key {key!r} is {problem}")
-            yield {key: record[key] for key in keys}
+            yield {key: record[key] for key in keys}, len(line.encode("utf-8"))
 
 
-def _text_documents(path: str, per_line: bool) -> Iterator[dict[str, str]]:
+def _text_documents(path: str, per_line: bool) -> Iterator[tuple[dict[str, Text], int]]:
     with open(path, encoding="utf-8") as stream:
         if not per_line:
             text = stream.read()
             if text.strip():
-                yield {"text": text}
+                yield {"text": text}, len(text.encode("utf-8"))
             return
         for line in stream:
             if line.strip():
-                yield {"text": line.rstrip("\n")}
+                yield {"text": line.rstrip("\n")}, len(line.encode("utf-8"))
 
 
-def read_documents(args: argparse.Namespace) -> Iterator[dict[str, str]]:
-    """Every document of every input, as {key: text}; raises InputError naming the file."""
+def read_documents(args: argparse.Namespace) -> Iterator[tuple[dict[str, Text], int]]:
+    """Every document of every input, as ({key: text}, input bytes it took); raises
+    InputError naming the file."""
     for path in args.input:
         count = 0
         try:
@@ -137,11 +157,11 @@ class _Guarded:
     """Wraps the document reader so an input error ends the stream and is kept for later,
     instead of surfacing inside a pool worker."""
 
-    def __init__(self, documents: Iterator[dict[str, str]]) -> None:
+    def __init__(self, documents: Iterator[tuple[dict[str, Text], int]]) -> None:
         self.documents = documents
         self.error: InputError | None = None
 
-    def __iter__(self) -> Iterator[dict[str, str]]:
+    def __iter__(self) -> Iterator[tuple[dict[str, Text], int]]:
         try:
             yield from self.documents
         except InputError as error:
@@ -158,15 +178,22 @@ def _init_worker(tokenizer_args: dict[str, Any], append_eod: bool) -> None:
     _append_eod = append_eod
 
 
-def _encode(document: dict[str, str]) -> tuple[dict[str, list[int]], int]:
-    """Token ids per key (EOD appended to non-empty documents if asked), and UTF-8 bytes read."""
-    encoded, size = {}, 0
+def _encode(item: tuple[dict[str, Text], int]) -> tuple[dict[str, tuple[list, list]], int]:
+    """Per key, the document's token ids and its sequence lengths (one per non-empty
+    sentence; EOD, if asked, ends the last), and the input bytes it took."""
+    document, size = item
+    encoded = {}
     for key, text in document.items():
-        ids = _tokenizer.tokenize(text)
+        ids, lengths = [], []
+        for sentence in [text] if isinstance(text, str) else text:
+            sentence_ids = _tokenizer.tokenize(sentence)
+            if sentence_ids:
+                ids += sentence_ids
+                lengths.append(len(sentence_ids))
         if _append_eod and ids:
             ids.append(_tokenizer.eod)
-        encoded[key] = ids
-        size += len(text.encode("utf-8"))
+            lengths[-1] += 1
+        encoded[key] = (ids, lengths)
     return encoded, size
 
 
@@ -192,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         vocab_file=args.vocab_file,
         merge_file=args.merge_file,
         tokenizer_model=args.tokenizer_model,
+        gpt2_backend=args.tokenizer_backend,
     )
     try:
         tokenizer = build_tokenizer(**tokenizer_args)
@@ -222,11 +250,50 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {documents.error}", file=sys.stderr)
         return 1
     print(
-        f"done: {count} documents, {tokens} tokens in {seconds:.1f} s -> "
+        f"done: {count} documents, {tokens} tokens in {seconds:.1f} s "
+        f"({tokens / max(seconds, 1e-9):,.0f} tokens/s, {_describe(tokenizer)}) -> "
         + ", ".join(f"{p}.bin/.idx" for p in prefixes.values()),
         file=sys.stderr,
     )
     return 0
+
+
+def _describe(tokenizer: Any) -> str:
+    backend = getattr(tokenizer, "backend", None)
+    name = type(tokenizer).__name__
+    return f"{name}, {backend} encoder" if backend else name
+
+
+class Progress:
+    """Progress lines every `interval` seconds: documents, tokens/s, input read, ETA."""
+
+    def __init__(self, total_bytes: int, interval: float) -> None:
+        self.total_bytes, self.interval = max(total_bytes, 1), interval
+        self.start = self.last = time.time()
+
+    def maybe_print(self, documents: int, tokens: int, read_bytes: int) -> None:
+        now = time.time()
+        if now - self.last < self.interval:
+            return
+        self.last = now
+        elapsed = now - self.start
+        done = min(read_bytes / self.total_bytes, 1.0)
+        eta = elapsed * (1 - done) / done if done > 0 else float("inf")
+        print(
+            f"processed {documents} documents, {tokens} tokens ({tokens / elapsed:,.0f} "
+            f"tokens/s, {read_bytes / elapsed / 1e6:.2f} MB/s); {100 * done:.1f}% of the "
+            f"input, ETA {_duration(eta)}",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def _duration(seconds: float) -> str:
+    if seconds == float("inf"):
+        return "unknown"
+    minutes, seconds = divmod(round(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m{seconds:02d}s" if hours else f"{minutes}m{seconds:02d}s"
 
 
 def _write(
@@ -236,20 +303,16 @@ def _write(
     builders: dict[str, IndexedDatasetBuilder],
 ) -> tuple[int, int, float]:
     """Tokenize every document into the builders; returns documents, tokens and seconds."""
-    start, count, size, tokens = time.time(), 0, 0, 0
+    total = sum(os.path.getsize(p) for p in args.input if os.path.isfile(p))
+    progress = Progress(total, args.log_interval)
+    count, size, tokens = 0, 0, 0
     for encoded, nbytes in _encoded_stream(args, documents, tokenizer_args):
-        for key, ids in encoded.items():
-            builders[key].add_document(ids)
+        for key, (ids, lengths) in encoded.items():
+            builders[key].add_document(ids, lengths)
             tokens += len(ids)
         count, size = count + 1, size + nbytes
-        if count % args.log_interval == 0:
-            elapsed = max(time.time() - start, 1e-9)
-            print(
-                f"processed {count} documents ({count / elapsed:.0f} docs/s, "
-                f"{size / elapsed / 1e6:.2f} MB/s)",
-                file=sys.stderr,
-            )
-    return count, tokens, time.time() - start
+        progress.maybe_print(count, tokens, size)
+    return count, tokens, time.time() - progress.start
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ Files written here are byte-identical to those of Megatron's builder.
 from __future__ import annotations
 
 import os
+import shutil
 import struct
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -129,6 +130,23 @@ class IndexedDatasetBuilder:
         self._data_file.write(array.tobytes(order="C"))
         self.sequence_lengths.extend(lengths)
         self.end_document()
+
+    def add_index(self, path_prefix: str) -> None:
+        """Append every document of the pair `path_prefix` (same dtype), tokens copied as
+        they are; the documents keep their sequences."""
+        if self.document_indices[-1] != len(self.sequence_lengths):
+            raise ValueError("add_index after add_item: close the open document first")
+        other = IndexedDataset(path_prefix)
+        if other.dtype != self.dtype:
+            raise ValueError(
+                f"{path_prefix} holds {other.dtype.name} tokens, this dataset {self.dtype.name}"
+            )
+        offset = len(self.sequence_lengths)
+        self.sequence_lengths.extend(int(n) for n in other.sequence_lengths)
+        self.document_indices.extend(int(d) + offset for d in other.document_indices[1:])
+        del other
+        with open(data_file_path(path_prefix), "rb") as stream:
+            shutil.copyfileobj(stream, self._data_file)
 
     def finalize(self, idx_path: str) -> None:
         """Close the `.bin` file and write the `.idx` file; an open document is closed first."""

