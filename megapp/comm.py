@@ -179,3 +179,28 @@ def broadcast_object(value: Any, src: int = 0, group: Group = None) -> Any:
     except RuntimeError as error:
         raise _failed("broadcast", group, started, error) from error
     return box[0]
+
+
+def all_gather_object(value: Any, group: Group = None) -> list[Any]:
+    """Every rank's ``value`` of ``group``, in rank order (picklable objects; between ranks of
+    one job only)."""
+    out: list[Any] = [None] * world_size(group)
+    started = time.monotonic()
+    try:
+        dist.all_gather_object(out, value, group=group)
+    except RuntimeError as error:
+        raise _failed("all-gather (objects)", group, started, error) from error
+    return out
+
+
+def gather_object(value: Any, group: Group = None) -> list[Any] | None:
+    """Every rank's ``value`` on the group's first rank (in rank order), None elsewhere
+    (picklable objects; between ranks of one job only)."""
+    first = 0 if group is None else dist.get_global_rank(group, 0)
+    out: list[Any] | None = [None] * world_size(group) if dist.get_rank() == first else None
+    started = time.monotonic()
+    try:
+        dist.gather_object(value, out, dst=first, group=group)
+    except RuntimeError as error:
+        raise _failed("gather (objects)", group, started, error) from error
+    return out

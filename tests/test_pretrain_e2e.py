@@ -28,7 +28,7 @@ ITERS, SAVE_AT = 6, 3
 MODEL = (
     "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --num-layers 2 "
     "--hidden-size 64 --num-attention-heads 4 --seq-length 64 --micro-batch-size 2 "
-    "--global-batch-size 8 --lr 1e-3 --lr-decay-style cosine --split 90,5,5 "
+    "--global-batch-size 8 --lr 1e-3 --lr-decay-style cosine --split 80,10,10 "
     f"--train-iters {ITERS} --log-interval 1 --eval-interval {SAVE_AT} --eval-iters 2"
 ).split()
 

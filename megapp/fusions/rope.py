@@ -15,6 +15,8 @@ float64 inputs), rounding once to the input dtype.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch.autograd.function import FunctionCtx, once_differentiable
 
@@ -29,11 +31,14 @@ def rotary_freqs(
     rot_dim: int,
     base: float = 10000.0,
     device: torch.device | str | None = None,
+    scaling: dict[str, float] | None = None,
 ) -> torch.Tensor:
     """Angles ``[seq_len, 1, 1, rot_dim]`` float32: position ``p`` times ``base^(−2j / rot_dim)``.
 
     Channel ``j`` and ``j + rot_dim/2`` share the frequency ``j < rot_dim/2`` (Megatron's
-    ``RotaryEmbedding``, non-interleaved).
+    ``RotaryEmbedding``, non-interleaved). ``scaling`` (``factor``, ``low_freq_factor``,
+    ``high_freq_factor``, ``original_max_position_embeddings``) applies Llama 3.1's
+    frequency scaling, see :func:`llama3_scaled`.
     """
     if rot_dim <= 0 or rot_dim % 2:
         raise ValueError(f"rotary_freqs: rot_dim must be even and positive, got {rot_dim}")
@@ -41,9 +46,33 @@ def rotary_freqs(
         raise ValueError(f"rotary_freqs: seq_len must be non-negative, got {seq_len}")
     exponent = torch.arange(0, rot_dim, 2, dtype=torch.float32, device=device) / rot_dim
     inv_freq = 1.0 / (base**exponent)
+    if scaling is not None:
+        inv_freq = llama3_scaled(inv_freq, **scaling)
     positions = torch.arange(seq_len, dtype=torch.float32, device=device)
     angles = torch.outer(positions, inv_freq)  # [s, rot_dim/2]
     return torch.cat((angles, angles), dim=-1)[:, None, None, :]
+
+
+def llama3_scaled(
+    inv_freq: torch.Tensor,
+    factor: float,
+    low_freq_factor: float,
+    high_freq_factor: float,
+    original_max_position_embeddings: int,
+) -> torch.Tensor:
+    """Llama 3.1's RoPE scaling of the inverse frequencies: wavelengths longer than
+    ``original / low_freq_factor`` are slowed by ``factor``, those shorter than
+    ``original / high_freq_factor`` kept, and the band between blends the two linearly in
+    ``original / wavelength``."""
+    original = float(original_max_position_embeddings)
+    wavelength = 2 * math.pi / inv_freq
+    slowed = torch.where(wavelength > original / low_freq_factor, inv_freq / factor, inv_freq)
+    smooth = (original / wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    blended = (1 - smooth) * slowed / factor + smooth * slowed
+    middle = (wavelength >= original / high_freq_factor) & (
+        wavelength <= original / low_freq_factor
+    )
+    return torch.where(middle, blended, slowed)
 
 
 def _check_inputs(x: torch.Tensor, freqs: torch.Tensor) -> None:

@@ -218,7 +218,9 @@ class GPTModel(nn.Module):
         if config.position_embedding_type != "rope":
             return None
         if self._freqs is None or self._freqs.shape[0] < seq or self._freqs.device != device:
-            self._freqs = rotary_freqs(seq, config.kv_channels, config.rotary_base, device)
+            self._freqs = rotary_freqs(
+                seq, config.rotary_dim, config.rotary_base, device, config.rope_scaling
+            )
         return self._freqs[:seq]
 
     def forward(

@@ -101,11 +101,16 @@ class ModelArgs:
     position_embedding_type: str = arg(
         "learned_absolute", "", choices=("learned_absolute", "rope", "none")
     )
-    rotary_base: int = arg(10000, "base of the rotary frequencies")
+    rotary_base: float = arg(10000.0, "base of the rotary frequencies (rope_theta)")
+    rotary_percent: float = arg(1.0, "share of each head's channels that RoPE rotates")
+    use_rope_scaling: bool = arg(False, "Llama 3.1's RoPE frequency scaling")
+    rope_scaling_factor: float = arg(8.0, "with --use-rope-scaling: the scaling factor")
     normalization: str = arg("LayerNorm", "", choices=("LayerNorm", "RMSNorm"))
     norm_epsilon: float = arg(1e-5, "epsilon of the normalization layers")
     swiglu: bool = arg(False, "SwiGLU MLP instead of GeLU")
+    gelu_erf: bool = arg(False, "the exact erf GeLU instead of the tanh approximation")
     disable_bias_linear: bool = arg(False, "no biases in the linear layers")
+    add_qkv_bias: bool = arg(False, "a QKV bias even with --disable-bias-linear (Qwen2)")
     untie_embeddings_and_output_weights: bool = arg(False, "a separate output layer")
     hidden_dropout: float = arg(0.1, "dropout before each residual add")
     attention_dropout: float = arg(0.1, "dropout on the attention probabilities")
@@ -124,6 +129,8 @@ class ModelArgs:
             raise ArgumentsError(
                 "--group-query-attention needs --num-query-groups N (the key/value heads)"
             )
+        if self.swiglu and self.gelu_erf:
+            raise ArgumentsError("--swiglu and --gelu-erf both choose the activation; pick one")
         if self.seq_length > self.positions:
             raise ArgumentsError(
                 f"--seq-length ({self.seq_length}) exceeds --max-position-embeddings "

@@ -80,7 +80,7 @@ class ParallelAttention(nn.Module):
         self.linear_qkv = ColumnParallelLinear(
             config.hidden_size,
             qkv_size,
-            bias=config.add_bias_linear,
+            bias=config.add_bias_linear or config.add_qkv_bias,
             init_method=init,
             sequence_parallel=config.sequence_parallel,
             tp_group=tp_group,

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-_ACTIVATIONS = ("gelu", "swiglu")
+_ACTIVATIONS = ("gelu", "gelu_erf", "swiglu")
 _NORMS = ("LayerNorm", "RMSNorm")
 _POSITIONS = ("learned_absolute", "rope", "none")
 _GRANULARITIES = (None, "selective", "full")
@@ -33,17 +33,31 @@ class TransformerConfig:
     attention_dropout: float = 0.1
     """Dropout on the attention probabilities."""
     activation: str = "gelu"
-    """MLP activation: ``gelu`` (tanh approximation) or ``swiglu``."""
+    """MLP activation: ``gelu`` (tanh approximation, GPT-2's), ``gelu_erf`` (the exact erf
+    form) or ``swiglu``."""
     add_bias_linear: bool = True
     """Biases in the attention and MLP linear layers."""
+    add_qkv_bias: bool = False
+    """A bias on the QKV projection even without ``add_bias_linear`` (Qwen2)."""
     normalization: str = "LayerNorm"
     """``LayerNorm`` or ``RMSNorm``."""
     layernorm_epsilon: float = 1e-5
     """Epsilon of the normalization layers."""
     position_embedding_type: str = "learned_absolute"
     """``learned_absolute``, ``rope`` or ``none``."""
-    rotary_base: int = 10000
-    """Base of the rotary frequencies."""
+    rotary_base: float = 10000
+    """Base of the rotary frequencies (Hugging Face's ``rope_theta``)."""
+    rotary_percent: float = 1.0
+    """Share of each head's channels that RoPE rotates (the first ones); the rest pass."""
+    rope_scaling_factor: float | None = None
+    """Llama 3.1's RoPE frequency scaling: long wavelengths divided by this factor, short
+    ones kept, the band between interpolated. ``None``: no scaling."""
+    rope_low_freq_factor: float = 1.0
+    """Llama 3.1 scaling: wavelengths above ``original / low`` are scaled fully."""
+    rope_high_freq_factor: float = 4.0
+    """Llama 3.1 scaling: wavelengths below ``original / high`` are kept."""
+    rope_original_max_position_embeddings: int = 8192
+    """Llama 3.1 scaling: the context length the model was first trained at."""
     attention_backend: str = "sdpa"
     """Core attention: ``sdpa`` (torch's scaled_dot_product_attention) or ``fused_softmax``."""
     init_method_std: float = 0.02
@@ -117,5 +131,52 @@ class TransformerConfig:
             )
         if full and self.recompute_num_layers < 1:
             raise ValueError(f"recompute_num_layers must be >= 1, got {self.recompute_num_layers}")
+        if not 0.0 < self.rotary_percent <= 1.0:
+            raise ValueError(f"rotary_percent must be in (0, 1], got {self.rotary_percent}")
+        if self.rotary_base <= 0:
+            raise ValueError(f"rotary_base must be positive, got {self.rotary_base}")
+        rope_only = {
+            "rotary_percent": self.rotary_percent != 1.0,
+            "rope_scaling_factor": self.rope_scaling_factor is not None,
+        }
+        for name, used in rope_only.items():
+            if used and self.position_embedding_type != "rope":
+                raise ValueError(f"{name} needs position_embedding_type 'rope'")
+        if self.position_embedding_type == "rope" and self.rotary_dim % 2:
+            raise ValueError(
+                f"RoPE rotates {self.rotary_dim} channels per head (kv_channels "
+                f"{self.kv_channels} × rotary_percent {self.rotary_percent}); it must be even"
+            )
+        if self.rope_scaling_factor is not None:
+            if self.rope_scaling_factor < 1.0:
+                raise ValueError(
+                    f"rope_scaling_factor must be >= 1, got {self.rope_scaling_factor}"
+                )
+            if not 0 < self.rope_low_freq_factor < self.rope_high_freq_factor:
+                raise ValueError(
+                    "rope scaling needs 0 < rope_low_freq_factor < rope_high_freq_factor, got "
+                    f"{self.rope_low_freq_factor} and {self.rope_high_freq_factor}"
+                )
+            if self.rope_original_max_position_embeddings < 1:
+                raise ValueError("rope_original_max_position_embeddings must be >= 1")
+        if self.add_qkv_bias and self.add_bias_linear:
+            raise ValueError("add_qkv_bias is for models without add_bias_linear (which has it)")
         if self.sequence_parallel and tp == 1:
             raise ValueError("sequence_parallel needs tensor_model_parallel_size > 1")
+
+    @property
+    def rotary_dim(self) -> int:
+        """Channels of each head that RoPE rotates."""
+        return int(self.kv_channels * self.rotary_percent)
+
+    @property
+    def rope_scaling(self) -> dict[str, float] | None:
+        """Llama 3.1's scaling parameters for :func:`megapp.fusions.rope.rotary_freqs`."""
+        if self.rope_scaling_factor is None:
+            return None
+        return {
+            "factor": self.rope_scaling_factor,
+            "low_freq_factor": self.rope_low_freq_factor,
+            "high_freq_factor": self.rope_high_freq_factor,
+            "original_max_position_embeddings": self.rope_original_max_position_embeddings,
+        }

@@ -60,6 +60,8 @@ class ParallelMLP(nn.Module):
         """Fused ops that keep only their pre-activation input for backward."""
         if self.config.activation == "swiglu":
             return bias_swiglu(x, bias)
+        if self.config.activation == "gelu_erf":
+            return F.gelu(x if bias is None else x + bias)
         if bias is not None:
             return bias_gelu(x, bias)
         return F.gelu(x, approximate="tanh")

@@ -1,0 +1,203 @@
+"""Hugging Face model configs to :class:`GPTConfig` and back: GPT-2, Llama 2/3/3.1, Mistral, Qwen2.
+
+``gpt_config_from_hf(config.json's dict)`` builds the megapp model that computes what the
+Hugging Face model computes; ``hf_config_from_gpt(config, model_type)`` writes the
+``config.json`` of the model megapp exports. Both refuse, with one line, what the other
+side cannot express (GPT-2's per-layer attention scaling, Mistral's sliding window over a
+longer context, a Llama MLP with biases, ...).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from megapp.models.gpt import GPTConfig
+
+MODEL_TYPES = ("gpt2", "llama", "mistral", "qwen2")
+_LLAMA_LIKE = ("llama", "mistral", "qwen2")
+_HF_ARCHITECTURES = {
+    "gpt2": "GPT2LMHeadModel",
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+}
+
+
+def _rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any]]:
+    """(rope_theta, scaling dict) from either transformers 5's ``rope_parameters`` or the
+    older ``rope_theta`` + ``rope_scaling`` keys."""
+    params = dict(hf.get("rope_parameters") or {})
+    scaling = dict(hf.get("rope_scaling") or {})
+    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    merged = {**scaling, **params}
+    kind = merged.get("rope_type", merged.get("type", "default"))
+    merged["rope_type"] = kind
+    return float(theta), merged
+
+
+def gpt_config_from_hf(hf: dict[str, Any], **overrides: Any) -> GPTConfig:
+    """The :class:`GPTConfig` of a Hugging Face ``config.json``; ``overrides`` set layout and
+    training fields (tensor_model_parallel_size, sequence_parallel, dropouts, ...)."""
+    model_type = hf.get("model_type")
+    if model_type not in MODEL_TYPES:
+        raise ValueError(
+            f"model_type {model_type!r} is not supported; megapp imports {', '.join(MODEL_TYPES)}"
+        )
+    fields = _gpt2_fields(hf) if model_type == "gpt2" else _llama_fields(hf, model_type)
+    fields.update(overrides)
+    return GPTConfig(**fields)
+
+
+def _gpt2_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    for key, wanted in (
+        ("scale_attn_by_inverse_layer_idx", False),
+        ("reorder_and_upcast_attn", False),
+        ("scale_attn_weights", True),
+    ):
+        if hf.get(key, wanted) != wanted:
+            raise ValueError(f"GPT-2 with {key}={hf[key]} is not supported")
+    activations = {"gelu_new": "gelu", "gelu_pytorch_tanh": "gelu", "gelu": "gelu_erf"}
+    act = hf.get("activation_function", "gelu_new")
+    if act not in activations:
+        raise ValueError(f"GPT-2 activation {act!r} is not supported ({', '.join(activations)})")
+    hidden = hf["n_embd"]
+    return dict(
+        num_layers=hf["n_layer"],
+        hidden_size=hidden,
+        num_attention_heads=hf["n_head"],
+        ffn_hidden_size=hf.get("n_inner") or 4 * hidden,
+        activation=activations[act],
+        normalization="LayerNorm",
+        layernorm_epsilon=hf.get("layer_norm_epsilon", 1e-5),
+        position_embedding_type="learned_absolute",
+        max_position_embeddings=hf.get("n_positions", 1024),
+        add_bias_linear=True,
+        hidden_dropout=hf.get("resid_pdrop", 0.1),
+        attention_dropout=hf.get("attn_pdrop", 0.1),
+        init_method_std=hf.get("initializer_range", 0.02),
+        vocab_size=hf["vocab_size"],
+        share_embeddings_and_output_weights=hf.get("tie_word_embeddings", True),
+    )
+
+
+def _llama_fields(hf: dict[str, Any], model_type: str) -> dict[str, Any]:
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"{model_type} activation {act!r} is not supported (silu only)")
+    if hf.get("mlp_bias", False):
+        raise ValueError(f"{model_type} with mlp_bias is not supported")
+    heads = hf["num_attention_heads"]
+    hidden = hf["hidden_size"]
+    positions = hf.get("max_position_embeddings", 2048)
+    window = hf.get("sliding_window") if hf.get("use_sliding_window", True) else None
+    if window is not None and window < positions:
+        raise ValueError(
+            f"{model_type}: sliding-window attention ({window} tokens) over a "
+            f"{positions}-token context is not implemented; import with "
+            f"max_position_embeddings <= {window} (an override) to use it within one window"
+        )
+    theta, rope = _rope(hf)
+    fields: dict[str, Any] = dict(
+        num_layers=hf["num_hidden_layers"],
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_query_groups=hf.get("num_key_value_heads") or heads,
+        kv_channels=hf.get("head_dim") or hidden // heads,
+        ffn_hidden_size=hf["intermediate_size"],
+        activation="swiglu",
+        normalization="RMSNorm",
+        layernorm_epsilon=hf.get("rms_norm_eps", 1e-6),
+        position_embedding_type="rope",
+        rotary_base=theta,
+        rotary_percent=float(rope.get("partial_rotary_factor", 1.0)),
+        max_position_embeddings=positions,
+        add_bias_linear=bool(hf.get("attention_bias", False)) and model_type == "llama",
+        add_qkv_bias=model_type == "qwen2",
+        hidden_dropout=0.0,
+        attention_dropout=hf.get("attention_dropout", 0.0),
+        init_method_std=hf.get("initializer_range", 0.02),
+        vocab_size=hf["vocab_size"],
+        share_embeddings_and_output_weights=hf.get("tie_word_embeddings", False),
+    )
+    if model_type == "llama" and fields["add_bias_linear"]:
+        raise ValueError("llama with attention_bias is not supported (its MLP has no bias)")
+    if rope["rope_type"] == "llama3":
+        fields.update(
+            rope_scaling_factor=float(rope["factor"]),
+            rope_low_freq_factor=float(rope["low_freq_factor"]),
+            rope_high_freq_factor=float(rope["high_freq_factor"]),
+            rope_original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
+        )
+    elif rope["rope_type"] != "default":
+        raise ValueError(f"{model_type} rope_type {rope['rope_type']!r} is not supported")
+    return fields
+
+
+def hf_config_from_gpt(config: GPTConfig, model_type: str) -> dict[str, Any]:
+    """The ``config.json`` dict of ``config`` as a Hugging Face ``model_type`` model."""
+    if model_type not in MODEL_TYPES:
+        raise ValueError(f"model_type {model_type!r} unknown; one of {', '.join(MODEL_TYPES)}")
+    common = {
+        "architectures": [_HF_ARCHITECTURES[model_type]],
+        "model_type": model_type,
+        "vocab_size": config.vocab_size,
+        "initializer_range": config.init_method_std,
+        "tie_word_embeddings": config.share_embeddings_and_output_weights,
+        "torch_dtype": str(config.params_dtype).removeprefix("torch."),
+    }
+    if model_type == "gpt2":
+        _expect(config, model_type, normalization="LayerNorm", add_bias_linear=True)
+        _expect(config, model_type, position_embedding_type="learned_absolute")
+        if config.activation not in ("gelu", "gelu_erf"):
+            raise ValueError(f"gpt2 cannot express activation {config.activation!r}")
+        if config.num_query_groups != config.num_attention_heads:
+            raise ValueError("gpt2 cannot express grouped-query attention")
+        return {
+            **common,
+            "n_embd": config.hidden_size,
+            "n_layer": config.num_layers,
+            "n_head": config.num_attention_heads,
+            "n_inner": config.ffn_hidden_size,
+            "n_positions": config.max_position_embeddings,
+            "activation_function": "gelu_new" if config.activation == "gelu" else "gelu",
+            "layer_norm_epsilon": config.layernorm_epsilon,
+            "resid_pdrop": config.hidden_dropout,
+            "embd_pdrop": config.hidden_dropout,
+            "attn_pdrop": config.attention_dropout,
+        }
+    _expect(config, model_type, normalization="RMSNorm", activation="swiglu")
+    _expect(config, model_type, position_embedding_type="rope", add_bias_linear=False)
+    _expect(config, model_type, add_qkv_bias=model_type == "qwen2")
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(config.rotary_base)}
+    if config.rope_scaling is not None:
+        rope = {"rope_type": "llama3", "rope_theta": float(config.rotary_base)}
+        rope.update(config.rope_scaling)
+    if config.rotary_percent != 1.0:
+        rope["partial_rotary_factor"] = config.rotary_percent
+    return {
+        **common,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.ffn_hidden_size,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_query_groups,
+        "head_dim": config.kv_channels,
+        "hidden_act": "silu",
+        "rms_norm_eps": config.layernorm_epsilon,
+        "max_position_embeddings": config.max_position_embeddings,
+        "rope_theta": float(config.rotary_base),
+        "rope_scaling": None if rope["rope_type"] == "default" else rope,
+        "rope_parameters": rope,
+        "attention_dropout": config.attention_dropout,
+        "attention_bias": False,
+        "mlp_bias": False,
+        **({"sliding_window": None, "use_sliding_window": False} if model_type != "llama" else {}),
+    }
+
+
+def _expect(config: GPTConfig, model_type: str, **wanted: Any) -> None:
+    for name, value in wanted.items():
+        if getattr(config, name) != value:
+            raise ValueError(
+                f"{model_type} needs {name}={value!r}, the model has {getattr(config, name)!r}"
+            )
