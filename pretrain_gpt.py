@@ -33,6 +33,7 @@ from megapp.data import (
 )
 from megapp.models import GPTModel, build_gpt_chunks
 from megapp.parallel_state import TrainGroups
+from megapp.training import hf_start
 from megapp.training.arguments import (
     ArgumentsError,
     exit_after_failure,
@@ -133,6 +134,23 @@ def datasets_provider(config: PretrainConfig, num_samples, *, tokenizer):
         raise ArgumentsError(f"--data-path: {error}") from error
 
 
+def model_vocab_size(config: PretrainConfig, tokenizer_vocab: int) -> int:
+    """The tokenizer's vocabulary, or ``--load-hf``'s rows (at least as many), whose model
+    the flags must then describe."""
+    directory = config.checkpoint.load_hf
+    if directory is None:
+        return tokenizer_vocab
+    rows = hf_start.hf_vocab_size(directory)
+    if rows < tokenizer_vocab:
+        raise ArgumentsError(
+            f"--load-hf {directory}: the model has {rows} vocabulary rows but the tokenizer "
+            f"{tokenizer_vocab} ids; use the model's own tokenizer (--tokenizer-type "
+            f"HuggingFaceTokenizer --tokenizer-model {directory})"
+        )
+    hf_start.check_model_flags(config, rows)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     config = parse_args(argv)
     prog = os.path.basename(sys.argv[0])
@@ -144,17 +162,18 @@ def main(argv: list[str] | None = None) -> None:
             )
         except (ValueError, OSError) as error:
             raise ArgumentsError(f"--tokenizer-type {data.tokenizer_type}: {error}") from error
+        vocab_size = model_vocab_size(config, tokenizer.vocab_size)
         pretrain(
             config,
             functools.partial(datasets_provider, tokenizer=tokenizer),
-            functools.partial(model_provider, vocab_size=tokenizer.vocab_size),
+            functools.partial(model_provider, vocab_size=vocab_size),
             functools.partial(
                 forward_step,
                 eod=tokenizer.eod,
                 eod_mask_loss=data.eod_mask_loss,
                 reset_position_ids=data.reset_position_ids,
             ),
-            flops_per_iteration=flops_per_iteration(config, tokenizer.vocab_size),
+            flops_per_iteration=flops_per_iteration(config, vocab_size),
         )
     except ArgumentsError as error:
         exit_with_error(prog, error)

@@ -78,7 +78,7 @@ def test_config_round_trip(model_type):
             "RoPE rotates 3 channels per head",
         ),
         (dict(rope_scaling_factor=8.0), "rope_scaling_factor needs position_embedding_type"),
-        (dict(add_qkv_bias=True), "add_qkv_bias is for models without add_bias_linear"),
+        (dict(add_qkv_bias=True), "add_qkv_bias is for models without biases on the linear layers"),
         (dict(activation="relu"), "activation must be one of"),
     ],
 )

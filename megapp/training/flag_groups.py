@@ -18,6 +18,7 @@ import torch
 from megapp.data.builder import parse_data_path, parse_split
 from megapp.data.split_rules import CORE, DATA_RULES
 from megapp.data.tokenizers import BYTE_TOKENIZER, TOKENIZER_TYPES
+from megapp.models.hf_config import MODEL_TYPES as HF_MODEL_TYPES
 
 
 class ArgumentsError(ValueError):
@@ -315,9 +316,27 @@ class CheckpointArgs:
         "with --load: use this run's learning-rate flags instead of the saved schedule",
         flag="--override-opt_param-scheduler",
     )
+    load_hf: str | None = arg(
+        None,
+        "start from this Hugging Face model folder (its weights; the model flags must "
+        "describe it: tools/convert_hf.py flags DIR prints them)",
+        kind=str,
+    )
+    save_hf: str | None = arg(
+        None, "write the trained model as a Hugging Face folder here at the end", kind=str
+    )
+    hf_model_type: str | None = arg(
+        None, "--save-hf's model type without --load-hf", choices=HF_MODEL_TYPES, kind=str
+    )
 
     def __post_init__(self) -> None:
         _require_positive(self, ("save_interval",))
+        if self.save_hf is not None and self.load_hf is None and self.hf_model_type is None:
+            raise ArgumentsError(
+                f"--save-hf needs --hf-model-type ({' | '.join(HF_MODEL_TYPES)}) or --load-hf"
+            )
+        if self.load_hf is not None and not os.path.isdir(self.load_hf):
+            raise ArgumentsError(f"--load-hf {self.load_hf}: no such directory")
         if self.ckpt_step is not None and self.load is None:
             raise ArgumentsError(
                 "--ckpt-step needs --load DIR (the checkpoints to pick the iteration from)"

@@ -27,7 +27,7 @@ from megapp import parallel_state as ps
 from megapp.parallel_state import TrainGroups
 from megapp.pipeline_parallel.compute import ForwardStepFunc
 from megapp.pipeline_parallel.p2p import TensorSpec
-from megapp.training import checkpoints
+from megapp.training import checkpoints, hf_start
 from megapp.training.checkpoints import TrainState
 from megapp.training.config import PretrainConfig
 from megapp.training.data_iterators import chunk_iterators, rank0_first
@@ -252,6 +252,12 @@ def pretrain(
     if config.checkpoint.load:
         trainer.state = checkpoints.load(config, setup)
     state = trainer.state
+    ckpt = config.checkpoint
+    hf_type = ckpt.hf_model_type
+    if ckpt.load_hf:
+        hf_type = hf_type or hf_start.model_type(ckpt.load_hf)
+        if state.iteration == 0:  # nothing resumed: start from the Hugging Face weights
+            hf_start.load(config, setup, hf_type)
 
     training, logging = config.training, config.logging
     gbs = training.global_batch_size
@@ -305,6 +311,8 @@ def pretrain(
             saved_last = save_interval and state.iteration % save_interval == 0
             if config.checkpoint.save and state.iteration > start_iteration and not saved_last:
                 trainer.save()
+            if ckpt.save_hf:
+                hf_start.save(config, setup, hf_type)
     finally:
         if trainer.writer is not None:
             trainer.writer.close()

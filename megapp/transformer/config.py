@@ -160,7 +160,10 @@ class TransformerConfig:
             if self.rope_original_max_position_embeddings < 1:
                 raise ValueError("rope_original_max_position_embeddings must be >= 1")
         if self.add_qkv_bias and self.add_bias_linear:
-            raise ValueError("add_qkv_bias is for models without add_bias_linear (which has it)")
+            raise ValueError(
+                "add_qkv_bias is for models without biases on the linear layers; this one has "
+                "them all"
+            )
         if self.sequence_parallel and tp == 1:
             raise ValueError("sequence_parallel needs tensor_model_parallel_size > 1")
 

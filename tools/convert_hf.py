@@ -1,0 +1,102 @@
+"""Hugging Face models and megapp: print a model's flags, or export a checkpoint as a model.
+
+    python tools/convert_hf.py flags HF_DIR
+    python tools/convert_hf.py export CKPT_DIR --output HF_DIR --model-type llama \\
+        [--iteration N] [--tokenizer-dir DIR] [--max-shard-size-mb 2048]
+
+`flags` prints the pretrain_gpt.py model flags that build the model in HF_DIR; train from
+its weights with `pretrain_gpt.py <those flags> --load-hf HF_DIR` under any layout (each
+rank reads only its slices). `export` reads a megapp checkpoint saved under any layout
+into one process and writes `config.json`, sharded safetensors with their index and, from
+`--tokenizer-dir`, the tokenizer files. (`pretrain_gpt.py --save-hf DIR` exports at the
+end of a run from the run's own layout.) Errors end with one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import warnings
+
+from megapp.checkpointing import load_checkpoint
+from megapp.checkpointing.checkpoint import iteration_dir, read_latest
+from megapp.models.gpt import GPTConfig, build_gpt_chunks
+from megapp.models.hf_checkpoint import hf_gpt_config, save_hf
+from megapp.models.hf_config import MODEL_TYPES
+from megapp.parallel_state import TrainGroups
+from megapp.training.hf_start import pretrain_flags
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    flags = commands.add_parser("flags", help="the pretrain_gpt.py flags of a HF model")
+    flags.add_argument("hf_dir")
+    export = commands.add_parser("export", help="a megapp checkpoint as a HF model folder")
+    export.add_argument("checkpoint")
+    export.add_argument("--output", required=True, help="the HF folder to write")
+    export.add_argument("--model-type", required=True, choices=MODEL_TYPES)
+    export.add_argument("--iteration", type=int, default=None, help="default: the latest")
+    export.add_argument("--tokenizer-dir", default=None, help="copy its tokenizer files")
+    export.add_argument("--max-shard-size-mb", type=int, default=2048)
+    return parser.parse_args(argv)
+
+
+def saved_model_config(checkpoint: str, iteration: int | None) -> tuple[GPTConfig, int]:
+    """The whole model's config as the checkpoint recorded it, for one process."""
+    iteration = read_latest(checkpoint) if iteration is None else iteration
+    if iteration is None:
+        raise ValueError(f"{checkpoint}: no checkpoint (no latest iteration marker)")
+    path = iteration_dir(checkpoint, iteration) / "common.json"
+    with open(path, encoding="utf-8") as stream:
+        fields = json.load(stream).get("model_config")
+    if not fields:
+        raise ValueError(f"{path} records no model config")
+    import torch
+
+    fields = dict(fields)
+    fields["params_dtype"] = getattr(torch, str(fields["params_dtype"]).removeprefix("torch."))
+    fields.update(tensor_model_parallel_size=1, sequence_parallel=False)
+    return GPTConfig(**fields), iteration
+
+
+def export(args: argparse.Namespace) -> str:
+    config, iteration = saved_model_config(args.checkpoint, args.iteration)
+    chunks = build_gpt_chunks(config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the RNG streams of another layout are not restored
+        load_checkpoint(
+            args.checkpoint,
+            chunks,
+            groups=TrainGroups(),
+            iteration=iteration,
+            load_optimizer=False,
+            load_rng=False,
+        )
+    save_hf(
+        chunks,
+        args.output,
+        args.model_type,
+        max_shard_bytes=args.max_shard_size_mb << 20,
+        tokenizer_dir=args.tokenizer_dir,
+    )
+    return f"done: iteration {iteration} of {args.checkpoint} -> {args.output}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        if args.command == "flags":
+            config, _ = hf_gpt_config(args.hf_dir)
+            print(" ".join(pretrain_flags(config)))
+        else:
+            print(export(args), file=sys.stderr)
+    except (OSError, ValueError, KeyError, ImportError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
