@@ -26,6 +26,16 @@ RUN = [
 ]
 
 
+def generate_tool(*args):
+    return subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "generate.py"), *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=120,
+    )
+
+
 def tool(*args):
     return subprocess.run(
         [sys.executable, str(ROOT / "tools" / "convert_hf.py"), *map(str, args)],
@@ -99,6 +109,16 @@ def test_hf_to_tp2_pp2_to_checkpoint_to_one_process_to_hf_is_bitwise(corpus, tmp
     )
     assert exported.returncode == 0, exported.stderr
     assert_same_tensors(tmp_path / "tool", source)
+
+    # The checkpoint and the original folder generate the same text (the run's byte
+    # tokenizer comes from the checkpoint's settings).
+    args = ["--prompt", "def main(", "--max-new-tokens", "12", "--ids"]
+    from_checkpoint = generate_tool("--load", tmp_path / "ckpt", *args)
+    from_hf = generate_tool("--hf", source, "--tokenizer-type", "ByteTokenizer", *args)
+    assert from_checkpoint.returncode == 0, from_checkpoint.stderr
+    assert from_hf.returncode == 0, from_hf.stderr
+    assert from_checkpoint.stdout == from_hf.stdout
+    assert from_checkpoint.stdout.startswith(str(list(b"def main("))[:-1])
 
 
 def test_load_hf_refuses_flags_that_describe_another_model(corpus, tmp_path):

@@ -15,13 +15,12 @@ end of a run from the run's own layout.) Errors end with one line.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import warnings
 
 from megapp.checkpointing import load_checkpoint
-from megapp.checkpointing.checkpoint import iteration_dir, read_latest
-from megapp.models.gpt import GPTConfig, build_gpt_chunks
+from megapp.checkpointing.checkpoint import read_saved_settings
+from megapp.models.gpt import build_gpt_chunks, gpt_config_from_saved
 from megapp.models.hf_checkpoint import hf_gpt_config, save_hf
 from megapp.models.hf_config import MODEL_TYPES
 from megapp.parallel_state import TrainGroups
@@ -43,26 +42,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def saved_model_config(checkpoint: str, iteration: int | None) -> tuple[GPTConfig, int]:
-    """The whole model's config as the checkpoint recorded it, for one process."""
-    iteration = read_latest(checkpoint) if iteration is None else iteration
-    if iteration is None:
-        raise ValueError(f"{checkpoint}: no checkpoint (no latest iteration marker)")
-    path = iteration_dir(checkpoint, iteration) / "common.json"
-    with open(path, encoding="utf-8") as stream:
-        fields = json.load(stream).get("model_config")
-    if not fields:
-        raise ValueError(f"{path} records no model config")
-    import torch
-
-    fields = dict(fields)
-    fields["params_dtype"] = getattr(torch, str(fields["params_dtype"]).removeprefix("torch."))
-    fields.update(tensor_model_parallel_size=1, sequence_parallel=False)
-    return GPTConfig(**fields), iteration
-
-
 def export(args: argparse.Namespace) -> str:
-    config, iteration = saved_model_config(args.checkpoint, args.iteration)
+    fields, _, iteration = read_saved_settings(args.checkpoint, args.iteration)
+    config = gpt_config_from_saved(fields, tensor_model_parallel_size=1, sequence_parallel=False)
     chunks = build_gpt_chunks(config)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the RNG streams of another layout are not restored

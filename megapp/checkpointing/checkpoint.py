@@ -103,6 +103,21 @@ def read_latest(load_dir: str | os.PathLike) -> int | None:
     return int(text)
 
 
+def read_saved_settings(
+    load_dir: str | os.PathLike, iteration: int | None = None
+) -> tuple[dict[str, Any], dict[str, Any], int]:
+    """The model config and run settings a checkpoint recorded, and its iteration (the
+    latest unless given), read without loading any tensor."""
+    if iteration is None:
+        iteration = read_latest(load_dir)
+        if iteration is None:
+            raise CheckpointError(f"{load_dir}: no checkpoint (no {LATEST} marker)")
+    common = read_common(iteration_dir(load_dir, iteration))
+    if not common.get("model_config"):
+        raise CheckpointError(f"{iteration_dir(load_dir, iteration)} records no model config")
+    return common["model_config"], common.get("args") or {}, iteration
+
+
 def _layout(chunks, optimizer, groups) -> dict[str, Any]:
     return {
         "world_size": dist.get_world_size() if dist.is_initialized() else 1,

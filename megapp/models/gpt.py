@@ -78,6 +78,16 @@ class GPTConfig(TransformerConfig):
             )
 
 
+def gpt_config_from_saved(fields: dict, **overrides) -> GPTConfig:
+    """A :class:`GPTConfig` from the plain fields a checkpoint recorded (its dtype a
+    string), with ``overrides`` (e.g. the layout of the process reading it)."""
+    fields = {**fields, **overrides}
+    dtype = fields.get("params_dtype")
+    if isinstance(dtype, str):
+        fields["params_dtype"] = getattr(torch, dtype.removeprefix("torch."))
+    return GPTConfig(**fields)
+
+
 @contextlib.contextmanager
 def _seeded(seed: int) -> Iterator[None]:
     with torch.random.fork_rng(devices=[]):
@@ -141,12 +151,15 @@ class GPTEmbedding(nn.Module):
 class GPTModel(nn.Module):
     """One pipeline chunk of a GPT (the whole model by default).
 
-    forward(input_ids [b, s] | None, position_ids [b, s] | None, hidden_states, labels [b, s])
+    forward(input_ids [b, s] | None, position_ids [b, s] | None, hidden_states, labels [b, s],
+            rotary_offset)
       - ``pre_process``: reads ``input_ids``; otherwise ``hidden_states`` ``[s, b, h]``
         (``[s/tp, b, h]``) from the previous stage.
       - not ``post_process``: returns the hidden states for the next stage.
       - ``post_process``: returns the per-token loss ``[b, s]`` (fp32) when ``labels`` are
         given, else the logits shard ``[b, s, V_pad/tp]``.
+      - ``rotary_offset``: the position of the first token for RoPE (generation with a
+        key/value cache feeds tokens after the first).
     """
 
     def __init__(
@@ -213,10 +226,12 @@ class GPTModel(nn.Module):
             return self.embedding.word_embeddings.weight
         return None
 
-    def _rotary(self, seq: int, device: torch.device) -> torch.Tensor | None:
+    def _rotary(self, seq: int, device: torch.device, offset: int = 0) -> torch.Tensor | None:
         config = self.config
         if config.position_embedding_type != "rope":
             return None
+        if offset:
+            return self._rotary(offset + seq, device)[offset:]
         if self._freqs is None or self._freqs.shape[0] < seq or self._freqs.device != device:
             self._freqs = rotary_freqs(
                 seq, config.rotary_dim, config.rotary_base, device, config.rope_scaling
@@ -229,6 +244,7 @@ class GPTModel(nn.Module):
         position_ids: torch.Tensor | None = None,
         hidden_states: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
+        rotary_offset: int = 0,
     ) -> torch.Tensor:
         config = self.config
         if self.pre_process:
@@ -239,7 +255,8 @@ class GPTModel(nn.Module):
             raise ValueError("a pipeline chunk without the embedding needs hidden_states")
         tp = config.tensor_model_parallel_size
         seq = hidden_states.shape[0] * (tp if config.sequence_parallel else 1)
-        hidden_states = self.decoder(hidden_states, self._rotary(seq, hidden_states.device))
+        freqs = self._rotary(seq, hidden_states.device, rotary_offset)
+        hidden_states = self.decoder(hidden_states, freqs)
         if not self.post_process:
             return hidden_states
         logits = column_parallel_matmul(

@@ -72,6 +72,8 @@ class ParallelAttention(nn.Module):
                     f"{name} ({getattr(config, name)}) is not divisible by the tensor-parallel "
                     f"size ({tp}); choose a tensor-parallel size that divides it"
                 )
+        # Set during generation (megapp.models.generation): keys and values of earlier tokens.
+        self.kv_cache = None
         self.heads_per_rank = config.num_attention_heads // tp
         self.groups_per_rank = config.num_query_groups // tp
         d = config.kv_channels
@@ -129,6 +131,8 @@ class ParallelAttention(nn.Module):
         self, x: torch.Tensor, rotary_freqs: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``x`` ``[s, b, h]`` (``[s/tp, b, h]``), ``rotary_freqs`` ``[s, 1, 1, rot_dim]``."""
+        if self.kv_cache is not None:
+            return self.kv_cache.attend(self, x, rotary_freqs)
         q, k, v = self.qkv(x, rotary_freqs)
         if self.config.recompute_granularity == "selective":
             # Megatron's selective recompute: keep q, k, v; rebuild the attention in backward.
