@@ -55,9 +55,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def tokenizer_settings(args: argparse.Namespace, saved: dict) -> dict:
     """The checkpoint run's tokenizer (or the HF folder's), with the flags given here."""
     data = dict(saved.get("data") or {})
-    if args.hf is not None and args.tokenizer_type is None:
-        if os.path.isfile(os.path.join(args.hf, "tokenizer_config.json")):
-            data = {"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": args.hf}
+    own = args.hf is not None and os.path.isfile(os.path.join(args.hf, "tokenizer_config.json"))
+    if own and args.tokenizer_type is None:
+        data = {"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": args.hf}
     for name in ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model"):
         if getattr(args, name) is not None:
             data[name] = getattr(args, name)
