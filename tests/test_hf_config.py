@@ -38,10 +38,23 @@ def test_llama31_rope_scaling_equals_transformers():
     assert not torch.equal(freqs, unscaled)  # the scaling changes the long wavelengths
 
 
-@pytest.mark.parametrize("model_type", ["gpt2", "llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("model_type", ["gpt2", "gpt_neox", "llama", "mistral", "qwen2"])
 def test_config_round_trip(model_type):
     if model_type == "gpt2":
         config = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=50)
+    elif model_type == "gpt_neox":
+        config = GPTConfig(
+            num_layers=2,
+            hidden_size=32,
+            num_attention_heads=4,
+            vocab_size=50,
+            activation="gelu_erf",
+            position_embedding_type="rope",
+            rotary_percent=0.25,
+            share_embeddings_and_output_weights=False,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+        )
     else:
         config = GPTConfig(
             num_layers=2,
@@ -62,6 +75,8 @@ def test_config_round_trip(model_type):
         )
     hf = hf_config_from_gpt(config, model_type)
     again = gpt_config_from_hf(hf, hidden_dropout=config.hidden_dropout)
+    if model_type == "gpt_neox":  # its config keeps dropout; the round trip is exact
+        again = gpt_config_from_hf(hf)
     assert again == config
     # transformers reads it back as the same model
     hf_config = transformers.AutoConfig.for_model(**hf)

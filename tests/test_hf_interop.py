@@ -60,6 +60,20 @@ def _configs():
                 activation_function="gelu",
             ),
         ),
+        # GPT-NeoX: a quarter of each head rotated, erf GeLU, one fused QKV per head.
+        "gpt_neox": (
+            t.GPTNeoXForCausalLM,
+            t.GPTNeoXConfig(
+                vocab_size=VOCAB,
+                hidden_size=64,
+                num_hidden_layers=4,
+                num_attention_heads=4,
+                intermediate_size=128,
+                max_position_embeddings=64,
+                use_parallel_residual=False,
+                rotary_pct=0.25,
+            ),
+        ),
         "llama2": (t.LlamaForCausalLM, t.LlamaConfig(**dict(llama, num_key_value_heads=8))),
         "llama3": (t.LlamaForCausalLM, t.LlamaConfig(**llama, rope_theta=500000.0)),
         "llama31": (
@@ -150,7 +164,8 @@ LAYOUTS = [
     # (world, tp, pp, vpp, sequence parallel, architectures)
     (2, 2, 1, None, False, ["gpt2", "llama31", "qwen2"]),
     (4, 4, 1, None, True, ["llama2", "mistral"]),
-    (2, 1, 2, None, False, ["gpt2_erf", "qwen2"]),
+    (2, 1, 2, None, False, ["gpt2_erf", "qwen2", "gpt_neox"]),
+    (4, 4, 1, None, True, ["gpt_neox"]),
     (4, 2, 2, None, True, ["gpt2", "llama3", "qwen2"]),
     (4, 1, 2, 2, False, ["llama31", "gpt2"]),
 ]

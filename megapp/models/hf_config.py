@@ -1,4 +1,5 @@
-"""Hugging Face model configs to :class:`GPTConfig` and back: GPT-2, Llama 2/3/3.1, Mistral, Qwen2.
+"""Hugging Face model configs to :class:`GPTConfig` and back: GPT-2, Llama 2/3/3.1, Mistral,
+Qwen2, and GPT-NeoX with sequential residuals (partial rotary, erf GeLU).
 
 ``gpt_config_from_hf(config.json's dict)`` builds the megapp model that computes what the
 Hugging Face model computes; ``hf_config_from_gpt(config, model_type)`` writes the
@@ -13,10 +14,11 @@ from typing import Any
 
 from megapp.models.gpt import GPTConfig
 
-MODEL_TYPES = ("gpt2", "llama", "mistral", "qwen2")
+MODEL_TYPES = ("gpt2", "gpt_neox", "llama", "mistral", "qwen2")
 _LLAMA_LIKE = ("llama", "mistral", "qwen2")
 _HF_ARCHITECTURES = {
     "gpt2": "GPT2LMHeadModel",
+    "gpt_neox": "GPTNeoXForCausalLM",
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
@@ -43,7 +45,8 @@ def gpt_config_from_hf(hf: dict[str, Any], **overrides: Any) -> GPTConfig:
         raise ValueError(
             f"model_type {model_type!r} is not supported; megapp imports {', '.join(MODEL_TYPES)}"
         )
-    fields = _gpt2_fields(hf) if model_type == "gpt2" else _llama_fields(hf, model_type)
+    readers = {"gpt2": _gpt2_fields, "gpt_neox": _neox_fields}
+    fields = readers[model_type](hf) if model_type in readers else _llama_fields(hf, model_type)
     fields.update(overrides)
     return GPTConfig(**fields)
 
@@ -77,6 +80,41 @@ def _gpt2_fields(hf: dict[str, Any]) -> dict[str, Any]:
         init_method_std=hf.get("initializer_range", 0.02),
         vocab_size=hf["vocab_size"],
         share_embeddings_and_output_weights=hf.get("tie_word_embeddings", True),
+    )
+
+
+def _neox_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    if hf.get("use_parallel_residual", True):
+        raise ValueError(
+            "gpt_neox with use_parallel_residual (attention and MLP side by side) is not "
+            "supported; megapp's layers add them one after the other"
+        )
+    activations = {"gelu": "gelu_erf", "gelu_new": "gelu", "gelu_pytorch_tanh": "gelu"}
+    act = hf.get("hidden_act", "gelu")
+    if act not in activations or not hf.get("attention_bias", True):
+        raise ValueError(f"gpt_neox with hidden_act {act!r} or without biases is not supported")
+    theta, rope = _rope(hf)
+    if rope["rope_type"] != "default":
+        raise ValueError(f"gpt_neox rope_type {rope['rope_type']!r} is not supported")
+    hidden = hf["hidden_size"]
+    return dict(
+        num_layers=hf["num_hidden_layers"],
+        hidden_size=hidden,
+        num_attention_heads=hf["num_attention_heads"],
+        ffn_hidden_size=hf.get("intermediate_size") or 4 * hidden,
+        activation=activations[act],
+        normalization="LayerNorm",
+        layernorm_epsilon=hf.get("layer_norm_eps", 1e-5),
+        position_embedding_type="rope",
+        rotary_base=theta,
+        rotary_percent=float(rope.get("partial_rotary_factor", hf.get("rotary_pct", 0.25))),
+        max_position_embeddings=hf.get("max_position_embeddings", 2048),
+        add_bias_linear=True,
+        hidden_dropout=hf.get("hidden_dropout", 0.0),
+        attention_dropout=hf.get("attention_dropout", 0.0),
+        init_method_std=hf.get("initializer_range", 0.02),
+        vocab_size=hf["vocab_size"],
+        share_embeddings_and_output_weights=hf.get("tie_word_embeddings", False),
     )
 
 
@@ -164,6 +202,34 @@ def hf_config_from_gpt(config: GPTConfig, model_type: str) -> dict[str, Any]:
             "resid_pdrop": config.hidden_dropout,
             "embd_pdrop": config.hidden_dropout,
             "attn_pdrop": config.attention_dropout,
+        }
+    if model_type == "gpt_neox":
+        _expect(config, model_type, normalization="LayerNorm", add_bias_linear=True)
+        _expect(config, model_type, position_embedding_type="rope")
+        if config.activation not in ("gelu", "gelu_erf"):
+            raise ValueError(f"gpt_neox cannot express activation {config.activation!r}")
+        if config.num_query_groups != config.num_attention_heads:
+            raise ValueError("gpt_neox cannot express grouped-query attention")
+        return {
+            **common,
+            "hidden_size": config.hidden_size,
+            "intermediate_size": config.ffn_hidden_size,
+            "num_hidden_layers": config.num_layers,
+            "num_attention_heads": config.num_attention_heads,
+            "hidden_act": "gelu" if config.activation == "gelu_erf" else "gelu_new",
+            "layer_norm_eps": config.layernorm_epsilon,
+            "max_position_embeddings": config.max_position_embeddings,
+            "rotary_pct": config.rotary_percent,
+            "rotary_emb_base": float(config.rotary_base),
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": float(config.rotary_base),
+                "partial_rotary_factor": config.rotary_percent,
+            },
+            "use_parallel_residual": False,
+            "attention_bias": True,
+            "hidden_dropout": config.hidden_dropout,
+            "attention_dropout": config.attention_dropout,
         }
     _expect(config, model_type, normalization="RMSNorm", activation="swiglu")
     _expect(config, model_type, position_embedding_type="rope", add_bias_linear=False)

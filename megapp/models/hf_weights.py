@@ -67,24 +67,25 @@ def hf_layout(config: GPTConfig, model_type: str, name: str) -> Rows:
     h, vocab = config.hidden_size, config.vocab_size
     parts = name.split(".")
     gpt2 = model_type == "gpt2"
+    neox = model_type == "gpt_neox"
     if name in ("embedding.word_embeddings.weight", "output_weight"):
         tied = name.startswith("embedding") or config.share_embeddings_and_output_weights
-        hf = (
-            ("transformer.wte.weight" if gpt2 else "model.embed_tokens.weight")
-            if tied
-            else ("lm_head.weight")
-        )
+        embedding = {"gpt2": "transformer.wte.weight", "gpt_neox": "gpt_neox.embed_in.weight"}
+        output = "embed_out.weight" if neox else "lm_head.weight"
+        hf = embedding.get(model_type, "model.embed_tokens.weight") if tied else output
         return Rows(_whole(hf, vocab))
     if name == "embedding.position_embeddings.weight" and gpt2:
         return Rows(_whole("transformer.wpe.weight", config.max_position_embeddings))
     if name.startswith("decoder.final_layernorm."):
-        prefix = "transformer.ln_f." if gpt2 else "model.norm."
-        return Rows(_whole(prefix + parts[-1], h))
+        final = {"gpt2": "transformer.ln_f.", "gpt_neox": "gpt_neox.final_layer_norm."}
+        return Rows(_whole(final.get(model_type, "model.norm.") + parts[-1], h))
     if parts[:2] != ["decoder", "layers"] or len(parts) < 5:
         raise KeyError(f"{name} has no Hugging Face counterpart in a {model_type} model")
     layer, module, kind = parts[2], ".".join(parts[3:-1]), parts[-1]
     if gpt2:
         return _gpt2_layer(config, f"transformer.h.{layer}.", module, kind)
+    if neox:
+        return _neox_layer(config, f"gpt_neox.layers.{layer}.", module, kind)
     return _llama_layer(config, f"model.layers.{layer}.", module, kind)
 
 
@@ -103,6 +104,26 @@ def _gpt2_layer(config: GPTConfig, p: str, module: str, kind: str) -> Rows:
         return Rows(_whole(f"{p}mlp.c_fc.{kind}", ffn, weight))
     if module == "mlp.linear_fc2":
         return Rows(_whole(f"{p}mlp.c_proj.{kind}", h, weight))
+    raise KeyError(f"{p}{module}.{kind} has no Hugging Face counterpart")
+
+
+def _neox_layer(config: GPTConfig, p: str, module: str, kind: str) -> Rows:
+    h, ffn, d = config.hidden_size, config.ffn_hidden_size, config.kv_channels
+    norms = {"input_layernorm": "input_layernorm", "pre_mlp_layernorm": "post_attention_layernorm"}
+    if module in norms:
+        return Rows(_whole(f"{p}{norms[module]}.{kind}", h))
+    if module == "self_attention.linear_qkv":  # per head: its query, key and value rows
+        name = f"{p}attention.query_key_value.{kind}"
+        heads = range(config.num_attention_heads)
+        return Rows(tuple(Segment(name, 3 * g * d + j * d, d) for g in heads for j in range(3)))
+    names = {
+        "self_attention.linear_proj": ("attention.dense", h),
+        "mlp.linear_fc1": ("mlp.dense_h_to_4h", ffn),
+        "mlp.linear_fc2": ("mlp.dense_4h_to_h", h),
+    }
+    if module in names:
+        hf, rows = names[module]
+        return Rows(_whole(f"{p}{hf}.{kind}", rows))
     raise KeyError(f"{p}{module}.{kind} has no Hugging Face counterpart")
 
 
