@@ -49,6 +49,8 @@ class ParamAndGradBuffer:
         is_late: parameters for which it returns True go to buckets of their own that are
             reduced last (they first need a sum over another group, e.g. tied embeddings).
         grad_dtype: dtype of ``main_grad`` (fp32 by default, also for bf16/fp16 models).
+        allocate_grads: False leaves the gradients to someone else (ZeRO-2's
+            :class:`~megapp.distributed.sharded_grads.ShardedGrads`): no ``grad_data``.
     """
 
     def __init__(
@@ -59,6 +61,7 @@ class ParamAndGradBuffer:
         dp_size: int,
         is_late: Callable[[nn.Parameter], bool] = lambda p: False,
         grad_dtype: torch.dtype = torch.float32,
+        allocate_grads: bool = True,
     ):
         if not params:
             raise ValueError("a gradient buffer needs at least one parameter")
@@ -87,13 +90,17 @@ class ParamAndGradBuffer:
                 offset = self._close(current, start, offset, is_late_group)
         (dtype,), (device,) = dtypes, devices
         self.param_data = torch.zeros(offset, dtype=dtype, device=device)
-        self.grad_data = torch.zeros(offset, dtype=grad_dtype, device=device)
+        self.grad_dtype = grad_dtype
+        self.grad_data = (
+            torch.zeros(offset, dtype=grad_dtype, device=device) if allocate_grads else None
+        )
         for p in self.params:
             lo, hi = self.ranges[id(p)]
             view = self.param_data[lo:hi].view_as(p)
             view.copy_(p.data)
             p.data = view
-            p.main_grad = self.grad_data[lo:hi].view_as(p)
+            if self.grad_data is not None:
+                p.main_grad = self.grad_data[lo:hi].view_as(p)
         self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
 
     def _close(self, params: list[nn.Parameter], start: int, end: int, late: bool) -> int:
@@ -111,7 +118,8 @@ class ParamAndGradBuffer:
 
     def reset(self) -> None:
         """Zero the gradients and mark every bucket as waiting for all its parameters."""
-        self.grad_data.zero_()
+        if self.grad_data is not None:
+            self.grad_data.zero_()
         for bucket in self.buckets:
             bucket.pending = {id(p) for p in bucket.params}
             bucket.work = None

@@ -11,6 +11,10 @@ The reduction averages over the data-parallel group: an all-reduce, or with
 the distributed optimizer a reduce-scatter that leaves each rank the summed
 slice it owns. Buckets marked late (parameters that must first be summed over
 another group) are reduced by :meth:`sync_late_grads` after that sum.
+
+ZeRO stages: 0 all-reduces whole gradients; 1 (the distributed optimizer)
+reduce-scatters them once per step; 2 also keeps only this rank's slice of the
+gradients, reduce-scattering every microbatch (:mod:`~megapp.distributed.sharded_grads`).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from torch import nn
 from megapp import comm
 from megapp.comm import Group
 from megapp.distributed.buffers import Bucket, ParamAndGradBuffer
+from megapp.distributed.sharded_grads import ShardedGrads
 from megapp.parallel_state import layout_group
 from megapp.param_attributes import is_sequence_parallel, is_tied_embedding
 
@@ -45,6 +50,8 @@ class DistributedDataParallel(nn.Module):
             job of one rank; in a larger job without a layout it must be given.
         bucket_size: elements per bucket (``None``: one bucket per chunk).
         use_distributed_optimizer: reduce-scatter instead of all-reduce (ZeRO-1).
+        shard_grads: keep only this rank's slice of the reduced gradients (ZeRO-2; needs
+            the distributed optimizer).
         overlap_grad_reduce: start a bucket's reduction as soon as it is ready; False
             reduces everything in :meth:`finish_grad_sync`.
         is_late: which parameters are reduced last (default :func:`needs_other_group_sum`).
@@ -57,10 +64,13 @@ class DistributedDataParallel(nn.Module):
         dp_group: Group = None,
         bucket_size: int | None = 40_000_000,
         use_distributed_optimizer: bool = False,
+        shard_grads: bool = False,
         overlap_grad_reduce: bool = True,
         is_late: Callable[[nn.Parameter], bool] = needs_other_group_sum,
     ):
         super().__init__()
+        if shard_grads and not use_distributed_optimizer:
+            raise ValueError("sharded gradients (ZeRO-2) need the distributed optimizer")
         if dp_group is None:
             dp_group = layout_group(
                 "dp", "DistributedDataParallel needs dp_group (the ranks that hold replicas)"
@@ -71,8 +81,16 @@ class DistributedDataParallel(nn.Module):
         self.use_distributed_optimizer = use_distributed_optimizer
         self.overlap_grad_reduce = overlap_grad_reduce
         params = [p for p in module.parameters() if p.requires_grad][::-1]
+        sharded = shard_grads and self.dp_size > 1
         self.buffer = ParamAndGradBuffer(
-            params, bucket_size=bucket_size, dp_size=self.dp_size, is_late=is_late
+            params,
+            bucket_size=bucket_size,
+            dp_size=self.dp_size,
+            is_late=is_late,
+            allocate_grads=not sharded,
+        )
+        self.sharded = (
+            ShardedGrads(self.buffer, dp_group, self.buffer.grad_dtype) if sharded else None
         )
         self.grad_sync = True
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
@@ -83,6 +101,10 @@ class DistributedDataParallel(nn.Module):
 
     # ----- gradient arrival ------------------------------------------------
     def _on_grad(self, param: nn.Parameter) -> None:
+        if self.sharded is not None:
+            self.sharded.accumulate(param)
+            param.grad = None
+            return
         param.main_grad.add_(param.grad)
         param.grad = None  # the buffer holds it now
         if not (self.grad_sync and self.overlap_grad_reduce):
@@ -119,6 +141,9 @@ class DistributedDataParallel(nn.Module):
             bucket.work = comm.all_reduce(grads, self.dp_group, async_op=True)
 
     def _finish(self, late: bool) -> None:
+        if self.sharded is not None:
+            self.sharded.finish(late)
+            return
         for bucket in self.buffer.buckets:
             if bucket.late == late:
                 self._start(bucket)
@@ -147,14 +172,40 @@ class DistributedDataParallel(nn.Module):
         if not self.use_distributed_optimizer or self.dp_size == 1:
             return param.main_grad
         bucket = self.buffer.bucket_of[id(param)]
-        lo, hi = bucket.shard(self.dp_rank, self.dp_size)
-        whole = self.buffer.grad_data.new_empty(bucket.end - bucket.start)
-        comm.all_gather_into(whole, self.buffer.grad_data[lo:hi], self.dp_group)
+        own = self._owned(bucket)
+        whole = own.new_empty(bucket.end - bucket.start)
+        comm.all_gather_into(whole, own, self.dp_group)
         start, end = self.buffer.ranges[id(param)]
         return whole[start - bucket.start : end - bucket.start].view(param.shape)
+
+    def _owned(self, bucket: Bucket) -> torch.Tensor:
+        """This rank's slice of ``bucket``'s reduced gradient (distributed optimizer)."""
+        if self.sharded is not None:
+            return self.sharded.owned(bucket)
+        lo, hi = bucket.shard(self.dp_rank, self.dp_size)
+        return self.buffer.grad_data[lo:hi]
+
+    def owned_grad(self, param: nn.Parameter, lo: int, hi: int) -> torch.Tensor:
+        """The reduced gradient of elements ``[lo, hi)`` of ``param`` (flat), which this rank
+        updates: a slice of ``main_grad``, or of the ZeRO-2 slice store."""
+        if self.sharded is None:
+            return param.main_grad.view(-1)[lo:hi]
+        bucket = self.buffer.bucket_of[id(param)]
+        start = self.buffer.ranges[id(param)][0]
+        own_lo = bucket.shard(self.dp_rank, self.dp_size)[0]
+        return self.sharded.owned(bucket)[start + lo - own_lo : start + hi - own_lo]
+
+    def grad_bytes(self) -> int:
+        """Bytes of gradient storage this chunk holds now."""
+        if self.sharded is not None:
+            return self.sharded.grad_bytes()
+        data = self.buffer.grad_data
+        return data.numel() * data.element_size()
 
     def zero_grad_buffer(self) -> None:
         """Zero ``main_grad`` and re-arm the buckets; call before each iteration."""
         for p in self.buffer.params:
             p.grad = None
         self.buffer.reset()
+        if self.sharded is not None:
+            self.sharded.reset()

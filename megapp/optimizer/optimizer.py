@@ -62,6 +62,7 @@ class _Slice:
     master: torch.Tensor  # fp32 weights of that range
     counted: bool  # does its gradient enter the norm on this rank
     separate: bool  # the master is an fp32 copy (bf16/fp16 model), not the weights themselves
+    chunk: DistributedDataParallel  # where its gradient is
 
     def weights(self) -> torch.Tensor:
         """The model's own flat weights of this range."""
@@ -159,7 +160,7 @@ class Optimizer:
                 separate = flat.dtype != torch.float32
                 master = flat.float() if separate else flat
                 counted = counts_in_norm(p, tp_rank)
-                self.slices.append(_Slice(p, lo, hi, master, counted, separate))
+                self.slices.append(_Slice(p, lo, hi, master, counted, separate, chunk))
                 (no_decay if default_no_decay(names[id(p)], p) else decay).append(master)
         groups = [
             {"params": decay, "weight_decay": weight_decay},
@@ -174,7 +175,7 @@ class Optimizer:
         return self.optimizer.param_groups
 
     def _grads(self) -> list[torch.Tensor]:
-        return [s.param.main_grad.view(-1)[s.lo : s.hi] for s in self.slices]
+        return [s.chunk.owned_grad(s.param, s.lo, s.hi) for s in self.slices]
 
     @torch.no_grad()
     def step(self) -> StepResult:

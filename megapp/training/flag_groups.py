@@ -59,6 +59,12 @@ class ParallelArgs:
     )
     sequence_parallel: bool = arg(False, "split activations outside tp regions by sequence")
     use_distributed_optimizer: bool = arg(False, "shard optimizer states over dp (ZeRO-1)")
+    zero_stage: int = arg(
+        0,
+        "ZeRO stage: 1 shards optimizer states over dp (as --use-distributed-optimizer), "
+        "2 also the gradients",
+        choices=(0, 1, 2),
+    )
     ddp_bucket_size: int = arg(40_000_000, "elements per data-parallel gradient bucket")
     distributed_backend: str | None = arg(
         None, "default: nccl when CUDA is available, else gloo", choices=("nccl", "gloo")

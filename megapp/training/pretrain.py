@@ -245,6 +245,7 @@ def pretrain(
         precision=config.precision,
         bucket_size=config.parallel.ddp_bucket_size,
         use_distributed_optimizer=config.parallel.use_distributed_optimizer,
+        zero_stage=config.parallel.zero_stage,
         device=device,
     )
     print_rank_0(_describe_layout(config, setup))

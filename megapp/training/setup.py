@@ -45,6 +45,11 @@ def build_grad_scaler(precision: PrecisionArgs):
     )
 
 
+# ZeRO stages megapp runs: 0 (plain data parallel), 1 (optimizer states sharded), 2 (and
+# the gradients).
+ZERO_STAGES = (0, 1, 2)
+
+
 def build_training_setup(
     model: GPTConfig | ChunkBuilder,
     optimizer: OptimizerArgs,
@@ -52,6 +57,7 @@ def build_training_setup(
     precision: PrecisionArgs | None = None,
     bucket_size: int | None = 40_000_000,
     use_distributed_optimizer: bool = False,
+    zero_stage: int = 0,
     seed: int = 1234,
     device: torch.device | str = "cpu",
 ) -> TrainingSetup:
@@ -62,7 +68,12 @@ def build_training_setup(
     ``model``: a GPTConfig (this rank's GPT chunks are built from ``seed``), or a provider
     that returns this rank's chunks. ``optimizer.lr_decay_iters`` must be set (the config
     built from flags sets it). The optimizer's groups come from the layout.
+    ``zero_stage``: 1 shards the optimizer states over data-parallel ranks (what
+    ``use_distributed_optimizer`` asks too), 2 also the gradients.
     """
+    if zero_stage not in ZERO_STAGES:
+        raise ValueError(f"zero_stage must be one of {ZERO_STAGES}, got {zero_stage}")
+    zero_stage = max(zero_stage, 1 if use_distributed_optimizer else 0)
     if optimizer.lr_decay_iters is None:
         raise ValueError("optimizer.lr_decay_iters must be set (the run's length, usually)")
     precision = precision or PrecisionArgs()
@@ -87,7 +98,8 @@ def build_training_setup(
             module.to(device),
             dp_group=groups.dp,
             bucket_size=bucket_size,
-            use_distributed_optimizer=use_distributed_optimizer,
+            use_distributed_optimizer=zero_stage >= 1,
+            shard_grads=zero_stage >= 2,
         )
         for module in modules
     ]
