@@ -110,7 +110,7 @@ OPTIMIZER = OptimizerArgs(
 )
 
 
-def _build(tp, pp, vpp=None, *, distributed_optimizer=False, seed=SEED, **config):
+def _build(tp, pp, vpp=None, *, distributed_optimizer=False, zero_stage=0, seed=SEED, **config):
     ps.initialize_model_parallel(tp, pp, vpp)
     config = gpt_config(**{"tensor_model_parallel_size": tp, "num_layers": 4, **config})
     setup = build_training_setup(
@@ -118,6 +118,7 @@ def _build(tp, pp, vpp=None, *, distributed_optimizer=False, seed=SEED, **config
         OPTIMIZER,
         bucket_size=1500,
         use_distributed_optimizer=distributed_optimizer,
+        zero_stage=zero_stage,
         seed=seed,
     )
     model_parallel_manual_seed(seed)
@@ -176,6 +177,7 @@ RESHARD = [
     dict(tp=1, pp=1, distributed_optimizer=True),  # dp 4, ZeRO-1
     dict(tp=1, pp=2, vpp=2),
     dict(tp=4, pp=1),
+    dict(tp=1, pp=2, zero_stage=2),  # dp 2, ZeRO-2
 ]
 
 
@@ -228,6 +230,22 @@ def test_resume_equals_the_uninterrupted_run(layout):
     assert info.rng_restored
     rest = _train(chunks, optimizer, scheduler, groups, range(2, 4))
     assert rest == whole[2:]  # exactly
+
+
+@distributed(world_size=4, timeout=240)
+def test_zero2_checkpoint_loads_under_zero1_and_plain_data_parallel():
+    path = _shared_tmpdir()
+    chunks, optimizer, scheduler, groups = _build(1, 1, zero_stage=2)  # dp 4
+    _train(chunks, optimizer, scheduler, groups, range(2))
+    _save(path, chunks, optimizer, scheduler, groups, 2)
+    expected = _train(chunks, optimizer, scheduler, groups, [2, 3])
+    ps.destroy_model_parallel()
+    for layout in (dict(tp=2, pp=1, zero_stage=1), dict(tp=1, pp=2, zero_stage=0)):  # dp 2
+        chunks, optimizer, scheduler, groups = _build(**layout, seed=SEED + 1)
+        load_checkpoint(path, chunks, optimizer, groups=groups, lr_scheduler=scheduler)
+        losses = _train(chunks, optimizer, scheduler, groups, [2, 3])
+        torch.testing.assert_close(losses, expected, **TOL, msg=f"{layout}")
+        ps.destroy_model_parallel()
 
 
 @distributed(world_size=4, timeout=240)
