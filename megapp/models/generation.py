@@ -83,7 +83,7 @@ class KVCache:
         last = shard[:, -1, :]  # [b, V_pad/tp]
         tp = comm.world_size(model.tp_group)
         if tp > 1:
-            whole = torch.empty(tp * last.shape[1], last.shape[0], dtype=last.dtype)
+            whole = last.new_empty(tp * last.shape[1], last.shape[0])
             comm.all_gather_into(whole, last.t().contiguous(), model.tp_group)
             last = whole.t()
         return last[:, : model.config.vocab_size].float()

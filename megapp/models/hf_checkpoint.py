@@ -118,14 +118,14 @@ def save_hf(
     if root:
         os.makedirs(directory, exist_ok=True)
     weight_map: dict[str, str] = {}
-    pending: dict[str, torch.Tensor] = {}
-    files: list[dict[str, torch.Tensor]] = []
+    pending: dict[str, torch.Tensor] = {}  # the next shard file's tensors, nothing more
+    written = {"files": 0, "bytes": 0}
 
     def flush() -> None:
         if pending:
-            files.append(dict(pending))
-            index = len(files)
-            name = f"model-{index:05d}.safetensors"
+            written["files"] += 1
+            written["bytes"] += sum(t.numel() * t.element_size() for t in pending.values())
+            name = f"model-{written['files']:05d}.safetensors"
             safetensors.torch.save_file(pending, os.path.join(directory, name), {"format": "pt"})
             weight_map.update(dict.fromkeys(pending, name))
             pending.clear()
@@ -151,8 +151,7 @@ def save_hf(
     if not root:
         return
     flush()
-    total = sum(t.numel() * t.element_size() for f in files for t in f.values())
-    _rename_shards(directory, weight_map, len(files), total)
+    _rename_shards(directory, weight_map, written["files"], written["bytes"])
     with open(os.path.join(directory, CONFIG_FILE), "w", encoding="utf-8") as stream:
         json.dump(hf_config_from_gpt(config, model_type), stream, indent=2)
     if tokenizer_dir is not None:

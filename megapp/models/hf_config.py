@@ -184,12 +184,7 @@ def hf_config_from_gpt(config: GPTConfig, model_type: str) -> dict[str, Any]:
         "torch_dtype": str(config.params_dtype).removeprefix("torch."),
     }
     if model_type == "gpt2":
-        _expect(config, model_type, normalization="LayerNorm", add_bias_linear=True)
-        _expect(config, model_type, position_embedding_type="learned_absolute")
-        if config.activation not in ("gelu", "gelu_erf"):
-            raise ValueError(f"gpt2 cannot express activation {config.activation!r}")
-        if config.num_query_groups != config.num_attention_heads:
-            raise ValueError("gpt2 cannot express grouped-query attention")
+        _expect_gelu_attention(config, model_type, "learned_absolute")
         return {
             **common,
             "n_embd": config.hidden_size,
@@ -204,12 +199,7 @@ def hf_config_from_gpt(config: GPTConfig, model_type: str) -> dict[str, Any]:
             "attn_pdrop": config.attention_dropout,
         }
     if model_type == "gpt_neox":
-        _expect(config, model_type, normalization="LayerNorm", add_bias_linear=True)
-        _expect(config, model_type, position_embedding_type="rope")
-        if config.activation not in ("gelu", "gelu_erf"):
-            raise ValueError(f"gpt_neox cannot express activation {config.activation!r}")
-        if config.num_query_groups != config.num_attention_heads:
-            raise ValueError("gpt_neox cannot express grouped-query attention")
+        _expect_gelu_attention(config, model_type, "rope")
         return {
             **common,
             "hidden_size": config.hidden_size,
@@ -267,3 +257,13 @@ def _expect(config: GPTConfig, model_type: str, **wanted: Any) -> None:
             raise ValueError(
                 f"{model_type} needs {name}={value!r}, the model has {getattr(config, name)!r}"
             )
+
+
+def _expect_gelu_attention(config: GPTConfig, model_type: str, positions: str) -> None:
+    """GPT-2 and GPT-NeoX: LayerNorm, biases, a GeLU and one key/value head per query head."""
+    _expect(config, model_type, normalization="LayerNorm", add_bias_linear=True)
+    _expect(config, model_type, position_embedding_type=positions)
+    if config.activation not in ("gelu", "gelu_erf"):
+        raise ValueError(f"{model_type} cannot express activation {config.activation!r}")
+    if config.num_query_groups != config.num_attention_heads:
+        raise ValueError(f"{model_type} cannot express grouped-query attention")
