@@ -92,7 +92,7 @@ def test_bad_layouts_and_configs_fail_clearly():
         GPTModel(config)(torch.zeros(1, 2 * config.max_position_embeddings, dtype=torch.long))
 
 
-def _dp_model(distributed_optimizer=False, bucket_size=500, **config):
+def _dp_model(distributed_optimizer=False, bucket_size=500, shard_grads=False, **config):
     ps.initialize_model_parallel(1, 1)
     groups = TrainGroups.from_parallel_state()
     model = GPTModel(gpt_config(num_layers=2, **config), seed=SEED)
@@ -100,7 +100,8 @@ def _dp_model(distributed_optimizer=False, bucket_size=500, **config):
         model,
         dp_group=groups.dp,
         bucket_size=bucket_size,
-        use_distributed_optimizer=distributed_optimizer,
+        use_distributed_optimizer=distributed_optimizer or shard_grads,
+        shard_grads=shard_grads,
     )
     return ddp, groups
 
@@ -184,9 +185,10 @@ def test_bf16_model_steps_fp32_masters():
     assert optimizer.state_bytes() == 12 * numel
 
 
+@pytest.mark.parametrize("shard_grads", [False, True])
 @distributed(world_size=2)
-def test_fp16_overflow_skips_the_step_on_every_rank():
-    ddp, groups = _dp_model(params_dtype=torch.float16)
+def test_fp16_overflow_skips_the_step_on_every_rank(shard_grads):
+    ddp, groups = _dp_model(params_dtype=torch.float16, shard_grads=shard_grads)
     scaler = DynamicGradScaler(initial_scale=2.0**12, hysteresis=1)
     optimizer = Optimizer([ddp], lr=1e-2, grad_scaler=scaler)
     batch = global_batch(0, 2)[dist.get_rank() :: 2]
@@ -217,3 +219,32 @@ def test_config_roundtrip_is_plain():
     # dataclasses.replace keeps validation: sequence parallel without tp still fails
     with pytest.raises(ValueError, match="sequence_parallel needs"):
         dataclasses.replace(gpt_config(), sequence_parallel=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@distributed(world_size=2)
+def test_zero2_trains_16_bit_models_like_zero1(dtype):
+    """ZeRO-2 and ZeRO-1 hold the same fp32 masters and AdamW states; their gradients differ
+    only in where the division by dp happens (per microbatch or once), so the runs agree to
+    the 16-bit rounding of the weights."""
+    runs = {}
+    for shard_grads in (False, True):
+        ddp, groups = _dp_model(
+            distributed_optimizer=True, shard_grads=shard_grads, params_dtype=dtype
+        )
+        scaler = DynamicGradScaler(initial_scale=2.0**10) if dtype == torch.float16 else None
+        optimizer = Optimizer([ddp], lr=1e-2, grad_scaler=scaler)
+        losses = []
+        for step in range(3):
+            batch = global_batch(step, 2)[dist.get_rank() :: 2]
+            result = train_step(
+                forward_step, iter(batch), [ddp], optimizer, num_microbatches=4, groups=groups
+            )
+            assert not result.skipped
+            losses.append(result.loss)
+        runs[shard_grads] = (losses, ddp.buffer.param_data.float().clone())
+        ps.destroy_model_parallel()
+    (losses1, params1), (losses2, params2) = runs[False], runs[True]
+    torch.testing.assert_close(losses2, losses1, rtol=2e-3, atol=0)
+    ulp = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-10
+    torch.testing.assert_close(params2, params1, rtol=ulp, atol=1e-3 * ulp)

@@ -34,7 +34,7 @@ TARGETS = [
         "--pipeline-model-parallel-size 4 --num-layers-per-virtual-pipeline-stage 1",
     ),
     ("dp2 zero1", "tp 1->4", 4, "--tensor-model-parallel-size 4"),
-    ("dp2 zero1", "dp 2->4 with zero1", 4, "--use-distributed-optimizer"),
+    ("dp2 zero1", "dp 2->4, zero 1->2", 4, "--zero-stage 2"),
 ]
 KEYS = ("iteration", "consumed_samples", "lm_loss", "grad_norm", "learning_rate")
 
