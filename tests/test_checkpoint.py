@@ -232,15 +232,21 @@ def test_resume_equals_the_uninterrupted_run(layout):
     assert rest == whole[2:]  # exactly
 
 
+@pytest.mark.parametrize("stage", [2, 3])
 @distributed(world_size=4, timeout=240)
-def test_zero2_checkpoint_loads_under_zero1_and_plain_data_parallel():
+def test_zero_checkpoint_loads_under_zero1_and_plain_data_parallel(stage):
     path = _shared_tmpdir()
-    chunks, optimizer, scheduler, groups = _build(1, 1, zero_stage=2)  # dp 4
+    chunks, optimizer, scheduler, groups = _build(1, 1, zero_stage=stage)  # dp 4
     _train(chunks, optimizer, scheduler, groups, range(2))
     _save(path, chunks, optimizer, scheduler, groups, 2)
     expected = _train(chunks, optimizer, scheduler, groups, [2, 3])
     ps.destroy_model_parallel()
-    for layout in (dict(tp=2, pp=1, zero_stage=1), dict(tp=1, pp=2, zero_stage=0)):  # dp 2
+    targets = (  # dp 2, dp 2, dp 4
+        dict(tp=2, pp=1, zero_stage=1),
+        dict(tp=1, pp=2, zero_stage=0),
+        dict(tp=1, pp=1, zero_stage=3),
+    )
+    for layout in targets:
         chunks, optimizer, scheduler, groups = _build(**layout, seed=SEED + 1)
         load_checkpoint(path, chunks, optimizer, groups=groups, lr_scheduler=scheduler)
         losses = _train(chunks, optimizer, scheduler, groups, [2, 3])

@@ -22,6 +22,8 @@ gradient moves parameters by a whole step and still fails.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -119,7 +121,10 @@ def _check(chunks, losses, norms, first_grads, config_kw):
                 grad, ref_grads[name], **TOL, msg=lambda m, n=name: f"grad of {n}: {m}"
             )
     ref_params = dict(reference.named_parameters())
-    params = _gathered(chunks, lambda c, p: p.data, ps.get_tensor_model_parallel_group())
+    with contextlib.ExitStack() as stack:  # ZeRO-3 keeps slices: see the weights whole
+        for chunk in chunks:
+            stack.enter_context(chunk.full_weights())
+        params = _gathered(chunks, lambda c, p: p.data, ps.get_tensor_model_parallel_group())
     for name, value in params.items():
         torch.testing.assert_close(
             value, ref_params[name].detach(), **PARAM_TOL, msg=lambda m, n=name: f"{n}: {m}"
@@ -197,4 +202,30 @@ def test_zero2_matches_single_process(world_size, tp, pp, vpp, config):
         late = sum(b.end - b.start for b in buckets if b.late)
         assert chunk.grad_bytes() == 4 * (slices + late)
         assert slices + late < buckets[-1].end  # less than ZeRO-1's whole buffer
+    _check(chunks, losses, norms, first_grads, config)
+
+
+# ZeRO-3: weights sharded too, each layer gathered for its forward and again for its
+# backward (also inside recompute), the rest of a chunk around the chunk's forward.
+ZERO3_LAYOUTS = [
+    (4, 1, 1, None, {}),
+    (4, 2, 1, None, {"sequence_parallel": True}),
+    (
+        8,
+        1,
+        2,
+        2,
+        {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
+    ),
+    (8, 2, 2, None, {"sequence_parallel": True, "share_embeddings_and_output_weights": False}),
+]
+
+
+@pytest.mark.parametrize("world_size, tp, pp, vpp, config", ZERO3_LAYOUTS)
+@distributed(timeout=240)
+def test_zero3_matches_single_process(world_size, tp, pp, vpp, config):
+    chunks, losses, norms, first_grads = train_layout(tp, pp, vpp, zero_stage=3, **config)
+    for chunk in chunks:  # between steps only this rank's slice of the weights is held
+        slices = sum((b.end - b.start) // chunk.dp_size for b in chunk.buffer.buckets)
+        assert chunk.sharded_params.weight_bytes() == 4 * slices
     _check(chunks, losses, norms, first_grads, config)

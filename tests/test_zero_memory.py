@@ -1,6 +1,7 @@
 """tools/zero_memory.py on a tiny model: measured model-state bytes per rank equal the
-ZeRO formula (buckets here need no padding), and stage 2 sends one reduce-scatter per
-microbatch where stage 1 sends one per step."""
+ZeRO formula (buckets here need no padding); stage 2 sends one reduce-scatter per
+microbatch where stage 1 sends one per step, and stage 3 gathers the weights for every
+forward and backward instead of once after the step."""
 
 import json
 import subprocess
@@ -12,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_zero_memory_matches_the_formula(tmp_path):
     out = tmp_path / "zero.json"
-    command = [sys.executable, "tools/zero_memory.py", "--dp", "2", "--stages", "0", "1", "2"]
+    command = [sys.executable, "tools/zero_memory.py", "--dp", "2", "--stages", "0", "1", "2", "3"]
     command += ["--layers", "1", "--hidden", "64", "--vocab", "256", "--seq", "16"]
     command += ["--microbatches", "2", "--steps", "1", "--json", str(out)]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -30,6 +31,7 @@ def test_zero_memory_matches_the_formula(tmp_path):
         0: 4 * phi,  # an all-reduce of fp32 gradients over two ranks
         1: 2 * phi + phi,  # reduce-scatter fp32 gradients, all-gather bf16 weights
         2: 2 * (2 * phi) + phi,  # a reduce-scatter per microbatch (two of them)
+        3: 2 * (2 * phi + 2 * phi),  # per microbatch: weights gathered twice, a reduce-scatter
     }
     for stage, value in expected.items():
         assert 0 <= sent[stage] - value < 64, (stage, sent[stage], value)

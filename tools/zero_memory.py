@@ -1,15 +1,16 @@
-"""Model-state memory per rank under ZeRO stages 0, 1 and 2, measured against the formula,
+"""Model-state memory per rank under ZeRO stages 0 to 3, measured against the formula,
 with the step time and the bytes each rank sends.
 
-    python tools/zero_memory.py --dp 1 2 4 --stages 0 1 2 --dtype bf16
+    python tools/zero_memory.py --dp 1 2 4 --stages 0 1 2 3 --dtype bf16
 
 For each (dp, stage) a GPT of a few million parameters (tp = pp = 1) trains a few steps on
 a spawned gloo world; on every rank the tool sums the storages actually allocated:
-weights (the flat parameter buffer), gradients (``main_grad`` buffer, or ZeRO-2's slices),
-optimizer states (AdamW moments and fp32 masters). The formula, for Φ parameters and
-data-parallel size N, with megapp's fp32 gradients:
+weights (the flat parameter buffer, or ZeRO-3's slices and whatever is gathered),
+gradients (``main_grad`` buffer, or ZeRO-2's slices), optimizer states (AdamW moments and
+fp32 masters), all after a step. The formula, for Φ parameters and data-parallel size N,
+with megapp's fp32 gradients:
 
-    weights  w·Φ                    (w = 2 for bf16/fp16, 4 for fp32)
+    weights  w·Φ, or w·Φ/N at stage 3 (w = 2 for bf16/fp16, 4 for fp32)
     grads    4Φ, or 4Φ/N at stage 2
     states   (8 + m)Φ, or /N from stage 1 (m = 4 for fp32 masters of a 16-bit model, else 0)
 
@@ -45,7 +46,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dp", type=int, nargs="+", default=[1, 2, 4])
-    parser.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3])
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=6)
@@ -115,10 +116,15 @@ def measure(settings: dict) -> dict:
         if op.world == dp and op.kind in ("AR", "AG", "RS")
     )
     data = chunk.buffer.param_data
+    weights = (
+        chunk.sharded_params.weight_bytes()
+        if chunk.sharded_params is not None
+        else data.numel() * data.element_size()
+    )
     return {
         "phi": phi,
         "padded": chunk.buffer.buckets[-1].end,
-        "weights": data.numel() * data.element_size(),
+        "weights": weights,
         "grads": chunk.grad_bytes(),
         "states": optimizer.state_bytes(),
         "step_s": statistics.median(times),
@@ -130,7 +136,7 @@ def formula(phi: int, dp: int, stage: int, dtype: str) -> dict:
     w = 2 if dtype != "fp32" else 4
     masters = 4 if dtype != "fp32" else 0
     return {
-        "weights": w * phi,
+        "weights": w * phi / (dp if stage >= 3 else 1),
         "grads": 4 * phi / (dp if stage >= 2 else 1),
         "states": (8 + masters) * phi / (dp if stage >= 1 else 1),
     }

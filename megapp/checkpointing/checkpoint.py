@@ -69,6 +69,7 @@ from megapp.checkpointing.state import (
     named_params,
     optimizer_step,
 )
+from megapp.distributed.ddp import full_weights
 
 logger = logging.getLogger(__name__)
 
@@ -162,6 +163,24 @@ def _write_json(path: Path, data: dict) -> None:
         os.fsync(f.fileno())
 
 
+def _save_tensors(partial: Path, params, chunks, optimizer, tp_rank: int, tp_size: int, rank: int):
+    """Every tensor of the training state into the ``partial`` directory (collective)."""
+    state: dict[str, torch.Tensor] = model_shards(params, tp_rank, tp_size)
+    if optimizer is not None:
+        pieces = OptimizerPieces(params, optimizer, optimizer.state_kinds())
+        pieces.gather()
+        state.update(pieces.shards(tp_rank, tp_size))
+        state[STEP_KEY] = torch.tensor(optimizer_step(optimizer), dtype=torch.float64)
+    for key, tensor in rng.capture().items():
+        state[f"rng.{rank}.{key}"] = tensor
+    with _single_process_quiet():
+        dcp.save(
+            state,
+            storage_writer=dcp.FileSystemWriter(partial, sync_files=True),
+            no_dist=not dist.is_initialized(),
+        )
+
+
 def save_checkpoint(
     save_dir: str | os.PathLike,
     iteration: int,
@@ -194,20 +213,8 @@ def save_checkpoint(
 
     tp_rank, tp_size = comm.rank(groups.tp), comm.world_size(groups.tp)
     params = named_params(chunks, optimizer)
-    state: dict[str, torch.Tensor] = model_shards(params, tp_rank, tp_size)
-    if optimizer is not None:
-        pieces = OptimizerPieces(params, optimizer, optimizer.state_kinds())
-        pieces.gather()
-        state.update(pieces.shards(tp_rank, tp_size))
-        state[STEP_KEY] = torch.tensor(optimizer_step(optimizer), dtype=torch.float64)
-    for key, tensor in rng.capture().items():
-        state[f"rng.{rank}.{key}"] = tensor
-    with _single_process_quiet():
-        dcp.save(
-            state,
-            storage_writer=dcp.FileSystemWriter(partial, sync_files=True),
-            no_dist=not dist.is_initialized(),
-        )
+    with full_weights(chunks):  # ZeRO-3: whole weights to save
+        _save_tensors(partial, params, chunks, optimizer, tp_rank, tp_size, rank)
 
     if rank == 0:
         scaler = optimizer.grad_scaler if optimizer is not None else None
@@ -283,40 +290,42 @@ def load_checkpoint(
 
     tp_rank, tp_size = comm.rank(groups.tp), comm.world_size(groups.tp)
     params = named_params(chunks, optimizer)
-    state: dict[str, torch.Tensor] = model_shards(params, tp_rank, tp_size)
-    pieces = None
-    load_optimizer = load_optimizer and optimizer is not None
-    if load_optimizer:
-        if not common.get("has_optimizer"):
-            raise NoOptimizerStateError(path)
-        kinds = optimizer.state_kinds()
-        if "master" in kinds and not any(k.startswith("optimizer.master.") for k in saved):
-            kinds = tuple(k for k in kinds if k != "master")  # masters come from the weights
-        pieces = OptimizerPieces(params, optimizer, kinds)
-        state.update(pieces.shards(tp_rank, tp_size))
-        state[STEP_KEY] = torch.zeros((), dtype=torch.float64)
-    rank = _rank_tag()
-    saved_layout, layout = common.get("layout") or {}, _layout(chunks, optimizer, groups)
-    same_layout = all(saved_layout.get(k) == layout[k] for k in ("world_size", "tp", "pp"))
-    rng_states = rng.capture() if load_rng and same_layout else {}
-    if any(f"rng.{rank}.{key}" not in saved for key in rng_states):
-        rng_states = {}  # saved with other generators (e.g. without CUDA): keep our seeds
-    for key, tensor in rng_states.items():
-        state[f"rng.{rank}.{key}"] = tensor
-    check_tensors(state, metadata, path)
+    # ZeRO-3 chunks hold slices: the weights are whole from here until they are read.
+    with full_weights(chunks):
+        state: dict[str, torch.Tensor] = model_shards(params, tp_rank, tp_size)
+        pieces = None
+        load_optimizer = load_optimizer and optimizer is not None
+        if load_optimizer:
+            if not common.get("has_optimizer"):
+                raise NoOptimizerStateError(path)
+            kinds = optimizer.state_kinds()
+            if "master" in kinds and not any(k.startswith("optimizer.master.") for k in saved):
+                kinds = tuple(k for k in kinds if k != "master")  # masters from the weights
+            pieces = OptimizerPieces(params, optimizer, kinds)
+            state.update(pieces.shards(tp_rank, tp_size))
+            state[STEP_KEY] = torch.zeros((), dtype=torch.float64)
+        rank = _rank_tag()
+        saved_layout, layout = common.get("layout") or {}, _layout(chunks, optimizer, groups)
+        same_layout = all(saved_layout.get(k) == layout[k] for k in ("world_size", "tp", "pp"))
+        rng_states = rng.capture() if load_rng and same_layout else {}
+        if any(f"rng.{rank}.{key}" not in saved for key in rng_states):
+            rng_states = {}  # saved with other generators (e.g. without CUDA): keep our seeds
+        for key, tensor in rng_states.items():
+            state[f"rng.{rank}.{key}"] = tensor
+        check_tensors(state, metadata, path)
 
-    if load_optimizer:  # plain settings first: a mismatch fails before any tensor is read
-        load_plain_state(lr_scheduler, common.get("lr_scheduler"), scheduler_settings, path)
-        load_plain_state(optimizer.grad_scaler, common.get("grad_scaler"), None, path)
-    with _single_process_quiet():
-        reader = SafeFileSystemReader(path, metadata)
-        try:
-            dcp.load(state, storage_reader=reader, no_dist=not dist.is_initialized())
-        except (Exception, CheckpointException) as error:  # DCP gathers every rank's failure
-            raise CheckpointError(
-                f"{path}: its tensors cannot be read ({first_failure(error)}); "
-                "the checkpoint is corrupt"
-            ) from error
+        if load_optimizer:  # plain settings first: a mismatch fails before any tensor is read
+            load_plain_state(lr_scheduler, common.get("lr_scheduler"), scheduler_settings, path)
+            load_plain_state(optimizer.grad_scaler, common.get("grad_scaler"), None, path)
+        with _single_process_quiet():
+            reader = SafeFileSystemReader(path, metadata)
+            try:
+                dcp.load(state, storage_reader=reader, no_dist=not dist.is_initialized())
+            except (Exception, CheckpointException) as error:  # DCP gathers every failure
+                raise CheckpointError(
+                    f"{path}: its tensors cannot be read ({first_failure(error)}); "
+                    "the checkpoint is corrupt"
+                ) from error
 
     if load_optimizer:
         pieces.scatter()

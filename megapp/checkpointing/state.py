@@ -112,8 +112,8 @@ class OptimizerPieces:
         for c in chunks:
             sharded = optimizer.distributed and c.chunk.dp_size > 1
             if sharded:
-                numel = c.chunk.buffer.param_data.numel()
-                device = c.chunk.buffer.param_data.device
+                numel = c.chunk.buffer.numel
+                device = c.chunk.buffer.params[0].device
                 flat = torch.zeros(len(self.kinds), numel, dtype=torch.float32, device=device)
                 self.flat[id(c)] = flat
             for p in c.params:

@@ -32,6 +32,7 @@ class Bucket:
     late: bool  # reduced only after the other groups' reductions (finalize_model_grads)
     pending: set[int] = field(default_factory=set)
     work: object | None = None
+    param_data: torch.Tensor | None = None  # its own weight storage (ZeRO-3), else None
 
     def shard(self, rank: int, world: int) -> tuple[int, int]:
         """Buffer range ``[lo, hi)`` owned by data-parallel rank ``rank``."""
@@ -51,6 +52,10 @@ class ParamAndGradBuffer:
         grad_dtype: dtype of ``main_grad`` (fp32 by default, also for bf16/fp16 models).
         allocate_grads: False leaves the gradients to someone else (ZeRO-2's
             :class:`~megapp.distributed.sharded_grads.ShardedGrads`): no ``grad_data``.
+        unit_of: a key per parameter (e.g. its layer); a bucket never spans two keys, so
+            one unit's weights can be gathered and freed together (ZeRO-3).
+        bucket_storage: each bucket's weights in a storage of its own (``bucket.param_data``)
+            that can be freed alone (ZeRO-3); ``param_data`` is then None.
     """
 
     def __init__(
@@ -62,6 +67,8 @@ class ParamAndGradBuffer:
         is_late: Callable[[nn.Parameter], bool] = lambda p: False,
         grad_dtype: torch.dtype = torch.float32,
         allocate_grads: bool = True,
+        unit_of: Callable[[nn.Parameter], object] | None = None,
+        bucket_storage: bool = False,
     ):
         if not params:
             raise ValueError("a gradient buffer needs at least one parameter")
@@ -80,6 +87,9 @@ class ParamAndGradBuffer:
             current: list[nn.Parameter] = []
             start = offset
             for p in group:
+                if unit_of is not None and current and unit_of(p) != unit_of(current[-1]):
+                    offset = self._close(current, start, offset, is_late_group)
+                    current, start = [], offset
                 self.ranges[id(p)] = (offset, offset + p.numel())
                 offset += p.numel()
                 current.append(p)
@@ -89,19 +99,34 @@ class ParamAndGradBuffer:
             if current:
                 offset = self._close(current, start, offset, is_late_group)
         (dtype,), (device,) = dtypes, devices
-        self.param_data = torch.zeros(offset, dtype=dtype, device=device)
+        self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        if bucket_storage:
+            self.param_data = None
+            for bucket in self.buckets:
+                size = bucket.end - bucket.start
+                bucket.param_data = torch.zeros(size, dtype=dtype, device=device)
+        else:
+            self.param_data = torch.zeros(offset, dtype=dtype, device=device)
         self.grad_dtype = grad_dtype
         self.grad_data = (
             torch.zeros(offset, dtype=grad_dtype, device=device) if allocate_grads else None
         )
         for p in self.params:
             lo, hi = self.ranges[id(p)]
-            view = self.param_data[lo:hi].view_as(p)
+            if bucket_storage:
+                bucket = self.bucket_of[id(p)]
+                view = bucket.param_data[lo - bucket.start : hi - bucket.start].view_as(p)
+            else:
+                view = self.param_data[lo:hi].view_as(p)
             view.copy_(p.data)
             p.data = view
             if self.grad_data is not None:
                 p.main_grad = self.grad_data[lo:hi].view_as(p)
-        self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
+
+    @property
+    def numel(self) -> int:
+        """Elements of the whole buffer, padding included."""
+        return self.buckets[-1].end
 
     def _close(self, params: list[nn.Parameter], start: int, end: int, late: bool) -> int:
         padded = start + -(-(end - start) // self.dp_size) * self.dp_size

@@ -30,6 +30,7 @@ from megapp import comm
 from megapp.comm import Group
 from megapp.distributed.buffers import Bucket, ParamAndGradBuffer
 from megapp.distributed.sharded_grads import ShardedGrads
+from megapp.distributed.sharded_params import ShardedParams, layer_units
 from megapp.parallel_state import layout_group
 from megapp.param_attributes import is_sequence_parallel, is_tied_embedding
 
@@ -52,6 +53,8 @@ class DistributedDataParallel(nn.Module):
         use_distributed_optimizer: reduce-scatter instead of all-reduce (ZeRO-1).
         shard_grads: keep only this rank's slice of the reduced gradients (ZeRO-2; needs
             the distributed optimizer).
+        shard_params: also keep only this rank's slice of the weights, gathering a layer's
+            when it runs (ZeRO-3; needs ``shard_grads``).
         overlap_grad_reduce: start a bucket's reduction as soon as it is ready; False
             reduces everything in :meth:`finish_grad_sync`.
         is_late: which parameters are reduced last (default :func:`needs_other_group_sum`).
@@ -65,12 +68,15 @@ class DistributedDataParallel(nn.Module):
         bucket_size: int | None = 40_000_000,
         use_distributed_optimizer: bool = False,
         shard_grads: bool = False,
+        shard_params: bool = False,
         overlap_grad_reduce: bool = True,
         is_late: Callable[[nn.Parameter], bool] = needs_other_group_sum,
     ):
         super().__init__()
         if shard_grads and not use_distributed_optimizer:
             raise ValueError("sharded gradients (ZeRO-2) need the distributed optimizer")
+        if shard_params and not shard_grads:
+            raise ValueError("sharded weights (ZeRO-3) need sharded gradients (ZeRO-2)")
         if dp_group is None:
             dp_group = layout_group(
                 "dp", "DistributedDataParallel needs dp_group (the ranks that hold replicas)"
@@ -82,15 +88,22 @@ class DistributedDataParallel(nn.Module):
         self.overlap_grad_reduce = overlap_grad_reduce
         params = [p for p in module.parameters() if p.requires_grad][::-1]
         sharded = shard_grads and self.dp_size > 1
+        stage3 = shard_params and sharded
+        units, unit_of = layer_units(module) if stage3 else ({}, None)
         self.buffer = ParamAndGradBuffer(
             params,
             bucket_size=bucket_size,
             dp_size=self.dp_size,
             is_late=is_late,
             allocate_grads=not sharded,
+            unit_of=unit_of,
+            bucket_storage=stage3,
         )
         self.sharded = (
             ShardedGrads(self.buffer, dp_group, self.buffer.grad_dtype) if sharded else None
+        )
+        self.sharded_params = (
+            ShardedParams(self.buffer, dp_group, units, unit_of) if stage3 else None
         )
         self.grad_sync = True
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
@@ -178,6 +191,23 @@ class DistributedDataParallel(nn.Module):
         start, end = self.buffer.ranges[id(param)]
         return whole[start - bucket.start : end - bucket.start].view(param.shape)
 
+    def owned_weights(self, param: nn.Parameter, lo: int, hi: int) -> torch.Tensor:
+        """The weights of elements ``[lo, hi)`` of ``param`` (flat) that this rank updates:
+        a view of the parameter, or of its ZeRO-3 slice."""
+        if self.sharded_params is None:
+            return param.data.view(-1)[lo:hi]
+        bucket = self.buffer.bucket_of[id(param)]
+        start = self.buffer.ranges[id(param)][0]
+        own_lo = bucket.shard(self.dp_rank, self.dp_size)[0]
+        return self.sharded_params.shard_of(bucket)[start + lo - own_lo : start + hi - own_lo]
+
+    def full_weights(self):
+        """A context in which every weight is whole (ZeRO-3 gathers them; what is written
+        into them is kept); otherwise nothing to do."""
+        if self.sharded_params is None:
+            return contextlib.nullcontext()
+        return self.sharded_params.gathered()
+
     def _owned(self, bucket: Bucket) -> torch.Tensor:
         """This rank's slice of ``bucket``'s reduced gradient (distributed optimizer)."""
         if self.sharded is not None:
@@ -209,3 +239,16 @@ class DistributedDataParallel(nn.Module):
         self.buffer.reset()
         if self.sharded is not None:
             self.sharded.reset()
+        if self.sharded_params is not None:
+            self.sharded_params.reset()
+
+
+@contextlib.contextmanager
+def full_weights(chunks) -> Iterator[None]:
+    """Every chunk's weights whole while the block runs (ZeRO-3 chunks gather them and keep
+    what the block writes); plain modules and other stages need nothing."""
+    with contextlib.ExitStack() as stack:
+        for chunk in chunks:
+            if isinstance(chunk, DistributedDataParallel):
+                stack.enter_context(chunk.full_weights())
+        yield

@@ -30,7 +30,7 @@ class ShardedGrads:
     def __init__(self, buffer: ParamAndGradBuffer, dp_group: Group, dtype: torch.dtype):
         self.buffer, self.dp_group, self.dtype = buffer, dp_group, dtype
         self.dp_size, self.dp_rank = comm.world_size(dp_group), comm.rank(dp_group)
-        device = buffer.param_data.device
+        device = buffer.params[0].device
         self.offsets: dict[int, int] = {}  # id(bucket) -> start in the slice store
         size = 0
         for bucket in buffer.buckets:

@@ -19,6 +19,7 @@ from torch import nn
 
 from megapp import comm
 from megapp.checkpointing.state import MODEL, model_shards, named_params
+from megapp.distributed.ddp import full_weights
 from megapp.models.gpt import GPTConfig
 from megapp.models.hf_config import gpt_config_from_hf, hf_config_from_gpt
 from megapp.models.hf_weights import (
@@ -68,7 +69,7 @@ def load_hf(
     folder = SafetensorsFolder(directory)
     config = _config_of(chunks)
     read = 0
-    with torch.no_grad():
+    with torch.no_grad(), full_weights(chunks):  # ZeRO-3 keeps what is written
         for key, shard in model_shards(named_params(chunks), tp_rank, tp_size).items():
             name = key.removeprefix(MODEL)
             rows = hf_layout(config, model_type, name)
@@ -105,6 +106,15 @@ def save_hf(
 ) -> None:
     """Write the model as a Hugging Face folder. Collective over ``group`` (all ranks holding
     a part of the model; None: the default group when distributed, else this process)."""
+    with full_weights(chunks):  # ZeRO-3 gathers the weights whole
+        _save_hf(
+            chunks, directory, model_type, tp_rank, tp_size, group, max_shard_bytes, tokenizer_dir
+        )
+
+
+def _save_hf(
+    chunks, directory, model_type, tp_rank, tp_size, group, max_shard_bytes, tokenizer_dir
+):
     from megapp.models.hf_deps import safetensors
 
     config = _config_of(chunks)

@@ -65,8 +65,8 @@ class _Slice:
     chunk: DistributedDataParallel  # where its gradient is
 
     def weights(self) -> torch.Tensor:
-        """The model's own flat weights of this range."""
-        return self.param.data.view(-1)[self.lo : self.hi]
+        """The model's own flat weights of this range (its ZeRO-3 slice under stage 3)."""
+        return self.chunk.owned_weights(self.param, self.lo, self.hi)
 
 
 def _norm_groups(distributed: bool, tp_group: Group, norm_group: Group) -> tuple[Group, Group]:
@@ -156,7 +156,7 @@ class Optimizer:
                 if part is None:
                     continue
                 lo, hi = part
-                flat = p.data.view(-1)[lo:hi]
+                flat = chunk.owned_weights(p, lo, hi)
                 separate = flat.dtype != torch.float32
                 master = flat.float() if separate else flat
                 counted = counts_in_norm(p, tp_rank)
@@ -209,6 +209,8 @@ class Optimizer:
         for chunk in self.chunks:
             if chunk.dp_size == 1:
                 continue
+            if chunk.sharded_params is not None:
+                continue  # gathered when each layer next runs
             for bucket in chunk.buffer.buckets:
                 lo, hi = bucket.shard(chunk.dp_rank, chunk.dp_size)
                 full = chunk.buffer.param_data[bucket.start : bucket.end]

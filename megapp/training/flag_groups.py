@@ -62,8 +62,8 @@ class ParallelArgs:
     zero_stage: int = arg(
         0,
         "ZeRO stage: 1 shards optimizer states over dp (as --use-distributed-optimizer), "
-        "2 also the gradients",
-        choices=(0, 1, 2),
+        "2 also the gradients, 3 also the weights (gathered per layer)",
+        choices=(0, 1, 2, 3),
     )
     ddp_bucket_size: int = arg(40_000_000, "elements per data-parallel gradient bucket")
     distributed_backend: str | None = arg(

@@ -67,6 +67,6 @@ def count_parameters(chunks: Sequence[DistributedDataParallel], groups: TrainGro
     mine = sum(
         p.numel() for c in chunks for p in c.module.parameters() if counts_in_norm(p, tp_rank)
     )
-    total = torch.tensor([mine], dtype=torch.float64, device=chunks[0].buffer.param_data.device)
+    total = torch.tensor([mine], dtype=torch.float64, device=chunks[0].buffer.params[0].device)
     comm.all_reduce(total, ps.get_model_parallel_group())
     return int(total.item())

@@ -45,9 +45,9 @@ def build_grad_scaler(precision: PrecisionArgs):
     )
 
 
-# ZeRO stages megapp runs: 0 (plain data parallel), 1 (optimizer states sharded), 2 (and
-# the gradients).
-ZERO_STAGES = (0, 1, 2)
+# ZeRO stages: 0 (plain data parallel), 1 (optimizer states sharded), 2 (and the
+# gradients), 3 (and the weights).
+ZERO_STAGES = (0, 1, 2, 3)
 
 
 def build_training_setup(
@@ -69,7 +69,7 @@ def build_training_setup(
     that returns this rank's chunks. ``optimizer.lr_decay_iters`` must be set (the config
     built from flags sets it). The optimizer's groups come from the layout.
     ``zero_stage``: 1 shards the optimizer states over data-parallel ranks (what
-    ``use_distributed_optimizer`` asks too), 2 also the gradients.
+    ``use_distributed_optimizer`` asks too), 2 also the gradients, 3 also the weights.
     """
     if zero_stage not in ZERO_STAGES:
         raise ValueError(f"zero_stage must be one of {ZERO_STAGES}, got {zero_stage}")
@@ -100,6 +100,7 @@ def build_training_setup(
             bucket_size=bucket_size,
             use_distributed_optimizer=zero_stage >= 1,
             shard_grads=zero_stage >= 2,
+            shard_params=zero_stage >= 3,
         )
         for module in modules
     ]

@@ -1,0 +1,179 @@
+"""ZeRO-3 weights: each data-parallel rank keeps its slice; a layer's are gathered to use.
+
+The buffer is cut into buckets that never span two units (a transformer layer, or the
+rest of the chunk: embedding, final norm, output layer), each bucket with a storage of
+its own. At rest a bucket's storage is freed (``resize_(0)``: the parameters stay views
+of it, so autograd's saved weights see it again once refilled) and this rank keeps only
+its slice, in a persistent store that the optimizer updates. A unit's buckets are
+gathered (one all-gather each) when it is about to run and freed after:
+
+- forward: a pre-hook gathers, a post-hook frees;
+- backward: a hook on the unit's output gradient gathers again before the unit's
+  backward, and the unit is freed when every one of its parameters has its gradient.
+
+Use counts make nested uses (a recomputed layer runs its forward inside backward;
+microbatches overlap in pipeline schedules) gather once and free after the last user.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from megapp import comm
+from megapp.comm import Group
+from megapp.distributed.buffers import Bucket, ParamAndGradBuffer
+
+
+class ShardedParams:
+    """The weights of one chunk's buffer under ZeRO-3 (see the module docstring).
+
+    Args:
+        buffer: built with ``unit_of`` and ``bucket_storage``.
+        units: unit key -> the module whose forward uses that unit's parameters.
+        unit_of: the unit key of each parameter (as the buffer was cut).
+    """
+
+    def __init__(
+        self,
+        buffer: ParamAndGradBuffer,
+        dp_group: Group,
+        units: dict[object, nn.Module],
+        unit_of,
+    ) -> None:
+        self.buffer, self.dp_group = buffer, dp_group
+        self.dp_size, self.dp_rank = comm.world_size(dp_group), comm.rank(dp_group)
+        self.buckets_of: dict[object, list[Bucket]] = {key: [] for key in units}
+        self.params_of: dict[object, list[nn.Parameter]] = {key: [] for key in units}
+        for bucket in buffer.buckets:
+            key = unit_of(bucket.params[0])
+            self.buckets_of[key].append(bucket)
+            self.params_of[key].extend(bucket.params)
+        self.shards = {id(b): self._own(b).clone() for b in buffer.buckets}
+        self.users = dict.fromkeys(units, 0)
+        self.arrived = dict.fromkeys(units, 0)
+        self.unit_of_param = {id(p): unit_of(p) for p in buffer.params}
+        for bucket in buffer.buckets:
+            _free(bucket.param_data)
+        self._hooks = []
+        for key, module in units.items():
+            self._hooks.append(module.register_forward_pre_hook(self._pre_forward(key)))
+            self._hooks.append(module.register_forward_hook(self._post_forward(key)))
+        for p in buffer.params:
+            self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+
+    def _own(self, bucket: Bucket) -> torch.Tensor:
+        lo, hi = bucket.shard(self.dp_rank, self.dp_size)
+        return bucket.param_data[lo - bucket.start : hi - bucket.start]
+
+    def shard_of(self, bucket: Bucket) -> torch.Tensor:
+        """This rank's persistent slice of ``bucket``'s weights."""
+        return self.shards[id(bucket)]
+
+    # ----- gather and free -------------------------------------------------
+    def gather(self, key: object) -> None:
+        if self.users[key] == 0:
+            for bucket in self.buckets_of[key]:
+                _allocate(bucket.param_data)
+                with torch.no_grad():
+                    comm.all_gather_into(bucket.param_data, self.shards[id(bucket)], self.dp_group)
+        self.users[key] += 1
+
+    def release(self, key: object) -> None:
+        self.users[key] -= 1
+        if self.users[key] == 0:
+            for bucket in self.buckets_of[key]:
+                _free(bucket.param_data)
+
+    @contextlib.contextmanager
+    def gathered(self) -> Iterator[None]:
+        """Every weight whole while the block runs (checkpoints, tests); what the block
+        writes into the weights is kept (each rank's slice is read back)."""
+        for key in self.users:
+            self.gather(key)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for bucket in self.buffer.buckets:
+                    self.shards[id(bucket)].copy_(self._own(bucket))
+            for key in self.users:
+                self.release(key)
+
+    # ----- hooks -----------------------------------------------------------
+    def _pre_forward(self, key: object):
+        def hook(module: nn.Module, args) -> None:
+            self.gather(key)
+
+        return hook
+
+    def _post_forward(self, key: object):
+        def hook(module: nn.Module, args, output):
+            self.release(key)
+            tensor = output[0] if isinstance(output, tuple) else output
+            if (
+                torch.is_grad_enabled()
+                and isinstance(tensor, torch.Tensor)
+                and tensor.requires_grad
+            ):
+                tensor.register_hook(self._before_backward(key))
+            return output
+
+        return hook
+
+    def _before_backward(self, key: object):
+        def hook(grad: torch.Tensor) -> None:
+            self.gather(key)
+            return None
+
+        return hook
+
+    def _on_grad(self, param: nn.Parameter) -> None:
+        key = self.unit_of_param[id(param)]
+        self.arrived[key] += 1
+        if self.arrived[key] == len(self.params_of[key]):
+            self.arrived[key] = 0
+            self.release(key)
+
+    def reset(self) -> None:
+        """Free everything still gathered (a unit some parameter sent no gradient to)."""
+        for key in self.users:
+            if self.users[key]:
+                self.users[key] = 1
+                self.release(key)
+            self.arrived[key] = 0
+
+    def weight_bytes(self) -> int:
+        """Bytes of weight storage held now: the slices and whatever is gathered."""
+        held = sum(t.numel() * t.element_size() for t in self.shards.values())
+        for bucket in self.buffer.buckets:
+            held += bucket.param_data.untyped_storage().nbytes()
+        return held
+
+
+def _free(tensor: torch.Tensor) -> None:
+    tensor.untyped_storage().resize_(0)
+
+
+def _allocate(tensor: torch.Tensor) -> None:
+    storage = tensor.untyped_storage()
+    if storage.nbytes() == 0:
+        storage.resize_(tensor.numel() * tensor.element_size())
+
+
+def layer_units(module: nn.Module):
+    """``(units, unit_of)`` for a chunk: each ``decoder.layers[i]`` a unit, the rest one
+    more ("outer", used by the chunk's own forward)."""
+    units: dict[object, nn.Module] = {"outer": module}
+    keys: dict[int, object] = {}
+    for name, param in module.named_parameters():
+        parts = name.split(".")
+        key: object = "outer"
+        if len(parts) > 3 and parts[0] == "decoder" and parts[1] == "layers":
+            key = ("layer", int(parts[2]))
+            units[key] = module.decoder.layers[int(parts[2])]
+        keys[id(param)] = key
+    return units, lambda p: keys[id(p)]
