@@ -92,7 +92,9 @@ def test_bad_layouts_and_configs_fail_clearly():
         GPTModel(config)(torch.zeros(1, 2 * config.max_position_embeddings, dtype=torch.long))
 
 
-def _dp_model(distributed_optimizer=False, bucket_size=500, shard_grads=False, **config):
+def _dp_model(
+    distributed_optimizer=False, bucket_size=500, shard_grads=False, shard_params=False, **config
+):
     ps.initialize_model_parallel(1, 1)
     groups = TrainGroups.from_parallel_state()
     model = GPTModel(gpt_config(num_layers=2, **config), seed=SEED)
@@ -100,8 +102,9 @@ def _dp_model(distributed_optimizer=False, bucket_size=500, shard_grads=False, *
         model,
         dp_group=groups.dp,
         bucket_size=bucket_size,
-        use_distributed_optimizer=distributed_optimizer or shard_grads,
-        shard_grads=shard_grads,
+        use_distributed_optimizer=distributed_optimizer or shard_grads or shard_params,
+        shard_grads=shard_grads or shard_params,
+        shard_params=shard_params,
     )
     return ddp, groups
 
@@ -185,10 +188,12 @@ def test_bf16_model_steps_fp32_masters():
     assert optimizer.state_bytes() == 12 * numel
 
 
-@pytest.mark.parametrize("shard_grads", [False, True])
+@pytest.mark.parametrize("stage", [0, 2, 3])
 @distributed(world_size=2)
-def test_fp16_overflow_skips_the_step_on_every_rank(shard_grads):
-    ddp, groups = _dp_model(params_dtype=torch.float16, shard_grads=shard_grads)
+def test_fp16_overflow_skips_the_step_on_every_rank(stage):
+    ddp, groups = _dp_model(
+        params_dtype=torch.float16, shard_grads=stage >= 2, shard_params=stage == 3
+    )
     scaler = DynamicGradScaler(initial_scale=2.0**12, hysteresis=1)
     optimizer = Optimizer([ddp], lr=1e-2, grad_scaler=scaler)
     batch = global_batch(0, 2)[dist.get_rank() :: 2]
@@ -202,13 +207,16 @@ def test_fp16_overflow_skips_the_step_on_every_rank(shard_grads):
 
     first = train_step(step_func, iter(batch), [ddp], optimizer, num_microbatches=4, groups=groups)
     assert not first.skipped and math.isfinite(first.loss)
-    before = ddp.buffer.param_data.clone()
+    with ddp.full_weights():
+        before = torch.cat([p.data.flatten() for p in ddp.buffer.params])
     poison["on"] = True
     skipped = train_step(
         step_func, iter(batch), [ddp], optimizer, num_microbatches=4, groups=groups
     )
     assert skipped.skipped and skipped.grad_norm != skipped.grad_norm  # nan
-    assert torch.equal(ddp.buffer.param_data, before)  # nothing moved
+    with ddp.full_weights():
+        after = torch.cat([p.data.flatten() for p in ddp.buffer.params])
+    assert torch.equal(after, before)  # nothing moved
     assert scaler.scale_value == 2.0**11  # backed off once
     poison["on"] = False
     again = train_step(step_func, iter(batch), [ddp], optimizer, num_microbatches=4, groups=groups)
@@ -221,16 +229,20 @@ def test_config_roundtrip_is_plain():
         dataclasses.replace(gpt_config(), sequence_parallel=True)
 
 
+@pytest.mark.parametrize("stage", [2, 3])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @distributed(world_size=2)
-def test_zero2_trains_16_bit_models_like_zero1(dtype):
-    """ZeRO-2 and ZeRO-1 hold the same fp32 masters and AdamW states; their gradients differ
-    only in where the division by dp happens (per microbatch or once), so the runs agree to
-    the 16-bit rounding of the weights."""
+def test_zero2_and_3_train_16_bit_models_like_zero1(dtype, stage):
+    """ZeRO-2/3 and ZeRO-1 hold the same fp32 masters and AdamW states; their gradients
+    differ only in where the division by dp happens (per microbatch or once), so the runs
+    agree to the 16-bit rounding of the weights."""
     runs = {}
-    for shard_grads in (False, True):
+    for sharded in (False, True):
         ddp, groups = _dp_model(
-            distributed_optimizer=True, shard_grads=shard_grads, params_dtype=dtype
+            distributed_optimizer=True,
+            shard_grads=sharded,
+            shard_params=sharded and stage == 3,
+            params_dtype=dtype,
         )
         scaler = DynamicGradScaler(initial_scale=2.0**10) if dtype == torch.float16 else None
         optimizer = Optimizer([ddp], lr=1e-2, grad_scaler=scaler)
@@ -242,7 +254,11 @@ def test_zero2_trains_16_bit_models_like_zero1(dtype):
             )
             assert not result.skipped
             losses.append(result.loss)
-        runs[shard_grads] = (losses, ddp.buffer.param_data.float().clone())
+        with ddp.full_weights():
+            runs[sharded] = (
+                losses,
+                torch.cat([p.data.float().flatten() for p in ddp.buffer.params]),
+            )
         ps.destroy_model_parallel()
     (losses1, params1), (losses2, params2) = runs[False], runs[True]
     torch.testing.assert_close(losses2, losses1, rtol=2e-3, atol=0)
