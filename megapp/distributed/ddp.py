@@ -166,8 +166,11 @@ class DistributedDataParallel(nn.Module):
                 bucket.work = True  # done; not started again until reset
 
     def finish_grad_sync(self) -> None:
-        """Start the buckets not started yet, and wait for all but the late ones."""
+        """Start the buckets not started yet, and wait for all but the late ones. (Backward
+        is over: ZeRO-3 frees whatever weights are still whole.)"""
         self._finish(late=False)
+        if self.sharded_params is not None:
+            self.sharded_params.reset()
 
     def sync_late_grads(self) -> None:
         """Reduce the late buckets (after their other-group sums)."""

@@ -11,6 +11,11 @@ gathered (one all-gather each) when it is about to run and freed after:
 - backward: a hook on the unit's output gradient gathers again before the unit's
   backward, and the unit is freed when every one of its parameters has its gradient.
 
+Prefetch: when a layer is gathered for its forward, the next layer's all-gather starts
+asynchronously (the previous layer's for backward), so it runs while this layer computes.
+A layer recomputed inside backward prefetches its successor too, which has already run
+its backward; the end of backward (:meth:`reset`) frees such unused prefetches.
+
 Use counts make nested uses (a recomputed layer runs its forward inside backward;
 microbatches overlap in pipeline schedules) gather once and free after the last user.
 """
@@ -18,6 +23,7 @@ microbatches overlap in pipeline schedules) gather once and free after the last 
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Iterator
 
 import torch
@@ -54,6 +60,10 @@ class ShardedParams:
             self.params_of[key].extend(bucket.params)
         self.shards = {id(b): self._own(b).clone() for b in buffer.buckets}
         self.users = dict.fromkeys(units, 0)
+        self.in_flight: dict[object, list[comm.Pending]] = {}
+        layers = sorted(k for k in units if k != "outer")
+        self.next = dict(itertools.pairwise(layers))
+        self.previous = {later: earlier for earlier, later in self.next.items()}
         self.arrived = dict.fromkeys(units, 0)
         self.unit_of_param = {id(p): unit_of(p) for p in buffer.params}
         for bucket in buffer.buckets:
@@ -74,13 +84,30 @@ class ShardedParams:
         return self.shards[id(bucket)]
 
     # ----- gather and free -------------------------------------------------
-    def gather(self, key: object) -> None:
+    def gather(self, key: object, prefetch: object = None) -> None:
+        """Make ``key``'s weights whole (waiting for a prefetch of them, if any), and start
+        gathering ``prefetch``'s."""
         if self.users[key] == 0:
-            for bucket in self.buckets_of[key]:
-                _allocate(bucket.param_data)
-                with torch.no_grad():
-                    comm.all_gather_into(bucket.param_data, self.shards[id(bucket)], self.dp_group)
+            self.prefetch(key)
+            for work in self.in_flight.pop(key):
+                work.wait()
         self.users[key] += 1
+        if prefetch is not None:
+            self.prefetch(prefetch)
+
+    def prefetch(self, key: object) -> None:
+        """Start gathering ``key``'s weights unless they are whole or on their way."""
+        if self.users[key] or key in self.in_flight:
+            return
+        works = []
+        for bucket in self.buckets_of[key]:
+            _allocate(bucket.param_data)
+            works.append(
+                comm.all_gather_into(
+                    bucket.param_data, self.shards[id(bucket)], self.dp_group, async_op=True
+                )
+            )
+        self.in_flight[key] = works
 
     def release(self, key: object) -> None:
         self.users[key] -= 1
@@ -106,7 +133,7 @@ class ShardedParams:
     # ----- hooks -----------------------------------------------------------
     def _pre_forward(self, key: object):
         def hook(module: nn.Module, args) -> None:
-            self.gather(key)
+            self.gather(key, prefetch=self.next.get(key))
 
         return hook
 
@@ -126,7 +153,7 @@ class ShardedParams:
 
     def _before_backward(self, key: object):
         def hook(grad: torch.Tensor) -> None:
-            self.gather(key)
+            self.gather(key, prefetch=self.previous.get(key))
             return None
 
         return hook
@@ -139,7 +166,13 @@ class ShardedParams:
             self.release(key)
 
     def reset(self) -> None:
-        """Free everything still gathered (a unit some parameter sent no gradient to)."""
+        """Free everything still gathered (a unit some parameter sent no gradient to, or a
+        prefetch nobody used)."""
+        for key in list(self.in_flight):
+            for work in self.in_flight.pop(key):
+                work.wait()
+            for bucket in self.buckets_of[key]:
+                _free(bucket.param_data)
         for key in self.users:
             if self.users[key]:
                 self.users[key] = 1
