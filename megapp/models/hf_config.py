@@ -15,7 +15,8 @@ from typing import Any
 from megapp.models.gpt import GPTConfig
 
 MODEL_TYPES = ("gpt2", "gpt_neox", "llama", "mistral", "qwen2")
-_LLAMA_LIKE = ("llama", "mistral", "qwen2")
+# Hugging Face's GeLU names -> megapp's: the tanh approximation, or the exact erf form.
+GELU_NAMES = {"gelu_new": "gelu", "gelu_pytorch_tanh": "gelu", "gelu": "gelu_erf"}
 _HF_ARCHITECTURES = {
     "gpt2": "GPT2LMHeadModel",
     "gpt_neox": "GPTNeoXForCausalLM",
@@ -59,17 +60,16 @@ def _gpt2_fields(hf: dict[str, Any]) -> dict[str, Any]:
     ):
         if hf.get(key, wanted) != wanted:
             raise ValueError(f"GPT-2 with {key}={hf[key]} is not supported")
-    activations = {"gelu_new": "gelu", "gelu_pytorch_tanh": "gelu", "gelu": "gelu_erf"}
     act = hf.get("activation_function", "gelu_new")
-    if act not in activations:
-        raise ValueError(f"GPT-2 activation {act!r} is not supported ({', '.join(activations)})")
+    if act not in GELU_NAMES:
+        raise ValueError(f"GPT-2 activation {act!r} is not supported ({', '.join(GELU_NAMES)})")
     hidden = hf["n_embd"]
     return dict(
         num_layers=hf["n_layer"],
         hidden_size=hidden,
         num_attention_heads=hf["n_head"],
         ffn_hidden_size=hf.get("n_inner") or 4 * hidden,
-        activation=activations[act],
+        activation=GELU_NAMES[act],
         normalization="LayerNorm",
         layernorm_epsilon=hf.get("layer_norm_epsilon", 1e-5),
         position_embedding_type="learned_absolute",
@@ -89,9 +89,8 @@ def _neox_fields(hf: dict[str, Any]) -> dict[str, Any]:
             "gpt_neox with use_parallel_residual (attention and MLP side by side) is not "
             "supported; megapp's layers add them one after the other"
         )
-    activations = {"gelu": "gelu_erf", "gelu_new": "gelu", "gelu_pytorch_tanh": "gelu"}
     act = hf.get("hidden_act", "gelu")
-    if act not in activations or not hf.get("attention_bias", True):
+    if act not in GELU_NAMES or not hf.get("attention_bias", True):
         raise ValueError(f"gpt_neox with hidden_act {act!r} or without biases is not supported")
     theta, rope = _rope(hf)
     if rope["rope_type"] != "default":
@@ -102,7 +101,7 @@ def _neox_fields(hf: dict[str, Any]) -> dict[str, Any]:
         hidden_size=hidden,
         num_attention_heads=hf["num_attention_heads"],
         ffn_hidden_size=hf.get("intermediate_size") or 4 * hidden,
-        activation=activations[act],
+        activation=GELU_NAMES[act],
         normalization="LayerNorm",
         layernorm_epsilon=hf.get("layer_norm_eps", 1e-5),
         position_embedding_type="rope",
