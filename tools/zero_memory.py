@@ -123,6 +123,7 @@ def measure(settings: dict) -> dict:
     )
     return {
         "phi": phi,
+        "phi_layers": sum(p.numel() for p in chunk.module.decoder.layers.parameters()),
         "padded": chunk.buffer.buckets[-1].end,
         "weights": weights,
         "grads": chunk.grad_bytes(),

@@ -9,7 +9,9 @@ gathered (one all-gather each) when it is about to run and freed after:
 
 - forward: a pre-hook gathers, a post-hook frees;
 - backward: a hook on the unit's output gradient gathers again before the unit's
-  backward, and the unit is freed when every one of its parameters has its gradient.
+  backward, and the unit is freed when every one of its parameters has its gradient;
+- the rest of the chunk (:data:`OUTER`) is gathered around the chunk's forward and, when a
+  backward follows, kept until its gradients are in.
 
 Prefetch: when a layer is gathered for its forward, the next layer's all-gather starts
 asynchronously (the previous layer's for backward), so it runs while this layer computes.
@@ -32,6 +34,12 @@ from torch import nn
 from megapp import comm
 from megapp.comm import Group
 from megapp.distributed.buffers import Bucket, ParamAndGradBuffer
+
+# The unit of a chunk's parameters outside its layers (embedding, final norm, output layer).
+# Its forward is the whole chunk's, so it stays whole from forward to backward (as FSDP2
+# keeps its root): freeing it would only re-gather it at once for the output layer's
+# backward.
+OUTER = "outer"
 
 
 class ShardedParams:
@@ -61,7 +69,7 @@ class ShardedParams:
         self.shards = {id(b): self._own(b).clone() for b in buffer.buckets}
         self.users = dict.fromkeys(units, 0)
         self.in_flight: dict[object, list[comm.Pending]] = {}
-        layers = sorted(k for k in units if k != "outer")
+        layers = sorted(k for k in units if k != OUTER)
         self.next = dict(itertools.pairwise(layers))
         self.previous = {later: earlier for earlier, later in self.next.items()}
         self.arrived = dict.fromkeys(units, 0)
@@ -139,13 +147,16 @@ class ShardedParams:
 
     def _post_forward(self, key: object):
         def hook(module: nn.Module, args, output):
-            self.release(key)
             tensor = output[0] if isinstance(output, tuple) else output
-            if (
+            backward = (
                 torch.is_grad_enabled()
                 and isinstance(tensor, torch.Tensor)
                 and tensor.requires_grad
-            ):
+            )
+            if backward and key == OUTER:
+                return output  # kept whole for backward: its gradients free it
+            self.release(key)
+            if backward:
                 tensor.register_hook(self._before_backward(key))
             return output
 
@@ -200,11 +211,11 @@ def _allocate(tensor: torch.Tensor) -> None:
 def layer_units(module: nn.Module):
     """``(units, unit_of)`` for a chunk: each ``decoder.layers[i]`` a unit, the rest one
     more ("outer", used by the chunk's own forward)."""
-    units: dict[object, nn.Module] = {"outer": module}
+    units: dict[object, nn.Module] = {OUTER: module}
     keys: dict[int, object] = {}
     for name, param in module.named_parameters():
         parts = name.split(".")
-        key: object = "outer"
+        key: object = OUTER
         if len(parts) > 3 and parts[0] == "decoder" and parts[1] == "layers":
             key = ("layer", int(parts[2]))
             units[key] = module.decoder.layers[int(parts[2])]
