@@ -27,9 +27,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import benchlib
 import collective_count
+from zero_memory import forward_step, gpt_config, random_batches, sent_bytes
 
 from megapp import parallel_state as ps
-from megapp.models.gpt import GPTConfig, GPTModel
+from megapp.models.gpt import GPTModel
 from megapp.training import train_step
 from megapp.training.flag_groups import OptimizerArgs
 from megapp.training.setup import build_training_setup
@@ -48,36 +49,14 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def _config(s: dict) -> GPTConfig:
-    return GPTConfig(
-        num_layers=s["layers"],
-        hidden_size=s["hidden"],
-        num_attention_heads=8,
-        vocab_size=s["vocab"],
-        max_position_embeddings=s["seq"],
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-    )
-
-
-def _batches(s: dict, generator: torch.Generator) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    data = torch.randint(0, s["vocab"], (s["microbatches"], 2, s["seq"] + 1), generator=generator)
-    return [(d[:, :-1], d[:, 1:]) for d in data]
-
-
 def _bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
-
-
-def _forward_step(iterator, chunk, inputs):
-    tokens, labels = next(iterator)
-    return chunk(input_ids=tokens, labels=labels), lambda per_token: per_token.float().mean()
 
 
 def _megapp(s: dict):
     ps.initialize_model_parallel(1, 1)
     setup = build_training_setup(
-        _config(s),
+        gpt_config(s),
         OptimizerArgs(lr=1e-4, lr_decay_iters=100, lr_decay_style="constant", clip_grad=0.0),
         bucket_size=1_000_000,
         zero_stage=3,
@@ -86,7 +65,7 @@ def _megapp(s: dict):
 
     def step(batches) -> None:
         train_step(
-            _forward_step, [iter(batches)], setup.chunks, setup.optimizer,
+            forward_step, [iter(batches)], setup.chunks, setup.optimizer,
             num_microbatches=m, groups=setup.groups,
         )  # fmt: skip
 
@@ -105,7 +84,7 @@ def _fsdp2(s: dict):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    model = GPTModel(_config(s), seed=1234)
+    model = GPTModel(gpt_config(s), seed=1234)
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     for layer in model.decoder.layers:
         fully_shard(layer, mesh=mesh)
@@ -142,21 +121,17 @@ def measure(settings: dict) -> dict:
     impls = {"megapp ZeRO-3": _megapp(settings), "FSDP2": _fsdp2(settings)}
     out = {name: {"times": [], "sent": 0.0} for name in impls}
     for step, _ in impls.values():
-        step(_batches(settings, generator))  # warm-up: optimizer states, first gathers
+        step(random_batches(settings, generator))  # warm-up: optimizer states, first gathers
 
     def timed(name: str):
         def run() -> float:
             recorder = collective_count.Recorder()
-            batches = _batches(settings, generator)
+            batches = random_batches(settings, generator)
             start = time.perf_counter()
             with collective_count.intercept(recorder):
                 impls[name][0](batches)
             seconds = time.perf_counter() - start
-            out[name]["sent"] = sum(
-                collective_count.wire_bytes(op.kind, op.payload, op.world)
-                for op in recorder.ops
-                if op.kind in ("AR", "AG", "RS") and op.world == dist.get_world_size()
-            )
+            out[name]["sent"] = sent_bytes(recorder, dist.get_world_size())
             return seconds
 
         return run
@@ -189,7 +164,7 @@ def main() -> None:
                 f"{result['held'] / 2**20:.2f}",
             ]
         )
-    phi = sum(p.numel() for p in GPTModel(_config(settings)).parameters())
+    phi = sum(p.numel() for p in GPTModel(gpt_config(settings)).parameters())
     print(f"model: {phi:,} parameters, fp32; dp {args.dp}; {args.microbatches} microbatches")
     header = ["implementation", "step ms (median)", "vs megapp", "MiB sent/step",
               "model-state MiB held"]  # fmt: skip

@@ -59,17 +59,16 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def _forward_step(iterator, chunk, inputs):
+def forward_step(iterator, chunk, inputs):
+    """One microbatch of (tokens, labels): its mean per-token loss."""
     tokens, labels = next(iterator)
     loss = chunk(input_ids=tokens, labels=labels)
     return loss, lambda per_token: per_token.float().mean()
 
 
-def measure(settings: dict) -> dict:
-    """One rank's bytes and timings for one (dp, stage)."""
-    dp = settings["dp"]
-    ps.initialize_model_parallel(1, 1)
-    config = GPTConfig(
+def gpt_config(settings: dict, dtype: torch.dtype = torch.float32) -> GPTConfig:
+    """The measured GPT (tp = pp = 1, no dropout) of the tool's size settings."""
+    return GPTConfig(
         num_layers=settings["layers"],
         hidden_size=settings["hidden"],
         num_attention_heads=8,
@@ -77,8 +76,31 @@ def measure(settings: dict) -> dict:
         max_position_embeddings=settings["seq"],
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        params_dtype=DTYPES[settings["dtype"]],
+        params_dtype=dtype,
     )
+
+
+def random_batches(settings: dict, generator: torch.Generator) -> list:
+    """One step's microbatches of 2 random sequences, as (tokens, labels)."""
+    m, seq = settings["microbatches"], settings["seq"]
+    data = torch.randint(0, settings["vocab"], (m, 2, seq + 1), generator=generator)
+    return [(d[:, :-1], d[:, 1:]) for d in data]
+
+
+def sent_bytes(recorder: collective_count.Recorder, world: int) -> float:
+    """Bytes one rank sent in the recorded collectives over a group of ``world`` ranks."""
+    return sum(
+        collective_count.wire_bytes(op.kind, op.payload, op.world)
+        for op in recorder.ops
+        if op.world == world and op.kind in ("AR", "AG", "RS")
+    )
+
+
+def measure(settings: dict) -> dict:
+    """One rank's bytes and timings for one (dp, stage)."""
+    dp = settings["dp"]
+    ps.initialize_model_parallel(1, 1)
+    config = gpt_config(settings, DTYPES[settings["dtype"]])
     setup = build_training_setup(
         config,
         OptimizerArgs(lr=1e-4, lr_decay_iters=100, lr_decay_style="constant"),
@@ -87,17 +109,14 @@ def measure(settings: dict) -> dict:
     )
     (chunk,), optimizer = setup.chunks, setup.optimizer
     g = torch.Generator().manual_seed(ps.get_data_parallel_rank())
-    m, seq, vocab = settings["microbatches"], settings["seq"], settings["vocab"]
 
     def step() -> None:
-        data = torch.randint(0, vocab, (m, 2, seq + 1), generator=g)
-        batch = [(d[:, :-1], d[:, 1:]) for d in data]
         train_step(
-            _forward_step,
-            [iter(batch)],
+            forward_step,
+            [iter(random_batches(settings, g))],
             setup.chunks,
             optimizer,
-            num_microbatches=m,
+            num_microbatches=settings["microbatches"],
             groups=setup.groups,
         )
 
@@ -110,11 +129,7 @@ def measure(settings: dict) -> dict:
             step()
         times.append(time.perf_counter() - start)
     phi = sum(p.numel() for p in chunk.buffer.params)
-    sent = sum(
-        collective_count.wire_bytes(op.kind, op.payload, op.world)
-        for op in recorder.ops
-        if op.world == dp and op.kind in ("AR", "AG", "RS")
-    )
+    sent = sent_bytes(recorder, dp)
     data = chunk.buffer.param_data
     weights = (
         chunk.sharded_params.weight_bytes()

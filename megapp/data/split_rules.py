@@ -27,6 +27,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from megapp.data.blended_dataset import normalize_weights
+
 CORE = "core"
 LEGACY = "legacy"
 DATA_RULES = (CORE, LEGACY)
@@ -42,11 +44,8 @@ def check_rules(rules: str) -> str:
 
 
 def normalize(weights: Sequence[float]) -> list[float]:
-    """Weights divided by their float64 sum (numpy's, as Megatron-Core does)."""
-    array = np.asarray(weights, dtype=np.float64)
-    if array.ndim != 1 or len(array) == 0 or np.any(array < 0) or array.sum() <= 0:
-        raise ValueError(f"weights must be non-negative with a positive sum, got {list(weights)}")
-    return (array / np.sum(array)).tolist()
+    """Weights divided by their float64 sum (numpy's, as Megatron-Core does), as floats."""
+    return normalize_weights(weights).tolist()
 
 
 def split_bookends(fractions: Sequence[float]) -> list[tuple[float, float] | None]:

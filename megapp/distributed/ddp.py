@@ -199,10 +199,8 @@ class DistributedDataParallel(nn.Module):
         a view of the parameter, or of its ZeRO-3 slice."""
         if self.sharded_params is None:
             return param.data.view(-1)[lo:hi]
-        bucket = self.buffer.bucket_of[id(param)]
-        start = self.buffer.ranges[id(param)][0]
-        own_lo = bucket.shard(self.dp_rank, self.dp_size)[0]
-        return self.sharded_params.shard_of(bucket)[start + lo - own_lo : start + hi - own_lo]
+        bucket, span = self._in_slice(param, lo, hi)
+        return self.sharded_params.shard_of(bucket)[span]
 
     def full_weights(self):
         """A context in which every weight is whole (ZeRO-3 gathers them; what is written
@@ -223,10 +221,15 @@ class DistributedDataParallel(nn.Module):
         updates: a slice of ``main_grad``, or of the ZeRO-2 slice store."""
         if self.sharded is None:
             return param.main_grad.view(-1)[lo:hi]
+        bucket, span = self._in_slice(param, lo, hi)
+        return self.sharded.owned(bucket)[span]
+
+    def _in_slice(self, param: nn.Parameter, lo: int, hi: int) -> tuple[Bucket, slice]:
+        """``param``'s bucket, and where its elements ``[lo, hi)`` sit in this rank's slice
+        of that bucket (they must be ones this rank owns)."""
         bucket = self.buffer.bucket_of[id(param)]
-        start = self.buffer.ranges[id(param)][0]
-        own_lo = bucket.shard(self.dp_rank, self.dp_size)[0]
-        return self.sharded.owned(bucket)[start + lo - own_lo : start + hi - own_lo]
+        offset = self.buffer.ranges[id(param)][0] - bucket.shard(self.dp_rank, self.dp_size)[0]
+        return bucket, slice(offset + lo, offset + hi)
 
     def grad_bytes(self) -> int:
         """Bytes of gradient storage this chunk holds now."""
