@@ -5,8 +5,14 @@ from fractions import Fraction
 
 import pytest
 
-from megapp.pipeline_parallel.plan import ScheduleError, communication_plan, delivered_sends
-from megapp.pipeline_parallel.schedules import Action, Op, build_schedule
+from megapp.pipeline_parallel.catalog import build_schedule
+from megapp.pipeline_parallel.plan import (
+    ScheduleError,
+    check_fifo,
+    communication_plan,
+    delivered_sends,
+)
+from megapp.pipeline_parallel.schedules import Action, Op
 from megapp.pipeline_parallel.simulate import CostModel, simulate
 
 F, B = Op.FORWARD, Op.BACKWARD
@@ -88,41 +94,49 @@ def test_per_action_batches_deadlock_interleaved():
     assert "rank 0" in str(info.value) and "rank 1" in str(info.value)
 
 
-def test_swapped_messages_break_fifo():
+def test_receives_follow_the_send_order():
     schedule = build_schedule("1f1b", 2, 4)
     rank1 = list(schedule.actions[1])
-    rank1[0], rank1[2] = rank1[2], rank1[0]  # rank 1 receives microbatch 1 before 0
+    rank1[0], rank1[2] = rank1[2], rank1[0]  # rank 1 runs microbatch 1 before 0
     rank1[1], rank1[3] = rank1[3], rank1[1]
-    broken = dataclasses.replace(schedule, actions=(schedule.actions[0], tuple(rank1)))
+    swapped = dataclasses.replace(schedule, actions=(schedule.actions[0], tuple(rank1)))
+    plan = communication_plan(swapped)
+    # microbatch 1's step also receives microbatch 0, sent first; it waits in the inbox
+    assert [(m.op, m.microbatch) for m in plan[1][0].recvs] == [(F, 0), (F, 1)]
+    assert plan[1][2].recvs == ()
+    simulate(swapped)
+    broken = [list(steps) for steps in plan]
+    broken[1][0] = dataclasses.replace(broken[1][0], recvs=broken[1][0].recvs[::-1])
     with pytest.raises(ScheduleError, match="matched in posting order"):
-        communication_plan(broken)
+        check_fifo(broken)
 
 
 def test_backward_before_forward_is_rejected():
     schedule = build_schedule("gpipe", 2, 2)
     rank0 = (Action(B, 0), *schedule.actions[0][1:2], Action(F, 0), *schedule.actions[0][3:])
     broken = dataclasses.replace(schedule, actions=(rank0, schedule.actions[1]))
-    with pytest.raises(ScheduleError, match="before its forward"):
+    with pytest.raises(ScheduleError, match="microbatch 0 chunk 0 as 'BF'"):
         communication_plan(broken)
 
 
 def test_missing_action_is_rejected():
     schedule = build_schedule("gpipe", 2, 2)
     broken = dataclasses.replace(schedule, actions=(schedule.actions[0][:-1], schedule.actions[1]))
-    with pytest.raises(ScheduleError, match="exactly once"):
+    with pytest.raises(ScheduleError, match="microbatch 1 chunk 0 as 'F'"):
         communication_plan(broken)
 
 
 @pytest.mark.parametrize(
     "args, message",
     [
-        (("interleaved-1f1b", 4, 6, 2), "must be a multiple of 4; got 6, use 4 or 8"),
-        (("interleaved-1f1b", 4, 2, 2), "got 2, use 4"),
+        (("interleaved-1f1b", 4, 2, 2), "as many microbatches as pipeline stages (4), got 2"),
         (("interleaved-1f1b", 4, 8, 1), "use 1f1b for one chunk per rank"),
         (("interleaved-1f1b", 1, 4, 2), "at least 2 pipeline stages"),
         (("1f1b", 4, 8, 2), "use interleaved-1f1b for virtual pipeline stages"),
         (("gpipe", 4, 0, 1), "num_microbatches must be an integer >= 1, got 0"),
-        (("zb-h1", 4, 8, 1), "unknown schedule 'zb-h1'"),
+        (("zb-x", 4, 8, 1), "unknown schedule 'zb-x'"),
+        (("zb-v", 4, 8, 1), "two model chunks on every rank in a V"),
+        (("dualpipev", 4, 7, 2), "at least 2p = 8 microbatches"),
     ],
 )
 def test_bad_schedule_arguments(args, message):

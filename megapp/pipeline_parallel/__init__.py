@@ -1,5 +1,6 @@
 """Pipeline parallelism: schedules as data, their simulator, and the engine that runs them."""
 
+from megapp.pipeline_parallel.catalog import SCHEDULES, build_schedule
 from megapp.pipeline_parallel.engine import (
     PipelineHooks,
     PipelineResult,
@@ -9,16 +10,16 @@ from megapp.pipeline_parallel.engine import (
 from megapp.pipeline_parallel.p2p import TensorSpec
 from megapp.pipeline_parallel.plan import ScheduleError, communication_plan
 from megapp.pipeline_parallel.schedules import (
-    SCHEDULES,
     Action,
     Op,
     Schedule,
-    build_schedule,
     gpipe,
     interleaved_1f1b,
+    looped_bfs,
     one_f_one_b,
 )
 from megapp.pipeline_parallel.simulate import CostModel, Timeline, simulate
+from megapp.pipeline_parallel.zero_bubble import dualpipev, zb_h1, zb_h2, zb_v
 
 __all__ = [
     "SCHEDULES",
@@ -33,10 +34,15 @@ __all__ = [
     "Timeline",
     "build_schedule",
     "communication_plan",
+    "dualpipev",
     "forward_backward",
     "get_forward_backward_func",
     "gpipe",
     "interleaved_1f1b",
+    "looped_bfs",
     "one_f_one_b",
     "simulate",
+    "zb_h1",
+    "zb_h2",
+    "zb_v",
 ]

@@ -28,11 +28,12 @@ import torch.distributed as dist
 from torch import nn
 
 from megapp import comm
+from megapp.pipeline_parallel.catalog import build_schedule
 from megapp.pipeline_parallel.compute import ForwardStepFunc, PipelineHooks
 from megapp.pipeline_parallel.p2p import TensorSpec, Transport
 from megapp.pipeline_parallel.plan import Message, Step, communication_plan, delivered_sends
 from megapp.pipeline_parallel.runner import StageRunner
-from megapp.pipeline_parallel.schedules import Schedule, build_schedule
+from megapp.pipeline_parallel.schedules import Schedule
 from megapp.pipeline_parallel.simulate import Event
 
 __all__ = ["PipelineHooks", "PipelineResult", "forward_backward", "get_forward_backward_func"]

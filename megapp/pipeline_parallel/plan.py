@@ -72,7 +72,7 @@ def incoming(schedule: Schedule, rank: int, action: Action) -> Message | None:
     stage = schedule.virtual_stage(rank, action.chunk)
     if action.op is Op.FORWARD and stage > 0:
         return _message(schedule, Op.FORWARD, action.microbatch, stage - 1, stage)
-    if action.op is Op.BACKWARD and stage < schedule.num_virtual_stages - 1:
+    if action.op.sends_gradient and stage < schedule.num_virtual_stages - 1:
         return _message(schedule, Op.BACKWARD, action.microbatch, stage + 1, stage)
     return None
 
@@ -82,7 +82,7 @@ def outgoing(schedule: Schedule, rank: int, action: Action) -> Message | None:
     stage = schedule.virtual_stage(rank, action.chunk)
     if action.op is Op.FORWARD and stage < schedule.num_virtual_stages - 1:
         return _message(schedule, Op.FORWARD, action.microbatch, stage, stage + 1)
-    if action.op is Op.BACKWARD and stage > 0:
+    if action.op.sends_gradient and stage > 0:
         return _message(schedule, Op.BACKWARD, action.microbatch, stage, stage - 1)
     return None
 
@@ -100,11 +100,45 @@ def _units(schedule: Schedule, rank: int) -> list[tuple[Action, ...]]:
     return units + [(a,) for a in actions[steady_end:]]
 
 
-def rank_plan(schedule: Schedule, rank: int) -> list[Step]:
-    """The steps of one rank: each action with the batch posted just before it."""
-    steps, pending = [], ()
+def send_order(schedule: Schedule) -> dict[tuple[int, int], list[Message]]:
+    """Per ordered pair of ranks ``(src, dst)``, the messages ``src`` sends, in order."""
+    channels: dict[tuple[int, int], list[Message]] = {}
+    for rank, actions in enumerate(schedule.actions):
+        for action in actions:
+            if (m := outgoing(schedule, rank, action)) is not None:
+                channels.setdefault((m.src, m.dst), []).append(m)
+    return channels
+
+
+def rank_plan(
+    schedule: Schedule, rank: int, channels: dict[tuple[int, int], list[Message]] | None = None
+) -> list[Step]:
+    """The steps of one rank: each action with the batch posted just before it.
+
+    Receives follow each peer's send order (``channels``, from :func:`send_order`):
+    the step of an action receives its message together with every message the same
+    peer sent before it that has not been received yet. Such a message waits in the
+    inbox for the later action that uses it, so messages between two ranks are always
+    matched in the order they were sent, whatever order the actions use them in.
+    """
+    channels = send_order(schedule) if channels is None else channels
+    received = dict.fromkeys(channels, 0)  # per channel, how many are received
+    steps, pending, done = [], (), set()
+
+    def receive(message: Message | None) -> tuple[Message, ...]:
+        if message is None or message in done:
+            return ()
+        pair = (message.src, message.dst)
+        queue, start = channels.get(pair, []), received.get(pair, 0)
+        if message not in queue[start:]:
+            return (message,)  # never sent: the checks name it
+        end = queue.index(message, start) + 1
+        received[pair] = end
+        done.update(queue[start:end])
+        return tuple(queue[start:end])
+
     for unit in _units(schedule, rank):
-        recvs = tuple(m for a in unit if (m := incoming(schedule, rank, a)))
+        recvs = tuple(m for a in unit for m in receive(incoming(schedule, rank, a)))
         for k, action in enumerate(unit):
             steps.append(Step(pending, recvs, action) if k == 0 else Step((), (), action))
         pending = tuple(m for a in unit if (m := outgoing(schedule, rank, a)))
@@ -147,44 +181,42 @@ def delivered_sends(plan: list[list[Step]]) -> list[list[tuple[Message, ...]]]:
 def communication_plan(schedule: Schedule) -> list[list[Step]]:
     """:func:`rank_plan` for every rank, after :func:`check_actions` and :func:`check_fifo`."""
     check_actions(schedule)
-    plan = [rank_plan(schedule, rank) for rank in range(schedule.num_stages)]
+    channels = send_order(schedule)
+    plan = [rank_plan(schedule, rank, channels) for rank in range(schedule.num_stages)]
     check_fifo(plan)
     return plan
 
 
 def check_actions(schedule: Schedule) -> None:
-    """Every (microbatch, chunk) runs forward once then backward once, on every rank."""
-    ops = (Op.FORWARD,) if schedule.forward_only else (Op.FORWARD, Op.BACKWARD)
-    expected = {
-        (op, mb, chunk)
-        for op in ops
-        for mb in range(schedule.num_microbatches)
-        for chunk in range(schedule.num_chunks)
-    }
+    """Every (microbatch, chunk) runs its forward once, then either one backward ``B`` or
+    an input-gradient ``I`` followed by a weight-gradient ``W``, on every rank."""
     if len(schedule.actions) != schedule.num_stages:
         raise ScheduleError(
             f"{schedule.name}: {len(schedule.actions)} action lists for "
             f"{schedule.num_stages} stages"
         )
+    pairs = {
+        (mb, chunk)
+        for mb in range(schedule.num_microbatches)
+        for chunk in range(schedule.num_chunks)
+    }
     for rank, actions in enumerate(schedule.actions):
-        seen = [(a.op, a.microbatch, a.chunk) for a in actions]
-        if len(seen) != len(set(seen)) or set(seen) != expected:
-            missing = sorted(f"{op.value}{mb}.{c}" for op, mb, c in expected - set(seen))
-            raise ScheduleError(
-                f"{schedule.name}: rank {rank} must run every "
-                f"{' and '.join(o.name.lower() for o in ops)} exactly once; "
-                f"missing {missing[:6]}, {len(seen) - len(set(seen))} repeated"
-            )
-        done = set()
+        seen: dict[tuple[int, int], list[Op]] = {}
         for action in actions:
-            if (
-                action.op is Op.BACKWARD
-                and (Op.FORWARD, action.microbatch, action.chunk) not in done
-            ):
+            key = (action.microbatch, action.chunk)
+            if key not in pairs:
+                raise ScheduleError(f"{schedule.name}: rank {rank} runs {action}, out of range")
+            seen.setdefault(key, []).append(action.op)
+        for key in sorted(pairs):
+            ops = "".join(op.value for op in seen.get(key, []))
+            allowed = ("F",) if schedule.forward_only else ("FB", "FIW")
+            if ops not in allowed:
+                label = f"microbatch {key[0]} chunk {key[1]}"
                 raise ScheduleError(
-                    f"{schedule.name}: rank {rank} runs {action} before its forward"
+                    f"{schedule.name}: rank {rank} runs {label} as {ops or 'nothing'!r}; "
+                    f"every microbatch and chunk must run as one of {', '.join(allowed)}, "
+                    "in that order"
                 )
-            done.add((action.op, action.microbatch, action.chunk))
 
 
 def check_fifo(plan: list[list[Step]]) -> None:

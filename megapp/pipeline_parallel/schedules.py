@@ -6,24 +6,37 @@ model chunk. Everything else (which tensors travel where, when to wait, how
 long it takes, how much memory it holds) follows from these lists, so the
 engine, the simulator and the pictures all read the same data.
 
-With ``v`` model chunks per rank, chunk ``c`` of pipeline rank ``r`` is virtual
-stage ``c * p + r``: a microbatch visits rank 0, 1, ..., p-1 for chunk 0, then
-wraps to rank 0 for chunk 1, and so on.
+Which virtual stage each model chunk runs is part of the schedule too (its
+*placement*). The looped placement puts chunk ``c`` of pipeline rank ``r`` at
+virtual stage ``c * p + r``: a microbatch visits rank 0, 1, ..., p-1 for chunk
+0, then wraps to rank 0 for chunk 1, and so on. The V placement (two chunks per
+rank) runs down and back up: chunk 0 of rank ``r`` is stage ``r`` and chunk 1 is
+stage ``2p - 1 - r``, so the first and the last stage share rank 0.
+
+A backward is either one action (``B``) or split in two: ``I`` computes the
+gradient of the stage's input, which is sent upstream at once, and ``W`` the
+gradients of the weights, later, wherever the rank would otherwise idle.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from enum import Enum
 
 
 class Op(str, Enum):
-    """What an action computes. Zero-bubble schedules will add kinds that split
-    ``BACKWARD`` into an input-gradient and a weight-gradient part."""
+    """What an action computes: a forward, a whole backward, or one of its two halves
+    (the input gradient ``I``, then the weight gradients ``W``)."""
 
     FORWARD = "F"
     BACKWARD = "B"
+    INPUT_GRAD = "I"
+    WEIGHT_GRAD = "W"
+
+    @property
+    def sends_gradient(self) -> bool:
+        """Whether the action receives its output's gradient and sends its input's."""
+        return self is Op.BACKWARD or self is Op.INPUT_GRAD
 
 
 @dataclass(frozen=True, order=True)
@@ -38,26 +51,35 @@ class Action:
         return f"{self.op.value}{self.microbatch}" + (f".{self.chunk}" if self.chunk else "")
 
 
+def looped_placement(num_stages: int, num_chunks: int) -> tuple[tuple[int, ...], ...]:
+    """Chunk ``c`` of rank ``r`` runs virtual stage ``c·p + r``."""
+    return tuple(tuple(c * num_stages + r for c in range(num_chunks)) for r in range(num_stages))
+
+
+def v_placement(num_stages: int) -> tuple[tuple[int, ...], ...]:
+    """Two chunks per rank: rank ``r`` runs stages ``r`` and ``2p - 1 - r``."""
+    return tuple((r, 2 * num_stages - 1 - r) for r in range(num_stages))
+
+
 @dataclass(frozen=True)
 class Schedule:
-    """Per-rank action lists of one iteration.
-
-    Every schedule here has the same shape on each rank: ``warmup[rank]``
-    forwards, then steady pairs of one forward and one backward, then the
-    remaining backwards (cooldown). GPipe is the case where warmup is every
-    forward.
+    """Per-rank action lists of one iteration, and where each chunk's stage lives.
 
     Attributes:
-        name: the builder that made it (``gpipe``, ``1f1b``, ``interleaved-1f1b``).
+        name: the builder that made it (``gpipe``, ``1f1b``, ``zb-v``, ...).
         num_stages: pipeline ranks ``p``.
         num_microbatches: microbatches ``m`` per iteration.
         num_chunks: model chunks per rank ``v`` (1 without virtual stages).
         actions: ``actions[rank]`` is that rank's ordered list.
-        warmup: forwards each rank runs before its first backward is due.
+        warmup: forwards each rank runs before its first backward (default: counted
+            from ``actions``).
         paired_steady_state: whether a steady forward/backward pair exchanges
             its messages in one batch (Megatron's interleaved schedule) rather
-            than one batch per action (its non-interleaved 1F1B).
+            than one batch per action (its non-interleaved 1F1B). A paired schedule
+            alternates one forward and one backward after its warmup.
         forward_only: evaluation: the forwards alone, in the same order.
+        placement: ``placement[rank][chunk]`` is the virtual stage that chunk runs
+            (default: :func:`looped_placement`).
     """
 
     name: str
@@ -65,22 +87,52 @@ class Schedule:
     num_microbatches: int
     num_chunks: int
     actions: tuple[tuple[Action, ...], ...]
-    warmup: tuple[int, ...]
+    warmup: tuple[int, ...] = ()
     paired_steady_state: bool = False
     forward_only: bool = False
+    placement: tuple[tuple[int, ...], ...] = ()
+    _where: dict[int, tuple[int, int]] = field(
+        default_factory=dict, init=False, repr=False, compare=False, hash=False
+    )
+
+    def __post_init__(self) -> None:
+        p, v = self.num_stages, self.num_chunks
+        if not self.placement:
+            object.__setattr__(self, "placement", looped_placement(p, v))
+        stages = sorted(s for row in self.placement for s in row)
+        if len(self.placement) != p or any(len(row) != v for row in self.placement):
+            raise ValueError(f"{self.name}: placement must list {v} stages for each of {p} ranks")
+        if stages != list(range(p * v)):
+            raise ValueError(
+                f"{self.name}: placement must use every virtual stage 0..{p * v - 1} once, "
+                f"got {self.placement}"
+            )
+        self._where.update(
+            (stage, (rank, chunk))
+            for rank, row in enumerate(self.placement)
+            for chunk, stage in enumerate(row)
+        )
+        if not self.warmup:
+            warmup = tuple(_forwards_before_backward(acts) for acts in self.actions)
+            object.__setattr__(self, "warmup", warmup)
 
     @property
     def num_virtual_stages(self) -> int:
         return self.num_stages * self.num_chunks
 
+    @property
+    def splits_backward(self) -> bool:
+        """Whether any backward runs as separate ``I`` and ``W`` actions."""
+        return any(a.op is Op.WEIGHT_GRAD for acts in self.actions for a in acts)
+
     def virtual_stage(self, rank: int, chunk: int) -> int:
-        return chunk * self.num_stages + rank
+        return self.placement[rank][chunk]
 
     def rank_of(self, virtual_stage: int) -> int:
-        return virtual_stage % self.num_stages
+        return self._where[virtual_stage][0]
 
     def chunk_of(self, virtual_stage: int) -> int:
-        return virtual_stage // self.num_stages
+        return self._where[virtual_stage][1]
 
     def without_backward(self) -> Schedule:
         """The same forwards in the same order, for evaluation."""
@@ -100,7 +152,14 @@ class Schedule:
         return "\n".join([header, *rows])
 
 
-def _check_sizes(num_stages: int, num_microbatches: int, num_chunks: int) -> None:
+def _forwards_before_backward(actions: tuple[Action, ...]) -> int:
+    for k, action in enumerate(actions):
+        if action.op is not Op.FORWARD:
+            return k
+    return len(actions)
+
+
+def check_sizes(num_stages: int, num_microbatches: int, num_chunks: int) -> None:
     for name, value in (
         ("num_stages", num_stages),
         ("num_microbatches", num_microbatches),
@@ -136,7 +195,7 @@ def gpipe(num_stages: int, num_microbatches: int, num_chunks: int = 1) -> Schedu
     microbatches' activations at the turn from forward to backward. Backwards
     run in forward order so every channel sees messages in the order sent.
     """
-    _check_sizes(num_stages, num_microbatches, num_chunks)
+    check_sizes(num_stages, num_microbatches, num_chunks)
     _one_chunk("gpipe", num_chunks)
     m = num_microbatches
     forwards = [Action(Op.FORWARD, i) for i in range(m)]
@@ -155,7 +214,7 @@ def one_f_one_b(num_stages: int, num_microbatches: int, num_chunks: int = 1) -> 
     holds more than ``min(p - r, m)`` microbatches' activations, instead of
     GPipe's ``m``; the bubble is the same ``(p - 1) / (m + p - 1)``.
     """
-    _check_sizes(num_stages, num_microbatches, num_chunks)
+    check_sizes(num_stages, num_microbatches, num_chunks)
     _one_chunk("1f1b", num_chunks)
     m = num_microbatches
     forwards = [Action(Op.FORWARD, i) for i in range(m)]
@@ -165,61 +224,71 @@ def one_f_one_b(num_stages: int, num_microbatches: int, num_chunks: int = 1) -> 
     return Schedule("1f1b", num_stages, m, 1, per_rank, warmup)
 
 
-def interleaved_1f1b(num_stages: int, num_microbatches: int, num_chunks: int = 2) -> Schedule:
+def interleaved_1f1b(
+    num_stages: int, num_microbatches: int, num_chunks: int = 2, group_size: int | None = None
+) -> Schedule:
     """Interleaved 1F1B over ``v`` model chunks per rank (Megatron's virtual pipeline).
 
-    Microbatches go through the chunks depth-first in groups of ``p``: a rank
-    runs chunk 0 for microbatches 0..p-1, then chunk 1 for the same group, ...,
-    then chunk 0 for the next group. Backwards walk the chunks in reverse.
-    This needs ``m`` to be a multiple of ``p`` (so every group is full).
+    Microbatches go through the chunks depth-first in groups of ``g`` (Megatron's
+    ``microbatch_group_size_per_vp_stage``; default: the smallest valid size from
+    ``p`` up, which is ``p`` when ``p`` divides ``m``): a rank runs chunk 0 for
+    microbatches 0..g-1, then chunk 1 for the same group, ..., then chunk 0 for the
+    next group; the last group takes whatever remains. Backwards walk the same
+    order with the chunks reversed. ``g`` lies in ``[p, m]`` and the last group
+    holds no fewer than ``p`` microbatches (a smaller one would stall the pipeline),
+    so any ``m >= p`` runs.
 
-    Rank ``r`` runs ``2 (p - r - 1) + (v - 1) p`` warmup forwards (capped at
-    ``m v``): ``(v - 1) p`` to fill its earlier chunks for one group, and
+    Rank ``r`` runs ``2 (p - r - 1) + (v - 1) g`` warmup forwards (capped at
+    ``m v``): ``(v - 1) g`` to fill its earlier chunks for one group, and
     ``2 (p - r - 1)`` so the first backward, which has to travel back from the
-    last stage, arrives as it is needed. When ``m == p`` every forward is
-    warmup. The bubble shrinks to ``(p - 1) / (v m + p - 1)`` at the cost of
-    ``v`` times as many point-to-point messages. A steady pair posts its
-    messages together, which keeps blocking sends from deadlocking.
+    last stage, arrives as it is needed. With equal groups the bubble shrinks to
+    ``(p - 1) / (v m + p - 1)`` at the cost of ``v`` times as many point-to-point
+    messages. A steady pair posts its messages together, which keeps blocking sends
+    from deadlocking.
     """
-    _check_sizes(num_stages, num_microbatches, num_chunks)
+    check_sizes(num_stages, num_microbatches, num_chunks)
     p, m, v = num_stages, num_microbatches, num_chunks
     if v < 2 or p < 2:
         raise ValueError(
             f"interleaved-1f1b needs at least 2 pipeline stages and 2 chunks per rank, got "
             f"p={p}, v={v}; use 1f1b for one chunk per rank"
         )
-    if m % p != 0:
-        lower, upper = (m // p) * p, (m // p + 1) * p
-        hint = f"{upper}" if lower == 0 else f"{lower} or {upper}"
+    if m < p:
         raise ValueError(
-            f"interleaved-1f1b groups microbatches by the {p} pipeline stages, so the number of "
-            f"microbatches must be a multiple of {p}; got {m}, use {hint}"
+            f"interleaved-1f1b needs at least as many microbatches as pipeline stages "
+            f"({p}), got {m}"
         )
-    total, group = m * v, p * v
-    # k-th forward of a rank: microbatch (k // pv) p + k % p through chunk (k % pv) // p
-    forwards = [
-        Action(Op.FORWARD, (k // group) * p + k % p, (k % group) // p) for k in range(total)
-    ]
-    backwards = [
-        Action(Op.BACKWARD, (k // group) * p + k % p, v - 1 - (k % group) // p)
-        for k in range(total)
-    ]
-    warmup = tuple(total if m == p else min(2 * (p - r - 1) + (v - 1) * p, total) for r in range(p))
+    g = group_size or next(k for k in range(p, m + 1) if m % k == 0 or m % k >= p)
+    if not p <= g <= m:
+        raise ValueError(
+            f"the microbatch group size of interleaved-1f1b must lie between the pipeline "
+            f"size {p} and the number of microbatches {m}, got {g}"
+        )
+    if 0 < m % g < p:
+        raise ValueError(
+            f"interleaved-1f1b with {m} microbatches in groups of {g} leaves a last group of "
+            f"{m % g}, fewer than the {p} pipeline stages, which stalls the pipeline; "
+            f"choose a group size that divides {m} or leaves at least {p}"
+        )
+    order = []  # (microbatch, chunk) in a rank's forward order
+    for first in range(0, m, g):
+        order += [(mb, c) for c in range(v) for mb in range(first, min(first + g, m))]
+    forwards = [Action(Op.FORWARD, mb, c) for mb, c in order]
+    backwards = [Action(Op.BACKWARD, mb, v - 1 - c) for mb, c in order]
+    total = m * v
+    warmup = tuple(min(2 * (p - r - 1) + (v - 1) * g, total) for r in range(p))
     per_rank = tuple(_warmup_steady_cooldown(forwards, backwards, w) for w in warmup)
     return Schedule("interleaved-1f1b", p, m, v, per_rank, warmup, paired_steady_state=True)
 
 
-SCHEDULES: dict[str, Callable[[int, int, int], Schedule]] = {
-    "gpipe": gpipe,
-    "1f1b": one_f_one_b,
-    "interleaved-1f1b": interleaved_1f1b,
-}
-
-
-def build_schedule(
-    name: str, num_stages: int, num_microbatches: int, num_chunks: int = 1
-) -> Schedule:
-    """Build the schedule called ``name`` (one of :data:`SCHEDULES`)."""
-    if name not in SCHEDULES:
-        raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
-    return SCHEDULES[name](num_stages, num_microbatches, num_chunks)
+def looped_bfs(num_stages: int, num_microbatches: int, num_chunks: int = 1) -> Schedule:
+    """Breadth-first over the chunks: every microbatch through chunk 0, then every one
+    through chunk 1, ...; then the backwards, last chunk first. It holds every
+    activation at the turn, as GPipe, but a rank's later chunks wait for no other
+    rank once the first microbatch has looped around. With one chunk it is GPipe."""
+    check_sizes(num_stages, num_microbatches, num_chunks)
+    m, v = num_microbatches, num_chunks
+    forwards = [Action(Op.FORWARD, mb, c) for c in range(v) for mb in range(m)]
+    backwards = [Action(Op.BACKWARD, mb, c) for c in reversed(range(v)) for mb in range(m)]
+    per_rank = (tuple(forwards + backwards),) * num_stages
+    return Schedule("looped-bfs", num_stages, m, v, per_rank)

@@ -1,17 +1,21 @@
 """Run a schedule's communication plan against a cost model, without processes.
 
-The simulator walks every rank's plan (:mod:`megapp.pipeline_parallel.plan`)
-conservatively: a rank posts a step's sends and receives when it reaches the
-step, and the step's action starts once every message of the step, sends
-included, has met its peer (as if sends blocked), plus ``p2p_latency`` from
-the later of the two postings. The engine waits for less: only for a step's
-receives (sends finish in the background), and on gloo it posts receives a
-step early; so a plan that completes here cannot deadlock in the engine.
-Header negotiation and the engine's own cost per message are not modelled.
+The simulator walks every rank's plan (:mod:`megapp.pipeline_parallel.plan`):
+a rank posts a step's sends and receives when it reaches the step, and the
+step's action starts once every receive of the step has met its send, plus
+``p2p_latency`` from the later of the two postings. With
+``CostModel.blocking_sends`` (the default) the step also waits for its sends to
+meet their receives, as a batch of messages on NCCL completes as one: a plan
+that completes then cannot deadlock on any transport. Without it, sends finish
+in the background, as on gloo, where the engine waits only for receives; that
+is the mode that predicts the engine's timings there. Header negotiation and
+the engine's own cost per message are not modelled.
+
 It returns every rank's timeline, the makespan, the bubble fraction and the
-peak number of microbatches whose activations each rank holds (forwards whose
-backward has not run). A schedule whose ranks would wait on each other
-forever raises :class:`ScheduleError` naming what each stuck rank waits for.
+peak activations each rank holds (forwards whose backward has not run, with a
+split backward's ``W`` holding ``weight_grad_memory`` of them). A schedule
+whose ranks would wait on each other forever raises :class:`ScheduleError`
+naming what each stuck rank waits for.
 """
 
 from __future__ import annotations
@@ -25,22 +29,53 @@ from megapp.pipeline_parallel.schedules import Action, Op, Schedule
 
 @dataclass(frozen=True)
 class CostModel:
-    """Time of one forward and one backward of one microbatch through one chunk.
+    """Time of each action of one microbatch through one chunk, and what it holds.
 
     ``forward``/``backward`` are a number (every chunk alike) or a table
-    ``[rank][chunk]`` for uneven stages. ``p2p_latency`` is added to every
-    message from the later of its two postings.
+    ``[rank][chunk]`` for uneven stages; a split backward's ``input_grad`` and
+    ``weight_grad`` default to half of ``backward`` each. ``p2p_latency`` is added to
+    every message from the later of its two postings.
+
+    ``weight_grad_memory`` is the share of a microbatch-chunk's activations that a
+    deferred ``W`` keeps alive after its ``I`` (the inputs of the weight matmuls;
+    1.0 counts the whole until ``W``). ``blocking_sends``: a step waits until its
+    sends have met their receives too (NCCL, where a batch of messages completes as
+    one); False models sends that finish in the background (gloo), as the engine
+    runs there.
     """
 
     forward: float | Sequence[Sequence[float]] = 1.0
     backward: float | Sequence[Sequence[float]] = 2.0
     p2p_latency: float = 0.0
+    input_grad: float | Sequence[Sequence[float]] | None = None
+    weight_grad: float | Sequence[Sequence[float]] | None = None
+    weight_grad_memory: float = 1.0
+    blocking_sends: bool = True
 
     def time(self, rank: int, action: Action) -> float:
-        table = self.forward if action.op is Op.FORWARD else self.backward
-        if isinstance(table, int | float):
-            return float(table)
-        return float(table[rank][action.chunk])
+        if action.op is Op.FORWARD:
+            return _lookup(self.forward, rank, action.chunk)
+        if action.op is Op.BACKWARD:
+            return _lookup(self.backward, rank, action.chunk)
+        whole = _lookup(self.backward, rank, action.chunk)
+        table = self.input_grad if action.op is Op.INPUT_GRAD else self.weight_grad
+        return whole / 2 if table is None else _lookup(table, rank, action.chunk)
+
+    def memory(self, action: Action) -> float:
+        """Change in held activations (in microbatch-chunks) once ``action`` has run."""
+        if action.op is Op.FORWARD:
+            return 1.0
+        if action.op is Op.BACKWARD:
+            return -1.0
+        if action.op is Op.INPUT_GRAD:
+            return -(1.0 - self.weight_grad_memory)
+        return -self.weight_grad_memory
+
+
+def _lookup(table: float | Sequence[Sequence[float]], rank: int, chunk: int) -> float:
+    if isinstance(table, int | float):
+        return float(table)
+    return float(table[rank][chunk])
 
 
 @dataclass(frozen=True)
@@ -58,7 +93,7 @@ class Event:
 class Timeline:
     schedule: Schedule
     events: list[Event] = field(default_factory=list)
-    peak_in_flight: list[int] = field(default_factory=list)
+    peak_in_flight: list[float] = field(default_factory=list)
 
     @property
     def makespan(self) -> float:
@@ -84,12 +119,12 @@ def simulate(schedule: Schedule, costs: CostModel | None = None) -> Timeline:
     clock = [0.0] * p
     cursor = [0] * p
     is_posted = [False] * p
-    in_flight, peak = [0] * p, [0] * p
+    in_flight, peak = [0.0] * p, [0.0] * p
     timeline = Timeline(schedule)
 
     def peer_times(step) -> list[float] | None:
         times = []
-        for msg in step.sends:
+        for msg in step.sends if costs.blocking_sends else ():
             if ("recv", msg) not in posted:
                 return None
             times.append(max(posted[("recv", msg)], posted[("send", msg)]))
@@ -125,7 +160,7 @@ def simulate(schedule: Schedule, costs: CostModel | None = None) -> Timeline:
                     )
                     clock[rank] = ready + duration
                     if not schedule.forward_only:  # evaluation keeps no activations
-                        in_flight[rank] += 1 if step.action.op is Op.FORWARD else -1
+                        in_flight[rank] += costs.memory(step.action)
                         peak[rank] = max(peak[rank], in_flight[rank])
                 cursor[rank] += 1
                 is_posted[rank] = False
@@ -141,5 +176,5 @@ def simulate(schedule: Schedule, costs: CostModel | None = None) -> Timeline:
             before = f"before {step.action}" if step.action else "at the end"
             lines.append(f"  rank {rank} {before} waits for: {'; '.join(waits)}")
         raise ScheduleError(f"{schedule.name} deadlocks:\n" + "\n".join(lines))
-    timeline.peak_in_flight = peak
+    timeline.peak_in_flight = [int(x) if float(x).is_integer() else x for x in peak]
     return timeline

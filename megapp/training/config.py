@@ -118,8 +118,8 @@ class PretrainConfig:
 
     def _derive(self) -> None:
         from megapp.optimizer.lr_scheduler import check_schedule
+        from megapp.pipeline_parallel.catalog import build_schedule
         from megapp.pipeline_parallel.partition import check_layer_split, virtual_stages
-        from megapp.pipeline_parallel.schedules import build_schedule
         from megapp.process_grid import ProcessGrid
 
         par, model, training = self.parallel, self.model, self.training

@@ -1,0 +1,305 @@
+"""Zero-bubble schedules: backwards split into ``I`` and ``W``, and the V placement.
+
+Splitting a backward lets a rank send the input gradient upstream as soon as it
+has it (``I``) and compute the weight gradients (``W``) later, where it would
+otherwise wait (Qi et al., "Zero Bubble Pipeline Parallelism", 2023).
+
+- :func:`zb_h1` and :func:`zb_h2` come from :func:`greedy`, the paper's
+  heuristic: a rank runs a ready ``I`` first, else a ready forward while its
+  held activations stay under a cap, and a deferred ``W`` where it fits in a
+  gap or frees memory a forward waits for. ZB-H1 caps every rank at what
+  1F1B's first rank holds (``p`` microbatches); ZB-H2 at ``2p - 1``.
+- :func:`zb_v` (two chunks per rank in V placement) and :func:`dualpipev`
+  (DeepSeek's DualPipe folded onto ``p`` ranks) are the published
+  constructions, phase by phase.
+
+A schedule's ``W`` keeps alive what the weight gradients need (the inputs of the
+weight matmuls); :class:`~megapp.pipeline_parallel.simulate.CostModel`'s
+``weight_grad_memory`` says how much that is.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict, deque
+from collections.abc import Sequence
+
+from megapp.pipeline_parallel.schedules import (
+    Action,
+    Op,
+    Schedule,
+    check_sizes,
+    looped_placement,
+    v_placement,
+)
+from megapp.pipeline_parallel.simulate import CostModel
+
+F, B, I, W = Op.FORWARD, Op.BACKWARD, Op.INPUT_GRAD, Op.WEIGHT_GRAD
+
+
+def greedy(
+    name: str,
+    num_stages: int,
+    num_microbatches: int,
+    num_chunks: int,
+    placement: Sequence[Sequence[int]],
+    memory_limit: Sequence[float],
+    costs: CostModel | None = None,
+    split_backward: bool = True,
+) -> Schedule:
+    """List-schedule every rank's actions against ``costs`` (the zero-bubble heuristic).
+
+    Time advances event by event; a rank free at time ``t`` picks, among what is ready
+    then: an input gradient (or whole backward), oldest first; else a forward if its
+    held activations (``costs.memory``) stay within ``memory_limit[rank]``, deepest
+    stage first; else its oldest deferred ``W``. Messages arrive ``p2p_latency`` after
+    the action that produced them, as on a transport whose sends finish in the
+    background. ``split_backward=False`` makes every backward one ``B``.
+
+    Raises ValueError when a limit is too small for any forward to run.
+    """
+    check_sizes(num_stages, num_microbatches, num_chunks)
+    costs = costs or CostModel()
+    p, m, v = num_stages, num_microbatches, num_chunks
+    placement = tuple(tuple(row) for row in placement)
+    last = p * v - 1
+    done: dict[tuple[Op, int, int], float] = {}  # (op, microbatch, stage) -> finish time
+    clock, held = [0.0] * p, [0.0] * p
+    next_f = [[0] * v for _ in range(p)]
+    next_b = [[0] * v for _ in range(p)]
+    deferred: list[deque[Action]] = [deque() for _ in range(p)]
+    actions: list[list[Action]] = [[] for _ in range(p)]
+    backward = I if split_backward else B
+
+    def ready_at(rank: int, op: Op, chunk: int) -> float | None:
+        """When the next ``op`` of ``chunk`` on ``rank`` has its input, if known."""
+        stage = placement[rank][chunk]
+        mb = (next_f if op is F else next_b)[rank][chunk]
+        if mb >= m:
+            return None
+        if op is F:
+            if stage == 0:
+                return 0.0
+            t = done.get((F, mb, stage - 1))
+            return None if t is None else t + costs.p2p_latency
+        if (F, mb, stage) not in done:
+            return None
+        if stage == last:
+            return done[(F, mb, stage)]
+        t = done.get((backward, mb, stage + 1))
+        return None if t is None else t + costs.p2p_latency
+
+    def proposal(rank: int) -> tuple[float, Op, int] | None:
+        """What ``rank`` would start next and when, from what is known now."""
+        work = []  # (start, priority, tiebreak, op, chunk)
+        memory_blocked = False
+        for chunk in range(v):
+            t = ready_at(rank, backward, chunk)
+            if t is not None:
+                # the first stage's input gradient feeds no one: forwards go first there
+                urgency = 2 if placement[rank][chunk] == 0 else 0
+                work.append((max(t, clock[rank]), urgency, next_b[rank][chunk], backward, chunk))
+            t = ready_at(rank, F, chunk)
+            if t is not None:
+                if held[rank] + costs.memory(Action(F, 0)) <= memory_limit[rank] + 1e-9:
+                    stage = placement[rank][chunk]
+                    work.append((max(t, clock[rank]), 1, -stage, F, chunk))
+                else:
+                    memory_blocked = True
+        if deferred[rank]:
+            weight = deferred[rank][0]
+            soonest = min((w[0] for w in work), default=None)
+            backward_now = any(w[3] is not F and w[0] <= clock[rank] for w in work)
+            # a W fills a gap it fits in, or frees memory a forward waits for
+            if (
+                soonest is None
+                or soonest >= clock[rank] + costs.time(rank, weight)
+                or (memory_blocked and not backward_now)
+            ):
+                return clock[rank], W, weight.chunk
+        if not work:
+            return None
+        start, _, _, op, chunk = min(work)
+        return start, op, chunk
+
+    total = m * v * p * (3 if split_backward else 2)
+    while sum(len(a) for a in actions) < total:
+        best = None
+        for rank in range(p):
+            found = proposal(rank)
+            if found is not None and (best is None or found[0] < best[0]):
+                best = (found[0], rank, found)
+        if best is None:
+            raise ValueError(
+                f"{name}: no rank can run anything under activation limits {list(memory_limit)}; "
+                "a limit must allow at least one forward beyond what the pipeline needs"
+            )
+        start, rank, (_, op, chunk) = best
+        stage = placement[rank][chunk]
+        if op is W:
+            action = deferred[rank].popleft()
+        else:
+            counter = next_f if op is F else next_b
+            action = Action(op, counter[rank][chunk], chunk)
+            counter[rank][chunk] += 1
+            if op is I:
+                deferred[rank].append(Action(W, action.microbatch, chunk))
+        end = start + costs.time(rank, action)
+        done[(op, action.microbatch, stage)] = end
+        clock[rank] = end
+        held[rank] += costs.memory(action)
+        actions[rank].append(action)
+    return Schedule(name, p, m, v, tuple(map(tuple, actions)), placement=placement)
+
+
+def _one_f_one_b_peak(num_stages: int, num_chunks: int) -> float:
+    """Most activations (microbatch-chunks) 1F1B, or interleaved 1F1B with several chunks,
+    holds on any rank: its first."""
+    p, v = num_stages, num_chunks
+    return float(p if v == 1 else 2 * (p - 1) + (v - 1) * p + 1)
+
+
+def zb_h1(num_stages: int, num_microbatches: int, num_chunks: int = 1) -> Schedule:
+    """ZB-H1: no rank holds more activations than 1F1B's first rank; bubble about a
+    third of 1F1B's when forward, input-gradient and weight-gradient times are equal.
+    With ``v`` chunks it keeps to interleaved 1F1B's peak (interleaved zero bubble)."""
+    p, v = num_stages, num_chunks
+    limits = [_one_f_one_b_peak(p, v)] * p
+    costs = CostModel(forward=1.0 / v, backward=2.0 / v)
+    return greedy("zb-h1", p, num_microbatches, v, looped_placement(p, v), limits, costs)
+
+
+def zb_h2(num_stages: int, num_microbatches: int, num_chunks: int = 1) -> Schedule:
+    """ZB-H2: every rank may hold ``2p - 1`` microbatches (``v`` times as many
+    chunk-activations), enough that the bubble nearly vanishes at uniform costs."""
+    p, v = num_stages, num_chunks
+    limits = [float(v * (2 * p - 1))] * p
+    costs = CostModel(forward=1.0 / v, backward=2.0 / v)
+    return greedy("zb-h2", p, num_microbatches, v, looped_placement(p, v), limits, costs)
+
+
+class _Counter:
+    """Appends actions to one rank's list, numbering microbatches per (op, chunk)."""
+
+    def __init__(self) -> None:
+        self.actions: list[Action] = []
+        self.count: dict[tuple[Op, int], int] = defaultdict(int)
+        self.weights: deque[Action] = deque()  # W of each I, in order
+
+    def add(self, op: Op, chunk: int) -> None:
+        key = (I if op is B else op, chunk)
+        action = Action(op, self.count[key], chunk)
+        self.count[key] += 1
+        self.actions.append(action)
+        if op is I:
+            self.weights.append(Action(W, action.microbatch, chunk))
+
+    def add_weight(self) -> None:
+        if self.weights:
+            self.actions.append(self.weights.popleft())
+
+
+def _two_chunks(name: str, num_chunks: int) -> None:
+    if num_chunks != 2:
+        raise ValueError(
+            f"{name} places two model chunks on every rank in a V; got num_chunks={num_chunks}"
+        )
+
+
+def zb_v(num_stages: int, num_microbatches: int, num_chunks: int = 2) -> Schedule:
+    """ZB-V: two chunks per rank in V placement, zero bubble at 1F1B's activation memory
+    when forward, input-gradient and weight-gradient times are equal.
+
+    Rank ``r``: ``2(p - r) - 1`` forwards of chunk 0; ``r`` pairs (F chunk 1, F chunk 0);
+    ``p - r`` triples (F, I, W) of chunk 1; then steady (F, I, W) of chunk 0 and of
+    chunk 1 in turn; then ``r`` pairs of input gradients with their ``W`` deferred, and
+    ``p - r`` (I, W) of chunk 0; the deferred ``W`` last. Built for
+    ``max(m, 2p - 1)`` microbatches, the ones beyond ``m`` left out.
+    """
+    check_sizes(num_stages, num_microbatches, num_chunks)
+    _two_chunks("zb-v", num_chunks)
+    p, m = num_stages, num_microbatches
+    n = max(m, 2 * p - 1)
+    per_rank = []
+    for r in range(p):
+        c = _Counter()
+        for _ in range(2 * (p - r) - 1):
+            c.add(F, 0)
+        for _ in range(r):
+            c.add(F, 1)
+            c.add(F, 0)
+        for _ in range(p - r):
+            for op in (F, I, W):
+                c.add(op, 1)
+        while c.count[(F, 1)] < c.count[(F, 0)] or c.count[(F, 0)] < n:
+            if c.count[(F, 0)] < n:
+                c.add(F, 0)
+            c.add(I, 0)
+            c.add(W, 0)
+            for op in (F, I, W):
+                c.add(op, 1)
+        deferred = {0: c.count[(W, 0)], 1: c.count[(W, 1)]}
+        for _ in range(r):
+            c.add(I, 0)
+            c.add(I, 1)
+        for _ in range(p - r):
+            c.add(I, 0)
+            c.actions.append(Action(W, deferred[0], 0))
+            deferred[0] += 1
+        for chunk in (1, 0):
+            while deferred[chunk] < c.count[(I, chunk)]:
+                c.actions.append(Action(W, deferred[chunk], chunk))
+                deferred[chunk] += 1
+        per_rank.append(tuple(a for a in c.actions if a.microbatch < m))
+    return Schedule("zb-v", p, m, 2, tuple(per_rank), placement=v_placement(p))
+
+
+def dualpipev(num_stages: int, num_microbatches: int, num_chunks: int = 2) -> Schedule:
+    """DualPipeV: DeepSeek's bidirectional DualPipe folded onto ``p`` ranks in a V.
+
+    After a warmup of ``2(p - r - 1)`` forwards of chunk 0 and ``r + 1`` pairs, the
+    steady state runs a forward of one chunk next to a whole backward of the other
+    (the pairs DualPipe overlaps with expert-parallel communication; here they run
+    one after the other); the last ``r + 1`` backwards on each rank split into ``I``
+    and ``W`` to fill the drain. Needs ``m >= 2p``.
+    """
+    check_sizes(num_stages, num_microbatches, num_chunks)
+    _two_chunks("dualpipev", num_chunks)
+    p, m = num_stages, num_microbatches
+    if m < 2 * p:
+        raise ValueError(
+            f"dualpipev needs at least 2p = {2 * p} microbatches (two per virtual stage's "
+            f"worth of warmup), got {m}"
+        )
+    per_rank = []
+    for r in range(p):
+        c = _Counter()
+        for _ in range(2 * (p - r - 1)):
+            c.add(F, 0)
+        for _ in range(r + 1):
+            c.add(F, 0)
+            c.add(F, 1)
+        for _ in range(p - r - 1):
+            c.add(I, 1)
+            c.add_weight()
+            c.add(F, 1)
+        for _ in range(m - 2 * p + r + 1):
+            for forward, backward in ((0, 1), (1, 0)):
+                c.add(F, forward)
+                c.add(B, backward)
+        for _ in range(p - r - 1):
+            c.add(B, 1)
+            c.add(F, 1)
+            c.add(B, 0)
+        split = False
+        for i in range(r + 1):
+            split = split or (i == (r + 1) // 2 and r % 2 == 1)
+            c.add(I if split else B, 1)
+            split = split or (i == (r + 1) // 2 and r % 2 == 0)
+            c.add(I if split else B, 0)
+        for _ in range(p - r - 1):
+            c.add_weight()
+            c.add(I if split else B, 0)
+        while c.weights:
+            c.add_weight()
+        per_rank.append(tuple(c.actions))
+    return Schedule("dualpipev", p, m, 2, tuple(per_rank), placement=v_placement(p))
