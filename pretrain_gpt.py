@@ -56,6 +56,7 @@ def model_provider(
         vpp_size=config.virtual_pipeline_model_parallel_size,
         tp_group=groups.tp,
         seed=config.training.seed,
+        stages=config.schedule.placement[ps.get_pipeline_model_parallel_rank()],
     )
 
 

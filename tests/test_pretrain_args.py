@@ -97,11 +97,30 @@ ERRORS = [
     ),
     (
         "--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1 "
-        "--global-batch-size 6",
+        "--global-batch-size 2",
         2,
-        r"--global-batch-size 6 / \(--micro-batch-size 2 × data-parallel size 1\) gives 3 "
-        r"microbatches, which the interleaved schedule cannot run: .* multiple of 2; got 3, "
-        r"use 2 or 4; use a global batch of 4 or 8",
+        r"--global-batch-size 2 / \(--micro-batch-size 2 × data-parallel size 1\) gives 1 "
+        r"microbatches, which the interleaved-1f1b schedule cannot run: .*at least as many "
+        r"microbatches as pipeline stages \(2\), got 1",
+    ),
+    (
+        "--pipeline-model-parallel-size 2 --pipeline-schedule zb-v --global-batch-size 8",
+        2,
+        r"--pipeline-schedule zb-v runs two model chunks per pipeline rank, placed in a V; "
+        r"add --num-layers-per-virtual-pipeline-stage 1",
+    ),
+    (
+        "--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1 "
+        "--pipeline-schedule dualpipev --global-batch-size 6",
+        2,
+        r"gives 3 microbatches, which the dualpipev schedule cannot run: dualpipev needs at "
+        r"least 2p = 4 microbatches",
+    ),
+    (
+        "--pipeline-model-parallel-size 2 --global-batch-size 8 "
+        "--microbatch-group-size-per-virtual-pipeline-stage 2",
+        2,
+        r"a microbatch group size applies to interleaved-1f1b, not 1f1b",
     ),
     (
         "--tensor-model-parallel-size 8",

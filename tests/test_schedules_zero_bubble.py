@@ -66,8 +66,8 @@ def test_weight_gradient_memory_share_lowers_the_peak():
     assert whole == [7, 7, 7, 7]
     assert part == [7, 5.5, 4, 2.5]  # later ranks hold deferred W's, not whole microbatches
     # a split backward frees exactly what a whole one would, in two parts
-    assert CostModel(weight_grad_memory=0.25).memory(Action(I, 0)) == -0.75
-    assert CostModel(weight_grad_memory=0.25).memory(Action(W, 0)) == -0.25
+    assert CostModel(weight_grad_memory=0.25).memory(0, Action(I, 0)) == -0.75
+    assert CostModel(weight_grad_memory=0.25).memory(0, Action(W, 0)) == -0.25
 
 
 def test_greedy_keeps_to_its_memory_limit_and_refuses_an_impossible_one():

@@ -36,7 +36,8 @@ def finalize_model_grads(
        row-parallel biases) over the tensor-parallel group, each rank having seen
        only its part of the sequence;
     3. sum the tied word-embedding gradient over the embedding group (first and
-       last pipeline stage), so both copies take the same step;
+       last pipeline stage), so both copies take the same step; when both stages
+       live on this rank (a V-shaped placement) the two copies are summed here;
     4. reduce the late buckets holding those parameters over data-parallel ranks.
     """
     for chunk in chunks:
@@ -50,8 +51,12 @@ def finalize_model_grads(
         )
     _all_reduce_coalesced(sequence_parallel, tp_group)
     embedding = [p.main_grad for p in params if is_tied_embedding(p)]
-    if len(embedding) > 1:
-        raise ValueError("a rank holds the tied embedding at most once")
+    if len(embedding) > 2:
+        raise ValueError("a rank holds the tied embedding at most twice (first and last stage)")
+    if len(embedding) == 2:  # a V-shaped placement: first and last stage on this rank
+        embedding[0].add_(embedding[1])
+        embedding[1].copy_(embedding[0])
+        embedding = []
     if embedding and embedding_group is None:
         raise ValueError(
             "the word embedding is tied across pipeline stages but no embedding_group was "

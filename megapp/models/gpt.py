@@ -21,7 +21,7 @@ count it once.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -31,7 +31,7 @@ from megapp import comm
 from megapp.comm import Group
 from megapp.fusions.rope import rotary_freqs
 from megapp.param_attributes import mark_tied_embedding
-from megapp.pipeline_parallel.partition import check_layer_split, rank_chunks, split_layers
+from megapp.pipeline_parallel.partition import check_layer_split, split_layers
 from megapp.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megapp.tensor_parallel.layers import (
     VocabParallelEmbedding,
@@ -284,15 +284,17 @@ def build_gpt_chunks(
     seed: int = 1234,
     first_stage_layers: int | None = None,
     last_stage_layers: int | None = None,
+    stages: Sequence[int] | None = None,
 ) -> list[GPTModel]:
-    """This pipeline rank's model chunks (chunk ``c`` is virtual stage ``c·pp + pp_rank``).
+    """This pipeline rank's model chunks: chunk ``c`` is virtual stage ``stages[c]``
+    (default ``c·pp + pp_rank``, the looped placement; a V-shaped schedule's
+    ``placement[pp_rank]`` puts the first and last stage on rank 0).
 
     Layers split evenly over the ``pp × vpp`` virtual stages, which must divide
     ``num_layers`` (Megatron's rule) unless the first and/or last stage's count is
     given, in which case the rest split evenly.
     """
     v = vpp_size or 1
-    stages = pp_size * v
     if pp_size < 1 or v < 1 or not 0 <= pp_rank < pp_size:
         raise ValueError(f"bad pipeline position: rank {pp_rank} of {pp_size}, vpp {vpp_size}")
     uneven = first_stage_layers is not None or last_stage_layers is not None
@@ -302,18 +304,26 @@ def build_gpt_chunks(
         check_layer_split(config.num_layers, pp_size, vpp_size)
     ranges = split_layers(
         config.num_layers,
-        stages,
+        pp_size * v,
         first_stage_layers=first_stage_layers,
         last_stage_layers=last_stage_layers,
     )
+    if stages is None:
+        stages_of_rank = [c * pp_size + pp_rank for c in range(v)]
+    else:
+        stages_of_rank = list(stages)
+        if len(stages_of_rank) != v or not all(0 <= s < pp_size * v for s in stages_of_rank):
+            raise ValueError(
+                f"stages must name {v} virtual stages below {pp_size * v}, got {stages_of_rank}"
+            )
     chunks = []
-    for c, layers in enumerate(rank_chunks(ranges, pp_size, pp_rank)):
-        stage = c * pp_size + pp_rank
+    for stage in stages_of_rank:
+        layers = ranges[stage]
         chunks.append(
             GPTModel(
                 config,
                 pre_process=stage == 0,
-                post_process=stage == stages - 1,
+                post_process=stage == pp_size * v - 1,
                 first_layer=layers.start,
                 num_layers=len(layers),
                 tp_group=tp_group,

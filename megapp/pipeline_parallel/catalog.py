@@ -30,9 +30,25 @@ V_SHAPED = frozenset({"zb-v", "dualpipev"})
 
 
 def build_schedule(
-    name: str, num_stages: int, num_microbatches: int, num_chunks: int = 1
+    name: str,
+    num_stages: int,
+    num_microbatches: int,
+    num_chunks: int = 1,
+    *,
+    group_size: int | None = None,
 ) -> Schedule:
-    """Build the schedule called ``name`` (one of :data:`SCHEDULES`)."""
+    """Build the schedule called ``name`` (one of :data:`SCHEDULES`). ``group_size``:
+    interleaved 1F1B's microbatches per group (Megatron's
+    ``microbatch_group_size_per_vp_stage``)."""
     if name not in SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
+    if group_size is not None:
+        if name != "interleaved-1f1b":
+            raise ValueError(f"a microbatch group size applies to interleaved-1f1b, not {name}")
+        return interleaved_1f1b(num_stages, num_microbatches, num_chunks, group_size)
     return SCHEDULES[name](num_stages, num_microbatches, num_chunks)
+
+
+def default_schedule(num_chunks: int) -> str:
+    """Megatron's choice: 1F1B, interleaved with several chunks per rank."""
+    return "interleaved-1f1b" if num_chunks > 1 else "1f1b"

@@ -31,10 +31,16 @@ from megapp import comm
 from megapp.pipeline_parallel.catalog import build_schedule
 from megapp.pipeline_parallel.compute import ForwardStepFunc, PipelineHooks
 from megapp.pipeline_parallel.p2p import TensorSpec, Transport
-from megapp.pipeline_parallel.plan import Message, Step, communication_plan, delivered_sends
+from megapp.pipeline_parallel.plan import (
+    Message,
+    ScheduleError,
+    Step,
+    communication_plan,
+    delivered_sends,
+)
 from megapp.pipeline_parallel.runner import StageRunner
 from megapp.pipeline_parallel.schedules import Schedule
-from megapp.pipeline_parallel.simulate import Event
+from megapp.pipeline_parallel.simulate import CostModel, Event, simulate
 
 __all__ = ["PipelineHooks", "PipelineResult", "forward_backward", "get_forward_backward_func"]
 
@@ -63,6 +69,20 @@ def _plan(schedule: Schedule) -> tuple[list[list[Step]], list[list[tuple[Message
     return plan, delivered_sends(plan)
 
 
+@functools.lru_cache(maxsize=64)
+def _check_blocking(schedule: Schedule) -> None:
+    """Refuse a schedule that only completes when sends finish in the background."""
+    try:
+        simulate(schedule, CostModel(blocking_sends=True))
+    except ScheduleError as err:
+        raise ScheduleError(
+            f"{schedule.name} (p={schedule.num_stages}, m={schedule.num_microbatches}, "
+            f"v={schedule.num_chunks}) needs sends that finish in the background (gloo); on "
+            f"a backend whose batches of messages complete as one (NCCL) it would deadlock: "
+            f"{str(err).splitlines()[0]}"
+        ) from None
+
+
 def forward_backward(
     forward_step_func: ForwardStepFunc,
     data_iterator: Iterator | Sequence[Iterator] | None,
@@ -86,8 +106,8 @@ def forward_backward(
         model_chunks: this rank's model chunk(s); chunk ``c`` runs the virtual stage the
             schedule places there (``c·p + rank`` for the schedules built here).
         num_microbatches: microbatches per iteration.
-        schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved-1f1b"`` or a :class:`Schedule`;
-            default 1f1b, or interleaved-1f1b with several chunks.
+        schedule: a name from :data:`~megapp.pipeline_parallel.catalog.SCHEDULES` or a
+            :class:`Schedule`; default 1f1b, or interleaved-1f1b with several chunks.
         pp_group: the pipeline group (default: the whole world; ``None`` without
             torch.distributed means one stage).
         tensor_shapes: the shapes and dtypes every stage sends, if fixed; ``None``
@@ -170,6 +190,8 @@ def forward_backward(
         hooks=hooks,
         clock=clock,
     )
+    if distributed and p > 1 and transport.posts_batches:
+        _check_blocking(sched)
     plan, delivered = _plan(sched)
     runner.run(plan[pp_rank], delivered[pp_rank])
     if not forward_only and hooks.post_backward is not None:

@@ -36,12 +36,14 @@ class CostModel:
     ``weight_grad`` default to half of ``backward`` each. ``p2p_latency`` is added to
     every message from the later of its two postings.
 
-    ``weight_grad_memory`` is the share of a microbatch-chunk's activations that a
-    deferred ``W`` keeps alive after its ``I`` (the inputs of the weight matmuls;
-    1.0 counts the whole until ``W``). ``blocking_sends``: a step waits until its
-    sends have met their receives too (NCCL, where a batch of messages completes as
-    one); False models sends that finish in the background (gloo), as the engine
-    runs there.
+    ``activation`` is what one microbatch's forward through a chunk leaves held (a
+    number or a ``[rank][chunk]`` table; 1 counts microbatch-chunks), and
+    ``weight_grad_memory`` the share of it a deferred ``W`` keeps alive after its
+    ``I`` (the inputs of the weight matmuls; 1.0 counts the whole until ``W``).
+
+    ``blocking_sends``: a step waits until its sends have met their receives too
+    (NCCL, where a batch of messages completes as one); False models sends that
+    finish in the background (gloo), as the engine runs there.
     """
 
     forward: float | Sequence[Sequence[float]] = 1.0
@@ -51,6 +53,7 @@ class CostModel:
     weight_grad: float | Sequence[Sequence[float]] | None = None
     weight_grad_memory: float = 1.0
     blocking_sends: bool = True
+    activation: float | Sequence[Sequence[float]] = 1.0
 
     def time(self, rank: int, action: Action) -> float:
         if action.op is Op.FORWARD:
@@ -61,15 +64,17 @@ class CostModel:
         table = self.input_grad if action.op is Op.INPUT_GRAD else self.weight_grad
         return whole / 2 if table is None else _lookup(table, rank, action.chunk)
 
-    def memory(self, action: Action) -> float:
-        """Change in held activations (in microbatch-chunks) once ``action`` has run."""
+    def memory(self, rank: int, action: Action) -> float:
+        """Change in held activations once ``action`` has run on ``rank``, in units of
+        ``activation`` (default: one per microbatch-chunk)."""
+        size = _lookup(self.activation, rank, action.chunk)
         if action.op is Op.FORWARD:
-            return 1.0
+            return size
         if action.op is Op.BACKWARD:
-            return -1.0
+            return -size
         if action.op is Op.INPUT_GRAD:
-            return -(1.0 - self.weight_grad_memory)
-        return -self.weight_grad_memory
+            return -size * (1.0 - self.weight_grad_memory)
+        return -size * self.weight_grad_memory
 
 
 def _lookup(table: float | Sequence[Sequence[float]], rank: int, chunk: int) -> float:
@@ -160,7 +165,7 @@ def simulate(schedule: Schedule, costs: CostModel | None = None) -> Timeline:
                     )
                     clock[rank] = ready + duration
                     if not schedule.forward_only:  # evaluation keeps no activations
-                        in_flight[rank] += costs.memory(step.action)
+                        in_flight[rank] += costs.memory(rank, step.action)
                         peak[rank] = max(peak[rank], in_flight[rank])
                 cursor[rank] += 1
                 is_posted[rank] = False

@@ -100,7 +100,10 @@ def greedy(
                 work.append((max(t, clock[rank]), urgency, next_b[rank][chunk], backward, chunk))
             t = ready_at(rank, F, chunk)
             if t is not None:
-                if held[rank] + costs.memory(Action(F, 0)) <= memory_limit[rank] + 1e-9:
+                if (
+                    held[rank] + costs.memory(rank, Action(F, 0, chunk))
+                    <= memory_limit[rank] + 1e-9
+                ):
                     stage = placement[rank][chunk]
                     work.append((max(t, clock[rank]), 1, -stage, F, chunk))
                 else:
@@ -146,7 +149,7 @@ def greedy(
         end = start + costs.time(rank, action)
         done[(op, action.microbatch, stage)] = end
         clock[rank] = end
-        held[rank] += costs.memory(action)
+        held[rank] += costs.memory(rank, action)
         actions[rank].append(action)
     return Schedule(name, p, m, v, tuple(map(tuple, actions)), placement=placement)
 

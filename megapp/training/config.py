@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megapp.pipeline_parallel.partition import nearest_multiples
+from megapp.pipeline_parallel.schedules import Schedule
 from megapp.training.flag_groups import (
     ArgumentsError,
     CheckpointArgs,
@@ -30,11 +31,11 @@ from megapp.training.flag_groups import (
     LoggingArgs,
     ModelArgs,
     OptimizerArgs,
-    ParallelArgs,
     PrecisionArgs,
     TrainingArgs,
     flag_name,
 )
+from megapp.training.parallel_flags import ParallelArgs
 
 GROUPS = {
     "parallel": ParallelArgs,
@@ -78,8 +79,9 @@ class PretrainConfig:
     """Every setting of a pre-training run, checked together for ``world_size`` ranks.
 
     Derived once, here: ``data_parallel_size``, ``virtual_pipeline_model_parallel_size``
-    (None without interleaving), ``num_microbatches`` and the defaults that depend on other
-    flags (global batch = micro batch × dp, LR decay over the whole run).
+    (None without interleaving), ``num_microbatches``, the pipeline ``schedule`` and the
+    defaults that depend on other flags (global batch = micro batch × dp, LR decay over
+    the whole run).
     """
 
     parallel: ParallelArgs
@@ -94,6 +96,7 @@ class PretrainConfig:
     data_parallel_size: int = field(init=False)
     virtual_pipeline_model_parallel_size: int | None = field(init=False)
     num_microbatches: int = field(init=False)
+    schedule: Schedule = field(init=False)
 
     @classmethod
     def from_flags(cls, flags: dict[str, Any], world_size: int) -> PretrainConfig:
@@ -116,9 +119,40 @@ class PretrainConfig:
     def _set(self, name: str, value: Any) -> None:
         object.__setattr__(self, name, value)  # derived once, while the frozen config is built
 
+    def _build_schedule(self, pp: int, vpp: int | None, gbs: int, mbs: int, dp: int):
+        from megapp.pipeline_parallel.catalog import V_SHAPED, build_schedule, default_schedule
+
+        par = self.parallel
+        name = par.pipeline_schedule or default_schedule(vpp or 1)
+        if name in V_SHAPED and vpp != 2:
+            per_stage = self.model.num_layers / (2 * pp)
+            hint = (
+                f"add --num-layers-per-virtual-pipeline-stage {int(per_stage)}"
+                if per_stage.is_integer()
+                else f"use a layer count divisible by 2 × --pipeline-model-parallel-size ({2 * pp})"
+            )
+            raise ArgumentsError(
+                f"--pipeline-schedule {name} runs two model chunks per pipeline rank, placed in "
+                f"a V; {hint}"
+            )
+        try:
+            return build_schedule(
+                name,
+                pp,
+                self.num_microbatches,
+                vpp or 1,
+                group_size=par.microbatch_group_size_per_virtual_pipeline_stage,
+            )
+        except ValueError as error:
+            raise ArgumentsError(
+                f"--global-batch-size {gbs} / (--micro-batch-size {mbs} × data-parallel "
+                f"size {dp}) gives {self.num_microbatches} microbatches, which the "
+                f"{name} schedule cannot run: {as_flags(str(error))}; change the global "
+                "batch size or the schedule"
+            ) from error
+
     def _derive(self) -> None:
         from megapp.optimizer.lr_scheduler import check_schedule
-        from megapp.pipeline_parallel.catalog import build_schedule
         from megapp.pipeline_parallel.partition import check_layer_split, virtual_stages
         from megapp.process_grid import ProcessGrid
 
@@ -145,16 +179,7 @@ class PretrainConfig:
             )
         self._set("num_microbatches", gbs // (mbs * dp))
         self._set("training", dataclasses.replace(training, global_batch_size=gbs))
-        if vpp is not None:
-            try:
-                build_schedule("interleaved-1f1b", pp, self.num_microbatches, vpp)
-            except ValueError as error:
-                raise ArgumentsError(
-                    f"--global-batch-size {gbs} / (--micro-batch-size {mbs} × data-parallel "
-                    f"size {dp}) gives {self.num_microbatches} microbatches, which the "
-                    f"interleaved schedule cannot run: {as_flags(str(error))}; use a global "
-                    f"batch of {nearest_multiples(gbs, mbs * dp * pp)}"
-                ) from error
+        self._set("schedule", self._build_schedule(pp, vpp, gbs, mbs, dp))
 
         opt = self.optimizer
         decay = opt.lr_decay_iters if opt.lr_decay_iters is not None else training.train_iters

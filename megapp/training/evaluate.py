@@ -10,8 +10,10 @@ from megapp import comm
 from megapp.distributed.ddp import DistributedDataParallel
 from megapp.parallel_state import TrainGroups
 from megapp.pipeline_parallel import forward_backward
+from megapp.pipeline_parallel.catalog import default_schedule
 from megapp.pipeline_parallel.compute import ForwardStepFunc
 from megapp.pipeline_parallel.p2p import TensorSpec
+from megapp.pipeline_parallel.schedules import Schedule
 
 
 def evaluate(
@@ -23,6 +25,7 @@ def evaluate(
     eval_iters: int,
     groups: TrainGroups,
     tensor_shapes: Sequence[TensorSpec] | None = None,
+    schedule: str | Schedule | None = None,
 ) -> float:
     """Mean loss of ``eval_iters`` global batches, identical on every rank.
 
@@ -30,10 +33,12 @@ def evaluate(
     the mean over microbatches and data-parallel replicas, as in training, and the
     result is the mean over the batches. ``tensor_shapes`` as for
     :func:`~megapp.pipeline_parallel.forward_backward` (None: negotiated per message).
+    ``schedule``: the training schedule, whose forwards run in its order (default 1F1B,
+    interleaved with several chunks).
     """
     if eval_iters < 1:
         raise ValueError(f"eval_iters must be >= 1, got {eval_iters}")
-    schedule = "interleaved-1f1b" if len(chunks) > 1 else "1f1b"
+    schedule = schedule or default_schedule(len(chunks))
     was_training = [chunk.training for chunk in chunks]
     for chunk in chunks:
         chunk.eval()

@@ -3,7 +3,8 @@
 Each field is a flag (:func:`arg` gives its default, help and argparse options;
 ``--field-name`` unless the field names its own Megatron spelling) and each group checks
 the rules that concern its own flags when it is built. The whole run's config, with the
-rules that span groups, is :class:`~megapp.training.config.PretrainConfig`.
+rules that span groups, is :class:`~megapp.training.config.PretrainConfig`; the layout
+and pipeline flags are in :mod:`megapp.training.parallel_flags`.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def flag_name(f: dataclasses.Field) -> str:
     return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
 
 
-def _require_positive(group: Any, names: tuple[str, ...]) -> None:
+def require_positive(group: Any, names: tuple[str, ...]) -> None:
     for name in names:
         value = getattr(group, name)
         if value is not None and value < 1:
@@ -46,45 +47,6 @@ def _require(group: Any, names: tuple[str, ...]) -> None:
     for name in names:
         if getattr(group, name) is None:
             raise ArgumentsError(f"--{name.replace('_', '-')} is required")
-
-
-@dataclass(frozen=True)
-class ParallelArgs:
-    """How the ranks are laid out (Megatron's distributed flags)."""
-
-    tensor_model_parallel_size: int = arg(1, "ranks that split every layer")
-    pipeline_model_parallel_size: int = arg(1, "pipeline stages")
-    num_layers_per_virtual_pipeline_stage: int | None = arg(
-        None, "layers per virtual stage; interleaves the pipeline schedule", kind=int
-    )
-    sequence_parallel: bool = arg(False, "split activations outside tp regions by sequence")
-    use_distributed_optimizer: bool = arg(False, "shard optimizer states over dp (ZeRO-1)")
-    zero_stage: int = arg(
-        0,
-        "ZeRO stage: 1 shards optimizer states over dp (as --use-distributed-optimizer), "
-        "2 also the gradients, 3 also the weights (gathered per layer)",
-        choices=(0, 1, 2, 3),
-    )
-    ddp_bucket_size: int = arg(40_000_000, "elements per data-parallel gradient bucket")
-    distributed_backend: str | None = arg(
-        None, "default: nccl when CUDA is available, else gloo", choices=("nccl", "gloo")
-    )
-    distributed_timeout_minutes: float = arg(
-        10.0, "how long a collective waits for a dead or stuck rank before the job fails"
-    )
-
-    def __post_init__(self) -> None:
-        _require_positive(
-            self,
-            (
-                "num_layers_per_virtual_pipeline_stage",
-                "ddp_bucket_size",
-            ),
-        )
-        if not self.distributed_timeout_minutes > 0:
-            raise ArgumentsError(
-                f"--distributed-timeout-minutes must be > 0, got {self.distributed_timeout_minutes}"
-            )
 
 
 @dataclass(frozen=True)
@@ -131,7 +93,7 @@ class ModelArgs:
     def __post_init__(self) -> None:
         _require(self, ("num_layers", "hidden_size", "num_attention_heads", "seq_length"))
         # the model's own sizes are TransformerConfig's and GPTConfig's to check
-        _require_positive(self, ("seq_length",))
+        require_positive(self, ("seq_length",))
         if self.group_query_attention and self.num_query_groups is None:
             raise ArgumentsError(
                 "--group-query-attention needs --num-query-groups N (the key/value heads)"
@@ -227,7 +189,7 @@ class TrainingArgs:
 
     def __post_init__(self) -> None:
         _require(self, ("micro_batch_size", "train_iters"))
-        _require_positive(
+        require_positive(
             self, ("micro_batch_size", "global_batch_size", "train_iters", "exit_interval")
         )
 
@@ -336,7 +298,7 @@ class CheckpointArgs:
     )
 
     def __post_init__(self) -> None:
-        _require_positive(self, ("save_interval",))
+        require_positive(self, ("save_interval",))
         if self.save_hf is not None and self.load_hf is None and self.hf_model_type is None:
             raise ArgumentsError(
                 f"--save-hf needs --hf-model-type ({' | '.join(HF_MODEL_TYPES)}) or --load-hf"
@@ -381,7 +343,7 @@ class LoggingArgs:
     )
 
     def __post_init__(self) -> None:
-        _require_positive(self, ("log_interval", "eval_interval"))
+        require_positive(self, ("log_interval", "eval_interval"))
         if self.eval_iters < 0:
             raise ArgumentsError(
                 f"--eval-iters must be >= 0 (0 turns evaluation off), got {self.eval_iters}"

@@ -117,6 +117,7 @@ class Trainer:
                 setup.optimizer,
                 num_microbatches=config.num_microbatches,
                 groups=setup.groups,
+                schedule=config.schedule,
                 lr_scheduler=setup.scheduler,
                 tensor_shapes=self.tensor_shapes,
             )
@@ -184,6 +185,7 @@ class Trainer:
             num_microbatches=config.num_microbatches,
             eval_iters=config.logging.eval_iters,
             groups=self.setup.groups,
+            schedule=config.schedule,
             tensor_shapes=self.tensor_shapes,
         )
         if split == "valid":

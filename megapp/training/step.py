@@ -11,7 +11,9 @@ from megapp.distributed.finalize import finalize_model_grads
 from megapp.optimizer.optimizer import Optimizer
 from megapp.parallel_state import TrainGroups
 from megapp.pipeline_parallel import PipelineHooks, forward_backward
+from megapp.pipeline_parallel.catalog import V_SHAPED, default_schedule
 from megapp.pipeline_parallel.compute import ForwardStepFunc
+from megapp.pipeline_parallel.schedules import Schedule
 
 
 @dataclass
@@ -51,7 +53,7 @@ def train_step(
     *,
     num_microbatches: int,
     groups: TrainGroups,
-    schedule: str | None = None,
+    schedule: str | Schedule | None = None,
     lr_scheduler=None,
     tensor_shapes=None,
 ) -> TrainStepResult:
@@ -59,8 +61,10 @@ def train_step(
 
     ``forward_step_func(data_iterator, chunk, inputs) -> (output, loss_func)`` as for
     :func:`megapp.pipeline_parallel.forward_backward`; ``chunk`` is the
-    DistributedDataParallel wrapper (call it like the model). The schedule defaults to
-    1F1B, interleaved when there is more than one chunk.
+    DistributedDataParallel wrapper (call it like the model). The schedule (a name or a
+    :class:`~megapp.pipeline_parallel.schedules.Schedule`) defaults to 1F1B, interleaved
+    when there is more than one chunk; chunk ``c`` must be built for the virtual stage
+    the schedule places there.
     """
     for chunk in chunks:
         if chunk.dp_size != comm.world_size(groups.dp):
@@ -73,8 +77,7 @@ def train_step(
     scale = float(scaler.scale) if scaler is not None else 1.0
     step_func = _scaled(forward_step_func, scale) if scaler is not None else forward_step_func
     hooks = PipelineHooks(before_backward=lambda c, is_last: chunks[c].set_grad_sync(is_last))
-    if schedule is None:
-        schedule = "interleaved-1f1b" if len(chunks) > 1 else "1f1b"
+    schedule = schedule or default_schedule(len(chunks))
     result = forward_backward(
         step_func,
         data_iterators,
@@ -85,7 +88,13 @@ def train_step(
         tensor_shapes=tensor_shapes,
         hooks=hooks,
     )
-    finalize_model_grads(chunks, tp_group=groups.tp, embedding_group=groups.embedding)
+    # with the first and last stage on one rank (a V), the tied embedding is summed there
+    if isinstance(schedule, Schedule):
+        folded = schedule.rank_of(0) == schedule.rank_of(schedule.num_virtual_stages - 1)
+    else:
+        folded = schedule in V_SHAPED
+    embedding_group = None if folded else groups.embedding
+    finalize_model_grads(chunks, tp_group=groups.tp, embedding_group=embedding_group)
     stepped = optimizer.step()
     if stepped.updated and lr_scheduler is not None:
         lr_scheduler.step()
