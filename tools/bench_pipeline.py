@@ -2,20 +2,25 @@
 
     python tools/bench_pipeline.py                         # spawns 4 gloo ranks itself
     torchrun --nproc-per-node 4 tools/bench_pipeline.py    # the same under torchrun
-    python tools/bench_pipeline.py --timeline docs/img     # also a timeline PNG and trace
+    python tools/bench_pipeline.py --timeline docs/img     # also timeline PNGs and traces
 
-The model chunks sleep ``tf / v`` in their forward and ``tb / v`` in their backward
-(``tools/pipeline_sleep.py``), so the schedule, the point-to-point messages and the autograd
-bookkeeping are real while compute is a fixed, contention-free sleep.
+The model chunks sleep ``tf / v`` in their forward, ``(tb - tw) / v`` in their input
+gradient and ``tw / v`` in their weight gradient (``tools/pipeline_sleep.py``), so the
+schedule, the point-to-point messages and the autograd bookkeeping are real while compute
+is a fixed, contention-free sleep. ``--first-stage-scale`` / ``--last-stage-scale``
+stretch the first and last virtual stage (an embedding; an output layer and the loss).
 
 Sleep mode compares the measured iteration with the simulator and with the
 ideal ``(m + (p - 1) / v)(tf + tb)``; zero-compute mode (tf = tb = 0) gives
-the cost per action. Both run the same chunks, activations and microbatches
-under ``torch.distributed.pipelining`` (PipelineStage with ScheduleGPipe,
-Schedule1F1B, ScheduleInterleaved1F1B). An iteration is timed the same way for
-both: barrier, one forward/backward call on every rank, the slowest rank's
-time. One extra untimed megapp iteration with ``record=True`` gives the
-measured per-action times."""
+the cost per action. Each schedule with a peer in ``torch.distributed.pipelining``
+(ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B, ScheduleLoopedBFS,
+ScheduleInterleavedZeroBubble for zb-h1, ScheduleZBVZeroBubble, ScheduleDualPipeV)
+runs the same chunks, activations and microbatches there too. ``auto`` is the
+schedule search, fed with the per-action times of one recorded zb-h1 iteration.
+An iteration is timed the same way for both: barrier, one forward/backward call on
+every rank, the slowest rank's time. One extra untimed megapp iteration with
+``record=True`` gives the measured per-action times, which the simulator replays
+(sends finishing in the background, as on gloo) for the prediction ``sim*``."""
 
 from __future__ import annotations
 
@@ -26,10 +31,11 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
-from megapp.pipeline_parallel import CostModel, build_schedule, simulate
+from megapp.pipeline_parallel import CostModel, Schedule, build_schedule, simulate
+from megapp.pipeline_parallel.catalog import SCHEDULES as BUILT_IN
+from megapp.pipeline_parallel.schedule_search import costs_from_events, search_schedule
 from megapp.pipeline_parallel.timeline import plot_timelines, write_chrome_trace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # siblings: tools/ is not a package
@@ -43,9 +49,18 @@ from benchlib import (
     median,
     write_json,
 )
-from pipeline_sleep import Config, cold_op_cost, iteration, megapp_runner, p2p_latency, torch_runner
+from pipeline_sleep import (
+    TORCH_SCHEDULES,
+    Config,
+    cold_op_cost,
+    iteration,
+    megapp_runner,
+    p2p_latency,
+    torch_runner,
+)
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+SCHEDULES = (*BUILT_IN, "auto")
+ONE_CHUNK = ("gpipe", "1f1b", "zb-h2", "auto")  # the rest take --chunks (the V: two)
 
 
 @dataclass
@@ -57,10 +72,13 @@ class Row:
     torch: list[float] = field(default_factory=list)
     torch_error: str = ""
     forward_s: float = 0.0  # mean measured duration of one forward / backward action
-    backward_s: float = 0.0
+    backward_s: float = 0.0  # a whole backward, or an input gradient plus a weight gradient
     simulated: float = 0.0  # simulator, nominal action times and the idle-peer latency
     simulated_measured: float = 0.0  # simulator, measured action times and the same latency
     formula: float = 0.0
+    bubble: float = 0.0  # simulated with nominal times: idle share, most activations held
+    peak: float = 0.0
+    searched: str = ""  # auto: the candidate the search picked
 
 
 # ----- on every rank --------------------------------------------------------------------------
@@ -73,21 +91,68 @@ def probe(args) -> tuple[tuple[float, float], tuple[float, float]]:
     return (hot, idle), (cold_op_cost(0.0), cold_op_cost(0.05))
 
 
-def _mean_action_times(result) -> tuple[float, float]:
-    """Mean forward and backward action durations over every rank of a recorded iteration."""
-    stats = torch.zeros(4, dtype=torch.float64)
-    for e in result.events:
-        if e.kind == "compute":
-            k = 0 if e.name.startswith("F") else 2
-            stats[k] += e.end - e.start
-            stats[k + 1] += 1
-    dist.all_reduce(stats)
-    return (stats[0] / stats[1]).item(), (stats[2] / stats[3]).item()
+def _gathered_events(result) -> list:
+    """Every rank's compute events of a recorded iteration, on every rank."""
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, [e for e in result.events if e.kind == "compute"])
+    return [e for rank_events in gathered for e in rank_events]
 
 
-def simulated(cfg: Config, p: int, forward_s: float, backward_s: float, latency: float) -> float:
-    sched = build_schedule(cfg.schedule, p, cfg.m, cfg.v)
-    return simulate(sched, CostModel(forward_s, backward_s, latency)).makespan
+def _mean_times(events) -> tuple[float, float]:
+    """Mean forward and backward (``B``, or ``I`` + ``W``) durations over every rank."""
+    total: dict[str, list[float]] = {"F": [], "B": [], "I": [], "W": []}
+    for e in events:
+        total[e.name[0]].append(e.end - e.start)
+    mean = {k: sum(v) / len(v) if v else 0.0 for k, v in total.items()}
+    whole = mean["B"] if total["B"] else mean["I"] + mean["W"]
+    return mean["F"], whole
+
+
+def nominal_costs(cfg: Config, p: int, latency: float) -> CostModel:
+    """The chunks' sleeps as a cost model (the first and last stage stretched)."""
+    v = cfg.v
+
+    def table(seconds: float) -> list[list[float]]:
+        rows = []
+        for rank in range(p):
+            row = []
+            for c in range(v):
+                stage = (rank if c == 0 else 2 * p - 1 - rank) if cfg.v_shape else c * p + rank
+                scale = (cfg.first_scale if stage == 0 else 1.0) * (
+                    cfg.last_scale if stage == p * v - 1 else 1.0
+                )
+                row.append(seconds / v * scale)
+            rows.append(row)
+        return rows
+
+    return CostModel(
+        forward=table(cfg.tf),
+        backward=table(cfg.tb),
+        input_grad=table(cfg.tb - cfg.tw),
+        weight_grad=table(cfg.tw),
+        p2p_latency=latency,
+        blocking_sends=False,
+    )
+
+
+def searched_schedule(cfg: Config, args, latency: float) -> tuple[Schedule, str]:
+    """``auto``: the search's pick for the costs of one recorded zb-h1 iteration, and the
+    candidate's label."""
+    probe_cfg = Config("zb-h1", cfg.m, cfg.v, cfg.tf, cfg.tb, cfg.tw, cfg.first_scale,
+                       cfg.last_scale)  # fmt: skip
+    run = megapp_runner(probe_cfg, args.micro_batch_size, args.hidden)
+    run()
+    recorded = build_schedule("zb-h1", dist.get_world_size(), cfg.m, cfg.v)
+    events = _gathered_events(run(record=True))
+    costs = costs_from_events(recorded, events, p2p_latency=latency, blocking_sends=False)
+    result = search_schedule(dist.get_world_size(), cfg.m, costs, num_chunks=cfg.v)
+    return result.schedule, result.candidates[0][0]
+
+
+def schedule_for(cfg: Config, args, latency: float) -> tuple[Schedule, str]:
+    if cfg.schedule == "auto":
+        return searched_schedule(cfg, args, latency)
+    return build_schedule(cfg.schedule, dist.get_world_size(), cfg.m, cfg.v), ""
 
 
 def bench(cfg: Config, args, latency: float, iters: int, warmup: int, negotiated: bool) -> Row:
@@ -96,11 +161,15 @@ def bench(cfg: Config, args, latency: float, iters: int, warmup: int, negotiated
     p, size, hidden = dist.get_world_size(), args.micro_batch_size, args.hidden
     row = Row(cfg, 2 * cfg.m * cfg.v)
     row.formula = (cfg.m + (p - 1) / cfg.v) * (cfg.tf + cfg.tb)
-    row.simulated = simulated(cfg, p, cfg.tf / cfg.v, cfg.tb / cfg.v, latency)
-    runs = {"megapp": megapp_runner(cfg, size, hidden)}
+    schedule, row.searched = schedule_for(cfg, args, latency)
+    row.actions_per_rank = len(schedule.actions[0])
+    nominal = simulate(schedule, nominal_costs(cfg, p, latency))
+    row.simulated, row.bubble = nominal.makespan, nominal.bubble_fraction
+    row.peak = max(nominal.peak_in_flight)
+    runs = {"megapp": megapp_runner(cfg, size, hidden, schedule=schedule)}
     if negotiated:
-        runs["negotiated"] = megapp_runner(cfg, size, hidden, declared=False)
-    if not args.no_torch:
+        runs["negotiated"] = megapp_runner(cfg, size, hidden, declared=False, schedule=schedule)
+    if not args.no_torch and cfg.schedule in TORCH_SCHEDULES:
         try:
             runs["torch"] = torch_runner(cfg, size, hidden)
         except Exception as err:  # a configuration torch refuses (on every rank): report it
@@ -111,42 +180,46 @@ def bench(cfg: Config, args, latency: float, iters: int, warmup: int, negotiated
     row.megapp_negotiated = times.get("negotiated", [])
     row.torch = times.get("torch", [])
     _, recorded = iteration(runs["megapp"], record=True)
-    row.forward_s, row.backward_s = _mean_action_times(recorded)
-    row.simulated_measured = simulated(cfg, p, row.forward_s, row.backward_s, latency)
+    events = _gathered_events(recorded)
+    row.forward_s, row.backward_s = _mean_times(events)
+    measured = costs_from_events(schedule, events, p2p_latency=latency, blocking_sends=False)
+    row.simulated_measured = simulate(schedule, measured).makespan
     return row
 
 
-def record_timeline(cfg: Config, args) -> list:
-    """Every rank's events of one recorded megapp iteration (after a warmup), on rank 0."""
-    run = megapp_runner(cfg, args.micro_batch_size, args.hidden)
+def record_timeline(cfg: Config, args, latency: float) -> tuple[list, list]:
+    """One recorded megapp iteration (after a warmup): every rank's events, on every rank,
+    and the simulator's replay of them with their measured per-action times."""
+    schedule, _ = schedule_for(cfg, args, latency)
+    run = megapp_runner(cfg, args.micro_batch_size, args.hidden, schedule=schedule)
     run()
-    events = run(record=True).events
     gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, events)
-    return [e for rank_events in gathered for e in rank_events]
+    dist.all_gather_object(gathered, run(record=True).events)
+    events = [e for rank_events in gathered for e in rank_events]
+    costs = costs_from_events(schedule, events, p2p_latency=latency, blocking_sends=False)
+    return simulate(schedule, costs).events, events
 
 
 # ----- on the reporting process ---------------------------------------------------------------
-def configs(args, tf: float, tb: float) -> list[Config]:
+def configs(args, tf: float, tb: float, tw: float) -> list[Config]:
     out = []
     for m in args.microbatches:
         for name in args.schedules:
-            v = args.chunks if name == "interleaved-1f1b" else 1
-            out.append(Config(name, m, v, tf, tb))
+            v = 1 if name in ONE_CHUNK else (2 if name in ("zb-v", "dualpipev") else args.chunks)
+            scales = (args.first_stage_scale, args.last_stage_scale)
+            out.append(Config(name, m, v, tf, tb, tw, *scales))
     return out
 
 
-def draw_timeline(args, p: int, cfg: Config, measured: list, latency: float) -> list[str]:
-    """Predicted and measured timelines of one sleep-mode configuration: PNG and trace."""
-    sched = build_schedule(cfg.schedule, p, cfg.m, cfg.v)
-    predicted = simulate(sched, CostModel(cfg.tf / cfg.v, cfg.tb / cfg.v, latency)).events
+def draw_timeline(args, p: int, cfg: Config, predicted: list, measured: list) -> list[str]:
+    """Predicted (measured action times replayed) and measured timelines: PNG and trace."""
     out = Path(args.timeline)
     out.mkdir(parents=True, exist_ok=True)
     stem = f"{cfg.schedule}_p{p}_m{cfg.m}_v{cfg.v}"
     png, trace = out / f"timeline_{stem}.png", out / f"trace_{stem}.json"
     plot_timelines(
         [
-            (f"predicted (simulator, p2p latency {latency * 1e3:.2f} ms): {cfg.label}", predicted),
+            (f"predicted (simulator, measured action times): {cfg.label}", predicted),
             (f"measured (megapp, gloo): {cfg.label}", measured),
         ],
         png,
@@ -161,7 +234,8 @@ def _paired(a: list[float], b: list[float]) -> float:
 
 
 def sleep_table(rows: list[Row]) -> str:
-    header = ["schedule", "m", "v", "formula s", "sim s", "megapp s", "megapp/formula"]
+    header = ["schedule", "m", "v", "formula s", "sim s", "bubble", "peak"]
+    header += ["megapp s", "megapp/formula"]
     header += ["F/B ms", "sim* s", "megapp/sim*", "negotiated s", "torch s", "megapp/torch"]
     header += ["paired"]
     body = []
@@ -169,11 +243,13 @@ def sleep_table(rows: list[Row]) -> str:
         c, got, neg, ref = r.config, median(r.megapp), median(r.megapp_negotiated), median(r.torch)
         body.append(
             [
-                c.schedule,
+                c.schedule + (f" ({r.searched})" if r.searched else ""),
                 str(c.m),
                 str(c.v),
                 f"{r.formula:.3f}",
                 f"{r.simulated:.3f}",
+                f"{r.bubble:.3f}",
+                f"{r.peak:g}",
                 f"{got:.3f}",
                 f"{got / r.formula:.4f}",
                 f"{r.forward_s * 1e3:.2f}/{r.backward_s * 1e3:.2f}",
@@ -230,19 +306,24 @@ def report(args, p, command, latencies, cold, sleep_rows, zero_rows, files, elap
     )
     if sleep_rows:
         print(
-            f"\nSleep mode: tf={args.forward_ms:g} ms, tb={args.backward_ms:g} ms per stage, "
-            f"tf/v and tb/v per chunk; median of {args.iters} rounds after {args.warmup} "
-            "warmup; each round runs every implementation once, in a rotating order.\n"
-            "formula = (m + (p-1)/v)(tf + tb); sim = simulator with tf/v, tb/v; "
-            "F/B = measured mean action times; sim* = simulator with those; negotiated = megapp "
-            "with tensor_shapes=None; paired = median over rounds of megapp/torch in the round"
+            f"\nSleep mode: tf={args.forward_ms:g} ms, tb={args.backward_ms:g} ms (of which "
+            f"tw={args.weight_ms:g} ms the weight gradient) per stage, /v per chunk; first/last "
+            f"stage x{args.first_stage_scale:g}/x{args.last_stage_scale:g}; median of "
+            f"{args.iters} rounds after {args.warmup} warmup; each round runs every "
+            "implementation once, in a rotating order.\n"
+            "formula = (m + (p-1)/v)(tf + tb); sim = simulator with the nominal sleeps, and its "
+            "bubble and peak activations held per rank (microbatch-chunks); F/B = measured mean "
+            "forward and backward (B, or I + W); sim* = simulator replaying every rank's "
+            "measured action times; negotiated = megapp with tensor_shapes=None; paired = "
+            "median over rounds of megapp/torch in the round; - = no torch peer"
         )
         print(sleep_table(sleep_rows))
     if zero_rows:
         print(
             f"\nZero-compute mode: tf = tb = 0; median of {args.zero_iters} rounds after "
-            f"{args.zero_warmup} warmup; ms/action = iteration / (2 m v); in F/B = mean time "
-            "inside one forward or backward action; sim = simulator, p2p latency only"
+            f"{args.zero_warmup} warmup; ms/action = iteration / actions per rank; in F/B = "
+            "mean time inside one forward or backward (B, or I + W); sim = simulator, p2p "
+            "latency only"
         )
         print(zero_table(zero_rows))
     errors = {r.config.label: r.torch_error for r in sleep_rows + zero_rows if r.torch_error}
@@ -278,6 +359,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--chunks", type=int, default=2, help="v for interleaved-1f1b")
     parser.add_argument("--forward-ms", type=float, default=100.0, help="tf per pipeline stage")
     parser.add_argument("--backward-ms", type=float, default=200.0, help="tb per pipeline stage")
+    parser.add_argument(
+        "--weight-ms", type=float, help="tw: the weight-gradient part of tb (default tb / 2)"
+    )
+    parser.add_argument(
+        "--first-stage-scale", type=float, default=1.0, help="the first virtual stage's times x"
+    )
+    parser.add_argument(
+        "--last-stage-scale", type=float, default=1.0, help="the last virtual stage's times x"
+    )
     parser.add_argument("--micro-batch-size", type=int, default=8, help="activation rows")
     parser.add_argument("--hidden", type=int, default=256, help="activation columns")
     parser.add_argument("--iters", type=int, default=3, help="timed sleep-mode iterations")
@@ -300,13 +390,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-sleep", action="store_true", help="skip sleep mode")
     parser.add_argument("--no-zero", action="store_true", help="skip zero-compute mode")
     parser.add_argument("--no-torch", action="store_true", help="skip torch.distributed.pipelining")
-    parser.add_argument("--timeline", metavar="DIR", help="write a timeline PNG and Chrome trace")
-    parser.add_argument("--timeline-schedule", default="interleaved-1f1b", choices=SCHEDULES)
+    parser.add_argument("--timeline", metavar="DIR", help="write timeline PNGs and Chrome traces")
+    parser.add_argument(
+        "--timeline-schedules", nargs="+", default=["interleaved-1f1b"], choices=SCHEDULES
+    )
     parser.add_argument("--timeline-microbatches", type=int, help="default: first --microbatches")
     parser.add_argument("--json", metavar="PATH", help="also write the raw results as JSON")
     args = parser.parse_args(argv)
     if args.warmup < 1 or args.zero_warmup < 1:
         parser.error("--warmup and --zero-warmup must be at least 1")
+    if args.weight_ms is None:
+        args.weight_ms = args.backward_ms / 2
+    if not 0 <= args.weight_ms <= args.backward_ms:
+        parser.error("--weight-ms must lie between 0 and --backward-ms")
     return args
 
 
@@ -314,30 +410,32 @@ def main() -> None:
     args = parse_args()
     command = command_line()
     started, load_before = time.perf_counter(), os.getloadavg()[0]
-    tf, tb = args.forward_ms / 1e3, args.backward_ms / 1e3
+    tf, tb, tw = args.forward_ms / 1e3, args.backward_ms / 1e3, args.weight_ms / 1e3
     first_m = args.microbatches[0]
     sleep_rows, zero_rows, files = [], [], []
     with Ranks(args.nproc, threads=1) as ranks:  # p ranks share few cores
         p = ranks.world_size
         latencies, cold = ranks.run(probe, args)
         idle = latencies[1]
-        for cfg in [] if args.no_sleep else configs(args, tf, tb):
+        for cfg in [] if args.no_sleep else configs(args, tf, tb, tw):
             negotiated = args.negotiated == "all" or (args.negotiated, cfg.m) == ("first", first_m)
             row = ranks.run(bench, cfg, args, idle, args.iters, args.warmup, negotiated)
             sleep_rows.append(row)
             if ranks.reporting:
                 print(f"  sleep {cfg.label}: megapp {median(row.megapp):.3f} s, "
                       f"torch {median(row.torch):.3f} s", file=sys.stderr, flush=True)  # fmt: skip
-        for cfg in [] if args.no_zero else configs(args, 0.0, 0.0):
+        for cfg in [] if args.no_zero else configs(args, 0.0, 0.0, 0.0):
             zero_rows.append(
                 ranks.run(bench, cfg, args, idle, args.zero_iters, args.zero_warmup, True)
             )
         if args.timeline:
-            name, m = args.timeline_schedule, args.timeline_microbatches or first_m
-            cfg = Config(name, m, args.chunks if name == "interleaved-1f1b" else 1, tf, tb)
-            measured = ranks.run(record_timeline, cfg, args)
-            if ranks.reporting:
-                files = draw_timeline(args, p, cfg, measured, idle)
+            m = args.timeline_microbatches or first_m
+            for cfg in configs(argparse.Namespace(**{**vars(args), "microbatches": [m],
+                                                    "schedules": args.timeline_schedules}),
+                               tf, tb, tw):  # fmt: skip
+                predicted, measured = ranks.run(record_timeline, cfg, args, idle)
+                if ranks.reporting:
+                    files += draw_timeline(args, p, cfg, predicted, measured)
         if ranks.reporting:
             elapsed, load = time.perf_counter() - started, (load_before, os.getloadavg()[0])
             report(args, p, command, latencies, cold, sleep_rows, zero_rows, files, elapsed, load)

@@ -1,11 +1,16 @@
 """The model of ``tools/bench_pipeline.py``: pipeline chunks that sleep instead of computing,
 and one iteration of them under megapp's engine or torch.distributed.pipelining.
 
-Every chunk is a tiny autograd Function that sleeps ``tf / v`` in its forward and ``tb / v``
-in its backward and adds a scalar weight to a small activation, so the schedule, the
-point-to-point messages and the autograd bookkeeping are real while compute is a fixed,
-contention-free sleep. The functions that take no ``cfg`` probe the machine: the one-way
-point-to-point latency and the cost of a tiny op after a sleep.
+Every chunk is two tiny autograd Functions: one on the activation's path sleeps ``tf / v``
+in its forward and ``(tb - tw) / v`` in its backward (the input gradient), one on a scalar
+weight's path sleeps ``tw / v`` in its backward (the weight gradient), and the chunk adds
+them. A whole backward runs both; a split one runs the first in ``I`` and the second in
+``W``, for megapp and for torch alike (both split the autograd graph at the weight's
+branch). The first stage has no input gradient to compute: its weight branch sleeps the
+whole backward. So the schedule, the point-to-point messages and the autograd bookkeeping are
+real while compute is a fixed, contention-free sleep. The functions that take no ``cfg``
+probe the machine: the one-way point-to-point latency and the cost of a tiny op after a
+sleep.
 """
 
 from __future__ import annotations
@@ -21,12 +26,20 @@ from torch import nn
 from torch.nn import functional as F
 
 from megapp.pipeline_parallel import TensorSpec, forward_backward
+from megapp.pipeline_parallel.catalog import V_SHAPED
+from megapp.pipeline_parallel.schedules import Schedule
 
 TORCH_SCHEDULES = {
     "gpipe": "ScheduleGPipe",
     "1f1b": "Schedule1F1B",
     "interleaved-1f1b": "ScheduleInterleaved1F1B",
+    "looped-bfs": "ScheduleLoopedBFS",
+    "zb-h1": "ScheduleInterleavedZeroBubble",
+    "zb-v": "ScheduleZBVZeroBubble",
+    "dualpipev": "ScheduleDualPipeV",
 }
+"""torch.distributed.pipelining's schedule for each megapp schedule that has a peer (its
+interleaved zero-bubble schedule keeps interleaved 1F1B's memory, as zb-h1 does)."""
 SPIN_S = 0.0005  # the last part of a sleep is spent polling the clock
 
 
@@ -44,34 +57,54 @@ def precise_sleep(seconds: float) -> None:
         pass
 
 
-class _Sleep(torch.autograd.Function):
-    """``x + w`` that sleeps ``forward_s`` in forward and ``backward_s`` in backward."""
+class _SleepInput(torch.autograd.Function):
+    """``x`` unchanged; sleeps ``forward_s`` in forward and ``backward_s`` in backward."""
 
     @staticmethod
-    def forward(ctx, x, weight, forward_s, backward_s):
+    def forward(ctx, x, forward_s, backward_s):
         ctx.backward_s = backward_s
         if forward_s > 0:
             precise_sleep(forward_s)
-        return x + weight
+        return x.clone()
 
     @staticmethod
     def backward(ctx, grad):
         if ctx.backward_s > 0:
             precise_sleep(ctx.backward_s)
-        grad_x = grad if ctx.needs_input_grad[0] else None
-        return grad_x, grad.sum(), None, None
+        return grad, None, None
+
+
+class _SleepWeight(torch.autograd.Function):
+    """``w`` unchanged; sleeps ``backward_s`` in backward (the weight gradient)."""
+
+    @staticmethod
+    def forward(ctx, weight, backward_s):
+        ctx.backward_s = backward_s
+        return weight.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.backward_s > 0:
+            precise_sleep(ctx.backward_s)
+        return grad, None
 
 
 class SleepChunk(nn.Module):
-    """One model chunk: a fixed forward and backward time and one scalar parameter."""
+    """One model chunk: fixed forward, input-gradient and weight-gradient times and one
+    scalar parameter."""
 
-    def __init__(self, forward_s: float, backward_s: float):
+    def __init__(self, forward_s: float, input_grad_s: float, weight_grad_s: float):
         super().__init__()
-        self.forward_s, self.backward_s = forward_s, backward_s
+        self.forward_s, self.input_grad_s = forward_s, input_grad_s
+        self.weight_grad_s = weight_grad_s
         self.weight = nn.Parameter(torch.zeros(()))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _Sleep.apply(x, self.weight, self.forward_s, self.backward_s)
+        if not x.requires_grad:  # the first stage: no input gradient, the whole backward
+            path = _SleepInput.apply(x, self.forward_s, 0.0)  # is the weights'
+            return path + _SleepWeight.apply(self.weight, self.input_grad_s + self.weight_grad_s)
+        path = _SleepInput.apply(x, self.forward_s, self.input_grad_s)
+        return path + _SleepWeight.apply(self.weight, self.weight_grad_s)
 
 
 @dataclass
@@ -80,11 +113,18 @@ class Config:
     m: int
     v: int
     tf: float  # per pipeline stage (all its chunks together), seconds
-    tb: float
+    tb: float  # a whole backward: input gradient tb - tw, then weight gradient tw
+    tw: float = 0.0
+    first_scale: float = 1.0  # the first virtual stage's times, times this (an embedding)
+    last_scale: float = 1.0  # the last virtual stage's (an output layer and the loss)
 
     @property
     def label(self) -> str:
         return f"{self.schedule} m={self.m} v={self.v}"
+
+    @property
+    def v_shape(self) -> bool:
+        return self.schedule in V_SHAPED
 
 
 def iteration(run: Callable, record: bool = False) -> tuple[float, object]:
@@ -105,7 +145,23 @@ def _data(cfg: Config, micro_batch_size: int, hidden: int) -> tuple[torch.Tensor
 
 
 def _chunks(cfg: Config) -> list[SleepChunk]:
-    return [SleepChunk(cfg.tf / cfg.v, cfg.tb / cfg.v) for _ in range(cfg.v)]
+    p, rank, v = dist.get_world_size(), dist.get_rank(), cfg.v
+    chunks = []
+    for c in range(v):
+        stage = stage_of(cfg, p, rank, c)
+        scale = (cfg.first_scale if stage == 0 else 1.0) * (
+            cfg.last_scale if stage == p * v - 1 else 1.0
+        )
+        times = (cfg.tf / v, (cfg.tb - cfg.tw) / v, cfg.tw / v)
+        chunks.append(SleepChunk(*(t * scale for t in times)))
+    return chunks
+
+
+def stage_of(cfg: Config, p: int, rank: int, chunk: int) -> int:
+    """The virtual stage chunk ``chunk`` of ``rank`` runs: looped, or the V."""
+    if cfg.v_shape:
+        return rank if chunk == 0 else 2 * p - 1 - rank
+    return chunk * p + rank
 
 
 def _forward_step(iterator, chunk, inputs):
@@ -115,12 +171,17 @@ def _forward_step(iterator, chunk, inputs):
 
 
 def megapp_runner(
-    cfg: Config, micro_batch_size: int, hidden: int, declared: bool = True
+    cfg: Config,
+    micro_batch_size: int,
+    hidden: int,
+    declared: bool = True,
+    schedule: Schedule | None = None,
 ) -> Callable[..., object]:
     """``run(record)``: one megapp iteration on this rank, returning its PipelineResult.
 
     ``declared`` passes the activation shape as ``tensor_shapes``; otherwise the engine
-    negotiates shapes per message (its default)."""
+    negotiates shapes per message (its default). ``schedule`` replaces ``cfg.schedule``'s
+    (a searched one)."""
     x, target = _data(cfg, micro_batch_size, hidden)
     batches = list(zip(x.split(micro_batch_size), target.split(micro_batch_size), strict=True))
     chunks = _chunks(cfg)
@@ -132,7 +193,7 @@ def megapp_runner(
             [iter(batches) for _ in chunks],
             chunks,
             cfg.m,
-            schedule=cfg.schedule,
+            schedule=schedule or cfg.schedule,
             tensor_shapes=shapes,
             record=record,
         )
@@ -156,17 +217,19 @@ def torch_runner(cfg: Config, micro_batch_size: int, hidden: int) -> Callable[..
     stages = [
         pipelining.PipelineStage(
             chunk,
-            c * p + rank,
+            stage_of(cfg, p, rank, c),
             p * cfg.v,
             torch.device("cpu"),
-            input_args=example(c * p + rank > 0),
+            input_args=example(stage_of(cfg, p, rank, c) > 0),
             output_args=example(True),
         )
         for c, chunk in enumerate(chunks)
     ]
     cls = getattr(pipelining, TORCH_SCHEDULES[cfg.schedule])
-    schedule = cls(stages if cfg.v > 1 else stages[0], cfg.m, loss_fn=F.mse_loss)
-    first, last = rank == 0, rank == p - 1
+    single = issubclass(cls, pipelining.schedules.PipelineScheduleSingle)
+    schedule = cls(stages[0] if single else stages, cfg.m, loss_fn=F.mse_loss)
+    last_rank = 0 if cfg.v_shape else p - 1
+    first, last = rank == 0, rank == last_rank
 
     def run(record: bool = False):
         inputs = (x,) if first else ()

@@ -114,6 +114,8 @@ class DistributedDataParallel(nn.Module):
 
     # ----- gradient arrival ------------------------------------------------
     def _on_grad(self, param: nn.Parameter) -> None:
+        if param.grad is None:  # a split backward's I deferred this weight: nothing came
+            return
         if self.sharded is not None:
             self.sharded.accumulate(param)
             param.grad = None

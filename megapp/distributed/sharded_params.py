@@ -170,6 +170,8 @@ class ShardedParams:
         return hook
 
     def _on_grad(self, param: nn.Parameter) -> None:
+        if param.grad is None:  # a split backward's I deferred this weight: nothing came
+            return
         key = self.unit_of_param[id(param)]
         self.arrived[key] += 1
         if self.arrived[key] == len(self.params_of[key]):

@@ -8,6 +8,14 @@ new kind of action is one method and one entry there. Which virtual stage a
 chunk is, and where its messages come from and go, is asked of the schedule
 (:func:`~megapp.pipeline_parallel.plan.incoming`,
 :func:`~megapp.pipeline_parallel.plan.outgoing`), never derived from a placement.
+
+A split backward (``I`` then ``W``) defers the weight gradients through
+:mod:`~megapp.pipeline_parallel.weight_grads`: every action of a schedule that splits
+runs under :func:`~megapp.pipeline_parallel.weight_grads.split_forward`, so megapp's
+linears build deferrable nodes; a microbatch whose forward built some uses the store
+(``I`` computes all but their weight gradients), one whose forward built none (any
+other module) the graph split (``I`` computes the input gradients only). A
+microbatch-chunk counts as held from its forward until its ``W``.
 """
 
 from __future__ import annotations
@@ -24,6 +32,13 @@ from megapp.pipeline_parallel.activation_storage import SavedStorages, run_backw
 from megapp.pipeline_parallel.plan import Message, incoming, outgoing
 from megapp.pipeline_parallel.schedules import Action, Op, Schedule
 from megapp.pipeline_parallel.shapes import ActivationShapes
+from megapp.pipeline_parallel.weight_grads import (
+    DeferredWeightGrads,
+    ForwardRecord,
+    GraphSplit,
+    collect_weight_grads,
+    split_forward,
+)
 
 LossFunc = Callable[[Any], torch.Tensor]
 ForwardStepFunc = Callable[
@@ -35,9 +50,9 @@ ForwardStepFunc = Callable[
 class PipelineHooks:
     """Callbacks for the training step.
 
-    before_backward(chunk, is_last): runs before every backward; ``is_last`` is
-        True for the chunk's last microbatch, when data-parallel gradient
-        reduction should be enabled for the backward that follows.
+    before_backward(chunk, is_last): runs before every backward action (``B``, ``I``
+        or ``W``); ``is_last`` is True when data-parallel gradient reduction should be
+        enabled for the action that follows (see :func:`sync_actions`).
     post_backward(): runs once after every backward of the iteration, e.g. to
         all-reduce the tied embedding's gradient between first and last stage.
     """
@@ -53,6 +68,38 @@ class Outgoing:
 
     tensors: tuple[torch.Tensor, ...]
     droppable: tuple[torch.Tensor, ...] = ()
+
+
+def sync_actions(actions: Sequence[Action], num_chunks: int, single_stage: bool) -> set[Action]:
+    """The actions before which a chunk's data-parallel reduction is enabled.
+
+    Reduction of a bucket starts once every parameter in it has had a gradient while
+    reduction is enabled (:class:`~megapp.distributed.ddp.DistributedDataParallel`), so
+    from the first enabled action on each parameter may receive at most one more
+    gradient, or part of it would miss the reduction. Hence: a chunk's last ``B``; or its
+    last ``W`` together with the ``I`` of the same microbatch when that ``I`` is the
+    chunk's action just before it (``I`` gives the gradients of every parameter the
+    ``W`` does not); or the last ``W`` alone. Buckets with a parameter that received
+    nothing in those actions are reduced by ``finish_grad_sync`` instead. The pair is
+    not used when one chunk is the whole model (``single_stage``): there a tied
+    embedding's weight gets gradients from both the lookup (``I``) and the output layer
+    (``W``).
+    """
+    enabled = set()
+    for chunk in range(num_chunks):
+        grads = [a for a in actions if a.chunk == chunk and a.op is not Op.FORWARD]
+        if not grads:
+            continue
+        last = grads[-1]
+        enabled.add(last)
+        before = grads[-2] if len(grads) > 1 else None
+        if (
+            not single_stage
+            and last.op is Op.WEIGHT_GRAD
+            and before == Action(Op.INPUT_GRAD, last.microbatch, chunk)
+        ):
+            enabled.add(before)
+    return enabled
 
 
 def _as_tuple(output: Any, where: str) -> tuple[torch.Tensor, ...]:
@@ -101,17 +148,35 @@ class StageCompute:
         # Per (microbatch, chunk) whose backward is still due: the forward's inputs and outputs.
         self.saved: dict[tuple[int, int], tuple[tuple[torch.Tensor, ...], ...]] = {}
         self.losses: list[torch.Tensor] = []
-        self.backwards_left = [schedule.num_microbatches] * schedule.num_chunks
+        self.sync = sync_actions(
+            schedule.actions[pp_rank],
+            schedule.num_chunks,
+            schedule.num_virtual_stages == 1,
+        )
+        self.splits = schedule.splits_backward and not schedule.forward_only
+        # Per (microbatch, chunk): whether its forward built deferrable matmuls, then,
+        # between its I and its W, the weight-gradient work left.
+        self.uses_store: dict[tuple[int, int], bool] = {}
+        self.deferred: dict[tuple[int, int], DeferredWeightGrads | GraphSplit] = {}
+        self.record: ForwardRecord | None = None
         self.in_flight = self.peak = 0
         self.handlers: dict[Op, Callable[[Action], None]] = {
             Op.FORWARD: self.forward,
             Op.BACKWARD: self.backward,
+            Op.INPUT_GRAD: self.input_grad,
+            Op.WEIGHT_GRAD: self.weight_grad,
         }
 
     def run(self, action: Action) -> None:
         """Run ``action``: what it receives must be in :attr:`inbox`; what it sends is left
         in :attr:`outbox`."""
-        self.handlers[action.op](action)
+        if not self.splits:
+            self.handlers[action.op](action)
+            return
+        # Every action, not only forwards: a recomputation inside backward must build
+        # the same nodes, and save the same tensors, as the forward did.
+        with split_forward() as self.record:
+            self.handlers[action.op](action)
 
     def forward(self, action: Action) -> None:
         """Forward of one microbatch through one chunk; the last stage computes its loss."""
@@ -139,9 +204,11 @@ class StageCompute:
             outputs = _as_tuple(output, "forward_step_func")
             self.shapes.record_sent(microbatch, stage, outputs)
             droppable = () if schedule.forward_only else saved.droppable(outputs)
-            self.outbox[outgoing(schedule, self.pp_rank, action)] = Outgoing(outputs, droppable)
+            self._deliver(outgoing(schedule, self.pp_rank, action), Outgoing(outputs, droppable))
         if not schedule.forward_only:
             self.saved[(microbatch, chunk)] = (inputs or (), outputs)
+            if self.splits:
+                self.uses_store[(microbatch, chunk)] = self.record.deferrable > 0
             self.in_flight += 1
             self.peak = max(self.peak, self.in_flight)
 
@@ -158,27 +225,63 @@ class StageCompute:
         # The one place the iteration's loss is averaged over microbatches.
         return loss / self.schedule.num_microbatches
 
+    def _gradients_in(self, action: Action):
+        """Run the hook; return the forward's inputs, its outputs needing a gradient and
+        their gradients (received, or on the last stage the scaled loss's ones)."""
+        if self.hooks.before_backward is not None:
+            self.hooks.before_backward(action.chunk, action in self.sync)
+        inputs, outputs = self.saved.pop((action.microbatch, action.chunk))
+        recv = incoming(self.schedule, self.pp_rank, action)
+        if recv is None:  # last stage: start from the scaled loss
+            return inputs, outputs, [torch.ones_like(outputs[0])]
+        return inputs, [o for o in outputs if o.is_floating_point()], self.inbox.pop(recv)
+
+    def _send_input_grads(self, action: Action, inputs: Sequence[torch.Tensor]) -> None:
+        send = outgoing(self.schedule, self.pp_rank, action)
+        if send is not None:
+            grads = tuple(
+                t.grad if t.grad is not None else torch.zeros_like(t)
+                for t in inputs
+                if t.is_floating_point()
+            )
+            self._deliver(send, Outgoing(grads))
+
+    def _deliver(self, message: Message, out: Outgoing) -> None:
+        """Leave ``out`` for the runner to send, or, for a stage on this same rank (the
+        turn of a V), straight in the inbox: detached, so the receiving chunk's backward
+        stops at its own input, and never dropped."""
+        if message.local:
+            self.inbox[message] = [t.detach() for t in out.tensors]
+        else:
+            self.outbox[message] = out
+
     def backward(self, action: Action) -> None:
         """Backward of one microbatch through one chunk, from the received gradient (or, on
         the last stage, from the scaled loss); sends the inputs' gradients back."""
-        chunk = action.chunk
-        self.backwards_left[chunk] -= 1
-        if self.hooks.before_backward is not None:
-            self.hooks.before_backward(chunk, self.backwards_left[chunk] == 0)
-        inputs, outputs = self.saved.pop((action.microbatch, chunk))
-        recv = incoming(self.schedule, self.pp_rank, action)
-        if recv is None:  # last stage: start from the scaled loss
-            run_backward(outputs, [torch.ones_like(outputs[0])])
+        inputs, outputs, grads = self._gradients_in(action)
+        self.uses_store.pop((action.microbatch, action.chunk), None)
+        run_backward(outputs, grads)
+        self._send_input_grads(action, inputs)
+        self.in_flight -= 1
+
+    def input_grad(self, action: Action) -> None:
+        """``I``: the inputs' gradients, sent back at once, and every parameter gradient
+        that is not left to ``W`` (see the module docstring)."""
+        key = (action.microbatch, action.chunk)
+        inputs, outputs, grads = self._gradients_in(action)
+        if self.uses_store.pop(key):
+            store = DeferredWeightGrads()
+            with collect_weight_grads(store):
+                run_backward(outputs, grads)
+            self.deferred[key] = store
         else:
-            floating = [o for o in outputs if o.is_floating_point()]
-            run_backward(floating, self.inbox.pop(recv))
-        send = outgoing(self.schedule, self.pp_rank, action)
-        if send is not None:
-            self.outbox[send] = Outgoing(
-                tuple(
-                    t.grad if t.grad is not None else torch.zeros_like(t)
-                    for t in inputs
-                    if t.is_floating_point()
-                )
-            )
+            floating = [t for t in inputs if t.is_floating_point()]
+            self.deferred[key] = GraphSplit.input_half(outputs, grads, floating)
+        self._send_input_grads(action, inputs)
+
+    def weight_grad(self, action: Action) -> None:
+        """``W``: the weight gradients ``I`` left, accumulated through autograd."""
+        if self.hooks.before_backward is not None:
+            self.hooks.before_backward(action.chunk, action in self.sync)
+        self.deferred.pop((action.microbatch, action.chunk)).run()
         self.in_flight -= 1

@@ -126,6 +126,8 @@ class Transport:
         self.device = device
         self.on_wait = on_wait
         self.timeout = timeout
+        # header sends not waited for yet (gloo), with the buffers they read
+        self.header_sends: list[tuple[dist.Work, torch.Tensor]] = []
 
     def global_rank(self, group_rank: int) -> int:
         """The global rank of a pipeline-group rank (what P2POp addresses, on any group)."""
@@ -251,8 +253,26 @@ class Transport:
     def exchange_headers(
         self, sends: Sequence[tuple[int, Sequence[TensorSpec]]], recv_peers: Sequence[int]
     ) -> list[tuple[TensorSpec, ...]]:
-        """Negotiate activation shapes: one header per send, one per receive."""
+        """Negotiate activation shapes: one header per send, one per receive.
+
+        Only the receives are waited for where sends finish in the background (gloo), as
+        for the data, so negotiating shapes adds no wait for a peer that is not there
+        yet; :meth:`finish_headers` waits for the sends at the end of the iteration.
+        """
         headers = [(peer, [encode_header(specs).to(self.device)]) for peer, specs in sends]
         template = [TensorSpec((_HEADER_LEN,), torch.int64)]
-        received = self.exchange(headers, [(p, template) for p in recv_peers], self.meta_group)
+        recvs = [(p, template) for p in recv_peers]
+        if self.posts_batches:
+            received = self.exchange(headers, recvs, self.meta_group)
+        else:
+            posted = self.post(headers, recvs, self.meta_group)
+            for (_, buffers), requests in zip(headers, posted.sends, strict=True):
+                self.header_sends += [(r, buffers[0]) for r in requests]
+            self.timed_wait(posted.recvs)
+            received = posted.received
         return [decode_header(buffers[0].cpu()) for buffers in received]
+
+    def finish_headers(self) -> None:
+        """Wait for the header sends still in flight."""
+        pending, self.header_sends = self.header_sends, []
+        self.wait([request for request, _ in pending])

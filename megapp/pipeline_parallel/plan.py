@@ -37,6 +37,11 @@ class Message:
     src: int
     dst: int
 
+    @property
+    def local(self) -> bool:
+        """Both stages on one rank (the turn of a V): handed over in memory, never sent."""
+        return self.src == self.dst
+
     def __str__(self) -> str:
         what = "activation" if self.op is Op.FORWARD else "gradient"
         src = f"stage {self.src_stage} on rank {self.src}"
@@ -105,7 +110,7 @@ def send_order(schedule: Schedule) -> dict[tuple[int, int], list[Message]]:
     channels: dict[tuple[int, int], list[Message]] = {}
     for rank, actions in enumerate(schedule.actions):
         for action in actions:
-            if (m := outgoing(schedule, rank, action)) is not None:
+            if (m := outgoing(schedule, rank, action)) is not None and not m.local:
                 channels.setdefault((m.src, m.dst), []).append(m)
     return channels
 
@@ -126,7 +131,7 @@ def rank_plan(
     steps, pending, done = [], (), set()
 
     def receive(message: Message | None) -> tuple[Message, ...]:
-        if message is None or message in done:
+        if message is None or message.local or message in done:
             return ()
         pair = (message.src, message.dst)
         queue, start = channels.get(pair, []), received.get(pair, 0)
@@ -141,7 +146,7 @@ def rank_plan(
         recvs = tuple(m for a in unit for m in receive(incoming(schedule, rank, a)))
         for k, action in enumerate(unit):
             steps.append(Step(pending, recvs, action) if k == 0 else Step((), (), action))
-        pending = tuple(m for a in unit if (m := outgoing(schedule, rank, a)))
+        pending = tuple(m for a in unit if (m := outgoing(schedule, rank, a)) and not m.local)
     steps.append(Step(pending, (), None))
     return steps
 
@@ -201,6 +206,7 @@ def check_actions(schedule: Schedule) -> None:
         for chunk in range(schedule.num_chunks)
     }
     for rank, actions in enumerate(schedule.actions):
+        _check_local_order(schedule, rank, actions)
         seen: dict[tuple[int, int], list[Op]] = {}
         for action in actions:
             key = (action.microbatch, action.chunk)
@@ -217,6 +223,22 @@ def check_actions(schedule: Schedule) -> None:
                     f"every microbatch and chunk must run as one of {', '.join(allowed)}, "
                     "in that order"
                 )
+
+
+def _check_local_order(schedule: Schedule, rank: int, actions) -> None:
+    """An action fed by a stage on its own rank runs after the action that feeds it."""
+    done: set[tuple[Op, int, int]] = set()
+    for action in actions:
+        message = incoming(schedule, rank, action)
+        if message is not None and message.local:
+            chunk = schedule.chunk_of(message.src_stage)
+            producers = (Op.FORWARD,) if message.op is Op.FORWARD else (Op.BACKWARD, Op.INPUT_GRAD)
+            if not any((op, action.microbatch, chunk) in done for op in producers):
+                raise ScheduleError(
+                    f"{schedule.name}: rank {rank} runs {action} before the action on the same "
+                    f"rank that produces its {message}"
+                )
+        done.add((action.op, action.microbatch, action.chunk))
 
 
 def check_fifo(plan: list[list[Step]]) -> None:

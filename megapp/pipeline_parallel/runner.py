@@ -144,6 +144,7 @@ class StageRunner:
         """Wait for every send still in flight."""
         try:
             self.sends.wait_all()
+            self.transport.finish_headers()
         except RuntimeError as err:
             raise self._failure("failed waiting for its last sends to be received", err) from err
 

@@ -62,6 +62,7 @@ def greedy(
     p, m, v = num_stages, num_microbatches, num_chunks
     placement = tuple(tuple(row) for row in placement)
     last = p * v - 1
+    where = {stage: r for r, row in enumerate(placement) for stage in row}
     done: dict[tuple[Op, int, int], float] = {}  # (op, microbatch, stage) -> finish time
     clock, held = [0.0] * p, [0.0] * p
     next_f = [[0] * v for _ in range(p)]
@@ -80,13 +81,17 @@ def greedy(
             if stage == 0:
                 return 0.0
             t = done.get((F, mb, stage - 1))
-            return None if t is None else t + costs.p2p_latency
+            return None if t is None else t + latency(rank, stage - 1)
         if (F, mb, stage) not in done:
             return None
         if stage == last:
             return done[(F, mb, stage)]
         t = done.get((backward, mb, stage + 1))
-        return None if t is None else t + costs.p2p_latency
+        return None if t is None else t + latency(rank, stage + 1)
+
+    def latency(rank: int, peer_stage: int) -> float:
+        """A message from another rank takes the latency; one within the rank none."""
+        return 0.0 if where[peer_stage] == rank else costs.p2p_latency
 
     def proposal(rank: int) -> tuple[float, Op, int] | None:
         """What ``rank`` would start next and when, from what is known now."""

@@ -30,6 +30,12 @@ from megapp.param_attributes import (
     set_unpadded_size,
     shard,
 )
+from megapp.pipeline_parallel.weight_grads import (
+    defer_weight_grad,
+    linear,
+    note_deferrable,
+    weight_grad_of_linear,
+)
 from megapp.tensor_parallel.mappings import (
     gather_first,
     gather_from_tensor_model_parallel_region,
@@ -93,13 +99,17 @@ class _ColumnParallelMatmul(torch.autograd.Function):
     matmul, backward all-reduces the input gradient. With it the input is a
     sequence shard: forward all-gathers it, backward reduce-scatters the
     input gradient. Backward launches those collectives asynchronously and
-    computes the weight gradient while they run.
+    computes the weight gradient while they run; during a split backward's ``I``
+    the weight gradient is deferred instead (:mod:`~megapp.pipeline_parallel.weight_grads`),
+    and the input is gathered again, in the same order on every rank, at ``W``.
     """
 
     @staticmethod
     def forward(ctx, x, weight, bias, group, sequence_parallel):
         ctx.group, ctx.sequence_parallel = group, sequence_parallel
         ctx.has_bias = bias is not None
+        note_deferrable()
+        ctx.param = weight  # the parameter itself, for a deferred weight gradient
         # Only the shard is saved; backward gathers it again (Megatron's memory trade).
         ctx.save_for_backward(x, weight)
         total = gather_first(x, group) if sequence_parallel else x
@@ -109,7 +119,15 @@ class _ColumnParallelMatmul(torch.autograd.Function):
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         group, sequence_parallel = ctx.group, ctx.sequence_parallel
-        if sequence_parallel:
+
+        def gathered_input() -> torch.Tensor:
+            return gather_first(x, group) if sequence_parallel else x
+
+        deferred = ctx.needs_input_grad[1] and defer_weight_grad(
+            ctx.param, lambda: weight_grad_of_linear(grad, gathered_input()), grad, x
+        )
+        gathering = None
+        if sequence_parallel and not deferred:
             total, gathering = gather_first(x, group, async_op=True)
         grad_input = grad.matmul(weight)
         work = None
@@ -124,7 +142,7 @@ class _ColumnParallelMatmul(torch.autograd.Function):
                 work = comm.all_reduce(grad_input, group, async_op=True)
         # The weight gradient overlaps the input-gradient collective.
         grad_2d = grad.reshape(-1, grad.shape[-1])
-        grad_weight = grad_2d.t().matmul(total.reshape(-1, total.shape[-1]))
+        grad_weight = None if deferred else weight_grad_of_linear(grad, total)
         grad_bias = grad_2d.sum(dim=0) if ctx.has_bias else None
         if work is not None:
             work.wait()
@@ -142,10 +160,12 @@ def column_parallel_matmul(
 
     ``x`` is ``[s, b, in]`` (``[s/tp, b, in]`` with sequence parallelism, gathered here);
     the result is ``[s, b, out/tp]``. With one rank there is nothing to communicate and it
-    is plain ``F.linear``, whose autograd node is C++.
+    is plain ``F.linear``, whose autograd node is C++ (or, while a split-backward schedule
+    runs, :func:`~megapp.pipeline_parallel.weight_grads.linear`, whose weight gradient may
+    be deferred).
     """
     if comm.world_size(group) == 1:
-        return F.linear(x, weight, bias)
+        return linear(x, weight, bias)
     return _ColumnParallelMatmul.apply(x, weight, bias, group, sequence_parallel)
 
 
@@ -262,7 +282,7 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         if not self.input_is_parallel:
             x = scatter_to_tensor_model_parallel_region(x, self.tp_group)
-        partial = F.linear(x, self.weight)
+        partial = linear(x, self.weight)  # F.linear unless a split backward may defer
         if self.sequence_parallel:
             out = reduce_scatter_to_sequence_parallel_region(partial, self.tp_group)
         else:
