@@ -28,11 +28,13 @@ import pytest
 import torch
 
 from megapp import parallel_state as ps
+from megapp.pipeline_parallel.catalog import build_schedule
 from megapp.testing import distributed
 from megapp.training import train_step
 from megapp.training.flag_groups import OptimizerArgs
 from megapp.training.setup import build_training_setup
 from tests.gpt_support import (
+    MICROBATCHES,
     SEED,
     VOCAB,
     full_tensor,
@@ -60,10 +62,23 @@ def forward_step(iterator, chunk, inputs):
 
 
 def train_layout(
-    tp, pp, vpp, *, distributed_optimizer=False, zero_stage=0, bucket_size=2000, **config
+    tp,
+    pp,
+    vpp,
+    *,
+    distributed_optimizer=False,
+    zero_stage=0,
+    bucket_size=2000,
+    schedule=None,
+    **config,
 ):
-    """Train STEPS steps under the layout; return (chunks, losses, grad norms, step-1 grads)."""
+    """Train STEPS steps under the layout (and pipeline ``schedule``, a name; default 1F1B
+    or interleaved); return (chunks, losses, grad norms, step-1 grads)."""
     ps.initialize_model_parallel(tp, pp, vpp)
+    stages = None
+    if schedule is not None:
+        built = build_schedule(schedule, pp, MICROBATCHES, vpp or 1)
+        stages = built.placement[ps.get_pipeline_model_parallel_rank()]
     setup = build_training_setup(
         gpt_config(tensor_model_parallel_size=tp, **config),
         OptimizerArgs(
@@ -73,6 +88,7 @@ def train_layout(
         use_distributed_optimizer=distributed_optimizer,
         zero_stage=zero_stage,
         seed=SEED,
+        stages=stages,
     )
     chunks, optimizer, groups = setup.chunks, setup.optimizer, setup.groups
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
@@ -87,6 +103,7 @@ def train_layout(
             optimizer,
             num_microbatches=len(mine),
             groups=groups,
+            schedule=schedule,
         )
         assert not result.skipped
         losses.append(result.loss)

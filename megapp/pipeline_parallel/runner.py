@@ -121,17 +121,24 @@ class StageRunner:
 
     def _communicate(self, step: Step, upcoming: Step | None, delivered: Sequence[Message]) -> None:
         outgoing = [self.compute.outbox.pop(m) for m in step.sends]
-        specs = self.shapes.for_step(step, [o.tensors for o in outgoing])  # also sends headers
         peers = [peer_of(m, self.pp_rank) for m in step.sends]
         sends = [(peer, o.tensors) for peer, o in zip(peers, outgoing, strict=True)]
+        # Where sends finish in the background (gloo) the data goes out before this step
+        # waits for anything, headers included: a peer that needs it first is never held
+        # up by what this rank still waits for.
+        early_sends = None if self.transport.posts_batches else self.transport.post(sends, [])
+        specs = self.shapes.for_step(step, [o.tensors for o in outgoing])  # also sends headers
+        remaining = sends if early_sends is None else []
         receives = self.early.take()
         if receives is not None:  # this step's receives went out with the previous step
-            posted = self.transport.post(sends, [])
+            posted = self.transport.post(remaining, [])
         else:
             sources = [peer_of(m, self.pp_rank) for m in step.recvs]
-            posted = receives = self.transport.post(sends, list(zip(sources, specs, strict=True)))
+            receives = self.transport.post(remaining, list(zip(sources, specs, strict=True)))
+            posted = receives
         self.early.post_ahead(upcoming)
-        for msg, out, requests in zip(step.sends, outgoing, posted.sends, strict=True):
+        send_requests = (early_sends or posted).sends
+        for msg, out, requests in zip(step.sends, outgoing, send_requests, strict=True):
             self.sends.add(msg, requests, out.droppable)
         # Only the receives are waited for: a late peer then delays just the action that
         # needs its data, not this rank's next step.

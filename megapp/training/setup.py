@@ -3,7 +3,7 @@ parallelism, the optimizer and the learning-rate schedule, for the current layou
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -60,6 +60,7 @@ def build_training_setup(
     zero_stage: int = 0,
     seed: int = 1234,
     device: torch.device | str = "cpu",
+    stages: Sequence[int] | None = None,
 ) -> TrainingSetup:
     """Chunks, optimizer and schedule of this rank under the current
     :mod:`megapp.parallel_state` layout (call ``initialize_model_parallel`` first; a single
@@ -70,6 +71,8 @@ def build_training_setup(
     built from flags sets it). The optimizer's groups come from the layout.
     ``zero_stage``: 1 shards the optimizer states over data-parallel ranks (what
     ``use_distributed_optimizer`` asks too), 2 also the gradients, 3 also the weights.
+    ``stages``: the virtual stage of each GPT chunk on this rank (a schedule's
+    ``placement[pp_rank]``; default the looped placement).
     """
     if zero_stage not in ZERO_STAGES:
         raise ValueError(f"zero_stage must be one of {ZERO_STAGES}, got {zero_stage}")
@@ -89,7 +92,13 @@ def build_training_setup(
         groups, pp_rank, pp, vpp = TrainGroups(), 0, 1, None
     if isinstance(model, GPTConfig):
         modules = build_gpt_chunks(
-            model, pp_rank=pp_rank, pp_size=pp, vpp_size=vpp, tp_group=groups.tp, seed=seed
+            model,
+            pp_rank=pp_rank,
+            pp_size=pp,
+            vpp_size=vpp,
+            tp_group=groups.tp,
+            seed=seed,
+            stages=stages,
         )
     else:
         modules = model(groups)
