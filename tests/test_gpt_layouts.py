@@ -179,8 +179,6 @@ LAYOUTS = [
             "recompute_num_layers": 1,
         },
     ),
-    (8, 1, 4, 2, {}),
-    (8, 1, 2, 2, {"share_embeddings_and_output_weights": False, "activation": "swiglu"}),
     (8, 4, 2, None, {"sequence_parallel": True, "share_embeddings_and_output_weights": False}),
 ]
 

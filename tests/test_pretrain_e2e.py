@@ -187,15 +187,6 @@ def test_bad_settings_and_data_fail_with_one_clear_error(corpus, tmp_path):
             f"--data-path: {tmp_path / 'other.bin'}: its largest token id is 3999, outside the "
             "tokenizer's vocabulary of 257",
         ),
-        "batch": (
-            2,
-            [
-                *SMALL.replace("--tensor-model-parallel-size 2", "").split(),
-                *("--global-batch-size", "6", "--use-default-corpus"),
-            ],
-            "--global-batch-size (6) is not divisible by --micro-batch-size × data-parallel "
-            "size (2 × 2 = 4); use a global batch of 4 or 8",
-        ),
         "flag": (
             2,
             [*small, "--hidden-size", "wide", "--use-default-corpus"],

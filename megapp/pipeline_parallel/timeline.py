@@ -44,8 +44,12 @@ def write_chrome_trace(events: Sequence[Event], path: str | Path, time_unit_s: f
     Path(path).write_text(json.dumps(chrome_trace(events, time_unit_s)))
 
 
+_COLORS = {"F": "#4c78a8", "B": "#f58518", "I": "#e45756", "W": "#54a24b"}
+
+
 def _color(name: str) -> str:
-    return "#4c78a8" if name.startswith("F") else "#f58518" if name.startswith("B") else "#bbbbbb"
+    """Forwards blue, whole backwards orange, input gradients red, weight gradients green."""
+    return _COLORS.get(name[:1], "#bbbbbb")
 
 
 def plot_timelines(
@@ -53,7 +57,8 @@ def plot_timelines(
 ) -> None:
     """A Gantt chart per (title, events), stacked with a shared time axis, saved as PNG.
 
-    Forwards are blue, backwards orange, communication waits grey hatches.
+    Forwards are blue, backwards orange (split: input gradients red, weight gradients
+    green), communication waits grey hatches.
     """
     try:
         import matplotlib

@@ -121,9 +121,12 @@ class PretrainConfig:
 
     def _build_schedule(self, pp: int, vpp: int | None, gbs: int, mbs: int, dp: int):
         from megapp.pipeline_parallel.catalog import V_SHAPED, build_schedule, default_schedule
+        from megapp.training.auto_schedule import PROBE
 
         par = self.parallel
         name = par.pipeline_schedule or default_schedule(vpp or 1)
+        if name == "auto":  # the first iteration times zb-h1; the search picks the rest
+            name = PROBE
         if name in V_SHAPED and vpp != 2:
             per_stage = self.model.num_layers / (2 * pp)
             hint = (

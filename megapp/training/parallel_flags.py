@@ -20,9 +20,9 @@ class ParallelArgs:
     pipeline_schedule: str | None = arg(
         None,
         "default 1f1b, interleaved-1f1b with virtual stages; zb-v and dualpipev place two "
-        "chunks per rank in a V",
+        "chunks per rank in a V; auto times one zb-h1 iteration and searches",
         kind=str,
-        choices=tuple(SCHEDULES),
+        choices=(*SCHEDULES, "auto"),
     )
     microbatch_group_size_per_virtual_pipeline_stage: int | None = arg(
         None, "interleaved-1f1b: microbatches per group (default: from --pp up)", kind=int

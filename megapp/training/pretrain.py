@@ -28,6 +28,7 @@ from megapp.parallel_state import TrainGroups
 from megapp.pipeline_parallel.compute import ForwardStepFunc
 from megapp.pipeline_parallel.p2p import TensorSpec
 from megapp.training import checkpoints, hf_start
+from megapp.training.auto_schedule import choose_schedule
 from megapp.training.checkpoints import TrainState
 from megapp.training.config import PretrainConfig
 from megapp.training.data_iterators import chunk_iterators, rank0_first
@@ -97,6 +98,8 @@ class Trainer:
         self.peak = peak_tflops(device, config.precision.params_dtype)
         self.valid_iterators = self.test_iterators = None
         self.tensor_shapes = pipeline_tensor_shapes(config)
+        self.schedule = config.schedule
+        self.searching = config.parallel.pipeline_schedule == "auto"  # times the first
 
     def _sync(self) -> float:
         if self.device.type == "cuda":
@@ -117,11 +120,17 @@ class Trainer:
                 setup.optimizer,
                 num_microbatches=config.num_microbatches,
                 groups=setup.groups,
-                schedule=config.schedule,
+                schedule=self.schedule,
                 lr_scheduler=setup.scheduler,
                 tensor_shapes=self.tensor_shapes,
+                record=self.searching,
             )
-            interval.seconds += self._sync() - start
+            seconds = self._sync() - start
+            interval.seconds += seconds
+            if self.searching:
+                self.schedule, line = choose_schedule(self.schedule, result.events, seconds)
+                self.searching = False
+                print_rank_0(line)
             state.iteration += 1
             state.consumed_train_samples += training.global_batch_size
             interval.iterations += 1
@@ -185,7 +194,7 @@ class Trainer:
             num_microbatches=config.num_microbatches,
             eval_iters=config.logging.eval_iters,
             groups=self.setup.groups,
-            schedule=config.schedule,
+            schedule=self.schedule,
             tensor_shapes=self.tensor_shapes,
         )
         if split == "valid":

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from megapp import comm
 from megapp.distributed.ddp import DistributedDataParallel
@@ -26,6 +26,8 @@ class TrainStepResult:
     """Global gradient norm before clipping (nan when the step was skipped)."""
     skipped: bool
     """True when inf/nan gradients made the loss scaler skip the update."""
+    events: list = field(default_factory=list)
+    """This rank's pipeline timeline, when recording was asked for."""
 
 
 def _scaled(forward_step_func: ForwardStepFunc, scale: float) -> ForwardStepFunc:
@@ -56,6 +58,7 @@ def train_step(
     schedule: str | Schedule | None = None,
     lr_scheduler=None,
     tensor_shapes=None,
+    record: bool = False,
 ) -> TrainStepResult:
     """Run one iteration and update the model.
 
@@ -64,7 +67,8 @@ def train_step(
     DistributedDataParallel wrapper (call it like the model). The schedule (a name or a
     :class:`~megapp.pipeline_parallel.schedules.Schedule`) defaults to 1F1B, interleaved
     when there is more than one chunk; chunk ``c`` must be built for the virtual stage
-    the schedule places there.
+    the schedule places there. ``record`` keeps this rank's pipeline timeline in the
+    result.
     """
     for chunk in chunks:
         if chunk.dp_size != comm.world_size(groups.dp):
@@ -87,6 +91,7 @@ def train_step(
         pp_group=groups.pp,
         tensor_shapes=tensor_shapes,
         hooks=hooks,
+        record=record,
     )
     # with the first and last stage on one rank (a V), the tied embedding is summed there
     if isinstance(schedule, Schedule):
@@ -102,4 +107,6 @@ def train_step(
     if comm.world_size(groups.dp) > 1:
         comm.all_reduce(loss, groups.dp)
         loss /= comm.world_size(groups.dp)
-    return TrainStepResult(float(loss.item()), stepped.grad_norm, not stepped.updated)
+    return TrainStepResult(
+        float(loss.item()), stepped.grad_norm, not stepped.updated, result.events
+    )
