@@ -60,7 +60,7 @@ from pipeline_sleep import (
 )
 
 SCHEDULES = (*BUILT_IN, "auto")
-ONE_CHUNK = ("gpipe", "1f1b", "zb-h2", "auto")  # the rest take --chunks (the V: two)
+ONE_CHUNK = ("gpipe", "1f1b", "zb-h2")  # the rest take --chunks (the V: two)
 
 
 @dataclass
@@ -145,7 +145,9 @@ def searched_schedule(cfg: Config, args, latency: float) -> tuple[Schedule, str]
     recorded = build_schedule("zb-h1", dist.get_world_size(), cfg.m, cfg.v)
     events = _gathered_events(run(record=True))
     costs = costs_from_events(recorded, events, p2p_latency=latency, blocking_sends=False)
-    result = search_schedule(dist.get_world_size(), cfg.m, costs, num_chunks=cfg.v)
+    limit = args.auto_memory_limit
+    result = search_schedule(dist.get_world_size(), cfg.m, costs, num_chunks=cfg.v,
+                             memory_limit=limit)  # fmt: skip
     return result.schedule, result.candidates[0][0]
 
 
@@ -390,6 +392,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-sleep", action="store_true", help="skip sleep mode")
     parser.add_argument("--no-zero", action="store_true", help="skip zero-compute mode")
     parser.add_argument("--no-torch", action="store_true", help="skip torch.distributed.pipelining")
+    parser.add_argument(
+        "--auto-memory-limit",
+        type=float,
+        help="auto: microbatch-chunks of activations a rank may hold (default: 1F1B's peak)",
+    )
     parser.add_argument("--timeline", metavar="DIR", help="write timeline PNGs and Chrome traces")
     parser.add_argument(
         "--timeline-schedules", nargs="+", default=["interleaved-1f1b"], choices=SCHEDULES

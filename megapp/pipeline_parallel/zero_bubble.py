@@ -4,11 +4,13 @@ Splitting a backward lets a rank send the input gradient upstream as soon as it
 has it (``I``) and compute the weight gradients (``W``) later, where it would
 otherwise wait (Qi et al., "Zero Bubble Pipeline Parallelism", 2023).
 
-- :func:`zb_h1` and :func:`zb_h2` come from :func:`greedy`, the paper's
-  heuristic: a rank runs a ready ``I`` first, else a ready forward while its
-  held activations stay under a cap, and a deferred ``W`` where it fits in a
-  gap or frees memory a forward waits for. ZB-H1 caps every rank at what
-  1F1B's first rank holds (``p`` microbatches); ZB-H2 at ``2p - 1``.
+- :func:`zb_h1` is 1F1B (or interleaved 1F1B) with each rank's weight
+  gradients held back by its distance from the last stage, the construction
+  torch.distributed.pipelining's interleaved zero-bubble schedule uses.
+- :func:`zb_h2` comes from :func:`greedy`, the paper's heuristic: a rank runs
+  a ready ``I`` first, else a ready forward while its held activations stay
+  under a cap (``2p - 1`` microbatches for ZB-H2), and a deferred ``W`` where
+  it fits in a gap or frees memory a forward waits for.
 - :func:`zb_v` (two chunks per rank in V placement) and :func:`dualpipev`
   (DeepSeek's DualPipe folded onto ``p`` ranks) are the published
   constructions, phase by phase.
@@ -167,13 +169,44 @@ def _one_f_one_b_peak(num_stages: int, num_chunks: int) -> float:
 
 
 def zb_h1(num_stages: int, num_microbatches: int, num_chunks: int = 1) -> Schedule:
-    """ZB-H1: no rank holds more activations than 1F1B's first rank; bubble about a
-    third of 1F1B's when forward, input-gradient and weight-gradient times are equal.
-    With ``v`` chunks it keeps to interleaved 1F1B's peak (interleaved zero bubble)."""
-    p, v = num_stages, num_chunks
-    limits = [_one_f_one_b_peak(p, v)] * p
-    costs = CostModel(forward=1.0 / v, backward=2.0 / v)
-    return greedy("zb-h1", p, num_microbatches, v, looped_placement(p, v), limits, costs)
+    """ZB-H1: 1F1B (interleaved 1F1B with several chunks) with every backward split and
+    each rank's weight gradients held back to fill its drain.
+
+    Microbatches go through the chunks in rounds of ``g = m / ⌊m / p⌋`` (at least ``p``).
+    Rank ``r`` runs ``(v - 1) g + p - 1 - r`` warmup forwards, then steady (F, I) pairs,
+    each followed by the oldest pending ``W`` once ``r`` pairs have run, then the
+    remaining input gradients, each with a ``W``, then the rest of the ``W``. It holds
+    what 1F1B holds (``p`` microbatches on rank 0 with one chunk); at equal forward,
+    input-gradient and weight-gradient times the bubble is about a third of 1F1B's.
+    The order of torch.distributed.pipelining's interleaved zero-bubble schedule.
+    """
+    check_sizes(num_stages, num_microbatches, num_chunks)
+    p, m, v = num_stages, num_microbatches, num_chunks
+    per_round = m // max(1, m // p)
+    total = m * v
+    per_rank = []
+    for r in range(p):
+        warmup = min((v - 1) * per_round + p - 1 - r, total)
+        c = _Counter()
+
+        def forward_chunk(k: int) -> int:
+            return (k // per_round) % v
+
+        def backward_chunk(k: int) -> int:
+            return v - 1 - ((k - warmup) // per_round) % v
+
+        for k in range(warmup):
+            c.add(F, forward_chunk(k))
+        for k in range(warmup, total + warmup):
+            if k < total:
+                c.add(F, forward_chunk(k))
+            c.add(I, backward_chunk(k))
+            if k - warmup >= r:
+                c.add_weight()
+        while c.weights:
+            c.add_weight()
+        per_rank.append(tuple(c.actions))
+    return Schedule("zb-h1", p, m, v, tuple(per_rank))
 
 
 def zb_h2(num_stages: int, num_microbatches: int, num_chunks: int = 1) -> Schedule:
