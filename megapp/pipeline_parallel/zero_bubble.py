@@ -161,13 +161,6 @@ def greedy(
     return Schedule(name, p, m, v, tuple(map(tuple, actions)), placement=placement)
 
 
-def _one_f_one_b_peak(num_stages: int, num_chunks: int) -> float:
-    """Most activations (microbatch-chunks) 1F1B, or interleaved 1F1B with several chunks,
-    holds on any rank: its first."""
-    p, v = num_stages, num_chunks
-    return float(p if v == 1 else 2 * (p - 1) + (v - 1) * p + 1)
-
-
 def zb_h1(num_stages: int, num_microbatches: int, num_chunks: int = 1) -> Schedule:
     """ZB-H1: 1F1B (interleaved 1F1B with several chunks) with every backward split and
     each rank's weight gradients held back to fill its drain.
@@ -189,18 +182,12 @@ def zb_h1(num_stages: int, num_microbatches: int, num_chunks: int = 1) -> Schedu
         warmup = min((v - 1) * per_round + p - 1 - r, total)
         c = _Counter()
 
-        def forward_chunk(k: int) -> int:
-            return (k // per_round) % v
-
-        def backward_chunk(k: int) -> int:
-            return v - 1 - ((k - warmup) // per_round) % v
-
         for k in range(warmup):
-            c.add(F, forward_chunk(k))
+            c.add(F, (k // per_round) % v)
         for k in range(warmup, total + warmup):
             if k < total:
-                c.add(F, forward_chunk(k))
-            c.add(I, backward_chunk(k))
+                c.add(F, (k // per_round) % v)
+            c.add(I, v - 1 - ((k - warmup) // per_round) % v)
             if k - warmup >= r:
                 c.add_weight()
         while c.weights:
