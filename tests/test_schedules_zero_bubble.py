@@ -114,7 +114,7 @@ def _torch_actions(cls, p: int, m: int, v: int = 2, looped: bool = False) -> lis
     pipelining = pytest.importorskip("torch.distributed.pipelining.schedules")
     schedule = cls.__new__(cls)
     schedule.pp_group_size, schedule._n_microbatches, schedule.num_stages = p, m, v * p
-    schedule.n_local_stages = v
+    schedule.n_local_stages, schedule._stages = v, [None] * v
     schedule.microbatches_per_round = m // max(1, m // p)
     kinds = {"F": F, "I": I, "W": W, "B": B}
     result = []
@@ -141,10 +141,12 @@ def test_v_schedules_equal_torch_pipelining(p, m):
 
 
 @pytest.mark.parametrize("p, m, v", [(2, 4, 1), (4, 8, 1), (4, 8, 2), (4, 10, 2), (3, 9, 3)])
-def test_zb_h1_equals_torch_interleaved_zero_bubble(p, m, v):
+def test_looped_schedules_equal_torch_pipelining(p, m, v):
     pipelining = pytest.importorskip("torch.distributed.pipelining")
     theirs = _torch_actions(pipelining.ScheduleInterleavedZeroBubble, p, m, v, looped=True)
     assert [list(a) for a in build_schedule("zb-h1", p, m, v).actions] == theirs
+    theirs = _torch_actions(pipelining.ScheduleLoopedBFS, p, m, v, looped=True)
+    assert [list(a) for a in build_schedule("looped-bfs", p, m, v).actions] == theirs
 
 
 @pytest.mark.parametrize("p, v", [(2, 2), (4, 2), (3, 3)])

@@ -283,12 +283,15 @@ def interleaved_1f1b(
 
 def looped_bfs(num_stages: int, num_microbatches: int, num_chunks: int = 1) -> Schedule:
     """Breadth-first over the chunks: every microbatch through chunk 0, then every one
-    through chunk 1, ...; then the backwards, last chunk first. It holds every
-    activation at the turn, as GPipe, but a rank's later chunks wait for no other
-    rank once the first microbatch has looped around. With one chunk it is GPipe."""
+    through chunk 1, ...; then the backwards, last chunk first and last microbatch
+    first (torch.distributed.pipelining's order). It holds every activation at the
+    turn, as GPipe, but a rank's later chunks wait for no other rank once the first
+    microbatch has looped around."""
     check_sizes(num_stages, num_microbatches, num_chunks)
     m, v = num_microbatches, num_chunks
     forwards = [Action(Op.FORWARD, mb, c) for c in range(v) for mb in range(m)]
-    backwards = [Action(Op.BACKWARD, mb, c) for c in reversed(range(v)) for mb in range(m)]
+    backwards = [
+        Action(Op.BACKWARD, mb, c) for c in reversed(range(v)) for mb in reversed(range(m))
+    ]
     per_rank = (tuple(forwards + backwards),) * num_stages
     return Schedule("looped-bfs", num_stages, m, v, per_rank)
