@@ -200,7 +200,6 @@ def test_distributed_optimizer_matches_single_process(world_size, tp, pp, vpp):
 # ZeRO-2: gradients reduce-scattered every microbatch into each rank's slice. Layouts with
 # late buckets (sequence parallelism; the tied embedding across stages) and recompute.
 ZERO2_LAYOUTS = [
-    (4, 1, 1, None, {}),
     (4, 2, 1, None, {"sequence_parallel": True}),
     (8, 1, 2, 2, {"recompute_granularity": "selective"}),
     (8, 2, 2, None, {"sequence_parallel": True, "activation": "swiglu"}),
@@ -223,7 +222,6 @@ def test_zero2_matches_single_process(world_size, tp, pp, vpp, config):
 # ZeRO-3: weights sharded too, each layer gathered for its forward and again for its
 # backward (also inside recompute), the rest of a chunk around the chunk's forward.
 ZERO3_LAYOUTS = [
-    (4, 1, 1, None, {}),
     (4, 2, 1, None, {"sequence_parallel": True}),
     (
         8,

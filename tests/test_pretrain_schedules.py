@@ -16,7 +16,7 @@ import pytest
 
 from tests.test_pretrain_e2e import ENV, torchrun
 
-ITERS = 4
+ITERS = 3
 MODEL = (
     "--pipeline-model-parallel-size 2 --num-layers 4 --hidden-size 32 --num-attention-heads 2 "
     "--seq-length 32 --micro-batch-size 1 --global-batch-size 4 --lr 1e-3 "
