@@ -36,6 +36,7 @@ import collective_count
 
 from megapp import parallel_state as ps
 from megapp.models.gpt import GPTConfig
+from megapp.planning import model_state
 from megapp.training import train_step
 from megapp.training.flag_groups import OptimizerArgs
 from megapp.training.setup import build_training_setup
@@ -149,13 +150,9 @@ def measure(settings: dict) -> dict:
 
 
 def formula(phi: int, dp: int, stage: int, dtype: str) -> dict:
-    w = 2 if dtype != "fp32" else 4
-    masters = 4 if dtype != "fp32" else 0
-    return {
-        "weights": w * phi / (dp if stage >= 3 else 1),
-        "grads": 4 * phi / (dp if stage >= 2 else 1),
-        "states": (8 + masters) * phi / (dp if stage >= 1 else 1),
-    }
+    """The planner's model state (:func:`megapp.planning.model_state`) of ``phi`` parameters."""
+    state = model_state(phi, DTYPES[dtype], dp, stage)
+    return {"weights": state.weights, "grads": state.grads, "states": state.optimizer}
 
 
 def main() -> None:

@@ -1,0 +1,108 @@
+"""Parameters and model state (weights, gradients, optimizer states) per rank, counted.
+
+A GPT chunk holds, per tensor-parallel rank: the word embedding's vocabulary shard and
+the learned position embedding on the first virtual stage; its layers (norms whole,
+QKV, projection and MLP weights split over the tensor-parallel ranks, row-parallel
+biases whole); the final norm and the output layer's shard on the last stage (a copy
+of the word embedding when the two are tied and live on different stages). The
+vocabulary is padded as :func:`~megapp.tensor_parallel.utils.pad_vocab_size` pads it.
+
+Model state follows megapp's buffers: weights in the parameters' dtype, an fp32
+gradient per parameter, Adam's two fp32 moments and, for 16-bit weights, fp32 master
+weights; ZeRO stage 1 shards the optimizer states over the data-parallel ranks, stage 2
+also the gradients, stage 3 also the weights (``tools/zero_memory.py`` measures them
+equal to the byte).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from megapp.models.gpt import GPTConfig
+from megapp.pipeline_parallel.partition import split_layers
+from megapp.tensor_parallel.utils import pad_vocab_size
+
+
+def layer_parameters(config: GPTConfig) -> int:
+    """Parameters of one transformer layer on one tensor-parallel rank."""
+    tp, h = config.tensor_model_parallel_size, config.hidden_size
+    d, heads, groups = config.kv_channels, config.num_attention_heads, config.num_query_groups
+    norm = h * (2 if config.normalization == "LayerNorm" else 1)
+    qkv_out = (heads + 2 * groups) * d // tp
+    qkv = qkv_out * h + (qkv_out if config.add_bias_linear or config.add_qkv_bias else 0)
+    proj = heads * d // tp * h + (h if config.add_bias_linear else 0)
+    fc1_out = config.ffn_hidden_size * (2 if config.activation == "swiglu" else 1) // tp
+    fc1 = fc1_out * h + (fc1_out if config.add_bias_linear else 0)
+    fc2 = config.ffn_hidden_size // tp * h + (h if config.add_bias_linear else 0)
+    return 2 * norm + qkv + proj + fc1 + fc2
+
+
+def chunk_parameters(config: GPTConfig, stage: int, num_stages: int, num_layers: int) -> int:
+    """Parameters of virtual stage ``stage`` of ``num_stages`` holding ``num_layers``
+    layers, on one tensor-parallel rank."""
+    tp, h = config.tensor_model_parallel_size, config.hidden_size
+    vocab = pad_vocab_size(config.vocab_size, tp, multiple=config.make_vocab_size_divisible_by)
+    first, last = stage == 0, stage == num_stages - 1
+    total = num_layers * layer_parameters(config)
+    if first:
+        total += vocab // tp * h
+        if config.position_embedding_type == "learned_absolute":
+            total += config.max_position_embeddings * h
+    if last:
+        total += h * (2 if config.normalization == "LayerNorm" else 1)
+        if not (config.share_embeddings_and_output_weights and first):
+            total += vocab // tp * h  # its own output layer, or the tied embedding's copy
+    return total
+
+
+def rank_parameters(
+    config: GPTConfig,
+    stages: Sequence[int],
+    num_stages: int,
+    *,
+    first_stage_layers: int | None = None,
+    last_stage_layers: int | None = None,
+) -> int:
+    """Parameters one rank holds for its virtual ``stages`` (a schedule's
+    ``placement[rank]``), layers split over ``num_stages`` as :func:`split_layers` does."""
+    ranges = split_layers(
+        config.num_layers,
+        num_stages,
+        first_stage_layers=first_stage_layers,
+        last_stage_layers=last_stage_layers,
+    )
+    return sum(chunk_parameters(config, s, num_stages, len(ranges[s])) for s in stages)
+
+
+@dataclass(frozen=True)
+class ModelState:
+    """Bytes of model state one rank holds between iterations."""
+
+    weights: float
+    grads: float
+    optimizer: float
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.grads + self.optimizer
+
+
+def model_state(
+    parameters: int, dtype: torch.dtype, dp: int = 1, zero_stage: int = 0
+) -> ModelState:
+    """Model state of ``parameters`` parameters in ``dtype`` under ZeRO ``zero_stage`` over
+    ``dp`` data-parallel ranks."""
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage}")
+    if dp < 1:
+        raise ValueError(f"dp must be >= 1, got {dp}")
+    width = torch.empty((), dtype=dtype).element_size()
+    masters = 4 if dtype != torch.float32 else 0
+    return ModelState(
+        weights=width * parameters / (dp if zero_stage >= 3 else 1),
+        grads=4 * parameters / (dp if zero_stage >= 2 else 1),
+        optimizer=(8 + masters) * parameters / (dp if zero_stage >= 1 else 1),
+    )
