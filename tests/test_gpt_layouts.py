@@ -124,7 +124,7 @@ def _gathered(chunks, what, tp_group) -> dict[str, torch.Tensor]:
     return out
 
 
-def _check(chunks, losses, norms, first_grads, config_kw):
+def check_against_reference(chunks, losses, norms, first_grads, config_kw):
     dp = ps.get_data_parallel_world_size()
     single = {k: v for k, v in config_kw.items() if k != "sequence_parallel"}
     reference, ref_losses, ref_norms, ref_grads = reference_run(
@@ -187,14 +187,14 @@ LAYOUTS = [
 @distributed(timeout=240)
 def test_training_matches_single_process(world_size, tp, pp, vpp, config):
     chunks, losses, norms, first_grads = train_layout(tp, pp, vpp, **config)
-    _check(chunks, losses, norms, first_grads, config)
+    check_against_reference(chunks, losses, norms, first_grads, config)
 
 
 @pytest.mark.parametrize("world_size, tp, pp, vpp", [(4, 1, 1, None), (8, 2, 2, None)])
 @distributed(timeout=240)
 def test_distributed_optimizer_matches_single_process(world_size, tp, pp, vpp):
     chunks, losses, norms, first_grads = train_layout(tp, pp, vpp, distributed_optimizer=True)
-    _check(chunks, losses, norms, first_grads, {})
+    check_against_reference(chunks, losses, norms, first_grads, {})
 
 
 # ZeRO-2: gradients reduce-scattered every microbatch into each rank's slice. Layouts with
@@ -216,7 +216,7 @@ def test_zero2_matches_single_process(world_size, tp, pp, vpp, config):
         late = sum(b.end - b.start for b in buckets if b.late)
         assert chunk.grad_bytes() == 4 * (slices + late)
         assert slices + late < buckets[-1].end  # less than ZeRO-1's whole buffer
-    _check(chunks, losses, norms, first_grads, config)
+    check_against_reference(chunks, losses, norms, first_grads, config)
 
 
 # ZeRO-3: weights sharded too, each layer gathered for its forward and again for its
@@ -241,4 +241,4 @@ def test_zero3_matches_single_process(world_size, tp, pp, vpp, config):
     for chunk in chunks:  # between steps only this rank's slice of the weights is held
         slices = sum((b.end - b.start) // chunk.dp_size for b in chunk.buffer.buckets)
         assert chunk.sharded_params.weight_bytes() == 4 * slices
-    _check(chunks, losses, norms, first_grads, config)
+    check_against_reference(chunks, losses, norms, first_grads, config)

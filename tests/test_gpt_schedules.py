@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from megapp.testing import distributed
-from tests.test_gpt_layouts import _check, train_layout
+from tests.test_gpt_layouts import check_against_reference, train_layout
 
 FULL_RECOMPUTE = {
     "recompute_granularity": "full",
@@ -45,4 +45,4 @@ def test_schedule_matches_single_process(world_size, tp, pp, vpp, schedule, dist
     chunks, losses, norms, first_grads = train_layout(
         tp, pp, vpp, schedule=schedule, distributed_optimizer=distopt, **config
     )
-    _check(chunks, losses, norms, first_grads, config)
+    check_against_reference(chunks, losses, norms, first_grads, config)

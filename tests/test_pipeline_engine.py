@@ -56,7 +56,7 @@ def _microbatches(m: int, seq: int = 5):
     ]
 
 
-def _reference(layers: nn.ModuleList, batches) -> torch.Tensor:
+def reference_loss(layers: nn.ModuleList, batches) -> torch.Tensor:
     losses = []
     for x, target in batches:
         for layer in layers:
@@ -120,7 +120,7 @@ SHAPE = [TensorSpec((5, BATCH, HIDDEN), torch.float64)]
 def test_loss_and_gradients_equal_single_process(schedule, p, v, m, declared):
     shapes = SHAPE if declared else None
     result, layers, reference, batches, stage = _run(p, v, m, schedule, tensor_shapes=shapes)
-    expected_loss = _reference(reference, batches)
+    expected_loss = reference_loss(reference, batches)
     # every rank reports the iteration's loss, not only the last stage
     torch.testing.assert_close(result.loss.double(), expected_loss, rtol=1e-6, atol=0)
     if stage == p - 1:
@@ -190,7 +190,7 @@ def test_declared_shapes_and_mismatch():
     )
     reference = _model(4)
     torch.testing.assert_close(
-        declared.loss.double(), _reference(reference, batches), rtol=1e-6, atol=0
+        declared.loss.double(), reference_loss(reference, batches), rtol=1e-6, atol=0
     )
     if ps.is_pipeline_first_stage():
         wrong = [TensorSpec((7, BATCH, HIDDEN), torch.float64)]
@@ -235,7 +235,7 @@ def test_hooks_see_last_microbatch_per_chunk_and_post_backward(schedule, v):
 def test_uneven_stages_and_single_stage():
     result, _, reference, batches, _ = _run(2, 1, 3, "1f1b", num_layers=5)
     torch.testing.assert_close(
-        result.loss.double(), _reference(reference, batches), rtol=1e-6, atol=0
+        result.loss.double(), reference_loss(reference, batches), rtol=1e-6, atol=0
     )
 
 
@@ -243,7 +243,7 @@ def test_single_process_without_distributed():
     layers, reference = _model(3), _model(3)
     batches = _microbatches(4)
     result = forward_backward(_forward_step, iter(batches), nn.Sequential(*layers), 4)
-    expected = _reference(reference, batches)
+    expected = reference_loss(reference, batches)
     torch.testing.assert_close(result.loss.double(), expected, rtol=1e-6, atol=0)
     for got, want in zip(layers.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(got.grad, want.grad, **TOL)
@@ -342,7 +342,7 @@ def test_gloo_posts_receives_one_step_ahead(declared):
     finally:
         StageRunner._communicate = original
     torch.testing.assert_close(
-        result.loss.double(), _reference(reference, batches), rtol=1e-6, atol=0
+        result.loss.double(), reference_loss(reference, batches), rtol=1e-6, atol=0
     )
     early = [ahead for _, ahead in seen]
     if declared:  # a rank's first step may be one that receives: nothing precedes it
@@ -380,7 +380,7 @@ def test_sent_activations_are_freed_during_the_iteration(schedule, v, m):
     finally:
         StageRunner.act = original
     torch.testing.assert_close(
-        result.loss.double(), _reference(reference, batches), rtol=1e-6, atol=0
+        result.loss.double(), reference_loss(reference, batches), rtol=1e-6, atol=0
     )
     plan = communication_plan(build_schedule(schedule, 4, m, v))
     proven = delivered_sends(plan)[stage]

@@ -29,6 +29,7 @@ from megapp.pipeline_parallel.partition import split_layers
 from megapp.pipeline_parallel.weight_grads import weight_grad_memory
 from megapp.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megapp.testing import distributed
+from tests.test_pipeline_engine import reference_loss
 
 HIDDEN, BATCH, SEQ = 8, 3, 4
 # Declared: negotiated headers deadlock under some split schedules (see the report).
@@ -78,17 +79,6 @@ def _microbatches(m: int, seed: int = 99):
         tuple(torch.randn(SEQ, BATCH, HIDDEN, generator=g, dtype=F64) for _ in range(2))
         for _ in range(m)
     ]
-
-
-def _reference(layers, batches) -> torch.Tensor:
-    losses = []
-    for x, target in batches:
-        for layer in layers:
-            x = layer(x)
-        losses.append(nn.functional.mse_loss(x, target))
-    loss = torch.stack(losses).mean()
-    loss.backward()
-    return loss.detach()
 
 
 def _step(tp: int, sequence_parallel: bool):
@@ -170,7 +160,7 @@ def test_split_schedules_equal_single_process(name, p, v, m, kind):
     finally:
         StageCompute.run = original
     reference = _layers(kind, len(layers))
-    expected = _reference(reference, batches)
+    expected = reference_loss(reference, batches)
     torch.testing.assert_close(result.loss.double(), expected, rtol=1e-6, atol=0)
     if schedule.rank_of(schedule.num_virtual_stages - 1) == stage:
         torch.testing.assert_close(torch.stack(result.microbatch_losses).mean(), expected, **TOL)
@@ -211,7 +201,7 @@ def test_tensor_and_sequence_parallel_store(name, v):
         tensor_shapes=[TensorSpec((SEQ // tp, BATCH, HIDDEN), torch.float64)],
     )
     reference = _layers("parallel", len(layers), None, True)  # one rank: nothing to gather
-    expected = _reference(reference, batches)
+    expected = reference_loss(reference, batches)
     total = result.loss.double().clone()
     dist.all_reduce(total, group=tp_group)  # each TP rank holds its shard's share
     torch.testing.assert_close(total, expected, rtol=1e-6, atol=0)
@@ -266,7 +256,7 @@ def test_data_parallel_reduces_each_gradient_once(kind, zero):
         assert any(overlapped)
     references = [_layers(kind, len(layers)) for _ in range(2)]
     for d, ref in enumerate(references):
-        _reference(ref, _microbatches(m, seed=d))
+        reference_loss(ref, _microbatches(m, seed=d))
     for w, chunk in zip(wrapped, chunks, strict=True):
         for prm in chunk.parameters():
             name = next(n for n, q in layers.named_parameters() if q is prm)
