@@ -1,0 +1,332 @@
+"""How long one training iteration takes, predicted from the model, the layout and the
+hardware, through the same simulator the pipeline schedules run in.
+
+Per microbatch and model chunk, on one tensor-parallel rank (``L`` layers, ``T = s·b``
+tokens, forward FLOPs of one layer split into its linear part ``lin`` and its attention
+core ``core`` = q·kᵀ and p·v, as :func:`~megapp.training.flops.gpt_training_flops` counts):
+
+- ``F`` = ``L·(lin + core)`` (+ the logits GEMM on the last stage);
+- ``I`` (input gradient) = ``L·(lin + 2·core)`` (+ logits): the attention core has no
+  weights, so its whole backward is input gradient; ``W`` (weight gradients) = ``L·lin``
+  (+ logits); a whole backward ``B = I + W``. Recompute adds its rerun forward to ``I``:
+  the whole layer with full recompute, the attention core with selective.
+- FLOPs over ``Hardware.gemm_flops``, plus ``action_overhead + L·layer_overhead`` (zero
+  unless calibrated), plus the loss's memory-bound passes over the logits.
+- tensor-parallel collectives on the critical path: per layer two all-reduces of the
+  ``[s, b, h]`` activation in forward and two in backward (with sequence parallelism an
+  all-gather and a reduce-scatter for each, the same bytes), the embedding's all-reduce,
+  the output layer's and the cross-entropy's; a full-recompute rerun repeats the forward's.
+- ZeRO-3 all-gathers a chunk's weights for each microbatch's forward and its layers'
+  again for its backward; ZeRO-2 and -3 reduce-scatter the chunk's fp32 gradients after
+  each microbatch's backward. Where the hardware overlaps communication (NCCL streams,
+  prefetch) an action takes the longer of its compute and these transfers, else their sum.
+
+Pipeline messages (``[s, b, h]``, ``/tp`` with sequence parallelism) cost a latency plus
+bytes over the pipeline group's link; :func:`~megapp.pipeline_parallel.simulate.simulate`
+then gives every rank's timeline. After its last action a rank reduces its gradients over
+the data-parallel group (ZeRO 0: all-reduce of fp32 gradients; 1-2: reduce-scatter, then
+an all-gather of the updated 16-bit weights; ZeRO-2's per-microbatch reductions are in the
+actions already), sums the tied embedding over the first and last stage, and steps the
+optimizer at the device's memory bandwidth. Overlap assumption: the gradient reduction
+runs under the rank's backward of the last microbatch, except its last bucket; the weights'
+all-gather, the embedding sum and the optimizer step are exposed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from megapp.models.gpt import GPTConfig
+from megapp.pipeline_parallel.partition import split_layers
+from megapp.pipeline_parallel.simulate import CostModel, Timeline, simulate
+from megapp.planning.hardware import Hardware, Link, group_link
+from megapp.planning.model_state import chunk_parameters, layer_parameters
+from megapp.tensor_parallel.utils import pad_vocab_size
+from megapp.training.config import PretrainConfig
+from megapp.training.flops import gpt_config_training_flops
+
+Table = list[list[float]]
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the cost of one action depends on besides the model: the layout's numbers."""
+
+    seq_length: int
+    micro_batch_size: int
+    placement: tuple[tuple[int, ...], ...]  # virtual stage of every [rank][chunk]
+    dp: int
+    zero_stage: int
+    bucket_size: int  # elements per data-parallel gradient bucket
+
+
+@dataclass
+class ActionCosts:
+    """Seconds (and FLOPs) of one microbatch's actions per ``[rank][chunk]``, the pipeline
+    message time, and every rank's work after its last action."""
+
+    forward: Table
+    input_grad: Table
+    weight_grad: Table
+    flops_forward: Table
+    flops_input_grad: Table
+    flops_weight_grad: Table
+    tensor_parallel: Table  # seconds of tp collectives in F + I of one microbatch
+    p2p: float
+    grad_reduce: list[float]  # data-parallel reduction at the end, before overlap
+    tail: list[float]  # exposed after the last action: reduction, sums, optimizer, gathers
+    optimizer: list[float]
+
+    def backward(self) -> Table:
+        pairs = zip(self.input_grad, self.weight_grad, strict=True)
+        return [[i + w for i, w in zip(ri, rw, strict=True)] for ri, rw in pairs]
+
+    def busy(self, rank: int, num_microbatches: int) -> float:
+        """Seconds rank ``rank`` computes in one iteration."""
+        per_mb = sum(self.forward[rank]) + sum(self.input_grad[rank]) + sum(self.weight_grad[rank])
+        return num_microbatches * per_mb
+
+    def lower_bound(self, num_microbatches: int, step_overhead: float = 0.0) -> float:
+        """A bound no schedule beats: the busiest rank's compute plus its tail."""
+        ranks = range(len(self.forward))
+        return step_overhead + max(self.busy(r, num_microbatches) + self.tail[r] for r in ranks)
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """A predicted iteration: its time, throughput and where the time goes (seconds)."""
+
+    seconds: float
+    bubble: float  # idle share of the pipeline ranks' time during the schedule
+    tokens_per_second_per_gpu: float
+    tflops_per_gpu: float  # model FLOPs (recompute not counted), 10^12/s per device
+    mfu: float | None  # against the hardware's peak; None without one
+    timeline: Timeline = field(repr=False)
+    breakdown: dict[str, float] = field(default_factory=dict)
+
+
+def _width(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def layer_flops(gpt: GPTConfig, seq_length: int, micro_batch_size: int) -> tuple[float, float]:
+    """Forward FLOPs of one layer for one microbatch on one tensor-parallel rank:
+    ``(linear, attention_core)``."""
+    h, d, s = gpt.hidden_size, gpt.kv_channels, seq_length
+    a, g, tp = gpt.num_attention_heads, gpt.num_query_groups, gpt.tensor_model_parallel_size
+    tokens = seq_length * micro_batch_size
+    mlp = (6 if gpt.activation == "swiglu" else 4) * h * gpt.ffn_hidden_size
+    linear = 2 * h * (a + 2 * g) * d + 2 * a * d * h + mlp
+    return tokens * linear / tp, tokens * 4 * s * a * d / tp
+
+
+def _chunk_tp_seconds(
+    gpt: GPTConfig, shape: Shape, layers: int, first: bool, last: bool, link: Link
+) -> tuple[float, float]:
+    """Seconds of tensor-parallel collectives in one chunk's forward and backward."""
+    tp = gpt.tensor_model_parallel_size
+    if tp == 1:
+        return 0.0, 0.0
+    tokens = shape.seq_length * shape.micro_batch_size
+    act = tokens * gpt.hidden_size * _width(gpt.params_dtype)
+    if gpt.sequence_parallel:  # an all-gather and a reduce-scatter move one all-reduce's bytes
+        pair = 2 * link.all_gather(act, tp)
+        fwd, bwd = 2 * pair * layers, 2 * pair * layers
+        fwd += pair / 2 * (first + last)  # embedding's reduce-scatter, output's all-gather
+        bwd += pair / 2 * (first + last)
+    else:
+        fwd, bwd = 2 * layers * link.all_reduce(act, tp), 2 * layers * link.all_reduce(act, tp)
+        fwd += link.all_reduce(act, tp) * first  # the vocab-parallel embedding's sum
+        bwd += link.all_reduce(act, tp) * last  # the output layer's input gradient
+    if last:  # cross-entropy: max, sum of exponentials, target logit, each [s, b] fp32
+        fwd += 3 * link.all_reduce(4 * tokens, tp)
+    if gpt.recompute_granularity == "full":
+        bwd += fwd
+    return fwd, bwd
+
+
+def action_costs(gpt: GPTConfig, shape: Shape, hardware: Hardware) -> ActionCosts:
+    """Seconds of every action of one microbatch on every ``[rank][chunk]`` of
+    ``shape.placement``, layers split evenly over the virtual stages as megapp builds them."""
+    p, num_stages = len(shape.placement), sum(len(row) for row in shape.placement)
+    tp, dp = gpt.tensor_model_parallel_size, shape.dp
+    tp_link = group_link(hardware, tp)
+    dp_link = group_link(hardware, tp * dp)
+    pp_link = group_link(hardware, tp * dp * p)
+    ranges = split_layers(gpt.num_layers, num_stages)
+    tokens = shape.seq_length * shape.micro_batch_size
+    width = _width(gpt.params_dtype)
+    vocab = pad_vocab_size(gpt.vocab_size, tp, multiple=gpt.make_vocab_size_divisible_by)
+    logits = 2.0 * tokens * gpt.hidden_size * vocab / tp
+    loss_seconds = 5 * 4 * tokens * vocab / tp / hardware.memory_bandwidth  # fp32 passes
+    lin, core = layer_flops(gpt, shape.seq_length, shape.micro_batch_size)
+    rerun = {"full": lin + core, "selective": core}.get(gpt.recompute_granularity, 0.0)
+    tables: dict[str, Table] = {k: [] for k in ("f", "i", "w", "ff", "fi", "fw", "tp")}
+    params: list[float] = []
+    for rank in range(p):
+        rows: dict[str, list[float]] = {k: [] for k in tables}
+        rank_params = 0
+        for stage in shape.placement[rank]:
+            layers = len(ranges[stage])
+            first, last = stage == 0, stage == num_stages - 1
+            chunk_params = chunk_parameters(gpt, stage, num_stages, layers)
+            rank_params += chunk_params
+            f = layers * (lin + core) + logits * last
+            i = layers * (lin + 2 * core + rerun) + logits * last
+            w = layers * lin + logits * last
+            tp_f, tp_b = _chunk_tp_seconds(gpt, shape, layers, first, last, tp_link)
+            fixed = hardware.action_overhead + layers * hardware.layer_overhead
+            loss = loss_seconds * last
+            f_s = f / hardware.gemm_flops + fixed + tp_f + 3 / 5 * loss
+            i_s = i / hardware.gemm_flops + fixed + tp_b + 2 / 5 * loss
+            w_s = w / hardware.gemm_flops + fixed
+            # ZeRO-3 gathers the chunk before its forward and the layers before backward;
+            # ZeRO-2/3 reduce-scatter the chunk's fp32 gradients after every backward.
+            gather_f = gather_b = scatter = 0.0
+            if shape.zero_stage == 3:
+                gather_f = dp_link.all_gather(width * chunk_params, dp)
+                layer_share = layers * layer_parameters(gpt) / max(chunk_params, 1)
+                gather_b = gather_f * layer_share
+            if shape.zero_stage >= 2:
+                scatter = dp_link.all_gather(4 * chunk_params, dp)
+            f_s = _with_transfer(f_s, gather_f, hardware)
+            i_s = _with_transfer(i_s, gather_b, hardware)
+            w_s = _with_transfer(w_s, scatter, hardware)
+            for key, value in zip(rows, (f_s, i_s, w_s, f, i, w, tp_f + tp_b), strict=True):
+                rows[key].append(value)
+        for key in tables:
+            tables[key].append(rows[key])
+        params.append(rank_params)
+
+    sp = gpt.sequence_parallel
+    p2p = pp_link.message(tokens * gpt.hidden_size * width / (tp if sp else 1))
+    v_shaped = any(row[0] == 0 and row[-1] == num_stages - 1 for row in shape.placement[:1])
+    tied = gpt.share_embeddings_and_output_weights and p > 1 and not v_shaped
+    embedding_sum = pp_link.all_reduce(4 * vocab // tp * gpt.hidden_size, 2) if tied else 0.0
+    reduce, tail, optimizer = [], [], []
+    for rank in range(p):
+        grads, weights = 4 * params[rank], width * params[rank]
+        if shape.zero_stage == 0:
+            end = dp_link.all_reduce(grads, dp)
+        elif shape.zero_stage == 1:
+            end = dp_link.all_gather(grads, dp)
+        else:
+            end = 0.0  # reduced microbatch by microbatch inside the actions
+        window = sum(tables["w"][rank]) + sum(tables["i"][rank])  # the last microbatch
+        last_bucket = end * min(1.0, shape.bucket_size / max(params[rank], 1))
+        exposed = max(end - window, last_bucket) if hardware.overlap_communication else end
+        gather = dp_link.all_gather(weights, dp) if shape.zero_stage in (1, 2) else 0.0
+        owned = params[rank] / (dp if shape.zero_stage >= 1 else 1)
+        step = owned * _optimizer_bytes(width) / hardware.memory_bandwidth
+        ends = rank in (0, p - 1)
+        reduce.append(end)
+        optimizer.append(step)
+        tail.append(exposed + gather + step + embedding_sum * ends)
+    return ActionCosts(
+        forward=tables["f"],
+        input_grad=tables["i"],
+        weight_grad=tables["w"],
+        flops_forward=tables["ff"],
+        flops_input_grad=tables["fi"],
+        flops_weight_grad=tables["fw"],
+        tensor_parallel=tables["tp"],
+        p2p=p2p,
+        grad_reduce=reduce,
+        tail=tail,
+        optimizer=optimizer,
+    )
+
+
+def _with_transfer(compute: float, transfer: float, hardware: Hardware) -> float:
+    if hardware.overlap_communication:
+        return max(compute, transfer)
+    return compute + transfer
+
+
+def _optimizer_bytes(width: int) -> int:
+    """Bytes AdamW moves per owned parameter: reads the fp32 gradient twice (once for the
+    gradient norm), reads and writes the fp32 master (fp32 weights are their own) and both
+    moments, and writes the 16-bit weight back."""
+    return 4 + 4 + 8 + 16 + (width if width < 4 else 0)
+
+
+def shape_of(config: PretrainConfig) -> Shape:
+    """The :class:`Shape` of a checked config."""
+    return Shape(
+        seq_length=config.model.seq_length,
+        micro_batch_size=config.training.micro_batch_size,
+        placement=tuple(tuple(row) for row in config.schedule.placement),
+        dp=config.data_parallel_size,
+        zero_stage=max(config.parallel.zero_stage, int(config.parallel.use_distributed_optimizer)),
+        bucket_size=config.parallel.ddp_bucket_size,
+    )
+
+
+def cost_model(costs: ActionCosts, hardware: Hardware) -> CostModel:
+    """The simulator's cost model of ``costs`` on ``hardware``'s transport."""
+    return CostModel(
+        forward=costs.forward,
+        backward=costs.backward(),
+        input_grad=costs.input_grad,
+        weight_grad=costs.weight_grad,
+        p2p_latency=costs.p2p,
+        blocking_sends=not hardware.sends_finish_in_background,
+    )
+
+
+def predict_step_time(config: PretrainConfig, vocab_size: int, hardware: Hardware) -> StepTime:
+    """The predicted iteration of ``config`` for a tokenizer of ``vocab_size`` ids on
+    ``hardware``. Raises :class:`~megapp.pipeline_parallel.plan.ScheduleError` when the
+    schedule cannot complete on the hardware's transport (NCCL: sends complete in batches)."""
+    gpt = config.gpt_config(vocab_size)
+    costs = action_costs(gpt, shape_of(config), hardware)
+    timeline = simulate(config.schedule, cost_model(costs, hardware))
+    return step_time(config, gpt, costs, timeline, hardware)
+
+
+def step_time(
+    config: PretrainConfig,
+    gpt: GPTConfig,
+    costs: ActionCosts,
+    timeline: Timeline,
+    hardware: Hardware,
+) -> StepTime:
+    """Assemble a :class:`StepTime` from ``costs`` and the schedule's simulated ``timeline``."""
+    p = config.schedule.num_stages
+    ends = [max((e.end for e in timeline.events if e.rank == r), default=0.0) for r in range(p)]
+    finish = [end + tail for end, tail in zip(ends, costs.tail, strict=True)]
+    seconds = max(finish) + hardware.step_overhead
+    slowest = finish.index(max(finish))
+    m, world = config.num_microbatches, config.world_size
+    tokens = config.training.global_batch_size * config.model.seq_length
+    flops = gpt_config_training_flops(gpt, config.model.seq_length, tokens)
+    per_gpu = flops / seconds / world
+    replica_flops = m * sum(
+        sum(map(sum, t))
+        for t in (costs.flops_forward, costs.flops_input_grad, costs.flops_weight_grad)
+    )
+    hardware_flops = (
+        replica_flops * config.parallel.tensor_model_parallel_size * config.data_parallel_size
+    )
+    breakdown = {
+        "pipeline": timeline.makespan,
+        "busiest_rank": max(costs.busy(r, m) for r in range(p)),
+        "tensor_parallel": m * max(sum(row) for row in costs.tensor_parallel),
+        "p2p_message": costs.p2p,
+        "data_parallel": costs.grad_reduce[slowest],
+        "optimizer": costs.optimizer[slowest],
+        "tail": costs.tail[slowest],
+        "step_overhead": hardware.step_overhead,
+        "recompute_flops": hardware_flops - flops,
+    }
+    return StepTime(
+        seconds=seconds,
+        bubble=timeline.bubble_fraction,
+        tokens_per_second_per_gpu=tokens / seconds / world,
+        tflops_per_gpu=per_gpu / 1e12,
+        mfu=None if hardware.peak_flops is None else per_gpu / hardware.peak_flops,
+        timeline=timeline,
+        breakdown=breakdown,
+    )

@@ -1,0 +1,217 @@
+"""The time model: FLOPs against the training count, hand-computed cases, the effect of
+each layout choice, and hardware profiles."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from megapp.pipeline_parallel.plan import ScheduleError
+from megapp.planning.hardware import PROFILES, Hardware, Link, load_hardware
+from megapp.planning.layout import Layout, pretrain_config
+from megapp.planning.model_state import rank_parameters
+from megapp.planning.timing import (
+    action_costs,
+    layer_flops,
+    predict_step_time,
+    shape_of,
+)
+from megapp.training.flops import gpt_training_flops
+
+MODEL = [
+    "--num-layers", "8", "--hidden-size", "256", "--num-attention-heads", "8",
+    "--seq-length", "128", "--bf16",
+]  # fmt: skip
+VOCAB = 1024  # a multiple of 128 × 8: no padding under any tp here
+
+# Round numbers, no fixed overheads, no overlap: every second is traceable by hand.
+PLAIN = Hardware(
+    name="plain",
+    gemm_flops=1e12,
+    peak_flops=2e12,
+    memory_bytes=80e9,
+    memory_bandwidth=1e12,
+    gpus_per_node=8,
+    intra_node_bandwidth=100e9,
+    intra_node_latency=1e-6,
+    inter_node_bandwidth=10e9,
+    inter_node_latency=5e-6,
+    overlap_communication=False,
+)
+GLOO = dataclasses.replace(PLAIN, sends_finish_in_background=True)
+
+
+def config(layout: Layout, gbs: int = 16, model=MODEL):
+    return pretrain_config(layout, model, gbs)
+
+
+def model_flops(gbs: int) -> float:
+    return gpt_training_flops(
+        num_layers=8, hidden_size=256, ffn_hidden_size=1024, num_attention_heads=8,
+        num_query_groups=8, kv_channels=32, swiglu=False, seq_length=128,
+        vocab_size=VOCAB, tokens=gbs * 128,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        Layout(),
+        Layout(tp=2, dp=2, sequence_parallel=True),
+        Layout(pp=2, vpp=2, dp=2, micro_batch_size=2),
+        Layout(pp=2, vpp=2, schedule="zb-v", tp=2),
+        Layout(pp=4, schedule="zb-h1"),
+    ],
+    ids=lambda layout: layout.name,
+)
+def test_flops_of_every_action_sum_to_the_training_count(layout):
+    cfg = config(layout)
+    costs = action_costs(cfg.gpt_config(VOCAB), shape_of(cfg), PLAIN)
+    per_replica = sum(
+        sum(map(sum, table))
+        for table in (costs.flops_forward, costs.flops_input_grad, costs.flops_weight_grad)
+    )
+    total = per_replica * cfg.num_microbatches * layout.tp * cfg.data_parallel_size
+    assert total == pytest.approx(model_flops(16), rel=1e-12)
+
+
+def test_single_rank_step_by_hand():
+    """pp = tp = dp = 1: three passes of the FLOPs at the GEMM rate, the loss's five fp32
+    passes over the logits and AdamW's bytes at the memory bandwidth, nothing else."""
+    cfg = config(Layout(micro_batch_size=4))
+    step = predict_step_time(cfg, VOCAB, PLAIN)
+    n = rank_parameters(cfg.gpt_config(VOCAB), [0], 1)
+    tokens = 16 * 128
+    expected = model_flops(16) / 1e12 + 5 * 4 * tokens * VOCAB / 1e12 + n * (32 + 2) / 1e12
+    assert step.seconds == pytest.approx(expected, rel=1e-9)
+    assert step.bubble == 0.0
+    assert step.mfu == pytest.approx(step.tflops_per_gpu * 1e12 / 2e12)
+    assert step.tokens_per_second_per_gpu == pytest.approx(tokens / step.seconds)
+
+
+def test_no_pipeline_no_bubble_and_pipelines_have_one():
+    assert predict_step_time(config(Layout(dp=4)), VOCAB, PLAIN).bubble == 0.0
+    piped = predict_step_time(config(Layout(pp=4)), VOCAB, PLAIN)
+    assert 0.1 < piped.bubble < 0.5  # 1F1B, p=4, m=16: (p-1)/(m+p-1) = 16% for equal stages
+
+
+@pytest.mark.parametrize("gbs", [8, 64])
+def test_1f1b_bubble_follows_the_formula_for_near_equal_stages(gbs):
+    """With a small vocabulary the stages are within 2% of each other: the bubble is the
+    textbook (p - 1) / (m + p - 1)."""
+    step = predict_step_time(config(Layout(pp=4), gbs=gbs), 128, PLAIN)
+    assert step.bubble == pytest.approx(3 / (gbs + 3), abs=0.02)
+
+
+def test_doubling_tp_halves_the_arithmetic_and_adds_the_all_reduces():
+    one = config(Layout(tp=1))
+    two = config(Layout(tp=2))
+    c1 = action_costs(one.gpt_config(VOCAB), shape_of(one), PLAIN)
+    c2 = action_costs(two.gpt_config(VOCAB), shape_of(two), PLAIN)
+    assert c2.flops_forward[0][0] == pytest.approx(c1.flops_forward[0][0] / 2)
+    # four all-reduces of [s, b, h] bf16 per layer (two forward, two backward), the
+    # embedding's and the output layer's, the cross-entropy's three of [s, b] fp32
+    act = 128 * 1 * 256 * 2
+    ring = 2 * (1e-6 + act / 2 / 100e9)
+    small = 2 * (1e-6 + 4 * 128 / 2 / 100e9)
+    assert c2.tensor_parallel[0][0] == pytest.approx(8 * 4 * ring + 2 * ring + 3 * small)
+    arithmetic = c1.forward[0][0] - c1.flops_forward[0][0] / 1e12  # the loss's passes
+    f2 = c2.flops_forward[0][0] / 1e12 + arithmetic / 2
+    assert c2.forward[0][0] == pytest.approx(f2 + (8 * 2 + 1) * ring + 3 * small)
+
+
+def test_sequence_parallel_moves_the_same_bytes_in_more_steps():
+    plain = config(Layout(tp=4))
+    sp = config(Layout(tp=4, sequence_parallel=True))
+    hw = dataclasses.replace(PLAIN, intra_node_latency=0.0)
+    a = action_costs(plain.gpt_config(VOCAB), shape_of(plain), hw).tensor_parallel[0][0]
+    b = action_costs(sp.gpt_config(VOCAB), shape_of(sp), hw).tensor_parallel[0][0]
+    assert a == pytest.approx(b)
+
+
+def test_recompute_adds_its_rerun_forward_to_the_input_gradient():
+    base = config(Layout())
+    gpt = base.gpt_config(VOCAB)
+    lin, core = layer_flops(gpt, 128, 1)
+    none = action_costs(gpt, shape_of(base), PLAIN).flops_input_grad[0][0]
+    for recompute, rerun in (("selective", core), ("full", lin + core)):
+        cfg = config(Layout(recompute=recompute))
+        got = action_costs(cfg.gpt_config(VOCAB), shape_of(cfg), PLAIN).flops_input_grad[0][0]
+        assert got - none == pytest.approx(8 * rerun)
+    full = predict_step_time(config(Layout(recompute="full")), VOCAB, PLAIN)
+    assert full.breakdown["recompute_flops"] == pytest.approx(16 * 8 * (lin + core))
+
+
+def test_data_parallel_reduction_by_zero_stage():
+    """ZeRO-0 all-reduces the fp32 gradients; ZeRO-1 reduce-scatters them (half the bytes)
+    and all-gathers the bf16 weights; ZeRO-2 moves the reduce-scatter into every
+    microbatch's backward."""
+    tails = {}
+    for stage in (0, 1, 2):
+        cfg = config(Layout(dp=4, zero_stage=stage))
+        tails[stage] = action_costs(cfg.gpt_config(VOCAB), shape_of(cfg), PLAIN)
+    z0, z1, z2 = tails[0], tails[1], tails[2]
+    assert z1.grad_reduce[0] == pytest.approx(z0.grad_reduce[0] / 2, rel=1e-3)
+    assert z2.grad_reduce[0] == 0.0
+    assert z2.weight_grad[0][0] == pytest.approx(z1.weight_grad[0][0] + z1.grad_reduce[0])
+    # a data-parallel group beyond one node pays InfiniBand's bandwidth
+    wide = config(Layout(dp=16))
+    far = action_costs(wide.gpt_config(VOCAB), shape_of(wide), PLAIN).grad_reduce[0]
+    near = action_costs(wide.gpt_config(VOCAB), shape_of(wide), PLAIN.with_gpus_per_node(16))
+    assert far > 9 * near.grad_reduce[0]
+
+
+def test_overlap_hides_the_reduction_under_the_last_backward_but_its_last_bucket():
+    cfg = config(Layout(dp=2))
+    gpt = cfg.gpt_config(VOCAB)
+    n = rank_parameters(gpt, [0], 1)
+    shape = dataclasses.replace(shape_of(cfg), bucket_size=n // 4)
+    hidden = dataclasses.replace(PLAIN, overlap_communication=True)
+    exposed = action_costs(gpt, shape, PLAIN)
+    overlapped = action_costs(gpt, shape, hidden)
+    reduce = exposed.grad_reduce[0]
+    window = exposed.input_grad[0][0] + exposed.weight_grad[0][0]
+    assert reduce < window  # so only the last bucket's share stays exposed
+    saved = reduce - reduce * (n // 4) / n
+    assert exposed.tail[0] - overlapped.tail[0] == pytest.approx(saved)
+    whole = action_costs(gpt, shape_of(cfg), hidden)  # one bucket: nothing to overlap
+    assert whole.tail[0] == pytest.approx(exposed.tail[0])
+
+
+def test_lower_bound_holds():
+    for layout in (Layout(pp=4), Layout(pp=2, vpp=2, dp=2), Layout(pp=4, schedule="gpipe")):
+        cfg = config(layout)
+        costs = action_costs(cfg.gpt_config(VOCAB), shape_of(cfg), PLAIN)
+        step = predict_step_time(cfg, VOCAB, PLAIN)
+        assert costs.lower_bound(cfg.num_microbatches) <= step.seconds + 1e-12
+
+
+def test_schedules_that_need_background_sends_fail_on_nccl_only():
+    cfg = config(Layout(pp=4, vpp=2, schedule="zb-v"), gbs=8)
+    with pytest.raises(ScheduleError, match="deadlocks"):
+        predict_step_time(cfg, VOCAB, PLAIN)
+    assert predict_step_time(cfg, VOCAB, GLOO).seconds > 0
+
+
+def test_links():
+    link = Link(bandwidth=10e9, latency=2e-6)
+    assert link.all_reduce(8e9, 4) == pytest.approx(6 * 2e-6 + 2 * 3 / 4 * 8e9 / 10e9)
+    assert link.all_gather(8e9, 4) == pytest.approx(3 * 2e-6 + 3 / 4 * 8e9 / 10e9)
+    assert link.all_reduce(8e9, 1) == 0.0
+    assert link.message(1e9) == pytest.approx(2e-6 + 0.1)
+
+
+def test_profiles_and_json(tmp_path):
+    h100 = load_hardware("H100")
+    assert h100.peak_flops == 989e12 and 0.4 < h100.gemm_flops / h100.peak_flops < 0.8
+    assert set(PROFILES) == {"h100", "h200", "a100"}
+    assert load_hardware("h200").memory_bytes > 1.7 * h100.memory_bytes
+    path = tmp_path / "cpu.json"
+    GLOO.save(path)
+    assert load_hardware(str(path)) == GLOO
+    with pytest.raises(ValueError, match="unknown hardware 'v100'; choose one of h100, h200"):
+        load_hardware("v100")
+    (tmp_path / "bad.json").write_text('{"name": "x", "gemm_flops": 1}')
+    with pytest.raises(ValueError, match="lacks: gpus_per_node"):
+        load_hardware(str(tmp_path / "bad.json"))
