@@ -1,0 +1,66 @@
+"""A planner's layout becomes the flags pretrain_gpt.py runs, checked by the same config."""
+
+from __future__ import annotations
+
+import pytest
+
+from megapp.planning.layout import Layout, pretrain_config
+from megapp.training.flag_groups import ArgumentsError
+
+MODEL = ["--num-layers", "8", "--hidden-size", "64", "--num-attention-heads", "4"]
+MODEL += ["--seq-length", "32"]
+
+
+def test_the_config_runs_the_layout():
+    layout = Layout(
+        tp=2,
+        pp=2,
+        dp=2,
+        vpp=2,
+        schedule="zb-v",
+        sequence_parallel=True,
+        recompute="full",
+        zero_stage=1,
+    )
+    config = pretrain_config(layout, MODEL, global_batch_size=16)
+    parallel = config.parallel
+    assert (parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size) == (2, 2)
+    assert config.data_parallel_size == 2 and config.world_size == layout.world_size == 8
+    assert config.virtual_pipeline_model_parallel_size == 2
+    assert config.schedule.name == "zb-v" and config.num_microbatches == 8
+    model = config.gpt_config(vocab_size=100)
+    assert model.sequence_parallel and model.recompute_granularity == "full"
+    assert (model.recompute_method, model.recompute_num_layers) == ("uniform", 1)
+    assert parallel.zero_stage == 1
+    assert layout.name == "tp2.pp2.dp2.v2.mb1.zb-v.sp.full.z1"
+
+
+def test_the_default_schedule_is_megatrons():
+    assert pretrain_config(Layout(pp=2), MODEL, 4).schedule.name == "1f1b"
+    interleaved = pretrain_config(Layout(pp=2, vpp=2), MODEL, 4)
+    assert interleaved.schedule.name == "interleaved-1f1b"
+
+
+@pytest.mark.parametrize(
+    "layout, global_batch, message",
+    [
+        (Layout(pp=3), 6, "--num-layers"),
+        (Layout(dp=2, micro_batch_size=2), 6, "--global-batch-size"),
+        (Layout(pp=2, schedule="zb-v"), 4, "--num-layers-per-virtual-pipeline-stage"),
+        (Layout(tp=3), 4, "heads"),
+    ],
+)
+def test_a_layout_pretrain_gpt_refuses_is_refused_with_its_message(layout, global_batch, message):
+    with pytest.raises(ArgumentsError, match=message):
+        pretrain_config(layout, MODEL, global_batch)
+
+
+def test_bad_layout_values_fail_at_once():
+    with pytest.raises(ValueError, match="sequence parallelism needs tp > 1"):
+        Layout(sequence_parallel=True)
+    with pytest.raises(ValueError, match="recompute must be one of"):
+        Layout(recompute="everything")
+    with pytest.raises(ValueError, match="do not split into 2 pipeline ranks × 3 chunks"):
+        Layout(pp=2, vpp=3).flags(8)
+    with pytest.raises(ValueError, match="--num-layers"):
+        pretrain_config(Layout(), ["--hidden-size", "64"], 1)
