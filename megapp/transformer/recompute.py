@@ -32,16 +32,29 @@ class _Rebuild:
         return value.as_strided(self.shape, self.stride, self.offset)
 
 
-def _view_of(saved: torch.Tensor, target: torch.Tensor) -> bool:
-    """Whether ``saved`` is ``target`` or a view into the same contiguous memory."""
-    return (
-        target.is_contiguous()
-        and saved.dtype == target.dtype
-        and saved.device == target.device
-        and saved.untyped_storage().data_ptr() == target.untyped_storage().data_ptr()
-        and saved.storage_offset() >= target.storage_offset()
-        and saved.numel() <= target.numel()
-    )
+class _Target:
+    """Where the target's memory is, without a reference to it: autograd keeps a saved
+    tensor's pack hook alive until backward, and a hook holding the target would keep the
+    very tensor it exists to free. The caller holds the target for the whole block, so its
+    memory cannot be reused while the hook runs."""
+
+    __slots__ = ("contiguous", "device", "dtype", "numel", "offset", "ptr")
+
+    def __init__(self, target: torch.Tensor):
+        self.ptr, self.offset = target.untyped_storage().data_ptr(), target.storage_offset()
+        self.contiguous, self.numel = target.is_contiguous(), target.numel()
+        self.dtype, self.device = target.dtype, target.device
+
+    def holds(self, saved: torch.Tensor) -> bool:
+        """Whether ``saved`` is the target or a view into the same contiguous memory."""
+        return (
+            self.contiguous
+            and saved.dtype == self.dtype
+            and saved.device == self.device
+            and saved.untyped_storage().data_ptr() == self.ptr
+            and saved.storage_offset() >= self.offset
+            and saved.numel() <= self.numel
+        )
 
 
 @contextlib.contextmanager
@@ -54,10 +67,12 @@ def recompute_saved(
     backward, once per saved use. ``inputs`` should be tensors kept anyway.
     """
 
+    where = _Target(target)
+
     def pack(t: torch.Tensor):
-        if _view_of(t, target):
+        if where.holds(t):
             notify_kept(*inputs)
-            return _Rebuild(fn, inputs, t, t.storage_offset() - target.storage_offset())
+            return _Rebuild(fn, inputs, t, t.storage_offset() - where.offset)
         notify_kept(t)
         return t
 
