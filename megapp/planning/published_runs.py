@@ -1,0 +1,242 @@
+"""Published large-scale Megatron training runs: layout and achieved throughput, as data.
+
+One :class:`PublishedRun` per measured configuration, each with the source its numbers
+were read from. A field the source does not state is None (``recompute``,
+``micro_batch_size``, ``mfu``); a number derived from stated ones says so in ``derived``.
+``model`` names a preset of :data:`megapp.planning.models.MODELS`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class PublishedRun:
+    """A published configuration. ``gpu``: the accelerator and its memory
+    (``a100-80gb``), ``tflops_per_gpu``: achieved model TFLOP/s per GPU, ``mfu``: the
+    model FLOPs utilization the source states (a fraction), ``step_time``: seconds per
+    iteration where stated, ``cp``: context-parallel size, ``recompute``: "full",
+    "selective", "none" or None (not stated), ``precision``: the matmul precision the
+    throughput was measured in."""
+
+    source: str
+    model: str
+    gpu: str
+    gpus: int
+    global_batch_size: int
+    seq_length: int
+    tp: int
+    pp: int
+    dp: int
+    tflops_per_gpu: float
+    cp: int = 1
+    vpp: int = 1
+    micro_batch_size: int | None = None
+    recompute: str | None = None
+    distributed_optimizer: bool | None = None
+    precision: str = "bf16"
+    mfu: float | None = None
+    step_time: float | None = None
+    counts_recompute: bool | None = None
+    derived: str = ""
+
+    @property
+    def name(self) -> str:
+        """A short label: ``gpt3-145b on 1536 a100-80gb``."""
+        return f"{self.model} on {self.gpus} {self.gpu}"
+
+
+NARAYANAN_2021 = (
+    "Narayanan et al. 2021 (arXiv:2104.04473) Table 1: throughput from Megatron-LM "
+    "README images/cases_april2021.png, layout from examples/sc21/run_table_1.sh"
+)
+MCORE_H100 = (
+    "Megatron-LM README, Training Speed and Scalability (images/model_table.png, commit f2e5db402c)"
+)
+MT_NLG = (
+    "Smith et al. 2022 (arXiv:2201.11990) Sec. 2.4, as given in cli99/llm-analysis "
+    "examples/megatron-turing-nlg (README.md, run_train.sh)"
+)
+LLAMA3 = (
+    "Dubey et al. 2024 (arXiv:2407.21783) 405B pre-training layouts, as presented by "
+    "Balaji at SC'24 and listed at glennklockwood.com/garden/llama-3.1"
+)
+NEMO_H100_FP8 = (
+    "NeMo Framework performance summary, NeMo 2.0 on DGX-H100 "
+    "(docs.nvidia.com/nemo-framework/user-guide/latest/performance/performance_summary.html)"
+)
+BRIDGE_H100_FP8 = (
+    "Megatron-Bridge docs/performance-summary.md, 25.11 NeMo container, DGX-H100 "
+    "(NVIDIA-NeMo/Megatron-Bridge)"
+)
+
+
+def _narayanan(
+    model: str, tp: int, pp: int, gpus: int, gbs: int, mbs: int, vpp: int, tflops: float, peak: int
+) -> PublishedRun:
+    return PublishedRun(
+        source=NARAYANAN_2021,
+        model=model,
+        gpu="a100-80gb",
+        gpus=gpus,
+        global_batch_size=gbs,
+        seq_length=2048,
+        tp=tp,
+        pp=pp,
+        dp=gpus // (tp * pp),
+        tflops_per_gpu=tflops,
+        vpp=vpp,
+        micro_batch_size=mbs,
+        recompute="full",
+        distributed_optimizer=False,
+        precision="fp16",
+        mfu=peak / 100,
+        derived="dp = GPUs / (tp × pp); vpp = layers / (pp × layers per virtual stage)",
+    )
+
+
+def _mcore(model: str, tp: int, pp: int, gpus: int, gbs: int, tflops: float, mfu: int):
+    return PublishedRun(
+        source=MCORE_H100,
+        model=model,
+        gpu="h100-80gb",
+        gpus=gpus,
+        global_batch_size=gbs,
+        seq_length=4096,
+        tp=tp,
+        pp=pp,
+        dp=48,
+        tflops_per_gpu=tflops,
+        distributed_optimizer=True,
+        mfu=mfu / 100,
+        counts_recompute=False,
+        derived="distributed optimizer from --overlap-param-gather",
+    )
+
+
+def _mt_nlg(dp: int, tflops: float, seconds: float) -> PublishedRun:
+    return PublishedRun(
+        source=MT_NLG,
+        model="gpt3-530b",
+        gpu="a100-40gb",
+        gpus=8 * 35 * dp,
+        global_batch_size=1920,
+        seq_length=2048,
+        tp=8,
+        pp=35,
+        dp=dp,
+        tflops_per_gpu=tflops,
+        step_time=seconds,
+        recompute="full",
+        counts_recompute=True,
+        derived=(
+            "dp = GPUs / (tp × pp); recompute and its FLOPs counted: only a rerun forward "
+            "makes 1920 × 2048 tokens take the stated seconds at the stated TFLOP/s"
+        ),
+    )
+
+
+RUNS: tuple[PublishedRun, ...] = (
+    _narayanan("gpt3-1.7b", 1, 1, 32, 512, 16, 1, 137, 44),
+    _narayanan("gpt3-3.6b", 2, 1, 64, 512, 16, 1, 138, 44),
+    _narayanan("gpt3-7.5b", 4, 1, 128, 512, 16, 1, 142, 46),
+    _narayanan("gpt3-18b", 8, 1, 256, 1024, 8, 1, 135, 43),
+    _narayanan("gpt3-39b", 8, 2, 512, 1536, 4, 1, 138, 44),
+    _narayanan("gpt3-76b", 8, 4, 1024, 1792, 2, 3, 140, 45),
+    _narayanan("gpt3-145b", 8, 8, 1536, 2304, 2, 2, 148, 47),
+    _narayanan("gpt3-310b", 8, 16, 1920, 2160, 1, 2, 155, 50),
+    _narayanan("gpt3-530b", 8, 35, 2520, 2520, 1, 3, 163, 52),
+    _narayanan("gpt3-1t", 8, 64, 3072, 3072, 1, 1, 163, 52),
+    _mcore("mcore-1.7b", 1, 1, 48, 192, 408.8, 41),
+    _mcore("mcore-7.1b", 2, 1, 96, 192, 465.9, 47),
+    _mcore("mcore-16b", 4, 1, 192, 192, 489.1, 49),
+    _mcore("mcore-32b", 8, 1, 384, 192, 459.6, 46),
+    _mcore("mcore-70b", 8, 2, 768, 384, 419.7, 42),
+    _mcore("mcore-119b", 8, 4, 1536, 768, 420.5, 43),
+    _mcore("mcore-177b", 8, 6, 2304, 1152, 432.8, 44),
+    _mcore("mcore-314b", 8, 8, 3072, 1536, 474.4, 48),
+    _mcore("mcore-462b", 8, 16, 6144, 3072, 459.9, 47),
+    _mt_nlg(8, 126, 60.1),
+    _mt_nlg(10, 121, 50.2),
+    _mt_nlg(12, 113, 44.4),
+    PublishedRun(
+        source=LLAMA3,
+        model="llama3.1-405b",
+        gpu="h100-80gb",
+        gpus=8192,
+        global_batch_size=2048,
+        seq_length=8192,
+        tp=8,
+        pp=16,
+        dp=64,
+        tflops_per_gpu=430,
+        derived="batch = 16M tokens / 8192; dp = GPUs / (tp × cp × pp)",
+    ),
+    PublishedRun(
+        source=LLAMA3,
+        model="llama3.1-405b",
+        gpu="h100-80gb",
+        gpus=16384,
+        global_batch_size=2048,
+        seq_length=8192,
+        tp=8,
+        pp=16,
+        dp=128,
+        tflops_per_gpu=400,
+        derived="batch = 16M tokens / 8192; dp = GPUs / (tp × cp × pp)",
+    ),
+    PublishedRun(
+        source=LLAMA3,
+        model="llama3.1-405b",
+        gpu="h100-80gb",
+        gpus=16384,
+        global_batch_size=128,
+        seq_length=131072,
+        tp=8,
+        pp=16,
+        dp=8,
+        cp=16,
+        tflops_per_gpu=380,
+        derived=(
+            "sequence: the 128K long-context stage; batch = 16M tokens / 131072; "
+            "dp = GPUs / (tp × cp × pp)"
+        ),
+    ),
+    PublishedRun(
+        source=NEMO_H100_FP8,
+        model="gpt3-175b",
+        gpu="h100-80gb",
+        gpus=512,
+        global_batch_size=2048,
+        seq_length=2048,
+        tp=4,
+        pp=8,
+        dp=16,
+        tflops_per_gpu=932,
+        vpp=6,
+        micro_batch_size=2,
+        precision="fp8",
+        counts_recompute=False,
+        derived="dp = GPUs / (tp × pp)",
+    ),
+    PublishedRun(
+        source=BRIDGE_H100_FP8,
+        model="llama3-70b",
+        gpu="h100-80gb",
+        gpus=64,
+        global_batch_size=128,
+        seq_length=8192,
+        tp=4,
+        pp=8,
+        dp=2,
+        tflops_per_gpu=719,
+        vpp=5,
+        micro_batch_size=1,
+        precision="fp8",
+        counts_recompute=False,
+        derived="dp = GPUs / (tp × pp)",
+    ),
+)
+
+__all__ = ["RUNS", "PublishedRun"]

@@ -1,0 +1,60 @@
+"""Published runs: each is a consistent layout of a known preset with a source, and the
+numbers that tie to each other in a source agree."""
+
+from __future__ import annotations
+
+import pytest
+
+from megapp.planning.layout import Layout, pretrain_config
+from megapp.planning.models import MODELS
+from megapp.planning.published_runs import RUNS, PublishedRun
+from megapp.tensor_parallel.utils import pad_vocab_size
+from megapp.training.flops import gpt_config_training_flops
+
+PEAK = {"a100": 312.0, "h100": 989.0}  # dense 16-bit TFLOP/s of the SXM parts
+
+
+@pytest.mark.parametrize("run", RUNS, ids=lambda r: r.name)
+def test_layout_multiplies_to_the_gpu_count(run: PublishedRun):
+    assert run.tp * run.pp * run.cp * run.dp == run.gpus
+    assert run.global_batch_size % run.dp == 0
+    if run.micro_batch_size is not None:
+        assert run.global_batch_size % (run.micro_batch_size * run.dp) == 0
+
+
+@pytest.mark.parametrize("run", RUNS, ids=lambda r: r.name)
+def test_every_run_has_a_source_and_a_known_model(run: PublishedRun):
+    assert len(run.source) > 20 and any(ch.isdigit() for ch in run.source)
+    assert run.model in MODELS
+    assert run.recompute in (None, "none", "selective", "full")
+    assert run.precision in ("fp16", "bf16", "fp8")
+    assert MODELS[run.model].num_layers % (run.pp * run.vpp) == 0 or run.vpp == 1
+
+
+@pytest.mark.parametrize("run", [r for r in RUNS if r.mfu is not None], ids=lambda r: r.name)
+def test_stated_mfu_matches_stated_throughput(run: PublishedRun):
+    peak = PEAK[run.gpu.split("-")[0]]
+    assert run.tflops_per_gpu / peak == pytest.approx(run.mfu, abs=0.006)
+
+
+def test_mt_nlg_throughput_counts_one_recomputed_forward():
+    """126 TFLOP/s on 2240 GPUs for 60.1 s equals the model FLOPs of 1920 × 2048 tokens
+    plus one more forward of the layers (the logits are not rerun)."""
+    for run in (r for r in RUNS if r.step_time is not None):
+        preset = MODELS[run.model]
+        layout = Layout(tp=run.tp, pp=run.pp, dp=run.dp)
+        config = pretrain_config(layout, preset.flags, run.global_batch_size)
+        gpt = config.gpt_config(preset.vocab_size)
+        tokens = run.global_batch_size * run.seq_length
+        model = gpt_config_training_flops(gpt, run.seq_length, tokens)
+        vocab = pad_vocab_size(gpt.vocab_size, run.tp, multiple=gpt.make_vocab_size_divisible_by)
+        logits = 6.0 * gpt.hidden_size * vocab * tokens
+        hardware = model + (model - logits) / 3
+        stated = run.tflops_per_gpu * 1e12 * run.gpus * run.step_time
+        assert stated == pytest.approx(hardware, rel=0.02)
+        assert stated / model > 1.25  # model FLOPs alone would be a third too few
+
+
+def test_runs_are_distinct():
+    keys = [(r.source, r.model, r.gpus, r.cp, r.global_batch_size) for r in RUNS]
+    assert len(keys) == len(set(keys))
