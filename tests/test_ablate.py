@@ -1,0 +1,247 @@
+"""tools/ablate.py and tools/ablation_report.py: the points a spec expands to, resuming,
+failure capture, the parity alarm, the SLURM array script and the report, with a fake
+launcher that writes metrics files instead of starting torchrun; one real two-process
+sweep at the end."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+
+import ablate  # noqa: E402
+import ablation_records as records  # noqa: E402
+from ablation_launch import LaunchResult, error_summary, run_command  # noqa: E402
+from ablation_parity import FAIL, PASS, compare_losses  # noqa: E402
+from ablation_points import SweepSpec, expand, load_spec, spec_from_mapping  # noqa: E402
+from ablation_slurm import slurm_script  # noqa: E402
+from ablation_sweep import reference_point, run_sweep  # noqa: E402
+
+MODEL = ("--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4")
+MODEL += ("--seq-length", "32")
+LOSSES = [5.5, 4.9, 4.7, 4.6, 4.55, 4.5]
+
+
+def small_spec(**overrides) -> SweepSpec:
+    values = dict(
+        model_flags=MODEL,
+        global_batch_size=8,
+        train_iters=6,
+        nproc=4,
+        tp=(1, 2),
+        pp=(1, 2),
+        micro_batch_size=(2,),
+        recompute=(None, "selective"),
+    )
+    return SweepSpec(**{**values, **overrides})
+
+
+def flag_value(command, flag: str) -> str:
+    return command[list(command).index(flag) + 1]
+
+
+def write_metrics(path: Path, losses, world: int, ms: float = 100.0, bubble: float = 0.25):
+    """A metrics file as pretrain_gpt.py writes it: run, train per iteration, profile."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = [{"kind": "run", "iteration": 0, "config": {"world_size": world, "model": {}}}]
+    lines[0]["config"]["model"]["seq_length"] = 32
+    for i, loss in enumerate(losses, start=1):
+        slow = 10 if i in (1, 4, 5) else 1  # warm-up and the two profiled iterations
+        lines.append(
+            {"kind": "train", "iteration": i, "lm_loss": loss, "global_batch_size": 8}
+            | {"elapsed_ms_per_iteration": ms * slow, "tokens_per_second_per_device": 1.0}
+        )
+    ranks = [
+        {"rank": r, "tp": 0, "pp": r % 2, "dp": r // 2, "peak_bytes": 1000 + 100 * r}
+        | {"state_bytes": 500, "comm_seconds": 0.01 * r, "seconds": 0.1}
+        | {"events": [["compute", "F0", 0.0, 0.05], ["wait", "p2p", 0.05, 0.06]]}
+        for r in range(world)
+    ]
+    lines.append({"kind": "profile", "iteration": 4, "seconds": 0.1, "bubble": bubble})
+    lines[-1]["ranks"] = ranks
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+
+
+class FakeLauncher:
+    """Writes the metrics a point would, with ``losses_of(name)``; ``fail`` names points
+    that exit with an error instead, ``calls`` counts launches."""
+
+    def __init__(self, losses_of=None, fail=(), timeout=()):
+        self.losses_of = losses_of or (lambda name: LOSSES)
+        self.fail, self.timeout, self.calls = set(fail), set(timeout), []
+
+    def __call__(self, command, log_path, timeout_s, env) -> LaunchResult:
+        metrics = Path(flag_value(command, "--metrics-path"))
+        name = metrics.parent.name
+        self.calls.append(name)
+        assert env["OMP_NUM_THREADS"] == "1"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        if name in self.fail:
+            log_path.write_text("starting\npretrain_gpt.py: error: rank 3 ran out of luck\n")
+            return LaunchResult(2, False, 0.1)
+        if name in self.timeout:
+            log_path.write_text("iteration 1\n")
+            return LaunchResult(None, True, timeout_s)
+        world = int(flag_value(command, "--nproc-per-node"))
+        write_metrics(metrics, self.losses_of(name), world)
+        log_path.write_text("ok\n")
+        return LaunchResult(0, False, 0.1)
+
+
+def test_expansion_keeps_valid_points_and_says_why_others_drop():
+    spec = small_spec(
+        vpp=(1, 2), schedule=(None, "interleaved-1f1b"), sequence_parallel=(False, True)
+    )
+    expansion = expand(spec)
+    names = {p.name for p in expansion.points}
+    assert "tp2.pp2.dp1.v1.mb2.default.sp.selective.z0" in names
+    assert "tp1.pp2.dp2.v2.mb2.interleaved-1f1b.norecompute.z0" in names
+    reasons = [d.reason for d in expansion.dropped]
+    assert any("sequence parallelism needs tp > 1" in r for r in reasons)
+    # interleaving on one pipeline stage is refused with pretrain_gpt.py's own message
+    assert any("--num-layers-per-virtual-pipeline-stage needs" in r for r in reasons)
+    assert len(expansion.points) + len(expansion.dropped) == 2 * 2 * 2 * 2 * 2 * 2
+    for point in expansion.points:
+        assert point.world_size == 4
+        assert "--hidden-dropout" in point.flags and "--log-interval" in point.flags
+
+
+def test_world_size_must_divide():
+    expansion = expand(small_spec(tp=(3,), pp=(1,), recompute=(None,)))
+    assert not expansion.points
+    assert "not divisible by tp × pp = 3" in expansion.dropped[0].reason
+
+
+def test_toml_spec(tmp_path):
+    path = tmp_path / "sweep.toml"
+    path.write_text(
+        'model_flags = ["--num-layers", "4", "--hidden-size", "64", '
+        '"--num-attention-heads", "4", "--seq-length", "32"]\n'
+        'schedule = ["none", "1f1b"]\nrecompute = ["none", "full"]\ntp = [1, 2]\n'
+        "nproc = 2\nglobal_batch_size = 8\n"
+    )
+    spec = spec_from_mapping(load_spec(path))
+    assert spec.schedule == (None, "1f1b") and spec.recompute == (None, "full")
+    assert spec.tp == (1, 2) and spec.nproc == 2 and spec.num_layers == 4
+    with pytest.raises(ValueError, match="unknown sweep settings"):
+        spec_from_mapping({"model_flags": list(MODEL), "tensor_parallel": [2]})
+
+
+def test_measure_reads_median_tokens_memory_and_bubble(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    write_metrics(path, LOSSES, world=4, ms=200.0)
+    measured = records.measure(path, profile_iteration=4)
+    assert measured.losses == LOSSES
+    assert measured.iteration_seconds == pytest.approx(0.2)  # 1, 4 and 5 left out
+    assert measured.tokens_per_second == pytest.approx(8 * 32 / 0.2)
+    assert measured.peak_per_stage() == [1200, 1300]  # the largest of each pipeline rank
+    assert measured.comm_seconds == pytest.approx(0.03) and measured.bubble == 0.25
+
+
+def test_sweep_records_every_point_and_resumes(tmp_path):
+    spec = small_spec()
+    launcher = FakeLauncher()
+    first = run_sweep(spec, tmp_path, launcher=launcher)
+    expected = {reference_point(spec).name, *(p.name for p in expand(spec).points)}
+    assert set(launcher.calls) == expected
+    assert {r.name for r in first.records} == expected
+    for record in first.records:
+        assert record.status == records.OK and record.parity.status == PASS
+        saved = records.load(tmp_path / "points" / f"{record.name}.json")
+        assert saved.measured.losses == LOSSES and saved.key == record.key
+    assert first.records[0].reference and first.records[0].world_size == 1
+    again = FakeLauncher()
+    second = run_sweep(spec, tmp_path, launcher=again)
+    assert again.calls == [] and set(second.reused) == expected
+    # a changed command (more iterations) is a different point: it runs again
+    third = FakeLauncher(losses_of=lambda name: [*LOSSES, 4.4])
+    run_sweep(small_spec(train_iters=7), tmp_path, launcher=third)
+    assert set(third.calls) == expected
+
+
+def test_failed_point_is_recorded_and_the_sweep_goes_on(tmp_path):
+    spec = small_spec()
+    names = [p.name for p in expand(spec).points]
+    launcher = FakeLauncher(fail={names[0]}, timeout={names[1]})
+    result = run_sweep(spec, tmp_path, launcher=launcher)
+    by_name = {r.name: r for r in result.records}
+    assert by_name[names[0]].status == records.FAILED
+    assert "exit status 2" in by_name[names[0]].error
+    assert "error: rank 3 ran out of luck" in by_name[names[0]].error
+    assert by_name[names[1]].status == records.TIMEOUT
+    assert by_name[names[0]].parity is None
+    assert all(by_name[n].status == records.OK for n in names[2:])
+    # failed points are finished too, unless asked to retry them
+    assert run_sweep(spec, tmp_path, launcher=FakeLauncher()).records
+    retry = FakeLauncher()
+    run_sweep(spec, tmp_path, launcher=retry, retry_failed=True)
+    assert sorted(retry.calls) == sorted(names[:2])
+
+
+def test_run_command_stops_a_point_at_its_time_limit(tmp_path):
+    log = tmp_path / "log.txt"
+    start = time.perf_counter()
+    result = run_command([sys.executable, "-c", "import time; time.sleep(60)"], log, 0.5, {})
+    assert result.timed_out and result.returncode is None
+    assert time.perf_counter() - start < 15
+    assert "time limit" in error_summary(log)
+
+
+def test_parity_passes_equal_losses_and_flags_a_deviation():
+    reference = [5.5, 4.9, 4.7]
+    assert compare_losses([5.5 * (1 + 1e-7), 4.9, 4.7], reference).status == PASS
+    bad = compare_losses([5.5, 4.9 * (1 + 1e-3), 4.7], reference)
+    assert bad.status == FAIL and bad.first_bad_iteration == 2
+    assert bad.max_rel_diff == pytest.approx(1e-3)
+    assert compare_losses([5.5, 4.9], reference).status == FAIL  # stopped early
+
+
+def test_sweep_flags_the_layout_that_trains_another_model(tmp_path, capsys):
+    spec = small_spec(recompute=(None,))
+    wrong = "tp2.pp2.dp1.v1.mb2.default.norecompute.z0"
+    launcher = FakeLauncher(
+        losses_of=lambda name: [x * 1.01 for x in LOSSES] if name == wrong else LOSSES
+    )
+    result = run_sweep(spec, tmp_path, launcher=launcher)
+    status = {r.name: r.parity.status for r in result.records}
+    assert status.pop(wrong) == FAIL and set(status.values()) == {PASS}
+    ablate.summary(result.records)
+    out = capsys.readouterr().out
+    assert "PARITY ALARM" in out and wrong in out
+
+
+def test_slurm_array_script(tmp_path):
+    spec = small_spec(nproc=8, nnodes=2, recompute=(None,), timeout_s=3700)
+    points = [reference_point(spec), *expand(spec).points]
+    script = slurm_script(spec, points, tmp_path, "python tools/ablate.py --slurm", "collect")
+    assert f"#SBATCH --array=0-{len(points) - 1}" in script
+    assert "#SBATCH --nodes=2" in script and "#SBATCH --gpus-per-node=8" in script
+    assert "#SBATCH --time=01:02:00" in script
+    assert f"0) NAME={points[0].name} NNODES=1 NPROC=1" in script
+    assert f"1) NAME={points[1].name} NNODES=2 NPROC=8" in script
+    assert "srun --kill-on-bad-exit=1" in script
+    assert 'torchrun --nnodes "$NNODES" --nproc-per-node "$NPROC"' in script
+    assert "--rdzv-backend c10d" in script and '"${FLAGS[@]}"' in script
+    assert "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2" in script
+    assert f"--profile-iteration {spec.profiled_iteration}" in script
+
+
+def test_command_line_dry_run_and_slurm(tmp_path, capsys):
+    flags = ["--out", str(tmp_path), "--model-flags", " ".join(MODEL), "--nproc", "4"]
+    flags += ["--global-batch-size", "8", "--tp", "1", "2", "--micro-batch-size", "2"]
+    flags += ["--sequence-parallel", "off", "on"]
+    assert ablate.main([*flags, "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("$ python tools/ablate.py --out")
+    assert "run   tp2.pp1.dp2.v1.mb2.default.sp.norecompute.z0" in out
+    assert "sequence parallelism needs tp > 1" in out
+    assert ablate.main([*flags, "--slurm"]) == 0
+    assert "#SBATCH --array=0-3" in (tmp_path / "sweep.sbatch").read_text()
+    manifest = json.loads((tmp_path / "sweep.json").read_text())
+    assert len(manifest["points"]) == 3 and len(manifest["dropped"]) == 1

@@ -1,0 +1,230 @@
+"""Ablation sweep: one model trained under many parallel layouts, measured and predicted.
+
+    python tools/ablate.py --config sweep.toml --out runs/ablation
+    python tools/ablate.py --out runs/ablation --model-flags "--num-layers 4 --hidden-size 128
+        --num-attention-heads 4 --seq-length 128" --nproc 8 --tp 1 2 --pp 1 2
+        --schedule 1f1b gpipe --micro-batch-size 4 --recompute none selective
+    python tools/ablate.py --config sweep.toml --out runs/ablation --slurm   # array job
+    python tools/ablation_report.py runs/ablation                            # the report
+
+The cross product of the axes (tp, pp, vpp, schedule, micro batch, recompute, ZeRO stage,
+sequence parallelism) is checked as ``pretrain_gpt.py`` checks its flags; refused points
+are listed with the reason. Each point runs as ``torchrun --standalone --nproc-per-node N
+pretrain_gpt.py ...`` (dropout off, a loss every iteration, one profiled iteration) with a
+time limit; its record (``points/<name>.json``) holds the measured iteration time, tokens/s,
+memory per rank, bubble, communication time, losses, the planner's prediction and the
+parity with the single-process reference. Finished points are not run again. A TOML file's
+top-level keys are the fields of ``ablation_points.SweepSpec``; flags override them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # siblings: tools/ is not a package
+
+import ablation_points
+import ablation_records
+from ablation_launch import point_command
+from ablation_parity import DEFAULT_RTOL, deviating
+from ablation_points import SweepSpec, load_spec, spec_from_mapping
+from ablation_slurm import slurm_script
+from ablation_sweep import (
+    Progress,
+    collect,
+    finish,
+    finished,
+    record_path,
+    reference_point,
+    run_dir,
+    run_sweep,
+    write_manifest,
+)
+
+AXES = ("tp", "pp", "vpp", "micro_batch_size", "zero_stage")
+WORD_AXES = ("schedule", "recompute")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("--config", help="TOML file of SweepSpec fields")
+    parser.add_argument("--out", required=True, help="sweep directory")
+    for name in ("model_flags", "data_flags", "run_flags"):
+        parser.add_argument("--" + name.replace("_", "-"), help="flags as one quoted string")
+    for name in ("global_batch_size", "train_iters", "nproc", "nnodes", "seed"):
+        parser.add_argument("--" + name.replace("_", "-"), type=int)
+    parser.add_argument("--profile-iteration", type=int)
+    parser.add_argument("--timeout", type=float, dest="timeout_s", help="seconds per point")
+    parser.add_argument("--hardware", help="hardware profile (name or JSON) for the time")
+    for name in AXES:
+        parser.add_argument("--" + name.replace("_", "-"), type=int, nargs="+")
+    for name in WORD_AXES:
+        parser.add_argument("--" + name, nargs="+", help="'none' for the default")
+    parser.add_argument("--sequence-parallel", nargs="+", choices=("off", "on"))
+    parser.add_argument("--rtol", type=float, default=DEFAULT_RTOL, help="parity tolerance")
+    parser.add_argument("--retry-failed", action="store_true", help="rerun failed points")
+    parser.add_argument("--dry-run", action="store_true", help="list the points, run nothing")
+    parser.add_argument("--slurm", action="store_true", help="write a SLURM array script")
+    parser.add_argument("--collect", action="store_true", help="records from SLURM runs")
+    return parser.parse_args(argv)
+
+
+def spec_from_args(args: argparse.Namespace) -> SweepSpec:
+    """The TOML file's settings with the flags given on the command line on top."""
+    values: dict[str, Any] = load_spec(args.config) if args.config else {}
+    for name in ("model_flags", "data_flags", "run_flags"):
+        if getattr(args, name) is not None:
+            values[name] = shlex.split(getattr(args, name))
+    simple = ("global_batch_size", "train_iters", "nproc", "nnodes", "seed", "timeout_s")
+    for name in (*simple, "profile_iteration", "hardware", *AXES, *WORD_AXES):
+        if getattr(args, name) is not None:
+            values[name] = getattr(args, name)
+    if args.sequence_parallel is not None:
+        values["sequence_parallel"] = [v == "on" for v in args.sequence_parallel]
+    return spec_from_mapping(values)
+
+
+class ProgressBar(Progress):
+    """A tqdm bar over the points that run (reused ones do not count toward the ETA), or
+    one plain line per point without tqdm."""
+
+    def __init__(self, pending: int) -> None:
+        self.pending, self.ran, self.start_time = pending, 0, time.perf_counter()
+        try:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=pending, unit="point", file=sys.stdout, smoothing=0)
+        except ImportError:
+            self.bar = None
+
+    def start(self, name: str) -> None:
+        if self.bar is not None:
+            self.bar.set_description(name)
+            return
+        elapsed = time.perf_counter() - self.start_time
+        eta = elapsed / self.ran * (self.pending - self.ran) if self.ran else None
+        eta_text = f"ETA {eta / 60:.1f} min" if eta is not None else "ETA ?"
+        print(f"[{self.ran}/{self.pending}] {name} ({elapsed:.0f} s, {eta_text})", flush=True)
+
+    def done(self, name: str, ran: bool) -> None:
+        if not ran:
+            print(f"  {name}: reused", flush=True)
+            return
+        self.ran += 1
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def print_points(expansion: ablation_points.Expansion, dropped: bool = True) -> None:
+    """The runnable points and (with ``dropped``) every refused one with its reason."""
+    print(f"{len(expansion.points)} points, {len(expansion.dropped)} dropped (see sweep.json)")
+    for point in expansion.points:
+        print(f"  run   {point.name}")
+    for drop in expansion.dropped if dropped else []:
+        print(f"  drop  {drop.description}: {drop.reason.splitlines()[0]}")
+
+
+def write_slurm(spec: SweepSpec, out: Path, command: str, args: argparse.Namespace) -> None:
+    expansion = ablation_points.expand(spec)
+    write_manifest(spec, out, expansion, command)
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    collect_command = command.replace(" --slurm", "") + " --collect"
+    points = [reference_point(spec), *expansion.points]
+    script = slurm_script(spec, points, out, command, collect_command)
+    (out / "sweep.sbatch").write_text(script)
+    print_points(expansion)
+    print(f"wrote {out / 'sweep.sbatch'} ({len(points)} array tasks); after it: {collect_command}")
+
+
+def collect_runs(spec: SweepSpec, out: Path, rtol: float) -> list[ablation_records.PointRecord]:
+    """Records from the metrics files that SLURM array tasks wrote."""
+    expansion = ablation_points.expand(spec)
+    found = []
+    for point in [reference_point(spec), *expansion.points]:
+        metrics = run_dir(out, point) / "metrics.jsonl"
+        command = point_command(point.flags, point.world_size, metrics, spec.profiled_iteration)
+        record = collect(spec, point, out, command, 0, False, None)
+        if not metrics.is_file():
+            record.status, record.error = ablation_records.FAILED, "not run (no metrics file)"
+        ablation_records.save(record, record_path(out, point))
+        found.append(record)
+    finish(found, out, rtol)
+    return found
+
+
+def summary(point_records: list[ablation_records.PointRecord]) -> None:
+    """One line per point, and the parity alarm loudly at the end."""
+    for r in point_records:
+        m = r.measured
+        time_text = f"{m.iteration_seconds * 1e3:8.1f} ms" if m.iteration_seconds else "       -   "
+        parity = r.parity.status if r.parity else "-"
+        print(f"  {r.status:7s} {time_text}  parity {parity:7s} {r.name}")
+        if r.error:
+            print("          " + r.error.splitlines()[-1][:150])
+    bad = deviating(point_records)
+    if bad:
+        print("\n" + "!" * 78)
+        print(f"PARITY ALARM: {len(bad)} layout(s) trained a different model than tp=pp=dp=1:")
+        for r in bad:
+            p = r.parity
+            where = f"from iteration {p.first_bad_iteration}"
+            print(f"  {r.name}: max relative difference {p.max_rel_diff:.3g} {where}")
+        print("!" * 78)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    command = shlex.join(["python", "tools/ablate.py", *argv])
+    print(f"$ {command}", flush=True)
+    try:
+        spec = spec_from_args(args)
+    except (ValueError, OSError) as error:
+        print(f"ablate.py: error: {error}", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    if args.dry_run:
+        print_points(ablation_points.expand(spec))
+        return 0
+    if args.slurm:
+        write_slurm(spec, out, command, args)
+        return 0
+    if args.collect:
+        point_records = collect_runs(spec, out, args.rtol)
+    else:
+        if spec.nnodes != 1:
+            print("ablate.py: error: nnodes > 1 runs under --slurm only", file=sys.stderr)
+            return 2
+        expansion = ablation_points.expand(spec)
+        print_points(expansion, dropped=False)
+        todo = [reference_point(spec), *expansion.points]
+        pending = sum(finished(out, p, args.retry_failed) is None for p in todo)
+        bar = ProgressBar(pending)
+        result = run_sweep(
+            spec,
+            out,
+            retry_failed=args.retry_failed,
+            rtol=args.rtol,
+            progress=bar,
+            command_line=command,
+        )
+        bar.close()
+        point_records = result.records
+    summary(point_records)
+    print(f"records in {out / 'points'}; report: python tools/ablation_report.py {out}")
+    return 1 if deviating(point_records) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,70 @@
+"""The parity alarm: every layout must train the model the single-process run trains.
+
+With dropout off, the same seed and the same global batch, a layout changes only the order
+of floating-point sums (tensor-parallel all-reduces, data-parallel gradient reduction,
+microbatch accumulation), so its loss per iteration equals the reference's to fp32
+round-off. :func:`compare_losses` checks that within :data:`DEFAULT_RTOL`; a layout past it
+computes something else (a dropped layer, a wrong gradient) and is flagged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ablation_records import OK, Parity, PointRecord
+
+PASS, FAIL, UNKNOWN = "pass", "FAIL", "unknown"
+
+DEFAULT_RTOL = 1e-5
+"""Largest relative difference of a loss from the reference's at the same iteration.
+
+Measured on the tiny CPU demo model (docs/ablation/README.md): layouts differ from the
+single-process run by at most ~1e-7 relative over 8 iterations (fp32's unit round-off is
+6e-8; a loss is a mean of 4096 token losses and Adam's first steps amplify a gradient's
+round-off only a few times). 1e-5 leaves two orders of margin for longer runs and larger
+models, while a real error (a layer dropped or run twice, a gradient missing a
+reduction) moves the loss by 1e-3 or more within the first iterations."""
+
+
+def compare_losses(
+    losses: Sequence[float],
+    reference: Sequence[float],
+    rtol: float = DEFAULT_RTOL,
+    reference_name: str | None = None,
+) -> Parity:
+    """``losses`` against ``reference``, iteration by iteration. A missing or non-finite
+    loss, or a run that stopped earlier than the reference, fails."""
+    if not reference:
+        return Parity(UNKNOWN, tolerance=rtol, reference=reference_name)
+    worst, first_bad = 0.0, None
+    for i, ref in enumerate(reference):
+        value = losses[i] if i < len(losses) else None
+        if value is None or value != value or ref == 0:
+            rel = float("inf")
+        else:
+            rel = abs(value - ref) / abs(ref)
+        worst = max(worst, rel)
+        if rel > rtol and first_bad is None:
+            first_bad = i + 1
+    status = PASS if first_bad is None else FAIL
+    return Parity(status, worst, first_bad, rtol, reference_name)
+
+
+def apply_parity(
+    records: Sequence[PointRecord], reference: PointRecord | None, rtol: float = DEFAULT_RTOL
+) -> None:
+    """Set every finished record's ``parity`` against ``reference`` (``unknown`` without a
+    finished reference run); a failed run gets no verdict."""
+    for record in records:
+        if record.status != OK:
+            record.parity = None
+        elif reference is None or reference.status != OK:
+            record.parity = Parity(UNKNOWN, tolerance=rtol)
+        else:
+            losses = record.measured.losses
+            record.parity = compare_losses(losses, reference.measured.losses, rtol, reference.name)
+
+
+def deviating(records: Sequence[PointRecord]) -> list[PointRecord]:
+    """The records whose losses left the reference's."""
+    return [r for r in records if r.parity is not None and r.parity.status == FAIL]

@@ -1,0 +1,246 @@
+"""The points of an ablation sweep: a spec (TOML file or flags) expanded into layouts.
+
+A :class:`SweepSpec` names the model, the data, the run (global batch, iterations,
+processes) and a list of values per layout field; :func:`expand` takes their cross product
+and checks every point with :func:`megapp.planning.layout.pretrain_config`, the same check
+``pretrain_gpt.py`` runs at start-up, so a refused point is dropped with the message the
+job would have printed instead of costing a launch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from megapp.planning.layout import Layout, pretrain_config
+from megapp.training.config import PretrainConfig
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+DEFAULT_RUN_FLAGS = ("--lr", "1e-3", "--eval-iters", "0")
+"""Run flags a spec gets unless it gives its own ``run_flags``: a constant learning rate
+(no warmup to fit into a few iterations) and no evaluation."""
+
+
+@dataclass(frozen=True)
+class SweepSpec:
+    """What a sweep runs. Every list field is one axis of the cross product.
+
+    ``model_flags``: the model's ``pretrain_gpt.py`` flags (``--num-layers``, ...).
+    ``data_flags``: where the tokens come from. ``run_flags``: any other flags every point
+    shares (learning rate, precision, ...). ``nproc`` × ``nnodes`` is the world size of
+    every layout point (data parallel takes what tp × pp leave). ``profile_iteration``:
+    the iteration whose timeline and communication are recorded, its memory in the next
+    (None: two before the last). ``timeout_s``: a point running longer is stopped and
+    recorded as failed. ``hardware``: a :func:`megapp.planning.hardware.load_hardware`
+    profile (name or JSON file) for the predicted step time (None: no time prediction).
+    """
+
+    model_flags: tuple[str, ...]
+    data_flags: tuple[str, ...] = ("--use-default-corpus",)
+    run_flags: tuple[str, ...] = DEFAULT_RUN_FLAGS
+    global_batch_size: int = 32
+    train_iters: int = 8
+    nproc: int = 8
+    nnodes: int = 1
+    seed: int = 1234
+    timeout_s: float = 600.0
+    profile_iteration: int | None = None
+    hardware: str | None = None
+    tp: tuple[int, ...] = (1,)
+    pp: tuple[int, ...] = (1,)
+    vpp: tuple[int, ...] = (1,)
+    schedule: tuple[str | None, ...] = (None,)
+    micro_batch_size: tuple[int, ...] = (1,)
+    recompute: tuple[str | None, ...] = (None,)
+    zero_stage: tuple[int, ...] = (0,)
+    sequence_parallel: tuple[bool, ...] = (False,)
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc * self.nnodes
+
+    @property
+    def num_layers(self) -> int:
+        flags = list(self.model_flags)
+        for i, flag in enumerate(flags[:-1]):
+            if flag == "--num-layers":
+                return int(flags[i + 1])
+        raise ValueError("the model flags must give --num-layers")
+
+    @property
+    def profiled_iteration(self) -> int:
+        """The iteration whose timeline the profile records: late, so warm-up is over, and
+        not the last, as the profile measures memory in the iteration after it."""
+        if self.profile_iteration is not None:
+            return self.profile_iteration
+        return max(1, self.train_iters - 2)
+
+    def common_flags(self) -> list[str]:
+        """The flags every point of the sweep shares (the reference included): model, data,
+        run settings, batch, iterations, seed, dropout off and a loss every iteration."""
+        return [
+            *self.model_flags,
+            *self.data_flags,
+            *self.run_flags,
+            *("--global-batch-size", str(self.global_batch_size)),
+            *("--train-iters", str(self.train_iters)),
+            *("--seed", str(self.seed)),
+            *("--hidden-dropout", "0", "--attention-dropout", "0", "--log-interval", "1"),
+        ]
+
+
+@dataclass(frozen=True)
+class Point:
+    """One layout of the sweep and the flags that run it. ``key`` identifies a finished
+    run: the same key means the same command, so its record can be reused."""
+
+    layout: Layout
+    flags: tuple[str, ...]
+    world_size: int
+
+    @property
+    def name(self) -> str:
+        return self.layout.name
+
+    @property
+    def key(self) -> str:
+        text = "\0".join([str(self.world_size), *self.flags])
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class Dropped:
+    """A point of the cross product that cannot run, and why (the job's own message)."""
+
+    layout: Layout | None
+    description: str
+    reason: str
+
+
+@dataclass
+class Expansion:
+    """The runnable points and the dropped ones, in cross-product order."""
+
+    points: list[Point] = field(default_factory=list)
+    dropped: list[Dropped] = field(default_factory=list)
+
+
+def point_for(spec: SweepSpec, layout: Layout) -> Point:
+    """The point that runs ``layout`` under ``spec`` (no validity check)."""
+    flags = (*spec.common_flags(), *layout.flags(spec.num_layers))
+    return Point(layout=layout, flags=flags, world_size=layout.world_size)
+
+
+def reference_layout(spec: SweepSpec) -> Layout:
+    """The single-process layout every point is compared with: tp = pp = dp = 1, the first
+    micro-batch size of the sweep, no recompute, the default schedule."""
+    return Layout(micro_batch_size=spec.micro_batch_size[0])
+
+
+def check_point(spec: SweepSpec, layout: Layout) -> PretrainConfig:
+    """The config ``pretrain_gpt.py`` builds for ``layout``; raises ValueError with its
+    message where the job would refuse to start."""
+    flags = [*spec.model_flags, *spec.data_flags]
+    return pretrain_config(layout, flags, spec.global_batch_size)
+
+
+def expand(spec: SweepSpec) -> Expansion:
+    """The cross product of ``spec``'s axes, split into runnable and dropped points."""
+    out = Expansion()
+    axes = itertools.product(
+        spec.tp,
+        spec.pp,
+        spec.vpp,
+        spec.schedule,
+        spec.micro_batch_size,
+        spec.recompute,
+        spec.zero_stage,
+        spec.sequence_parallel,
+    )
+    for tp, pp, vpp, schedule, mbs, recompute, zero, sp in axes:
+        description = (
+            f"tp{tp} pp{pp} vpp{vpp} {schedule or 'default'} mb{mbs} "
+            f"{recompute or 'norecompute'} z{zero}{' sp' if sp else ''}"
+        )
+        if spec.world_size % (tp * pp):
+            reason = f"world size {spec.world_size} is not divisible by tp × pp = {tp * pp}"
+            out.dropped.append(Dropped(None, description, reason))
+            continue
+        try:
+            layout = Layout(
+                tp=tp,
+                pp=pp,
+                dp=spec.world_size // (tp * pp),
+                vpp=vpp,
+                micro_batch_size=mbs,
+                schedule=schedule,
+                sequence_parallel=sp,
+                recompute=recompute,
+                zero_stage=zero,
+            )
+        except ValueError as error:
+            out.dropped.append(Dropped(None, description, str(error)))
+            continue
+        try:
+            check_point(spec, layout)
+        except ValueError as error:
+            out.dropped.append(Dropped(layout, layout.name, str(error)))
+            continue
+        out.points.append(point_for(spec, layout))
+    return out
+
+
+_NONE_WORDS = ("none", "default", "")
+
+
+def _optional(value: Any) -> Any:
+    return None if isinstance(value, str) and value.lower() in _NONE_WORDS else value
+
+
+def _as_tuple(name: str, value: Any) -> tuple:
+    items = tuple(value) if isinstance(value, list | tuple) else (value,)
+    if name in ("schedule", "recompute"):
+        items = tuple(_optional(v) for v in items)
+    if name in ("model_flags", "data_flags", "run_flags"):
+        items = tuple(str(v) for v in items)
+    return items
+
+
+def spec_from_mapping(values: Mapping[str, Any]) -> SweepSpec:
+    """A spec from plain values (a parsed TOML table or flags): lists become tuples,
+    ``"none"``/``"default"`` become None for schedules and recompute, unknown keys fail."""
+    known = {f.name: f for f in fields(SweepSpec)}
+    unknown = sorted(set(values) - set(known))
+    if unknown:
+        raise ValueError(f"unknown sweep settings {unknown}; known: {sorted(known)}")
+    kwargs: dict[str, Any] = {}
+    for name, value in values.items():
+        if value is None:
+            continue
+        is_tuple = str(known[name].type).startswith("tuple")
+        kwargs[name] = _as_tuple(name, value) if is_tuple else value
+    if "model_flags" not in kwargs:
+        raise ValueError("a sweep needs model_flags (the model's pretrain_gpt.py flags)")
+    return SweepSpec(**kwargs)
+
+
+def load_spec(path: str | Path) -> dict[str, Any]:
+    """The settings of a TOML sweep file (top-level keys are :class:`SweepSpec` fields)."""
+    with open(path, "rb") as handle:
+        return tomllib.load(handle)
+
+
+def describe(spec: SweepSpec) -> Sequence[str]:
+    """The axes as ``name: values`` lines, for the report."""
+    names = ("tp", "pp", "vpp", "schedule", "micro_batch_size", "recompute", "zero_stage")
+    lines = [f"{n}: {', '.join(str(v) for v in getattr(spec, n))}" for n in names]
+    lines.append(f"sequence_parallel: {', '.join(str(v) for v in spec.sequence_parallel)}")
+    return lines

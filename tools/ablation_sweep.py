@@ -1,0 +1,175 @@
+"""Running a sweep: every point once, the single-process reference first, then the parity
+check of every layout against it.
+
+A sweep directory holds ``points/<name>.json`` (one :class:`PointRecord` per point, the
+reference's with ``reference: true``), ``runs/<name>/`` (each point's metrics file and
+log) and ``sweep.json`` (the spec, the dropped points and the command). A record whose
+key equals the point's (the same command) is not run again, so an interrupted sweep
+continues where it stopped; a failed point runs again only with ``retry_failed``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import ablation_records as records
+from ablation_launch import Launcher, error_summary, point_command, point_env, run_command
+from ablation_parity import DEFAULT_RTOL, apply_parity
+from ablation_points import Expansion, Point, SweepSpec, check_point, expand, point_for
+from ablation_points import reference_layout as reference_layout_of
+from ablation_predict import predict
+from ablation_records import FAILED, OK, TIMEOUT, Measured, PointRecord
+
+
+class Progress:
+    """What the sweep reports as it goes: a point starts, a point is done (``ran``: False
+    when its record was reused). This one says nothing; the command line draws a bar."""
+
+    def start(self, name: str) -> None:
+        """``name`` is next."""
+
+    def done(self, name: str, ran: bool) -> None:
+        """``name`` is finished."""
+
+
+@dataclass
+class SweepResult:
+    """The sweep's records (reference first) and what it skipped or dropped."""
+
+    records: list[PointRecord] = field(default_factory=list)
+    reused: list[str] = field(default_factory=list)
+    expansion: Expansion = field(default_factory=Expansion)
+
+
+def reference_point(spec: SweepSpec) -> Point:
+    return point_for(spec, reference_layout_of(spec))
+
+
+def record_path(out_dir: Path, point: Point) -> Path:
+    return out_dir / "points" / f"{point.name}.json"
+
+
+def run_dir(out_dir: Path, point: Point) -> Path:
+    return out_dir / "runs" / point.name
+
+
+def finished(out_dir: Path, point: Point, retry_failed: bool) -> PointRecord | None:
+    """The saved record of ``point`` if it ran with the same command (and succeeded, or
+    failed and ``retry_failed`` is off), else None."""
+    path = record_path(out_dir, point)
+    if not path.is_file():
+        return None
+    record = records.load(path)
+    if record.key != point.key or (retry_failed and record.status != OK):
+        return None
+    return record
+
+
+def collect(
+    spec: SweepSpec,
+    point: Point,
+    out_dir: Path,
+    command: Sequence[str],
+    returncode: int | None,
+    timed_out: bool,
+    seconds: float | None,
+) -> PointRecord:
+    """The record of a point that ran (here, or as a SLURM array task): its measured
+    figures from the metrics file, the prediction, and the error of a failed run."""
+    where = run_dir(out_dir, point)
+    metrics, log = where / "metrics.jsonl", where / "log.txt"
+    record = PointRecord(
+        name=point.name,
+        key=point.key,
+        layout=asdict(point.layout),
+        world_size=point.world_size,
+        command=list(command),
+        status=OK,
+        wall_seconds=seconds,
+        log=str(log.relative_to(out_dir)),
+        reference=point.layout == reference_layout_of(spec),
+    )
+    measured = records.measure(metrics, spec.profiled_iteration) if metrics.is_file() else None
+    record.measured = measured or Measured()
+    if timed_out:
+        record.status = TIMEOUT
+        record.error = f"stopped after {spec.timeout_s:.0f} s\n" + error_summary(log)
+    elif returncode != 0 or len(record.measured.losses) < spec.train_iters:
+        record.status = FAILED
+        record.error = f"exit status {returncode}\n" + error_summary(log)
+    try:
+        record.predicted = predict(check_point(spec, point.layout), spec.hardware)
+    except ValueError as error:
+        record.predicted.note = f"no prediction: {error}"
+    return record
+
+
+def run_sweep(
+    spec: SweepSpec,
+    out_dir: Path,
+    *,
+    launcher: Launcher = run_command,
+    retry_failed: bool = False,
+    rtol: float = DEFAULT_RTOL,
+    progress: Progress | None = None,
+    command_line: str = "",
+) -> SweepResult:
+    """Run (or reuse) the reference and every runnable point of ``spec`` under ``out_dir``,
+    then record every point's parity with the reference. A failing point is recorded with
+    its error and the sweep goes on."""
+    out_dir = Path(out_dir)
+    result = SweepResult(expansion=expand(spec))
+    write_manifest(spec, out_dir, result.expansion, command_line)
+    progress = progress or Progress()
+    for point in [reference_point(spec), *result.expansion.points]:
+        progress.start(point.name)
+        record = finished(out_dir, point, retry_failed)
+        if record is not None:
+            result.reused.append(point.name)
+        else:
+            where = run_dir(out_dir, point)
+            metrics = where / "metrics.jsonl"
+            if metrics.exists():
+                metrics.unlink()  # a rerun starts a fresh file
+            command = point_command(point.flags, point.world_size, metrics, spec.profiled_iteration)
+            outcome = launcher(command, where / "log.txt", spec.timeout_s, point_env())
+            record = collect(
+                spec,
+                point,
+                out_dir,
+                command,
+                outcome.returncode,
+                outcome.timed_out,
+                outcome.seconds,
+            )
+            records.save(record, record_path(out_dir, point))
+        result.records.append(record)
+        progress.done(point.name, ran=point.name not in result.reused)
+    finish(result.records, out_dir, rtol)
+    return result
+
+
+def finish(point_records: Sequence[PointRecord], out_dir: Path, rtol: float) -> None:
+    """Set every record's parity against the reference among them and save them again."""
+    reference = next((r for r in point_records if r.reference), None)
+    apply_parity(point_records, reference, rtol)
+    for record in point_records:
+        records.save(record, out_dir / "points" / f"{record.name}.json")
+
+
+def write_manifest(spec: SweepSpec, out_dir: Path, expansion: Expansion, command: str) -> None:
+    """``sweep.json``: the spec, the points, the dropped points with their reasons, and the
+    command that ran the sweep."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    manifest = {
+        "command": command,
+        "spec": asdict(spec),
+        "points": [p.name for p in expansion.points],
+        "dropped": [{"point": d.description, "reason": d.reason} for d in expansion.dropped],
+        "written": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+    (out_dir / "sweep.json").write_text(json.dumps(manifest, indent=1))
