@@ -2,7 +2,8 @@
 
 One :class:`PublishedRun` per measured configuration, each with the source its numbers
 were read from. A field the source does not state is None (``recompute``,
-``micro_batch_size``, ``mfu``); a number derived from stated ones says so in ``derived``.
+``micro_batch_size``, ``peak_fraction``); a value derived from stated ones says so in
+``derived``.
 ``model`` names a preset of :data:`megapp.planning.models.MODELS`.
 """
 
@@ -14,8 +15,9 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class PublishedRun:
     """A published configuration. ``gpu``: the accelerator and its memory
-    (``a100-80gb``), ``tflops_per_gpu``: achieved model TFLOP/s per GPU, ``mfu``: the
-    model FLOPs utilization the source states (a fraction), ``step_time``: seconds per
+    (``a100-80gb``), ``tflops_per_gpu``: achieved TFLOP/s per GPU, ``peak_fraction``: that
+    throughput as a fraction of the GPU's peak where the source states it (MFU when
+    recompute is not counted), ``step_time``: seconds per
     iteration where stated, ``cp``: context-parallel size, ``recompute``: "full",
     "selective", "none" or None (not stated), ``precision``: the matmul precision the
     throughput was measured in."""
@@ -36,8 +38,9 @@ class PublishedRun:
     recompute: str | None = None
     distributed_optimizer: bool | None = None
     precision: str = "bf16"
-    mfu: float | None = None
+    peak_fraction: float | None = None
     step_time: float | None = None
+    sequence_parallel: bool | None = None
     counts_recompute: bool | None = None
     derived: str = ""
 
@@ -91,8 +94,15 @@ def _narayanan(
         recompute="full",
         distributed_optimizer=False,
         precision="fp16",
-        mfu=peak / 100,
-        derived="dp = GPUs / (tp × pp); vpp = layers / (pp × layers per virtual stage)",
+        peak_fraction=peak / 100,
+        sequence_parallel=False,
+        counts_recompute=True,
+        derived=(
+            "dp = GPUs / (tp × pp); vpp = layers / (pp × layers per virtual stage); "
+            "recompute FLOPs counted, as in MT-NLG below (same group and year), since "
+            "52% of peak with full recompute would otherwise exceed the 42.1% MFU "
+            "Korthikanti et al. 2022 (arXiv:2205.05198, abstract) give for 530B with it"
+        ),
     )
 
 
@@ -109,9 +119,11 @@ def _mcore(model: str, tp: int, pp: int, gpus: int, gbs: int, tflops: float, mfu
         dp=48,
         tflops_per_gpu=tflops,
         distributed_optimizer=True,
-        mfu=mfu / 100,
+        peak_fraction=mfu / 100,
+        sequence_parallel=True,
         counts_recompute=False,
-        derived="distributed optimizer from --overlap-param-gather",
+        derived="distributed optimizer from --overlap-param-gather, sequence parallelism "
+        "from --tp-comm-overlap (Megatron requires both for them)",
     )
 
 
