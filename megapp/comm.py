@@ -23,6 +23,15 @@ import torch.distributed as dist
 
 Group = dist.ProcessGroup | None
 
+_blocked = [0.0]  # seconds this process has spent in blocking collectives and waits
+
+
+def blocked_seconds() -> float:
+    """Seconds this process has spent so far inside a collective of this module: a blocking
+    call, or a :meth:`Pending.wait` (the communication time a profile reports)."""
+    return _blocked[0]
+
+
 __all__ = [
     "CollectiveError",
     "Group",
@@ -30,6 +39,7 @@ __all__ = [
     "all_gather_into",
     "all_reduce",
     "barrier",
+    "blocked_seconds",
     "broadcast_object",
     "default_timeout",
     "describe",
@@ -113,21 +123,26 @@ class Pending:
         self.work, self.op, self.group, self.started = work, op, group, started
 
     def wait(self) -> None:
+        started = time.perf_counter()
         try:
             self.work.wait()
         except RuntimeError as error:
             raise _failed(self.op, self.group, self.started, error) from error
+        finally:
+            _blocked[0] += time.perf_counter() - started
 
     def is_completed(self) -> bool:
         return self.work.is_completed()
 
 
 def _run(what: str, group: Group, async_op: bool, call, *args: Any, **kwargs: Any):
-    started = time.monotonic()
+    started, clock = time.monotonic(), time.perf_counter()
     try:
         work = call(*args, group=group, async_op=async_op, **kwargs)
     except RuntimeError as error:
         raise _failed(what, group, started, error) from error
+    finally:
+        _blocked[0] += time.perf_counter() - clock
     return Pending(work, what, group, started) if async_op else None
 
 

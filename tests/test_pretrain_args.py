@@ -148,6 +148,8 @@ ERRORS = [
     ("--split 1,x", 1, r"--split: split '1,x' must be"),
     ("--tokenizer-type GPT2BPETokenizer --merge-file m.txt", 1, r"needs both --vocab-file and"),
     ("--micro-batch-size 0", 1, r"--micro-batch-size must be >= 1, got 0"),
+    ("--profile-iteration 0", 1, r"--profile-iteration must be >= 1, got 0"),
+    ("--profile-iteration 10", 1, r"--profile-iteration 10 must be below --train-iters \(10\)"),
     ("--save-hf out", 1, r"--save-hf needs --hf-model-type \(gpt2 \| gpt_neox \| llama"),
     ("--load-hf /no/such/dir", 1, r"--load-hf /no/such/dir: no such directory"),
     ("--swiglu --gelu-erf", 1, r"--swiglu and --gelu-erf both choose the activation"),

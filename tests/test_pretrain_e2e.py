@@ -24,7 +24,7 @@ from megapp.data import IndexedDatasetBuilder
 from tests.test_checkpoint_safety import dotted_system_payload
 
 ROOT = Path(__file__).resolve().parents[1]
-ITERS, SAVE_AT = 6, 3
+ITERS, SAVE_AT, PROFILE_AT = 6, 3, 4
 MODEL = (
     "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --num-layers 2 "
     "--hidden-size 64 --num-attention-heads 4 --seq-length 64 --micro-batch-size 2 "
@@ -68,6 +68,7 @@ def full_run(corpus, tmp_path_factory):
         *data,
         *("--save", str(root / "checkpoints"), "--save-interval", str(SAVE_AT)),
         *("--metrics-path", str(root / "full.jsonl")),
+        *("--profile-iteration", str(PROFILE_AT)),
         cwd=root,
     )
     assert full.returncode == 0, full.stderr[-4000:]
@@ -110,6 +111,23 @@ def test_train_save_resume_continues_exactly(corpus, full_run, tmp_path):
         {k: r.get(k) for k in keys} for r in tail
     ]
     assert [r["split"] for r in again if r["kind"] == "eval"] == ["valid", "valid", "test"]
+
+    # The profiled iterations (after the checkpoint) changed no loss: the resumed run,
+    # unprofiled, repeated them bit for bit above.
+    (profile,) = [r for r in full_records if r["kind"] == "profile"]
+    assert profile["iteration"] == PROFILE_AT and 0 < profile["bubble"] < 1
+    assert [(r["rank"], r["tp"], r["pp"]) for r in profile["ranks"]] == [
+        (0, 0, 0),
+        (1, 1, 0),
+        (2, 0, 1),
+        (3, 1, 1),
+    ]
+    for rank in profile["ranks"]:
+        assert 0 < rank["state_bytes"] < rank["peak_bytes"]
+        assert rank["comm_seconds"] > 0  # tensor-parallel all-reduces
+        names = [e[1] for e in rank["events"] if e[0] == "compute"]
+        assert sorted(names) == sorted(f"{op}{m}" for op in "FB" for m in range(4))
+    assert [train[i].get("profiled", False) for i in train] == [i == PROFILE_AT + 1 for i in train]
 
     # The last rank printed Megatron's line for every iteration and the evaluations.
     assert f" iteration {ITERS:8d}/{ITERS:8d} | consumed samples: {8 * ITERS:12d} |" in full.stdout

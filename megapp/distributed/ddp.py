@@ -196,6 +196,13 @@ class DistributedDataParallel(nn.Module):
         start, end = self.buffer.ranges[id(param)]
         return whole[start - bucket.start : end - bucket.start].view(param.shape)
 
+    def resized_storages(self) -> list[torch.UntypedStorage]:
+        """Storages this chunk resizes in place between uses (ZeRO-3's weight buckets, freed
+        to zero bytes at rest), for memory accounting; none without ZeRO-3."""
+        if self.sharded_params is None:
+            return []
+        return [b.param_data.untyped_storage() for b in self.buffer.buckets]
+
     def owned_weights(self, param: nn.Parameter, lo: int, hi: int) -> torch.Tensor:
         """The weights of elements ``[lo, hi)`` of ``param`` (flat) that this rank updates:
         a view of the parameter, or of its ZeRO-3 slice."""

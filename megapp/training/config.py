@@ -184,6 +184,13 @@ class PretrainConfig:
         self._set("training", dataclasses.replace(training, global_batch_size=gbs))
         self._set("schedule", self._build_schedule(pp, vpp, gbs, mbs, dp))
 
+        profile = self.logging.profile_iteration
+        if profile is not None and profile >= training.train_iters:
+            raise ArgumentsError(
+                f"--profile-iteration {profile} must be below --train-iters "
+                f"({training.train_iters}): the iteration after it measures memory"
+            )
+
         opt = self.optimizer
         decay = opt.lr_decay_iters if opt.lr_decay_iters is not None else training.train_iters
         self._set("optimizer", dataclasses.replace(opt, lr_decay_iters=decay))

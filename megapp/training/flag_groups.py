@@ -341,9 +341,15 @@ class LoggingArgs:
         "directory); appended to",
         kind=str,
     )
+    profile_iteration: int | None = arg(
+        None,
+        "record this iteration's pipeline timeline, peak tensor memory and communication time "
+        "on every rank into the metrics file",
+        kind=int,
+    )
 
     def __post_init__(self) -> None:
-        require_positive(self, ("log_interval", "eval_interval"))
+        require_positive(self, ("log_interval", "eval_interval", "profile_iteration"))
         if self.eval_iters < 0:
             raise ArgumentsError(
                 f"--eval-iters must be >= 0 (0 turns evaluation off), got {self.eval_iters}"

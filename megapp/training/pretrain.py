@@ -12,6 +12,7 @@ position, so the losses continue exactly as in an uninterrupted run.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
@@ -23,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megapp import comm
 from megapp import parallel_state as ps
 from megapp.parallel_state import TrainGroups
 from megapp.pipeline_parallel.compute import ForwardStepFunc
@@ -35,6 +37,12 @@ from megapp.training.data_iterators import chunk_iterators, rank0_first
 from megapp.training.evaluate import evaluate
 from megapp.training.flag_groups import ArgumentsError
 from megapp.training.initialize import count_parameters, initialize_distributed, print_rank_0
+from megapp.training.iteration_profile import (
+    MemoryIteration,
+    RankProfile,
+    TimedIteration,
+    profile_record,
+)
 from megapp.training.metrics import (
     MetricsWriter,
     format_eval_lines,
@@ -78,6 +86,7 @@ class _Interval:
     seconds: float = 0.0
     skipped: int = 0
     nan: int = 0
+    profiled: bool = False  # an iteration of it measured memory
 
 
 class Trainer:
@@ -112,21 +121,24 @@ class Trainer:
         training, logging, ckpt = config.training, config.logging, config.checkpoint
         while state.iteration < training.train_iters:
             lr = setup.optimizer.param_groups[0]["lr"]  # the rate this iteration applies
-            start = self._sync()
-            result = train_step(
-                self.forward_step_func,
-                train_iterators,
-                setup.chunks,
-                setup.optimizer,
-                num_microbatches=config.num_microbatches,
-                groups=setup.groups,
-                schedule=self.schedule,
-                lr_scheduler=setup.scheduler,
-                tensor_shapes=self.tensor_shapes,
-                record=self.searching,
-            )
-            seconds = self._sync() - start
+            with self._profiling(state.iteration + 1) as measuring:
+                start = self._sync()
+                result = train_step(
+                    self.forward_step_func,
+                    train_iterators,
+                    setup.chunks,
+                    setup.optimizer,
+                    num_microbatches=config.num_microbatches,
+                    groups=setup.groups,
+                    schedule=self.schedule,
+                    lr_scheduler=setup.scheduler,
+                    tensor_shapes=self.tensor_shapes,
+                    record=self.searching or isinstance(measuring, TimedIteration),
+                )
+                seconds = self._sync() - start
+            self._after_profiling(measuring, result.events, state.iteration + 1)
             interval.seconds += seconds
+            interval.profiled |= isinstance(measuring, MemoryIteration)
             if self.searching:
                 self.schedule, line = choose_schedule(self.schedule, result.events, seconds)
                 self.searching = False
@@ -156,6 +168,34 @@ class Trainer:
                 return True
         return False
 
+    def _profiling(self, iteration: int):
+        """What measures ``iteration`` for ``--profile-iteration``: its timeline, or the
+        next one's memory, or nothing."""
+        target = self.config.logging.profile_iteration
+        if target is None or iteration not in (target, target + 1):
+            return contextlib.nullcontext()
+        if iteration == target:
+            groups = self.setup.groups
+            self.profile = RankProfile(
+                dist.get_rank() if dist.is_initialized() else 0,
+                tp=comm.rank(groups.tp),
+                pp=comm.rank(groups.pp),
+                dp=comm.rank(groups.dp),
+            )
+            return TimedIteration(self.profile)
+        resized = [s for chunk in self.setup.chunks for s in chunk.resized_storages()]
+        return MemoryIteration(self.profile, resized)
+
+    def _after_profiling(self, measuring, events, iteration: int) -> None:
+        if isinstance(measuring, TimedIteration):
+            measuring.keep_events(events)
+        if not isinstance(measuring, MemoryIteration):
+            return
+        world = dist.group.WORLD if dist.is_initialized() else None
+        profiles = comm.all_gather_object(self.profile, world)
+        if self.writer is not None:
+            self.writer.write(profile_record(iteration - 1, profiles))
+
     def log(self, interval: _Interval, lr: float, grad_norm: float) -> None:
         config = self.config
         seconds = interval.seconds / interval.iterations
@@ -178,6 +218,8 @@ class Trainer:
             "skipped_iterations": interval.skipped,
             "nan_iterations": interval.nan,
         }
+        if interval.profiled:  # its per-operator memory bookkeeping slowed it down
+            record["profiled"] = True
         if self.writer is not None:
             self.writer.write(record)
             print(format_train_line(record, config.training.train_iters), flush=True)
