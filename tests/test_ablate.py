@@ -17,6 +17,7 @@ sys.path.insert(0, str(ROOT / "tools"))
 
 import ablate  # noqa: E402
 import ablation_records as records  # noqa: E402
+import ablation_report  # noqa: E402
 from ablation_launch import LaunchResult, error_summary, run_command  # noqa: E402
 from ablation_parity import FAIL, PASS, compare_losses  # noqa: E402
 from ablation_points import SweepSpec, expand, load_spec, spec_from_mapping  # noqa: E402
@@ -245,3 +246,35 @@ def test_command_line_dry_run_and_slurm(tmp_path, capsys):
     assert "#SBATCH --array=0-3" in (tmp_path / "sweep.sbatch").read_text()
     manifest = json.loads((tmp_path / "sweep.json").read_text())
     assert len(manifest["points"]) == 3 and len(manifest["dropped"]) == 1
+
+
+def test_report_from_synthetic_records(tmp_path):
+    spec = small_spec(recompute=(None,))
+    wrong = "tp1.pp2.dp2.v1.mb2.default.norecompute.z0"
+    failed = "tp2.pp2.dp1.v1.mb2.default.norecompute.z0"
+    launcher = FakeLauncher(
+        losses_of=lambda name: [x + 0.01 for x in LOSSES] if name == wrong else LOSSES,
+        fail={failed},
+    )
+    sweep = tmp_path / "sweep"
+    run_sweep(spec, sweep, launcher=launcher, command_line="python tools/ablate.py X")
+    status = ablation_report.main([str(sweep), "--out", str(tmp_path / "report")])
+    assert status == 1  # a layout deviates
+    text = (tmp_path / "report" / "report.md").read_text()
+    assert text.index("PARITY ALARM") < text.index("## Layouts")
+    assert f"`{wrong}`: max relative difference" in text
+    assert "from the sweep `python tools/ablate.py X`" in text
+    row = next(line for line in text.splitlines() if line.startswith(f"| `{wrong}`"))
+    # 100 ms per iteration, 8 × 32 tokens; peaks 1000 + 100 r bytes; comm 0.03 s on rank 3
+    assert "| ok | 100.0 | 2560 | 0.0 / 0.0 | 0.25 | 30.0 |" in row
+    assert "**FAIL** (" in row
+    assert "error: rank 3 ran out of luck" in text and f"**`{failed}`** (failed" in text
+    for png in ("throughput", "memory", "loss", "timelines"):
+        assert (tmp_path / "report" / f"{png}.png").stat().st_size > 1000
+        assert f"]({png}.png)" in text
+
+
+def test_report_needs_matplotlib(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert ablation_report.main([str(tmp_path)]) == 2
+    assert "error: the plots need matplotlib: pip install matplotlib" in capsys.readouterr().out

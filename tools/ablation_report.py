@@ -1,0 +1,241 @@
+"""One markdown report with PNG plots from a sweep directory written by tools/ablate.py.
+
+    python tools/ablation_report.py runs/ablation                  # runs/ablation/report/
+    python tools/ablation_report.py runs/ablation --out docs/ablation
+
+The report opens with the parity alarm when a layout's losses left the single-process
+run's, then a table per layout (time, tokens/s, memory per pipeline rank, bubble,
+communication, prediction errors, parity), the plots (throughput, memory, predicted against
+measured, the timelines of the fastest and slowest layout, loss curves), the failed points
+with their errors and the points the sweep refused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # siblings: tools/ is not a package
+
+from ablation_parity import deviating
+from ablation_records import OK, PointRecord, load_all
+
+MIB = 2**20
+
+
+def fmt(value: float | None, spec: str = ".1f", scale: float = 1.0) -> str:
+    return "-" if value is None else format(value * scale, spec)
+
+
+def percent(error: float | None) -> str:
+    return "-" if error is None else f"{100 * error:+.1f}%"
+
+
+def time_error(record: PointRecord) -> float | None:
+    """Predicted over measured iteration time, minus one."""
+    measured, predicted = record.measured.iteration_seconds, record.predicted.iteration_seconds
+    return predicted / measured - 1 if measured and predicted else None
+
+
+def memory_error(record: PointRecord) -> float | None:
+    """The largest relative error of the predicted memory over the pipeline ranks (signed)."""
+    pairs = zip(
+        record.measured.peak_per_stage(), record.predicted.memory_per_stage or [], strict=False
+    )
+    errors = [p / m - 1 for m, p in pairs if m]
+    return max(errors, key=abs) if errors else None
+
+
+def parity_cell(record: PointRecord) -> str:
+    if record.reference:
+        return "reference"
+    parity = record.parity
+    if parity is None:
+        return "-"
+    if parity.max_rel_diff is None:
+        return parity.status
+    bold = "**" if parity.status != "pass" else ""
+    return f"{bold}{parity.status}{bold} ({parity.max_rel_diff:.1e})"
+
+
+def layout_table(point_records: Sequence[PointRecord]) -> list[str]:
+    """One row per layout, fastest first; failed points last."""
+    head = (
+        "| layout | status | iteration (ms) | tokens/s | peak MiB per pipeline rank | bubble "
+        "| comm (ms) | predicted (ms) | time error | memory error | parity (max rel. diff) |"
+    )
+    lines = [head, "|" + " --- |" * 11]
+    order = sorted(point_records, key=lambda r: r.measured.iteration_seconds or float("inf"))
+    for r in order:
+        m = r.measured
+        peaks = " / ".join(f"{p / MIB:.1f}" for p in m.peak_per_stage()) or "-"
+        cells = [
+            f"`{r.name}`",
+            r.status,
+            fmt(m.iteration_seconds, ".1f", 1e3),
+            fmt(m.tokens_per_second, ".0f"),
+            peaks,
+            fmt(m.bubble, ".2f"),
+            fmt(m.comm_seconds, ".1f", 1e3),
+            fmt(r.predicted.iteration_seconds, ".2f", 1e3),
+            percent(time_error(r)),
+            percent(memory_error(r)),
+            parity_cell(r),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def alarm(point_records: Sequence[PointRecord]) -> list[str]:
+    """The loud block on top when a layout trained another model than the reference."""
+    bad = deviating(point_records)
+    if not bad:
+        return []
+    tolerance = bad[0].parity.tolerance
+    lines = [
+        f"> **PARITY ALARM: {len(bad)} layout(s) trained a different model than the "
+        f"single-process run** (relative tolerance {tolerance:g} per iteration's loss).",
+        ">",
+    ]
+    for r in bad:
+        p = r.parity
+        lines.append(
+            f"> - `{r.name}`: max relative difference {p.max_rel_diff:.3g}, "
+            f"first past the tolerance at iteration {p.first_bad_iteration}"
+        )
+    return [*lines, ""]
+
+
+def parity_summary(point_records: Sequence[PointRecord]) -> list[str]:
+    compared = [r for r in point_records if r.parity and not r.reference]
+    reference = next((r for r in point_records if r.reference), None)
+    if reference is None or reference.status != OK:
+        return ["No finished single-process reference: parity was not checked.", ""]
+    if not compared:
+        return ["No finished layout to compare with the reference.", ""]
+    worst = max(compared, key=lambda r: r.parity.max_rel_diff or 0.0)
+    passed = sum(r.parity.status == "pass" for r in compared)
+    return [
+        f"Parity: {passed} of {len(compared)} finished layouts equal the single-process run "
+        f"`{reference.name}` within a relative {worst.parity.tolerance:g} at every one of "
+        f"{len(reference.measured.losses)} iterations; the largest difference is "
+        f"{worst.parity.max_rel_diff:.2e} (`{worst.name}`).",
+        "",
+    ]
+
+
+def failures(point_records: Sequence[PointRecord]) -> list[str]:
+    failed = [r for r in point_records if r.status != OK]
+    lines = []
+    for r in failed:
+        lines += [
+            f"**`{r.name}`** ({r.status}, log `{r.log}`):",
+            "",
+            "```text",
+            r.error or "",
+            "```",
+            "",
+        ]
+    return lines
+
+
+def dropped_summary(sweep_dir: Path) -> list[str]:
+    manifest_path = sweep_dir / "sweep.json"
+    if not manifest_path.is_file():
+        return []
+    dropped = json.loads(manifest_path.read_text()).get("dropped", [])
+    if not dropped:
+        return []
+    reasons = Counter(d["reason"].splitlines()[0] for d in dropped)
+    lines = [f"{len(dropped)} points of the cross product were refused before launch:", ""]
+    lines += [f"- {count} × {reason}" for reason, count in reasons.most_common()]
+    return [*lines, ""]
+
+
+def make_plots(point_records: Sequence[PointRecord], out: Path) -> list[tuple[str, Path]]:
+    """Every picture of the report as ``(caption, path)``."""
+    import ablation_plots as plots
+
+    done = [r for r in point_records if r.status == OK and r.measured.iteration_seconds]
+    by_time = sorted(
+        (r for r in done if not r.reference), key=lambda r: r.measured.iteration_seconds
+    )
+    reference = next((r for r in point_records if r.reference), None)
+    pictures = [
+        ("Throughput", plots.throughput_bars(point_records, out / "throughput.png")),
+        ("Memory", plots.memory_bars(point_records, out / "memory.png")),
+        (
+            "Predicted against measured",
+            plots.prediction_scatter(point_records, out / "prediction.png"),
+        ),
+        ("Loss curves", plots.loss_curves(point_records, reference, out / "loss.png")),
+    ]
+    if by_time:
+        best, worst = by_time[0], by_time[-1]
+        pair = [
+            (f"fastest: {best.name} ({best.measured.iteration_seconds * 1e3:.0f} ms)", best),
+            (f"slowest: {worst.name} ({worst.measured.iteration_seconds * 1e3:.0f} ms)", worst),
+        ][: 1 if best is worst else 2]
+        caption = "Measured timelines of the fastest and the slowest layout (pipeline ranks)"
+        pictures.append((caption, plots.timelines(pair, out / "timelines.png")))
+    return [(caption, path) for caption, path in pictures if path is not None]
+
+
+def write_report(sweep_dir: Path, out: Path, command: str) -> Path:
+    """Write ``report.md`` and its PNGs into ``out``; returns the markdown's path."""
+    point_records = load_all(sweep_dir / "points")
+    if not point_records:
+        raise ValueError(f"no records in {sweep_dir / 'points'}; run tools/ablate.py first")
+    out.mkdir(parents=True, exist_ok=True)
+    manifest_path = sweep_dir / "sweep.json"
+    manifest = json.loads(manifest_path.read_text()) if manifest_path.is_file() else {}
+    lines = ["# Ablation report", "", *alarm(point_records)]
+    lines += [f"Made by `{command}` from the sweep `{manifest.get('command', '?')}`.", ""]
+    lines += parity_summary(point_records)
+    lines += ["## Layouts", "", *layout_table(point_records), ""]
+    lines += [
+        "Iteration: median wall time after the first iteration, without the two profiled "
+        "ones. Memory: peak live tensor bytes of the profiled iteration, the largest over "
+        "each pipeline rank's tensor- and data-parallel peers. Comm: the longest any rank "
+        "waited in collectives in the profiled iteration. Errors: predicted / measured − 1.",
+        "",
+    ]
+    for caption, path in make_plots(point_records, out):
+        lines += [f"## {caption}", "", f"![{caption}]({path.name})", ""]
+    lines += ["## Failed points", "", *(failures(point_records) or ["None.", ""])]
+    lines += ["## Refused points", "", *(dropped_summary(sweep_dir) or ["None.", ""])]
+    report = out / "report.md"
+    report.write_text("\n".join(lines))
+    return report
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("sweep", help="sweep directory (tools/ablate.py --out)")
+    parser.add_argument("--out", help="report directory (default: SWEEP/report)")
+    args = parser.parse_args(argv)
+    command = shlex.join(["python", "tools/ablation_report.py", *argv])
+    print(f"$ {command}")
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print("ablation_report.py: error: the plots need matplotlib: pip install matplotlib")
+        return 2
+    sweep_dir = Path(args.sweep)
+    try:
+        report = write_report(sweep_dir, Path(args.out or sweep_dir / "report"), command)
+    except ValueError as error:
+        print(f"ablation_report.py: error: {error}")
+        return 2
+    print(f"wrote {report}")
+    return 1 if deviating(load_all(sweep_dir / "points")) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
