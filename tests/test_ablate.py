@@ -278,3 +278,28 @@ def test_report_needs_matplotlib(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     assert ablation_report.main([str(tmp_path)]) == 2
     assert "error: the plots need matplotlib: pip install matplotlib" in capsys.readouterr().out
+
+
+def test_real_sweep_of_two_layouts_on_two_processes(tmp_path, corpus):
+    """torchrun end to end: the reference and two layouts of two processes train the same
+    model, with a profile, and the report draws them."""
+    spec = SweepSpec(
+        model_flags=MODEL,
+        data_flags=("--data-path", str(corpus / "stdlib")),
+        global_batch_size=4,
+        train_iters=3,
+        nproc=2,
+        timeout_s=120,
+        tp=(1, 2),
+        micro_batch_size=(2,),
+    )
+    result = run_sweep(spec, tmp_path / "sweep")
+    assert [r.world_size for r in result.records] == [1, 2, 2]
+    for record in result.records:
+        assert record.status == records.OK, record.error
+        assert len(record.measured.losses) == 3 and record.parity.status == PASS
+        assert record.measured.iteration_seconds > 0 and record.measured.peak_per_stage()[0] > 0
+    assert ablation_report.main([str(tmp_path / "sweep")]) == 0
+    text = (tmp_path / "sweep" / "report" / "report.md").read_text()
+    assert "Parity: 2 of 2 finished layouts equal the single-process run" in text
+    print("wall seconds per point:", [round(r.wall_seconds, 1) for r in result.records])

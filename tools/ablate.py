@@ -56,6 +56,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--config", help="TOML file of SweepSpec fields")
     parser.add_argument("--out", required=True, help="sweep directory")
+    parser.add_argument("--model", help="a megapp.planning.models preset or a file of flags")
     for name in ("model_flags", "data_flags", "run_flags"):
         parser.add_argument("--" + name.replace("_", "-"), help="flags as one quoted string")
     for name in ("global_batch_size", "train_iters", "nproc", "nnodes", "seed"):
@@ -83,7 +84,7 @@ def spec_from_args(args: argparse.Namespace) -> SweepSpec:
         if getattr(args, name) is not None:
             values[name] = shlex.split(getattr(args, name))
     simple = ("global_batch_size", "train_iters", "nproc", "nnodes", "seed", "timeout_s")
-    for name in (*simple, "profile_iteration", "hardware", *AXES, *WORD_AXES):
+    for name in (*simple, "model", "profile_iteration", "hardware", *AXES, *WORD_AXES):
         if getattr(args, name) is not None:
             values[name] = getattr(args, name)
     if args.sequence_parallel is not None:
@@ -92,17 +93,19 @@ def spec_from_args(args: argparse.Namespace) -> SweepSpec:
 
 
 class ProgressBar(Progress):
-    """A tqdm bar over the points that run (reused ones do not count toward the ETA), or
-    one plain line per point without tqdm."""
+    """A tqdm bar over the points that run (reused ones do not count toward the ETA) on a
+    terminal, else (or without tqdm) one plain line per point with the elapsed time and ETA."""
 
     def __init__(self, pending: int) -> None:
         self.pending, self.ran, self.start_time = pending, 0, time.perf_counter()
-        try:
-            from tqdm import tqdm
+        self.bar = None
+        if sys.stdout.isatty():  # a log file gets plain lines, not a redrawn bar
+            try:
+                from tqdm import tqdm
 
-            self.bar = tqdm(total=pending, unit="point", file=sys.stdout, smoothing=0)
-        except ImportError:
-            self.bar = None
+                self.bar = tqdm(total=pending, unit="point", file=sys.stdout, smoothing=0)
+            except ImportError:
+                pass
 
     def start(self, name: str) -> None:
         if self.bar is not None:

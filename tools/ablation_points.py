@@ -33,7 +33,9 @@ DEFAULT_RUN_FLAGS = ("--lr", "1e-3", "--eval-iters", "0")
 class SweepSpec:
     """What a sweep runs. Every list field is one axis of the cross product.
 
-    ``model_flags``: the model's ``pretrain_gpt.py`` flags (``--num-layers``, ...).
+    ``model_flags``: the model's ``pretrain_gpt.py`` flags (``--num-layers``, ...); a
+    ``model`` preset of :mod:`megapp.planning.models` (or a file of flags) puts its flags
+    first.
     ``data_flags``: where the tokens come from. ``run_flags``: any other flags every point
     shares (learning rate, precision, ...). ``nproc`` × ``nnodes`` is the world size of
     every layout point (data parallel takes what tp × pp leave). ``profile_iteration``:
@@ -44,6 +46,7 @@ class SweepSpec:
     """
 
     model_flags: tuple[str, ...]
+    model: str | None = None
     data_flags: tuple[str, ...] = ("--use-default-corpus",)
     run_flags: tuple[str, ...] = DEFAULT_RUN_FLAGS
     global_batch_size: int = 32
@@ -227,8 +230,13 @@ def spec_from_mapping(values: Mapping[str, Any]) -> SweepSpec:
             continue
         is_tuple = str(known[name].type).startswith("tuple")
         kwargs[name] = _as_tuple(name, value) if is_tuple else value
+    if kwargs.get("model"):
+        from megapp.planning.models import load_model
+
+        preset = load_model(kwargs["model"])
+        kwargs["model_flags"] = (*preset.flags, *kwargs.get("model_flags", ()))
     if "model_flags" not in kwargs:
-        raise ValueError("a sweep needs model_flags (the model's pretrain_gpt.py flags)")
+        raise ValueError('a sweep needs model_flags or a model preset (model = "tiny")')
     return SweepSpec(**kwargs)
 
 

@@ -22,7 +22,7 @@ from ablation_parity import DEFAULT_RTOL, apply_parity
 from ablation_points import Expansion, Point, SweepSpec, check_point, expand, point_for
 from ablation_points import reference_layout as reference_layout_of
 from ablation_predict import predict
-from ablation_records import FAILED, OK, TIMEOUT, Measured, PointRecord
+from ablation_records import FAILED, OK, TIMEOUT, Measured, PointRecord, Prediction
 
 
 class Progress:
@@ -101,10 +101,16 @@ def collect(
     elif returncode != 0 or len(record.measured.losses) < spec.train_iters:
         record.status = FAILED
         record.error = f"exit status {returncode}\n" + error_summary(log)
+    return with_prediction(spec, point, record)
+
+
+def with_prediction(spec: SweepSpec, point: Point, record: PointRecord) -> PointRecord:
+    """``record`` with the planner's current prediction for ``point`` (cheap: no run), so a
+    resumed sweep also refreshes the predictions of the points it reuses."""
     try:
         record.predicted = predict(check_point(spec, point.layout), spec.hardware)
     except ValueError as error:
-        record.predicted.note = f"no prediction: {error}"
+        record.predicted = Prediction(note=f"no prediction: {error}")
     return record
 
 
@@ -130,6 +136,7 @@ def run_sweep(
         record = finished(out_dir, point, retry_failed)
         if record is not None:
             result.reused.append(point.name)
+            record = with_prediction(spec, point, record)
         else:
             where = run_dir(out_dir, point)
             metrics = where / "metrics.jsonl"
