@@ -28,12 +28,20 @@ def _finished(point_records: Sequence[PointRecord]) -> list[PointRecord]:
 
 
 def _bar_figure(count: int):
-    return plt.subplots(figsize=(max(6.0, 0.55 * count + 2), 4.2))
+    """A figure for ``count`` horizontal bars (layout names are long: they read on the y
+    axis, first layout on top)."""
+    fig, ax = plt.subplots(figsize=(9.0, 1.4 + 0.38 * count))
+    ax.invert_yaxis()
+    return fig, ax
+
+
+def _names(ax, done: Sequence[PointRecord]) -> None:
+    ax.set_yticks(range(len(done)), [r.name for r in done], fontsize=7)
 
 
 def _save(fig, path: Path) -> Path:
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return path
 
@@ -45,9 +53,9 @@ def throughput_bars(point_records: Sequence[PointRecord], path: Path) -> Path | 
         return None
     fig, ax = _bar_figure(len(done))
     colors = ["#999999" if r.reference else "#4c78a8" for r in done]
-    ax.bar(range(len(done)), [r.measured.tokens_per_second for r in done], color=colors)
-    ax.set_xticks(range(len(done)), [r.name for r in done], rotation=60, ha="right", fontsize=7)
-    ax.set_ylabel("tokens / s (whole job)")
+    ax.barh(range(len(done)), [r.measured.tokens_per_second for r in done], color=colors)
+    _names(ax, done)
+    ax.set_xlabel("tokens / s (whole job)")
     ax.set_title("Throughput per layout (grey: single-process reference)", fontsize=10)
     return _save(fig, path)
 
@@ -59,16 +67,16 @@ def memory_bars(point_records: Sequence[PointRecord], path: Path) -> Path | None
     if not done:
         return None
     fig, ax = _bar_figure(len(done))
-    width = 0.8 / max(len(r.measured.peak_per_stage()) for r in done)
-    for x, record in enumerate(done):
+    height = 0.8 / max(len(r.measured.peak_per_stage()) for r in done)
+    for y, record in enumerate(done):
         predicted = record.predicted.memory_per_stage or []
         for stage, peak in enumerate(record.measured.peak_per_stage()):
-            left = x - 0.4 + stage * width
-            ax.bar(left, peak / MIB, width, align="edge", color=f"C{stage}")
+            top = y - 0.4 + stage * height
+            ax.barh(top, peak / MIB, height, align="edge", color=f"C{stage}")
             if stage < len(predicted):
-                ax.hlines(predicted[stage] / MIB, left, left + width, color="black", lw=2)
-    ax.set_xticks(range(len(done)), [r.name for r in done], rotation=60, ha="right", fontsize=7)
-    ax.set_ylabel("peak live tensor MiB per rank")
+                ax.vlines(predicted[stage] / MIB, top, top + height, color="black", lw=2)
+    _names(ax, done)
+    ax.set_xlabel("peak live tensor MiB per rank")
     ax.set_title(
         "Peak memory per pipeline rank (colour: stage; black tick: prediction)", fontsize=10
     )
