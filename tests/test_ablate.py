@@ -303,3 +303,20 @@ def test_real_sweep_of_two_layouts_on_two_processes(tmp_path, corpus):
     text = (tmp_path / "sweep" / "report" / "report.md").read_text()
     assert "Parity: 2 of 2 finished layouts equal the single-process run" in text
     print("wall seconds per point:", [round(r.wall_seconds, 1) for r in result.records])
+
+
+def test_collect_turns_slurm_runs_into_records(tmp_path, capsys):
+    flags = ["--out", str(tmp_path), "--model-flags", " ".join(MODEL), "--nproc", "4"]
+    flags += ["--global-batch-size", "8", "--tp", "1", "2", "--micro-batch-size", "2"]
+    flags += ["--train-iters", str(len(LOSSES))]
+    assert ablate.main([*flags, "--slurm"]) == 0
+    names = json.loads((tmp_path / "sweep.json").read_text())["points"]
+    reference = "tp1.pp1.dp1.v1.mb2.default.norecompute.z0"
+    write_metrics(tmp_path / "runs" / reference / "metrics.jsonl", LOSSES, world=1)
+    write_metrics(tmp_path / "runs" / names[0] / "metrics.jsonl", LOSSES, world=4)
+    assert ablate.main([*flags, "--collect"]) == 0
+    collected = {r.name: r for r in records.load_all(tmp_path / "points")}
+    assert collected[names[0]].status == records.OK
+    assert collected[names[0]].parity.status == PASS
+    assert collected[names[1]].status == records.FAILED  # its array task wrote nothing
+    assert "not run" in collected[names[1]].error
