@@ -15,7 +15,6 @@ the metrics file, with the measured bubble of the pipeline.
 
 from __future__ import annotations
 
-import gc
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -70,8 +69,7 @@ class MemoryIteration:
         self.memory = LiveTensorMemory(resized)
 
     def __enter__(self) -> MemoryIteration:
-        gc.collect()  # garbage of earlier iterations is not this one's memory
-        self.memory.__enter__()
+        self.memory.__enter__()  # collects the garbage of earlier iterations first
         self.profile.state_bytes = self.memory.start
         return self
 

@@ -44,6 +44,7 @@ class LiveTensorMemory(TorchDispatchMode):
         self.since_sweep = 0
 
     def __enter__(self) -> LiveTensorMemory:
+        gc.collect()  # garbage freed later would count against the growth
         for obj in gc.get_objects():
             if issubclass(type(obj), torch.Tensor) and not obj.is_meta:
                 self.track(obj)

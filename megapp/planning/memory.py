@@ -1,0 +1,267 @@
+"""Peak memory per pipeline rank of a layout, predicted from shapes and the schedule.
+
+For each pipeline rank (tensor- and data-parallel ranks of one stage hold the same), with
+``w`` bytes per element of the model's dtype, ``s``/``b`` the sequence and micro-batch,
+``t`` the tensor-parallel size and ``V`` the padded vocabulary:
+
+- **model state** (:mod:`megapp.planning.model_state`): weights, fp32 gradients, optimizer
+  states, sharded by the ZeRO stage;
+- **held activations**: what one microbatch's forward through a chunk leaves for its
+  backward (:func:`chunk_activation_bytes`), summed over the microbatches the schedule has
+  in flight at each moment. The rank's actions are walked in order (memory depends on the
+  order alone, not on timing): a forward adds its chunk's bytes, a backward removes them,
+  a split backward's ``I`` and ``W`` remove theirs in two parts;
+- **working memory** of the action running at that moment (:func:`chunk_working_bytes`):
+  a forward's temporaries and the output waiting to be sent, a backward's gradients of one
+  layer's activations and weights, the output layer's logit gradients; ZeRO-3 adds the
+  weights gathered for the layer in use and the one prefetched;
+
+and the peak is the state plus the largest held + working sum over the rank's actions.
+Every term is a count of the tensors megapp's layers create (measured, on CPU, by
+:class:`~megapp.training.live_memory.LiveTensorMemory`; see docs/planning.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from megapp.models.gpt import GPTConfig
+from megapp.pipeline_parallel.partition import split_layers
+from megapp.pipeline_parallel.schedules import Op
+from megapp.planning.activations import (
+    full_recompute_layer_bytes,
+    layer_activation_bytes,
+    rotary_bytes,
+)
+from megapp.planning.model_state import (
+    ModelState,
+    layer_parameters,
+    model_state,
+    rank_parameters,
+)
+from megapp.tensor_parallel.utils import pad_vocab_size
+
+LOSS_BYTES_PER_TOKEN = 28
+"""The loss's per-token tensors on the last stage: the labels' int64 copy, the row maxima,
+log-normalizers, per-token losses and their transposes (fp32)."""
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """Predicted bytes of one pipeline rank at its peak."""
+
+    pp_rank: int
+    weights: float
+    grads: float
+    optimizer: float
+    activations: float  # held for backward at the peak
+    working: float  # the running action's temporaries at the peak
+    in_flight: float  # microbatch-chunks held at the peak
+
+    @property
+    def state(self) -> float:
+        return self.weights + self.grads + self.optimizer
+
+    @property
+    def total(self) -> float:
+        return self.state + self.activations + self.working
+
+
+def _width(config: GPTConfig) -> int:
+    return torch.empty((), dtype=config.params_dtype).element_size()
+
+
+def _vocab_shard(config: GPTConfig) -> int:
+    tp = config.tensor_model_parallel_size
+    return pad_vocab_size(config.vocab_size, tp, multiple=config.make_vocab_size_divisible_by) // tp
+
+
+def chunk_activation_bytes(
+    config: GPTConfig, num_layers: int, first: bool, last: bool, seq_length: int, mbs: int
+) -> int:
+    """Bytes one microbatch's forward through a chunk of ``num_layers`` layers leaves held
+    until its backward, on one tensor-parallel rank. The chunk's input is the first
+    layer's norm input (counted with the layers); a sent output is freed once sent."""
+    s, b, h, w = seq_length, mbs, config.hidden_size, _width(config)
+    tp, sp = config.tensor_model_parallel_size, config.sequence_parallel
+    if config.recompute_granularity == "full":
+        held = num_layers * full_recompute_layer_bytes(config, s, b)
+    else:
+        held = num_layers * layer_activation_bytes(config, s, b)
+    held += rotary_bytes(config, s) if num_layers else 0
+    if first:
+        held += 8 * s * b  # the token ids the embedding's backward reads
+        if config.position_embedding_type == "learned_absolute":
+            held += 8 * s  # the position ids
+    if last:
+        held += s * b * h * w // (tp if sp else 1)  # the final norm's input
+        held += s * b * h * w  # the output layer's input, gathered under sequence parallelism
+        held += s * b * _vocab_shard(config) * w  # the logits the loss keeps
+        held += LOSS_BYTES_PER_TOKEN * s * b
+    return held
+
+
+def layer_backward_bytes(config: GPTConfig, seq_length: int, mbs: int) -> int:
+    """Working bytes of one layer's backward above what it held: the MLP's gradients (two
+    of its widest activation, one of its input) and one weight gradient."""
+    s, b, h, w = seq_length, mbs, config.hidden_size, _width(config)
+    tp = config.tensor_model_parallel_size
+    fc1 = config.ffn_hidden_size * (2 if config.activation == "swiglu" else 1) // tp
+    return (2 * s * b * fc1 + s * b * h + h * fc1) * w
+
+
+def chunk_working_bytes(
+    config: GPTConfig, num_layers: int, last: bool, op: Op, seq_length: int, mbs: int
+) -> int:
+    """Working bytes of ``op`` on a chunk above what the rank holds before it (``F``: the
+    temporaries of the widest layer op and the output until sent; ``B``/``I``/``W``: the
+    incoming gradient and one layer's backward, or the output layer's logit gradients)."""
+    s, b, h, w = seq_length, mbs, config.hidden_size, _width(config)
+    tp, sp = config.tensor_model_parallel_size, config.sequence_parallel
+    tokens = s * b // (tp if sp else 1)
+    fc1 = config.ffn_hidden_size * (2 if config.activation == "swiglu" else 1) // tp
+    layer = layer_backward_bytes(config, s, mbs)
+    if config.recompute_granularity == "full":
+        layer += layer_activation_bytes(config, s, mbs)  # the layer rebuilt for its backward
+    if op is Op.FORWARD:
+        work = s * b * fc1 * w if num_layers else 0
+        if last:
+            work = max(work, s * b * _vocab_shard(config) * w // 4)
+        return work + tokens * h * w  # the output until its send completes
+    output_layer = h * _vocab_shard(config) * w if last else 0  # its weight gradient
+    if op is Op.WEIGHT_GRAD:
+        return max(h * fc1 * w, output_layer)
+    if last:
+        head = s * b * _vocab_shard(config) * w + s * b * h * w  # logit and input gradients
+        head += 0 if op is Op.INPUT_GRAD else output_layer
+        freed = chunk_activation_bytes(config, 0, False, True, s, mbs)
+        return max(head, layer - freed + head // 2) if num_layers else head
+    return tokens * h * w + layer  # the gradient received, and one layer's backward
+
+
+def weight_grad_store_bytes(
+    config: GPTConfig, num_layers: int, last: bool, seq_length: int, mbs: int
+) -> int:
+    """What a split backward keeps from its ``I`` to its ``W``: the input and the output
+    gradient of every weight matmul (QKV, projection, the two MLP matmuls; the output
+    layer on the last stage), on one tensor-parallel rank."""
+    s, b, h, w = seq_length, mbs, config.hidden_size, _width(config)
+    tp, sp = config.tensor_model_parallel_size, config.sequence_parallel
+    heads, groups, d = config.num_attention_heads, config.num_query_groups, config.kv_channels
+    fc1 = config.ffn_hidden_size * (2 if config.activation == "swiglu" else 1) // tp
+    gathered = h  # the column-parallel inputs, re-gathered at W under sequence parallelism
+    inputs = 2 * gathered // (1 if not sp else tp) + heads * d // tp + config.ffn_hidden_size // tp
+    grads = (heads + 2 * groups) * d // tp + h + fc1 + h
+    norms = 2 * h // (tp if sp else 1)  # the norms' weight gradients wait for W too
+    total = num_layers * s * b * (inputs + grads + norms) * w
+    if last:
+        total += s * b * (2 * h + _vocab_shard(config)) * w
+    return total
+
+
+def zero3_gathered_bytes(config: GPTConfig, dp: int, outer_parameters: int) -> float:
+    """ZeRO-3's gathered weights at a layer's backward: the chunk's non-layer weights (kept
+    whole from forward to backward), the layer in use and the one prefetched, less this
+    rank's slices of them (already counted in the state)."""
+    whole = outer_parameters + 2 * layer_parameters(config)
+    return whole * _width(config) * (1 - 1 / dp)
+
+
+def predict_memory(
+    config,
+    vocab_size: int,
+    *,
+    first_stage_layers: int | None = None,
+    last_stage_layers: int | None = None,
+) -> list[RankMemory]:
+    """Peak memory of every pipeline rank of the run ``config`` (a
+    :class:`~megapp.training.config.PretrainConfig`) for a tokenizer of ``vocab_size`` ids."""
+    model = config.gpt_config(vocab_size)
+    schedule = config.schedule
+    s, b = config.model.seq_length, config.training.micro_batch_size
+    dp, zero = config.data_parallel_size, config.parallel.zero_stage
+    if config.parallel.use_distributed_optimizer:
+        zero = max(zero, 1)
+    num_stages = schedule.num_virtual_stages
+    layers = [
+        len(r)
+        for r in split_layers(
+            model.num_layers,
+            num_stages,
+            first_stage_layers=first_stage_layers,
+            last_stage_layers=last_stage_layers,
+        )
+    ]
+    out = []
+    for rank, stages in enumerate(schedule.placement):
+        params = rank_parameters(
+            model,
+            stages,
+            num_stages,
+            first_stage_layers=first_stage_layers,
+            last_stage_layers=last_stage_layers,
+        )
+        state = model_state(params, model.params_dtype, dp, zero)
+        if zero >= 2 and dp > 1:  # embedding gradients are summed over stages first: whole
+            late = _embedding_parameters(model, stages, num_stages)
+            state = ModelState(
+                state.weights, state.grads + 4 * late * (1 - 1 / dp), state.optimizer
+            )
+        buffers = _buffer_bytes(model, params, stages, layers, dp, zero, s, b, len(stages))
+        held, in_flight, peak = 0.0, 0.0, (0.0, 0.0, 0.0)
+        for action in schedule.actions[rank]:
+            stage = stages[action.chunk]
+            first, last = stage == 0, stage == num_stages - 1
+            size = chunk_activation_bytes(model, layers[stage], first, last, s, b)
+            store = weight_grad_store_bytes(model, layers[stage], last, s, b)
+            work = buffers + chunk_working_bytes(model, layers[stage], last, action.op, s, b)
+            if action.op is Op.FORWARD:
+                held, in_flight = held + size, in_flight + 1
+            if held + work > peak[0] + peak[1]:
+                peak = (held, work, in_flight)
+            if action.op is Op.INPUT_GRAD:  # W keeps its matmuls' inputs and gradients
+                held += store - size
+            elif action.op is Op.WEIGHT_GRAD:
+                held, in_flight = held - store, in_flight - 1
+            elif action.op is Op.BACKWARD:
+                held, in_flight = held - size, in_flight - 1
+        out.append(
+            RankMemory(rank, state.weights, state.grads, state.optimizer, peak[0], peak[1], peak[2])
+        )
+    return out
+
+
+def _embedding_parameters(model: GPTConfig, stages: Sequence[int], num_stages: int) -> int:
+    """Embedding and output-layer parameters on a rank's stages (ZeRO-2 keeps their
+    gradients whole for the step: they are summed over another group first)."""
+    total = 0
+    for stage in stages:
+        if stage == 0 or stage == num_stages - 1:
+            total += _vocab_shard(model) * model.hidden_size
+            if model.position_embedding_type == "learned_absolute":
+                total += model.max_position_embeddings * model.hidden_size
+    return total
+
+
+def _buffer_bytes(model, params, stages, layers, dp, zero, s, b, chunks) -> float:
+    """Bytes that live through the backward whatever the action: the receive posted for
+    the next step (pipelines), ZeRO-2's whole-gradient scratch per bucket (kept from a
+    microbatch's backward to the next use), ZeRO-3's gathered weights."""
+    tp, sp = model.tensor_model_parallel_size, model.sequence_parallel
+    total = 0.0
+    if len(layers) > 1:
+        total += s * b // (tp if sp else 1) * model.hidden_size * _width(model)
+    if zero >= 2 and dp > 1:  # two microbatches' scratch meet at the next one's first gradient
+        total += 2 * 4 * params * (1 - 1 / dp)
+    if zero == 3 and dp > 1:
+        outer = params - sum(layers[st] for st in stages) * layer_parameters(model)
+        total += zero3_gathered_bytes(model, dp, outer)
+    return total
+
+
+def peak_bytes(memories: Sequence[RankMemory]) -> float:
+    """The largest rank's predicted peak."""
+    return max(m.total for m in memories)
