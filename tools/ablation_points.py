@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -244,11 +244,3 @@ def load_spec(path: str | Path) -> dict[str, Any]:
     """The settings of a TOML sweep file (top-level keys are :class:`SweepSpec` fields)."""
     with open(path, "rb") as handle:
         return tomllib.load(handle)
-
-
-def describe(spec: SweepSpec) -> Sequence[str]:
-    """The axes as ``name: values`` lines, for the report."""
-    names = ("tp", "pp", "vpp", "schedule", "micro_batch_size", "recompute", "zero_stage")
-    lines = [f"{n}: {', '.join(str(v) for v in getattr(spec, n))}" for n in names]
-    lines.append(f"sequence_parallel: {', '.join(str(v) for v in spec.sequence_parallel)}")
-    return lines

@@ -66,20 +66,24 @@ def parity_cell(record: PointRecord) -> str:
 def layout_table(point_records: Sequence[PointRecord]) -> list[str]:
     """One row per layout, fastest first; failed points last."""
     head = (
-        "| layout | status | iteration (ms) | tokens/s | peak MiB per pipeline rank | bubble "
-        "| comm (ms) | predicted (ms) | time error | memory error | parity (max rel. diff) |"
+        "| layout | status | iteration (ms) | tokens/s | peak MiB per pipeline rank "
+        "| predicted MiB | bubble | comm (ms) | predicted (ms) | time error | memory error "
+        "| parity (max rel. diff) |"
     )
-    lines = [head, "|" + " --- |" * 11]
+    lines = [head, "|" + " --- |" * 12]
     order = sorted(point_records, key=lambda r: r.measured.iteration_seconds or float("inf"))
     for r in order:
         m = r.measured
         peaks = " / ".join(f"{p / MIB:.1f}" for p in m.peak_per_stage()) or "-"
+        predicted = r.predicted.memory_per_stage or []
+        predicted_peaks = " / ".join(f"{p / MIB:.1f}" for p in predicted) or "-"
         cells = [
             f"`{r.name}`",
             r.status,
             fmt(m.iteration_seconds, ".1f", 1e3),
             fmt(m.tokens_per_second, ".0f"),
             peaks,
+            predicted_peaks,
             fmt(m.bubble, ".2f"),
             fmt(m.comm_seconds, ".1f", 1e3),
             fmt(r.predicted.iteration_seconds, ".2f", 1e3),
@@ -127,6 +131,33 @@ def parity_summary(point_records: Sequence[PointRecord]) -> list[str]:
         f"{worst.parity.max_rel_diff:.2e} (`{worst.name}`).",
         "",
     ]
+
+
+AXES = ("tp", "pp", "vpp", "schedule", "micro_batch_size", "recompute", "zero_stage")
+
+
+def sweep_section(manifest: dict, point_records: Sequence[PointRecord]) -> list[str]:
+    """What the sweep ran: model, batch, iterations, world size and the axes; where the
+    predictions come from."""
+    spec = manifest.get("spec")
+    if not spec:
+        return []
+    world = spec["nproc"] * spec["nnodes"]
+    lines = [
+        f"Model: `{' '.join(spec['model_flags'])}`; global batch {spec['global_batch_size']}, "
+        f"{spec['train_iters']} iterations, world size {world} "
+        f"({spec['nnodes']} node(s) × {spec['nproc']}), seed {spec['seed']}, dropout off.",
+        "",
+        "| axis | values |",
+        "| --- | --- |",
+    ]
+    for axis in (*AXES, "sequence_parallel"):
+        lines.append(f"| {axis} | {', '.join(str(v) for v in spec[axis])} |")
+    notes = {part for r in point_records for part in (r.predicted.note or "").split("; ")}
+    source = f"hardware profile `{spec['hardware']}`" if spec.get("hardware") else None
+    lines += ["", f"Predicted step time on: {source or 'no hardware profile (--hardware)'}."]
+    lines += [f"Prediction notes: {'; '.join(sorted(notes - {''}))}." if notes - {""} else ""]
+    return [*lines, ""]
 
 
 def failures(point_records: Sequence[PointRecord]) -> list[str]:
@@ -197,6 +228,7 @@ def write_report(sweep_dir: Path, out: Path, command: str) -> Path:
     lines = ["# Ablation report", "", *alarm(point_records)]
     lines += [f"Made by `{command}` from the sweep `{manifest.get('command', '?')}`.", ""]
     lines += parity_summary(point_records)
+    lines += ["## Sweep", "", *sweep_section(manifest, point_records)]
     lines += ["## Layouts", "", *layout_table(point_records), ""]
     lines += [
         "Iteration: median wall time after the first iteration, without the two profiled "
