@@ -258,12 +258,16 @@ def test_report_from_synthetic_records(tmp_path):
     )
     sweep = tmp_path / "sweep"
     run_sweep(spec, sweep, launcher=launcher, command_line="python tools/ablate.py X")
+    # a point of an earlier spec in the same directory is not part of this report
+    stale = records.load(sweep / "points" / f"{wrong}.json")
+    stale.name, stale.reference = "tp4.stale", True
+    records.save(stale, sweep / "points" / "tp4.stale.json")
     status = ablation_report.main([str(sweep), "--out", str(tmp_path / "report")])
     assert status == 1  # a layout deviates
     text = (tmp_path / "report" / "report.md").read_text()
     assert text.index("PARITY ALARM") < text.index("## Layouts")
     assert f"`{wrong}`: max relative difference" in text
-    assert "from the sweep `python tools/ablate.py X`" in text
+    assert "from the sweep `python tools/ablate.py X`" in text and "tp4.stale" not in text
     row = next(line for line in text.splitlines() if line.startswith(f"| `{wrong}`"))
     # 100 ms per iteration, 8 × 32 tokens; peaks 1000 + 100 r bytes; comm 0.03 s on rank 3
     assert "| ok | 100.0 | 2560 | 0.0 / 0.0 | " in row and "| 0.25 | 30.0 |" in row

@@ -175,11 +175,8 @@ def failures(point_records: Sequence[PointRecord]) -> list[str]:
     return lines
 
 
-def dropped_summary(sweep_dir: Path) -> list[str]:
-    manifest_path = sweep_dir / "sweep.json"
-    if not manifest_path.is_file():
-        return []
-    dropped = json.loads(manifest_path.read_text()).get("dropped", [])
+def dropped_summary(manifest: dict) -> list[str]:
+    dropped = manifest.get("dropped", [])
     if not dropped:
         return []
     reasons = Counter(d["reason"].splitlines()[0] for d in dropped)
@@ -217,14 +214,33 @@ def make_plots(point_records: Sequence[PointRecord], out: Path) -> list[tuple[st
     return [(caption, path) for caption, path in pictures if path is not None]
 
 
+def read_manifest(sweep_dir: Path) -> dict:
+    """``sweep.json`` of the sweep (empty without one)."""
+    path = sweep_dir / "sweep.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def current_records(sweep_dir: Path, manifest: dict) -> list[PointRecord]:
+    """The records of the sweep's current points and reference: a directory reused with
+    another spec keeps the old points' files, which are not part of this sweep."""
+    point_records = load_all(sweep_dir / "points")
+    if "points" not in manifest:
+        return point_records
+    points, reference = set(manifest["points"]), manifest.get("reference")
+    return [
+        r
+        for r in point_records
+        if r.name in points or (r.name == reference if reference else r.reference)
+    ]
+
+
 def write_report(sweep_dir: Path, out: Path, command: str) -> Path:
     """Write ``report.md`` and its PNGs into ``out``; returns the markdown's path."""
-    point_records = load_all(sweep_dir / "points")
+    manifest = read_manifest(sweep_dir)
+    point_records = current_records(sweep_dir, manifest)
     if not point_records:
         raise ValueError(f"no records in {sweep_dir / 'points'}; run tools/ablate.py first")
     out.mkdir(parents=True, exist_ok=True)
-    manifest_path = sweep_dir / "sweep.json"
-    manifest = json.loads(manifest_path.read_text()) if manifest_path.is_file() else {}
     lines = ["# Ablation report", "", *alarm(point_records)]
     lines += [f"Made by `{command}` from the sweep `{manifest.get('command', '?')}`.", ""]
     lines += parity_summary(point_records)
@@ -240,7 +256,7 @@ def write_report(sweep_dir: Path, out: Path, command: str) -> Path:
     for caption, path in make_plots(point_records, out):
         lines += [f"## {caption}", "", f"![{caption}]({path.name})", ""]
     lines += ["## Failed points", "", *(failures(point_records) or ["None.", ""])]
-    lines += ["## Refused points", "", *(dropped_summary(sweep_dir) or ["None.", ""])]
+    lines += ["## Refused points", "", *(dropped_summary(manifest) or ["None.", ""])]
     report = out / "report.md"
     report.write_text("\n".join(lines))
     return report
@@ -266,7 +282,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"ablation_report.py: error: {error}")
         return 2
     print(f"wrote {report}")
-    return 1 if deviating(load_all(sweep_dir / "points")) else 0
+    return 1 if deviating(current_records(sweep_dir, read_manifest(sweep_dir))) else 0
 
 
 if __name__ == "__main__":

@@ -127,7 +127,7 @@ def run_sweep(
     """Run (or reuse) the reference and every runnable point of ``spec`` under ``out_dir``,
     then record every point's parity with the reference. A failing point is recorded with
     its error and the sweep goes on."""
-    out_dir = Path(out_dir)
+    out_dir = Path(out_dir).resolve()  # the launcher runs from the repository root
     result = SweepResult(expansion=expand(spec))
     write_manifest(spec, out_dir, result.expansion, command_line)
     progress = progress or Progress()
@@ -175,6 +175,7 @@ def write_manifest(spec: SweepSpec, out_dir: Path, expansion: Expansion, command
     manifest = {
         "command": command,
         "spec": asdict(spec),
+        "reference": reference_point(spec).name,
         "points": [p.name for p in expansion.points],
         "dropped": [{"point": d.description, "reason": d.reason} for d in expansion.dropped],
         "written": time.strftime("%Y-%m-%d %H:%M:%S"),
