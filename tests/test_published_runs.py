@@ -9,6 +9,7 @@ from megapp.planning.layout import Layout, pretrain_config
 from megapp.planning.models import MODELS
 from megapp.planning.published_runs import RUNS, PublishedRun
 from megapp.tensor_parallel.utils import pad_vocab_size
+from megapp.training.flag_groups import ArgumentsError
 from megapp.training.flops import gpt_config_training_flops
 
 PEAK = {"a100": 312.0, "h100": 989.0}  # dense 16-bit TFLOP/s of the SXM parts
@@ -61,3 +62,25 @@ def test_mt_nlg_throughput_counts_one_recomputed_forward():
 def test_runs_are_distinct():
     keys = [(r.source, r.model, r.gpus, r.cp, r.global_batch_size) for r in RUNS]
     assert len(keys) == len(set(keys))
+
+
+@pytest.mark.parametrize("run", [r for r in RUNS if r.cp == 1], ids=lambda r: r.name)
+def test_published_layout_builds_or_is_refused_for_its_layer_split(run: PublishedRun):
+    """megapp builds every published layout it can express; Llama 3.1 405B's 126 layers
+    over 16 stages need the uneven first and last stages megapp's layout does not give."""
+    preset = MODELS[run.model].with_seq_length(run.seq_length)
+    layout = Layout(
+        tp=run.tp,
+        pp=run.pp,
+        dp=run.dp,
+        vpp=run.vpp,
+        micro_batch_size=run.micro_batch_size or 1,
+        sequence_parallel=bool(run.sequence_parallel),
+    )
+    if preset.num_layers % run.pp:
+        with pytest.raises(ArgumentsError, match="not divisible by --pipeline-model-parallel"):
+            pretrain_config(layout, preset.flags, run.global_batch_size)
+        return
+    config = pretrain_config(layout, preset.flags, run.global_batch_size)
+    assert config.data_parallel_size == run.dp
+    assert config.model.seq_length == run.seq_length
