@@ -1,6 +1,17 @@
 """Planning a parallel layout without running it: what each rank holds and how long an
 iteration takes, predicted from the model's shape and the layout."""
 
+from megapp.planning.layout import Layout, pretrain_config
+from megapp.planning.memory import RankMemory, predict_memory
 from megapp.planning.model_state import ModelState, chunk_parameters, model_state, rank_parameters
 
-__all__ = ["ModelState", "chunk_parameters", "model_state", "rank_parameters"]
+__all__ = [
+    "Layout",
+    "ModelState",
+    "RankMemory",
+    "chunk_parameters",
+    "model_state",
+    "predict_memory",
+    "pretrain_config",
+    "rank_parameters",
+]
