@@ -67,6 +67,7 @@ class ActionCosts:
     """Seconds (and FLOPs) of one microbatch's actions per ``[rank][chunk]``, the pipeline
     message time, and every rank's work after its last action."""
 
+    placement: tuple[tuple[int, ...], ...]  # virtual stage of every [rank][chunk]
     forward: Table
     input_grad: Table
     weight_grad: Table
@@ -89,9 +90,25 @@ class ActionCosts:
         return num_microbatches * per_mb
 
     def lower_bound(self, num_microbatches: int, step_overhead: float = 0.0) -> float:
-        """A bound no schedule beats: the busiest rank's compute plus its tail."""
-        ranks = range(len(self.forward))
-        return step_overhead + max(self.busy(r, num_microbatches) + self.tail[r] for r in ranks)
+        """A time no schedule beats, without simulating one: every rank idles until the
+        first microbatch reaches its earliest stage, then computes all its actions; and
+        the last microbatch to leave stage 0 (no sooner than ``m`` forwards of it) still
+        runs forward through every later stage and back before stage 0's ``I`` and ``W``."""
+        p, m = len(self.forward), num_microbatches
+        where = {
+            stage: (r, c) for r, row in enumerate(self.placement) for c, stage in enumerate(row)
+        }
+        order = [where[stage] for stage in range(len(where))]
+        f = [self.forward[r][c] for r, c in order]
+        i = [self.input_grad[r][c] for r, c in order]
+        bounds = []
+        for rank in range(p):
+            start = sum(f[: min(self.placement[rank])])
+            bounds.append(start + self.busy(rank, m) + self.tail[rank])
+        first_rank, first_chunk = order[0]
+        chain = m * f[0] + sum(f[1:]) + sum(i) + self.weight_grad[first_rank][first_chunk]
+        bounds.append(chain + self.tail[first_rank])
+        return step_overhead + max(bounds)
 
 
 @dataclass(frozen=True)
@@ -165,39 +182,48 @@ def action_costs(gpt: GPTConfig, shape: Shape, hardware: Hardware) -> ActionCost
     rerun = {"full": lin + core, "selective": core}.get(gpt.recompute_granularity, 0.0)
     tables: dict[str, Table] = {k: [] for k in ("f", "i", "w", "ff", "fi", "fw", "tp")}
     params: list[float] = []
+    layer_params = layer_parameters(gpt)
+    chunks: dict[tuple[int, bool, bool], tuple[int, tuple[float, ...]]] = {}
+
+    def chunk(stage: int) -> tuple[int, tuple[float, ...]]:
+        """Parameters and (F, I, W seconds, F, I, W FLOPs, tp seconds) of one chunk."""
+        layers, first, last = len(ranges[stage]), stage == 0, stage == num_stages - 1
+        chunk_params = chunk_parameters(gpt, stage, num_stages, layers)
+        f = layers * (lin + core) + logits * last
+        i = layers * (lin + 2 * core + rerun) + logits * last
+        w = layers * lin + logits * last
+        tp_f, tp_b = _chunk_tp_seconds(gpt, shape, layers, first, last, tp_link)
+        fixed = hardware.action_overhead + layers * hardware.layer_overhead
+        loss = loss_seconds * last
+        f_s = f / hardware.gemm_flops + fixed + tp_f + 3 / 5 * loss
+        i_s = i / hardware.gemm_flops + fixed + tp_b + 2 / 5 * loss
+        w_s = w / hardware.gemm_flops + fixed
+        # ZeRO-3 gathers the chunk before its forward and the layers before backward;
+        # ZeRO-2/3 reduce-scatter the chunk's fp32 gradients after every backward.
+        gather_f = gather_b = scatter = 0.0
+        if shape.zero_stage == 3:
+            gather_f = dp_link.all_gather(width * chunk_params, dp)
+            gather_b = gather_f * layers * layer_params / max(chunk_params, 1)
+        if shape.zero_stage >= 2:
+            scatter = dp_link.all_gather(4 * chunk_params, dp)
+        f_s = _with_transfer(f_s, gather_f, hardware)
+        i_s = _with_transfer(i_s, gather_b, hardware)
+        w_s = _with_transfer(w_s, scatter, hardware)
+        return chunk_params, (f_s, i_s, w_s, f, i, w, tp_f + tp_b)
+
     for rank in range(p):
         rows: dict[str, list[float]] = {k: [] for k in tables}
         rank_params = 0
         for stage in shape.placement[rank]:
-            layers = len(ranges[stage])
-            first, last = stage == 0, stage == num_stages - 1
-            chunk_params = chunk_parameters(gpt, stage, num_stages, layers)
+            key = (len(ranges[stage]), stage == 0, stage == num_stages - 1)
+            if key not in chunks:  # chunks of one kind cost the same: compute once
+                chunks[key] = chunk(stage)
+            chunk_params, values = chunks[key]
             rank_params += chunk_params
-            f = layers * (lin + core) + logits * last
-            i = layers * (lin + 2 * core + rerun) + logits * last
-            w = layers * lin + logits * last
-            tp_f, tp_b = _chunk_tp_seconds(gpt, shape, layers, first, last, tp_link)
-            fixed = hardware.action_overhead + layers * hardware.layer_overhead
-            loss = loss_seconds * last
-            f_s = f / hardware.gemm_flops + fixed + tp_f + 3 / 5 * loss
-            i_s = i / hardware.gemm_flops + fixed + tp_b + 2 / 5 * loss
-            w_s = w / hardware.gemm_flops + fixed
-            # ZeRO-3 gathers the chunk before its forward and the layers before backward;
-            # ZeRO-2/3 reduce-scatter the chunk's fp32 gradients after every backward.
-            gather_f = gather_b = scatter = 0.0
-            if shape.zero_stage == 3:
-                gather_f = dp_link.all_gather(width * chunk_params, dp)
-                layer_share = layers * layer_parameters(gpt) / max(chunk_params, 1)
-                gather_b = gather_f * layer_share
-            if shape.zero_stage >= 2:
-                scatter = dp_link.all_gather(4 * chunk_params, dp)
-            f_s = _with_transfer(f_s, gather_f, hardware)
-            i_s = _with_transfer(i_s, gather_b, hardware)
-            w_s = _with_transfer(w_s, scatter, hardware)
-            for key, value in zip(rows, (f_s, i_s, w_s, f, i, w, tp_f + tp_b), strict=True):
-                rows[key].append(value)
-        for key in tables:
-            tables[key].append(rows[key])
+            for name, value in zip(rows, values, strict=True):
+                rows[name].append(value)
+        for name in tables:
+            tables[name].append(rows[name])
         params.append(rank_params)
 
     sp = gpt.sequence_parallel
@@ -225,6 +251,7 @@ def action_costs(gpt: GPTConfig, shape: Shape, hardware: Hardware) -> ActionCost
         optimizer.append(step)
         tail.append(exposed + gather + step + embedding_sum * ends)
     return ActionCosts(
+        placement=shape.placement,
         forward=tables["f"],
         input_grad=tables["i"],
         weight_grad=tables["w"],

@@ -1,0 +1,395 @@
+"""The planner: every layout of a model on N devices, checked, fitted in memory and timed.
+
+``python -m megapp.plan --model gpt3-175b --gpus 1024 --gpus-per-node 8 --gpu h100
+--global-batch-size 1536 --seq-length 2048 --top-k 5`` prints the fastest layouts that fit,
+each with its predicted memory per device, iteration time, throughput, MFU and bubble, and
+the ``torchrun ... pretrain_gpt.py`` line that runs it.
+
+The space: tensor-parallel sizes within a node that divide the heads, pipeline sizes,
+virtual chunks that divide each rank's layers (two for the V schedules), every schedule of
+:data:`~megapp.pipeline_parallel.catalog.SCHEDULES`, micro-batch sizes up to a cap,
+recompute none/selective/full, ZeRO stages 0-3 (only 0 without data parallelism, where
+they are the same layout) and sequence parallelism with tp > 1. Only arithmetic a lower
+bound needs is checked up front; :func:`~megapp.planning.layout.pretrain_config` decides
+validity, exactly as ``pretrain_gpt.py`` would.
+
+Fast by bounding: a layout's busiest rank computes for a time no schedule can beat
+(:meth:`~megapp.planning.timing.ActionCosts.lower_bound`, no simulation), shared by every
+schedule of the same placement and cached. Layouts whose model state alone overflows
+memory are dropped before anything else; the rest are visited in order of that bound, and
+the search stops once the k-th best simulated time is below the next bound.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import shlex
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from megapp.models.gpt import GPTConfig
+from megapp.pipeline_parallel.catalog import SCHEDULES, V_SHAPED
+from megapp.pipeline_parallel.partition import split_layers
+from megapp.pipeline_parallel.plan import ScheduleError
+from megapp.pipeline_parallel.schedules import looped_placement, v_placement
+from megapp.pipeline_parallel.simulate import simulate
+from megapp.planning.hardware import Hardware, load_hardware
+from megapp.planning.layout import RECOMPUTE, Layout, pretrain_config
+from megapp.planning.model_state import chunk_parameters, model_state
+from megapp.planning.models import ModelPreset, load_model
+from megapp.planning.timing import ActionCosts, Shape, StepTime, action_costs, cost_model
+from megapp.planning.timing import step_time as assemble_step_time
+from megapp.training.flag_groups import ArgumentsError
+from megapp.training.parallel_flags import ParallelArgs
+
+_GIB = 2**30
+_BUCKET = ParallelArgs().ddp_bucket_size
+
+
+@dataclass(frozen=True)
+class Planned:
+    """One layout that fits, with its predictions."""
+
+    layout: Layout
+    memory_bytes: float  # the largest prediction over the pipeline ranks
+    step: StepTime
+
+
+@dataclass
+class PlanResult:
+    """The best layouts, fastest first, and what the search did with the rest."""
+
+    best: list[Planned]
+    enumerated: int = 0  # layouts the arithmetic allows
+    over_memory: int = 0  # dropped: model state, or the predicted total, exceeds memory
+    invalid: int = 0  # refused by pretrain_gpt.py's checks
+    deadlocks: int = 0  # the schedule cannot complete on the hardware's transport
+    timed: int = 0  # simulated
+    seconds: float = 0.0
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def layouts(
+    base: GPTConfig,
+    gpus: int,
+    gpus_per_node: int,
+    global_batch_size: int,
+    max_micro_batch_size: int = 8,
+    max_chunks: int = 8,
+) -> Iterator[Layout]:
+    """Every layout of ``gpus`` devices the arithmetic allows (sizes that divide, a whole
+    number of microbatches, whole chunks of layers); the schedules' own rules are left to
+    :func:`pretrain_config`."""
+    heads, groups, layers = base.num_attention_heads, base.num_query_groups, base.num_layers
+    for tp in _divisors(gpus):
+        if tp > gpus_per_node or heads % tp or groups % tp:
+            continue
+        for pp in _divisors(gpus // tp):
+            dp = gpus // (tp * pp)
+            if pp > layers or global_batch_size % dp:
+                continue
+            most = min(max_chunks, layers // pp)
+            chunks = [1] + [v for v in range(2, most + 1) if layers % (pp * v) == 0]
+            for vpp in chunks if pp > 1 else [1]:
+                names = list(SCHEDULES) if pp > 1 else [None]
+                names = [n for n in names if n not in V_SHAPED or vpp == 2]
+                for mbs in (1 << i for i in range(max_micro_batch_size.bit_length())):
+                    if mbs > max_micro_batch_size or global_batch_size % (mbs * dp):
+                        continue
+                    for recompute in RECOMPUTE:
+                        for zero in range(4) if dp > 1 else [0]:
+                            for sp in (False, True) if tp > 1 else [False]:
+                                for name in names:
+                                    yield Layout(tp, pp, dp, vpp, mbs, name, sp, recompute, zero)
+
+
+class Planner:
+    """Plans one model on one machine; caches what many layouts share."""
+
+    def __init__(
+        self, model: ModelPreset, hardware: Hardware, global_batch_size: int, gpus: int
+    ) -> None:
+        self.model, self.hardware, self.gbs, self.gpus = model, hardware, global_batch_size, gpus
+        self.base = pretrain_config(Layout(), model.flags, 1).gpt_config(model.vocab_size)
+        self._costs: dict[tuple, ActionCosts | None] = {}
+        self._gpts: dict[tuple, GPTConfig | None] = {}
+        self._states: dict[tuple, bool] = {}
+        self._bounds: dict[tuple, float] = {}
+        self._refused: dict[tuple, str] = {}
+
+    def gpt(self, layout: Layout) -> GPTConfig | None:
+        """The model under ``layout`` as ``pretrain_gpt.py`` builds it (None where the
+        model's own rules refuse the tensor-parallel size)."""
+        key = (layout.tp, layout.sequence_parallel, layout.recompute)
+        if key not in self._gpts:
+            full = layout.recompute == "full"
+            try:
+                self._gpts[key] = dataclasses.replace(
+                    self.base,
+                    tensor_model_parallel_size=layout.tp,
+                    sequence_parallel=layout.sequence_parallel,
+                    recompute_granularity=layout.recompute,
+                    recompute_method="uniform" if full else None,
+                    recompute_num_layers=1 if full else None,
+                )
+            except ValueError:
+                self._gpts[key] = None
+        return self._gpts[key]
+
+    def state_fits(self, layout: Layout, gpt: GPTConfig, placement) -> bool:
+        """Whether every rank's model state alone fits in memory (a bound on the total)."""
+        key = (layout.tp, layout.dp, layout.zero_stage, placement)
+        if key not in self._states:
+            stages = layout.pp * layout.vpp
+            ranges = split_layers(gpt.num_layers, stages)
+            per_stage = [chunk_parameters(gpt, s, stages, len(ranges[s])) for s in range(stages)]
+            params = max(sum(per_stage[s] for s in row) for row in placement)
+            state = model_state(params, gpt.params_dtype, layout.dp, layout.zero_stage)
+            self._states[key] = state.total <= self.hardware.usable_memory
+        return self._states[key]
+
+    @staticmethod
+    def _key(layout: Layout) -> tuple:
+        """What a layout's action costs depend on: all but the schedule, save its shape."""
+        return (
+            *(layout.tp, layout.pp, layout.dp, layout.vpp, layout.micro_batch_size),
+            *(layout.sequence_parallel, layout.recompute, layout.zero_stage),
+            layout.schedule in V_SHAPED,
+        )
+
+    def costs(self, layout: Layout) -> ActionCosts | None:
+        """Action costs of ``layout`` (None when its model state alone overflows memory),
+        shared by every schedule with the same placement."""
+        v_shaped = layout.schedule in V_SHAPED
+        key = (
+            layout.tp,
+            layout.pp,
+            layout.dp,
+            layout.vpp,
+            layout.micro_batch_size,
+            layout.sequence_parallel,
+            layout.recompute,
+            layout.zero_stage,
+            v_shaped,
+        )
+        if key in self._costs:
+            return self._costs[key]
+        gpt = self.gpt(layout)
+        placement = v_placement(layout.pp) if v_shaped else looped_placement(layout.pp, layout.vpp)
+        costs = None
+        if gpt is not None and self.state_fits(layout, gpt, placement):
+            shape = Shape(
+                self.model.seq_length,
+                layout.micro_batch_size,
+                placement,
+                layout.dp,
+                layout.zero_stage,
+                _BUCKET,
+            )
+            costs = action_costs(gpt, shape, self.hardware)
+            m = self.gbs // (layout.micro_batch_size * layout.dp)
+            self._bounds[key] = costs.lower_bound(m, self.hardware.step_overhead)
+        self._costs[key] = costs
+        return costs
+
+    def bound(self, layout: Layout) -> float | None:
+        """:meth:`ActionCosts.lower_bound` of ``layout``; None when it overflows memory."""
+        if self.costs(layout) is None:
+            return None
+        return self._bounds[self._key(layout)]
+
+    def evaluate(self, layout: Layout, costs: ActionCosts) -> Planned | str:
+        """The prediction for ``layout``, or why it is dropped: "invalid", "memory",
+        "deadlock"."""
+        from megapp.planning.memory import predict_memory
+
+        # Whether a schedule can be built and completes on this transport depends only on
+        # the schedule's name and sizes (and tp, for the model's own rules): ask once.
+        m = self.gbs // (layout.micro_batch_size * layout.dp)
+        refusal_key = (layout.schedule, layout.pp, m, layout.vpp, layout.tp)
+        if refusal_key in self._refused:
+            return self._refused[refusal_key]
+        try:
+            config = pretrain_config(layout, self.model.flags, self.gbs)
+        except (ArgumentsError, ValueError):
+            self._refused[refusal_key] = "invalid"
+            return "invalid"
+        try:
+            timeline = simulate(config.schedule, cost_model(costs, self.hardware))
+        except ScheduleError:
+            self._refused[refusal_key] = "deadlock"
+            return "deadlock"
+        memory = max(r.total for r in predict_memory(config, self.model.vocab_size))
+        if memory > self.hardware.usable_memory:
+            return "memory"
+        gpt = config.gpt_config(self.model.vocab_size)
+        return Planned(
+            layout, memory, assemble_step_time(config, gpt, costs, timeline, self.hardware)
+        )
+
+    def plan(
+        self, gpus_per_node: int, top_k: int, max_micro_batch_size: int = 8, max_chunks: int = 8
+    ) -> PlanResult:
+        """The ``top_k`` fastest layouts that fit, fastest first."""
+        start = time.perf_counter()
+        result = PlanResult(best=[])
+        bounded: list[tuple[float, int, Layout]] = []
+        space = layouts(
+            self.base, self.gpus, gpus_per_node, self.gbs, max_micro_batch_size, max_chunks
+        )
+        for layout in space:
+            result.enumerated += 1
+            bound = self.bound(layout)
+            if bound is None:
+                result.over_memory += 1
+                continue
+            bounded.append((bound, len(bounded), layout))
+        bounded.sort(key=lambda item: (item[0], item[1]))
+        for bound, _, layout in bounded:
+            if len(result.best) >= top_k and bound >= result.best[top_k - 1].step.seconds:
+                break
+            outcome = self.evaluate(layout, self.costs(layout))
+            if outcome == "invalid":
+                result.invalid += 1
+            elif outcome == "memory":
+                result.over_memory += 1
+            elif outcome == "deadlock":
+                result.deadlocks += 1
+            else:
+                result.timed += 1
+                result.best.append(outcome)
+                result.best.sort(key=lambda planned: planned.step.seconds)
+                del result.best[top_k:]
+        result.seconds = time.perf_counter() - start
+        return result
+
+
+def command_line(
+    layout: Layout, model: ModelPreset, gpus: int, gpus_per_node: int, global_batch_size: int
+) -> str:
+    """The ``torchrun`` line that trains ``model`` under ``layout``."""
+    per_node = min(gpus, gpus_per_node)
+    launch = ["torchrun", "--nproc-per-node", str(per_node)]
+    if gpus > per_node:
+        launch += ["--nnodes", str(gpus // per_node)]
+    flags = [*model.flags, *layout.flags(model.num_layers)]
+    flags += ["--global-batch-size", str(global_batch_size)]
+    return shlex.join([*launch, "pretrain_gpt.py", *flags])
+
+
+def format_table(
+    result: PlanResult, model: ModelPreset, gpus: int, gpus_per_node: int, global_batch_size: int
+) -> str:
+    """The top-k table, a command line under each row."""
+    head = (
+        f"{'#':>2}  {'layout':<48} {'mem GiB':>8} {'step s':>9} {'tok/s/GPU':>10} "
+        f"{'TFLOP/s':>8} {'MFU':>6} {'bubble':>7}"
+    )
+    lines = [head]
+    for i, planned in enumerate(result.best, 1):
+        step = planned.step
+        mfu = "-" if step.mfu is None else f"{100 * step.mfu:.1f}%"
+        lines.append(
+            f"{i:>2}  {planned.layout.name:<48} {planned.memory_bytes / _GIB:>8.1f} "
+            f"{step.seconds:>9.4g} {step.tokens_per_second_per_gpu:>10.1f} "
+            f"{step.tflops_per_gpu:>8.1f} {mfu:>6} {100 * step.bubble:>6.1f}%"
+        )
+        cmd = command_line(planned.layout, model, gpus, gpus_per_node, global_batch_size)
+        lines.append(f"    {cmd}")
+    return "\n".join(lines)
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, no usage block
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _OneLineParser(prog="python -m megapp.plan", description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--model",
+        required=True,
+        help="a preset of megapp.planning.models or a file of pretrain_gpt.py model flags",
+    )
+    parser.add_argument("--vocab-size", type=int, help="tokenizer vocabulary (flag files)")
+    parser.add_argument("--gpus", type=int, required=True, help="devices in the job")
+    parser.add_argument("--gpus-per-node", type=int, help="default: the hardware's")
+    parser.add_argument("--gpu", default="h100", help="h100, h200, a100 or a JSON profile")
+    parser.add_argument("--global-batch-size", type=int, required=True)
+    parser.add_argument("--seq-length", type=int, help="default: the model's")
+    parser.add_argument("--top-k", type=int, default=5)
+    parser.add_argument("--max-micro-batch-size", type=int, default=8)
+    parser.add_argument("--max-chunks", type=int, default=8, help="virtual stages per rank")
+    parser.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="measure this machine with --gpus processes and plan for it",
+    )
+    parser.add_argument(
+        "--hardware-out",
+        default="runs/calibration/hardware.json",
+        help="where --calibrate writes the measured profile",
+    )
+    return parser
+
+
+def _check_positive(args: argparse.Namespace) -> None:
+    for name in (
+        "gpus",
+        "gpus_per_node",
+        "global_batch_size",
+        "seq_length",
+        "top_k",
+        "max_micro_batch_size",
+        "max_chunks",
+        "vocab_size",
+    ):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        _check_positive(args)
+        model = load_model(args.model, args.vocab_size)
+        if args.seq_length is not None:
+            model = model.with_seq_length(args.seq_length)
+        if args.calibrate:
+            from megapp.planning.calibrate import calibrate
+
+            hardware = calibrate(args.gpus, args.hardware_out)
+        else:
+            hardware = load_hardware(args.gpu)
+        gpn = args.gpus_per_node or hardware.gpus_per_node
+        if args.gpus > gpn and args.gpus % gpn:
+            raise ValueError(f"--gpus {args.gpus} is not a whole number of {gpn}-GPU nodes")
+        hardware = hardware.with_gpus_per_node(gpn)
+        planner = Planner(model, hardware, args.global_batch_size, args.gpus)
+        result = planner.plan(gpn, args.top_k, args.max_micro_batch_size, args.max_chunks)
+    except (ArgumentsError, ValueError) as error:
+        print(f"python -m megapp.plan: error: {' '.join(str(error).split())}", file=sys.stderr)
+        return 2
+    print(
+        f"{args.model} on {args.gpus} × {hardware.name} ({gpn} per node), global batch "
+        f"{args.global_batch_size}, sequence {model.seq_length}: {result.enumerated} layouts, "
+        f"{result.over_memory} over {hardware.usable_memory / _GIB:.1f} GiB, "
+        f"{result.invalid} refused, {result.deadlocks} deadlock on this transport, "
+        f"{result.timed} simulated in {result.seconds:.1f} s"
+    )
+    if not result.best:
+        print("python -m megapp.plan: error: no layout fits in memory", file=sys.stderr)
+        return 1
+    print(format_table(result, model, args.gpus, gpn, args.global_batch_size))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

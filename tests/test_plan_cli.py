@@ -1,0 +1,210 @@
+"""The planner: its space, its pruning against brute force, memory, the printed commands,
+and its errors."""
+
+from __future__ import annotations
+
+import dataclasses
+import shlex
+
+import pytest
+
+from megapp.pipeline_parallel.catalog import V_SHAPED
+from megapp.pipeline_parallel.plan import ScheduleError
+from megapp.plan import Planner, command_line, layouts, main
+from megapp.planning.hardware import load_hardware
+from megapp.planning.layout import pretrain_config
+from megapp.planning.memory import predict_memory
+from megapp.planning.models import ModelPreset
+from megapp.planning.timing import predict_step_time
+from megapp.training.arguments import config_from_flags
+from megapp.training.flag_groups import ArgumentsError
+
+FLAGS = (
+    "--num-layers",
+    "8",
+    "--hidden-size",
+    "512",
+    "--num-attention-heads",
+    "8",
+    "--seq-length",
+    "512",
+    "--bf16",
+)
+MODEL = ModelPreset(FLAGS, 32000, "a small GPT")
+H100 = load_hardware("h100")
+
+
+@pytest.fixture
+def flag_file(tmp_path):
+    path = tmp_path / "model.txt"
+    path.write_text(" ".join(FLAGS) + "\n--vocab-size 32000\n")
+    return str(path)
+
+
+def test_the_space_follows_the_rules():
+    planner = Planner(MODEL, H100, 16, 8)
+    space = list(layouts(planner.base, 8, 4, 16, max_micro_batch_size=4))
+    assert space and len(space) == len(set(space))
+    for layout in space:
+        assert layout.world_size == 8 and layout.tp <= 4 and 8 % layout.tp == 0
+        assert 16 % (layout.micro_batch_size * layout.dp) == 0 and layout.micro_batch_size <= 4
+        assert layout.vpp == 2 or layout.schedule not in V_SHAPED
+        assert layout.zero_stage == 0 or layout.dp > 1
+        assert not layout.sequence_parallel or layout.tp > 1
+        assert layout.pp > 1 or layout.schedule is None
+    kinds = {(x.tp, x.pp, x.schedule, x.recompute, x.zero_stage) for x in space}
+    assert (4, 2, "zb-v", "full", 3) not in kinds  # dp 1: no ZeRO
+    assert (2, 2, "zb-v", "full", 3) in kinds
+    assert {x.tp for x in space} == {1, 2, 4}
+
+
+def brute_force(hardware, gbs, gpus):
+    """Every layout predicted in full, fastest first."""
+    planner = Planner(MODEL, hardware, gbs, gpus)
+    timed = []
+    for layout in layouts(planner.base, gpus, hardware.gpus_per_node, gbs, 2):
+        try:
+            config = pretrain_config(layout, FLAGS, gbs)
+            step = predict_step_time(config, MODEL.vocab_size, hardware)
+        except (ArgumentsError, ValueError, ScheduleError):
+            continue
+        memory = max(r.total for r in predict_memory(config, MODEL.vocab_size))
+        if memory <= hardware.usable_memory:
+            timed.append((step.seconds, layout))
+    return sorted(timed, key=lambda item: item[0])
+
+
+def test_pruning_finds_what_brute_force_finds():
+    """The bound-and-stop search returns the brute force's best times, and never a layout
+    that does not fit: memory tight enough that the fastest layouts are dropped."""
+    hardware = dataclasses.replace(H100, memory_bytes=0.5e9, gpus_per_node=4)
+    everything = brute_force(hardware, 8, 4)
+    result = Planner(MODEL, hardware, 8, 4).plan(4, 3, max_micro_batch_size=2)
+    got = [planned.step.seconds for planned in result.best]
+    assert got == pytest.approx([seconds for seconds, _ in everything[:3]], rel=1e-12)
+    assert result.timed < len(everything)  # it did prune
+    assert all(planned.memory_bytes <= hardware.usable_memory for planned in result.best)
+    roomy = Planner(MODEL, dataclasses.replace(hardware, memory_bytes=80e9), 8, 4)
+    fastest = roomy.plan(4, 1, max_micro_batch_size=2).best[0]
+    assert fastest.memory_bytes > hardware.usable_memory  # dropped above: it does not fit
+    assert fastest.step.seconds < got[0]
+
+
+def rows(output: str) -> list[list[str]]:
+    lines = output.strip().splitlines()
+    commands = [line.split() for line in lines if line.startswith("    torchrun")]
+    return commands
+
+
+def test_every_printed_command_is_a_valid_run(flag_file, capsys):
+    code = main(
+        [
+            "--model",
+            flag_file,
+            "--gpus",
+            "16",
+            "--gpus-per-node",
+            "8",
+            "--gpu",
+            "a100",
+            "--global-batch-size",
+            "32",
+            "--top-k",
+            "4",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert code == 0
+    commands = rows(out)
+    assert len(commands) == 4
+    for words in commands:
+        assert words[:5] == ["torchrun", "--nproc-per-node", "8", "--nnodes", "2"]
+        flags = words[words.index("pretrain_gpt.py") + 1 :]
+        run = ["--lr", "1e-4", "--train-iters", "1", "--use-default-corpus"]
+        config = config_from_flags(flags + run, world_size=16)
+        assert config.training.global_batch_size == 32
+    table = [line.split() for line in out.splitlines()[2:] if line[:3].strip().isdigit()]
+    seconds = [float(row[3]) for row in table]
+    assert seconds == sorted(seconds)
+    assert all(float(row[2]) <= load_hardware("a100").usable_memory / 2**30 for row in table)
+
+
+def test_sequence_length_override_reaches_the_command(capsys):
+    assert (
+        main(
+            [
+                "--model",
+                "gpt2",
+                "--gpus",
+                "8",
+                "--global-batch-size",
+                "16",
+                "--seq-length",
+                "256",
+                "--top-k",
+                "1",
+            ]
+        )
+        == 0
+    )
+    words = rows(capsys.readouterr().out)[0]
+    assert words[words.index("--seq-length") + 1] == "256"
+    assert "--nnodes" not in words
+
+
+def test_command_line_names_every_layout_flag():
+    planner = Planner(MODEL, H100, 16, 16)
+    layout = next(x for x in layouts(planner.base, 16, 8, 16) if x.schedule == "zb-v")
+    words = shlex.split(command_line(layout, MODEL, 16, 8, 16))
+    assert words[words.index("--pipeline-schedule") + 1] == "zb-v"
+    assert words[words.index("--num-layers-per-virtual-pipeline-stage") + 1] == str(
+        8 // (2 * layout.pp)
+    )
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--model", "nope", "--gpus", "8", "--global-batch-size", "8"], "unknown model 'nope'"),
+        (["--model", "gpt2", "--gpus", "0", "--global-batch-size", "8"], "--gpus must be >= 1"),
+        (
+            ["--model", "gpt2", "--gpus", "8", "--global-batch-size", "8", "--gpu", "v100"],
+            "unknown hardware 'v100'",
+        ),
+        (
+            ["--model", "gpt2", "--gpus", "12", "--global-batch-size", "12"],
+            "--gpus 12 is not a whole number of 8-GPU nodes",
+        ),
+        (["--model", "gpt2", "--gpus", "8"], "the following arguments are required"),
+    ],
+)
+def test_bad_input_fails_in_one_line(argv, message, capsys):
+    try:
+        code = main(argv)
+    except SystemExit as exit:  # argparse's own errors
+        code = exit.code
+    assert code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1
+    assert message in err
+
+
+def test_nothing_fits_says_so(tmp_path, capsys):
+    tiny = dataclasses.replace(H100, name="tiny", memory_bytes=1e6)
+    tiny.save(tmp_path / "tiny.json")
+    code = main(
+        [
+            "--model",
+            "gpt2",
+            "--gpus",
+            "8",
+            "--global-batch-size",
+            "8",
+            "--gpu",
+            str(tmp_path / "tiny.json"),
+        ]
+    )
+    assert code == 1
+    assert (
+        capsys.readouterr().err.strip() == "python -m megapp.plan: error: no layout fits in memory"
+    )
