@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 
 from megapp.pipeline_parallel.plan import ScheduleError
+from megapp.planning import calibrate
 from megapp.planning.hardware import PROFILES, Hardware, Link, load_hardware
 from megapp.planning.layout import Layout, pretrain_config
 from megapp.planning.model_state import rank_parameters
@@ -20,9 +22,16 @@ from megapp.planning.timing import (
 from megapp.training.flops import gpt_training_flops
 
 MODEL = [
-    "--num-layers", "8", "--hidden-size", "256", "--num-attention-heads", "8",
-    "--seq-length", "128", "--bf16",
-]  # fmt: skip
+    "--num-layers",
+    "8",
+    "--hidden-size",
+    "256",
+    "--num-attention-heads",
+    "8",
+    "--seq-length",
+    "128",
+    "--bf16",
+]
 VOCAB = 1024  # a multiple of 128 × 8: no padding under any tp here
 
 # Round numbers, no fixed overheads, no overlap: every second is traceable by hand.
@@ -48,10 +57,17 @@ def config(layout: Layout, gbs: int = 16, model=MODEL):
 
 def model_flops(gbs: int) -> float:
     return gpt_training_flops(
-        num_layers=8, hidden_size=256, ffn_hidden_size=1024, num_attention_heads=8,
-        num_query_groups=8, kv_channels=32, swiglu=False, seq_length=128,
-        vocab_size=VOCAB, tokens=gbs * 128,
-    )  # fmt: skip
+        num_layers=8,
+        hidden_size=256,
+        ffn_hidden_size=1024,
+        num_attention_heads=8,
+        num_query_groups=8,
+        kv_channels=32,
+        swiglu=False,
+        seq_length=128,
+        vocab_size=VOCAB,
+        tokens=gbs * 128,
+    )
 
 
 @pytest.mark.parametrize(
@@ -215,3 +231,60 @@ def test_profiles_and_json(tmp_path):
     (tmp_path / "bad.json").write_text('{"name": "x", "gemm_flops": 1}')
     with pytest.raises(ValueError, match="lacks: gpus_per_node"):
         load_hardware(str(tmp_path / "bad.json"))
+
+
+def synthetic(layout, hardware):
+    """The profile record ``pretrain_gpt.py --profile-iteration`` would write if the
+    machine ran exactly as ``hardware`` predicts."""
+    cfg = calibrate.pretrain_config(layout, calibrate.MODEL, calibrate.GLOBAL_BATCH)
+    step = predict_step_time(cfg, calibrate.VOCAB, hardware)
+    ranks = [
+        {
+            "rank": r,
+            "tp": 0,
+            "pp": r,
+            "dp": 0,
+            "events": [
+                [e.kind, e.name, e.start, e.end] for e in step.timeline.events if e.rank == r
+            ],
+        }
+        for r in range(layout.pp)
+    ]
+    record = {"kind": "profile", "seconds": step.seconds, "ranks": ranks}
+    return calibrate.Measurement(cfg, calibrate.VOCAB, record)
+
+
+def test_calibration_recovers_known_constants():
+    truth = dataclasses.replace(
+        GLOO,
+        gemm_flops=3e9,
+        intra_node_bandwidth=2e8,
+        inter_node_bandwidth=2e8,
+        intra_node_latency=4e-4,
+        inter_node_latency=4e-4,
+        layer_overhead=2e-3,
+        action_overhead=5e-3,
+        message_overhead=3e-3,
+        step_overhead=0.05,
+        memory_bandwidth=1e9,
+        gpus_per_node=8,
+    )
+    measurements = [synthetic(layout, truth) for layout in calibrate.LAYOUTS]
+    coef = calibrate.fit_actions(measurements)
+    assert 1 / coef["flops"] == pytest.approx(3e9, rel=1e-6)
+    assert coef["action"] == pytest.approx(5e-3, rel=1e-6)
+    assert coef["layers"] == pytest.approx(2e-3, rel=1e-6)
+    fitted = calibrate.fit_hardware(measurements, memory_bandwidth=1e9)
+    assert fitted.message_overhead == pytest.approx(3e-3, rel=1e-4)
+    assert fitted.step_overhead == pytest.approx(0.05, rel=1e-4)
+    for m in measurements:  # and so every iteration is predicted as it ran
+        got = predict_step_time(m.config, m.vocab_size, fitted).seconds
+        assert got == pytest.approx(m.record["seconds"], rel=1e-6)
+
+
+def test_nonnegative_least_squares_drops_a_negative_coefficient():
+    a = np.array([[1.0, 1.0], [2.0, 1.0], [3.0, 1.0]])
+    b = np.array([0.9, 2.1, 2.9])  # intercept would come out slightly negative
+    x = calibrate.nonnegative_least_squares(a, b)
+    assert (x >= 0).all() and x[1] == 0.0
+    assert x[0] == pytest.approx(np.dot(a[:, 0], b) / np.dot(a[:, 0], a[:, 0]))

@@ -63,6 +63,7 @@ class Hardware:
     layer_overhead: float = 0.0  # fixed time per layer per pipeline action (launches, Python)
     action_overhead: float = 0.0  # fixed time per pipeline action (the engine's own work)
     step_overhead: float = 0.0  # fixed time per iteration outside the pipeline
+    message_overhead: float = 0.0  # fixed time per pipeline message (headers, scheduling)
     usable_fraction: float = 0.9  # share of memory_bytes a job may fill
     overlap_communication: bool = True  # collectives run beside compute (NCCL streams)
     sends_finish_in_background: bool = False  # gloo; NCCL completes a batch of sends as one

@@ -228,6 +228,7 @@ def action_costs(gpt: GPTConfig, shape: Shape, hardware: Hardware) -> ActionCost
 
     sp = gpt.sequence_parallel
     p2p = pp_link.message(tokens * gpt.hidden_size * width / (tp if sp else 1))
+    p2p += hardware.message_overhead
     v_shaped = any(row[0] == 0 and row[-1] == num_stages - 1 for row in shape.placement[:1])
     tied = gpt.share_embeddings_and_output_weights and p > 1 and not v_shaped
     embedding_sum = pp_link.all_reduce(4 * vocab // tp * gpt.hidden_size, 2) if tied else 0.0

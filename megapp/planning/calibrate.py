@@ -1,0 +1,353 @@
+"""Measure this machine and fit the time model's constants to it.
+
+``python -m megapp.planning.calibrate --nproc 8 --out runs/calibration/hardware.json`` (or
+``python -m megapp.plan --calibrate``) trains a small GPT for a few iterations under two
+layouts with ``torchrun --nproc-per-node N pretrain_gpt.py --profile-iteration K``, at the
+process count the plans are for (on a CPU machine with fewer cores than processes the
+measured rates include the oversubscription; ``OMP_NUM_THREADS=1`` keeps every process on
+one thread). From each profile record it takes every rank's action times and fits, by
+non-negative least squares over all of them (:func:`fit_actions`)::
+
+    seconds = FLOPs / rate + action_overhead + layers · layer_overhead
+              + tp_bytes / bandwidth + tp_steps · latency + loss_bytes / memory_bandwidth
+
+where ``tp_bytes`` and ``tp_steps`` are the bytes a ring moves and the ring steps of the
+action's tensor-parallel collectives as :mod:`~megapp.planning.timing` counts them (so the
+same bandwidth and latency also price pipeline messages and data-parallel reductions).
+A fixed cost per pipeline message, ``message_overhead``, is then set so that the simulated
+pipelines span what the measured ones did (on an oversubscribed CPU a message waits for
+its receiver to be scheduled), and what the iteration spends beyond the pipeline, the
+modelled reductions and the optimizer step becomes ``step_overhead`` (the mean residual).
+The profile written has sends that finish in the background and no overlap of
+communication with compute, as gloo runs on a CPU. ``--check`` then runs other layouts
+and prints how far their measured iterations are from the prediction.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from megapp.planning.hardware import Hardware
+from megapp.planning.layout import Layout, pretrain_config
+from megapp.planning.timing import action_costs, predict_step_time, shape_of
+from megapp.training.config import PretrainConfig
+
+MODEL = (
+    "--num-layers",
+    "4",
+    "--hidden-size",
+    "128",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "128",
+)
+"""The CPU demo's model (byte tokens: 257 ids)."""
+VOCAB = 257
+LAYOUTS = (
+    Layout(tp=2, pp=2, dp=2, micro_batch_size=4),
+    Layout(tp=1, pp=4, dp=2, micro_batch_size=2),
+    Layout(tp=1, pp=2, dp=4, micro_batch_size=8),
+)
+"""8-process layouts to fit: with and without tensor parallelism, one and two layers per
+stage, micro-batches of 2 to 8 (so FLOPs vary apart from the layer count)."""
+CHECKS = (
+    Layout(tp=2, pp=1, dp=4, micro_batch_size=2),
+    Layout(tp=1, pp=2, dp=4, vpp=2, micro_batch_size=2),
+)
+"""Layouts the fit never saw, to check its predictions against."""
+GLOBAL_BATCH = 32
+_ACTION = re.compile(r"^([FBIW])(\d+)(?:\.(\d+))?$")
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One profiled iteration: the config it ran and its ``"profile"`` metrics record."""
+
+    config: PretrainConfig
+    vocab_size: int
+    record: dict
+
+
+def _unit(**rates: float) -> Hardware:
+    """A hardware on which only the named constants cost anything (the others are free),
+    so an action's predicted seconds read out one feature."""
+    free = dict(
+        gemm_flops=1e30,
+        memory_bandwidth=1e30,
+        intra_node_bandwidth=1e30,
+        inter_node_bandwidth=1e30,
+        intra_node_latency=0.0,
+        inter_node_latency=0.0,
+    )
+    return Hardware(
+        name="unit", peak_flops=None, memory_bytes=1.0, gpus_per_node=1 << 20, **(free | rates)
+    )
+
+
+FEATURES = ("flops", "action", "layers", "tp_bytes", "tp_steps", "memory")
+_PROBES = {
+    "flops": _unit(gemm_flops=1.0),
+    "action": _unit(action_overhead=1.0),
+    "layers": _unit(layer_overhead=1.0),
+    "tp_bytes": _unit(intra_node_bandwidth=1.0, inter_node_bandwidth=1.0),
+    "tp_steps": _unit(intra_node_latency=1.0, inter_node_latency=1.0),
+    "memory": _unit(memory_bandwidth=1.0),
+}
+
+
+def action_features(config: PretrainConfig, vocab_size: int) -> dict[tuple[str, int, int], list]:
+    """For every kind of action (``"F"``, ``"B"``, ``"I"``, ``"W"``) on every ``[rank][chunk]``
+    its :data:`FEATURES`: the action's seconds on hardware where only that constant is 1."""
+    gpt, shape = config.gpt_config(vocab_size), shape_of(config)
+    shape = dataclasses.replace(shape, dp=1, zero_stage=0)  # no ZeRO transfers in the actions
+    tables = {name: action_costs(gpt, shape, probe) for name, probe in _PROBES.items()}
+    out = {}
+    p, v = len(shape.placement), len(shape.placement[0])
+    for rank in range(p):
+        for chunk in range(v):
+            for kind in "FBIW":
+                row = []
+                for name in FEATURES:
+                    costs = tables[name]
+                    f, i, w = (
+                        t[rank][chunk] for t in (costs.forward, costs.input_grad, costs.weight_grad)
+                    )
+                    row.append({"F": f, "I": i, "W": w, "B": i + w}[kind])
+                out[(kind, rank, chunk)] = row
+    return out
+
+
+def samples(measurement: Measurement) -> tuple[list[list[float]], list[float]]:
+    """Features and measured seconds of every compute action of every rank in a record."""
+    features = action_features(measurement.config, measurement.vocab_size)
+    rows, seconds = [], []
+    for rank in measurement.record["ranks"]:
+        for kind, name, start, end in rank["events"]:
+            match = _ACTION.match(name)
+            if kind != "compute" or match is None:
+                continue
+            key = (match[1], rank["pp"], int(match[3] or 0))
+            rows.append(features[key])
+            seconds.append(end - start)
+    return rows, seconds
+
+
+def nonnegative_least_squares(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``argmin |a·x - b|`` with ``x >= 0``: least squares, dropping the most negative
+    coefficient until none is left (enough for a handful of features)."""
+    active = list(range(a.shape[1]))
+    x = np.zeros(a.shape[1])
+    while active:
+        sol, *_ = np.linalg.lstsq(a[:, active], b, rcond=None)
+        if (sol >= 0).all():
+            x[active] = sol
+            break
+        active.pop(int(np.argmin(sol)))
+    return x
+
+
+def fit_actions(measurements: Sequence[Measurement]) -> dict[str, float]:
+    """The coefficient of every feature in :data:`FEATURES`, fitted to every action of
+    every measurement. Features no measurement varies (no tensor parallelism: no
+    ``tp_bytes``) come out 0."""
+    rows, seconds = [], []
+    for measurement in measurements:
+        r, s = samples(measurement)
+        rows += r
+        seconds += s
+    if not rows:
+        raise ValueError("the profile records hold no compute actions to fit")
+    a, b = np.asarray(rows, dtype=float), np.asarray(seconds, dtype=float)
+    scale = np.abs(a).max(axis=0)
+    scale[scale == 0] = 1.0  # a feature that is always 0 stays 0
+    x = nonnegative_least_squares(a / scale, b) / scale
+    return dict(zip(FEATURES, (float(v) for v in x), strict=True))
+
+
+def makespan(record: dict) -> float:
+    """The measured pipeline's span: the latest event end over all ranks."""
+    return max((e[3] for r in record["ranks"] for e in r["events"]), default=0.0)
+
+
+def fit_hardware(
+    measurements: Sequence[Measurement],
+    name: str = "calibrated",
+    memory_bytes: float = 1.0,
+    memory_bandwidth: float | None = None,
+) -> Hardware:
+    """A :class:`Hardware` whose predictions fit ``measurements`` (all taken on one
+    machine: one node of ``world_size`` devices, gloo transport). ``memory_bandwidth``:
+    default, a copy timed in this process and shared by the processes."""
+    coef = fit_actions(measurements)
+    world = measurements[0].config.world_size
+    bandwidth = 1.0 / coef["tp_bytes"] if coef["tp_bytes"] > 0 else 1e30
+    hardware = Hardware(
+        name=name,
+        gemm_flops=1.0 / coef["flops"] if coef["flops"] > 0 else 1e30,
+        peak_flops=None,
+        memory_bytes=memory_bytes,
+        memory_bandwidth=memory_bandwidth or _fitted_or_measured(coef["memory"], world),
+        gpus_per_node=world,
+        intra_node_bandwidth=bandwidth,
+        intra_node_latency=coef["tp_steps"],
+        inter_node_bandwidth=bandwidth,
+        inter_node_latency=coef["tp_steps"],
+        layer_overhead=coef["layers"],
+        action_overhead=coef["action"],
+        overlap_communication=False,
+        sends_finish_in_background=True,
+    )
+    hardware = dataclasses.replace(hardware, message_overhead=_fit_messages(measurements, hardware))
+    residuals = []
+    for m in measurements:
+        predicted = predict_step_time(m.config, m.vocab_size, hardware)
+        residuals.append(m.record["seconds"] - predicted.seconds)
+    overhead = max(0.0, float(np.mean(residuals)))
+    return dataclasses.replace(hardware, step_overhead=overhead)
+
+
+def _fit_messages(measurements: Sequence[Measurement], hardware: Hardware) -> float:
+    """The per-message overhead for which the simulated pipelines span, on average, what
+    the measured ones did (bisection: the span grows with it)."""
+
+    def excess(overhead: float) -> float:
+        trial = dataclasses.replace(hardware, message_overhead=overhead)
+        spans = [
+            predict_step_time(m.config, m.vocab_size, trial).timeline.makespan - makespan(m.record)
+            for m in measurements
+        ]
+        return float(np.mean(spans))
+
+    low, high = 0.0, 1.0
+    if excess(low) >= 0:
+        return 0.0
+    for _ in range(40):
+        middle = (low + high) / 2
+        low, high = (middle, high) if excess(middle) < 0 else (low, middle)
+    return (low + high) / 2
+
+
+def _fitted_or_measured(seconds_per_byte: float, processes: int) -> float:
+    """The memory bandwidth the loss's passes fitted, else a measured one."""
+    return 1.0 / seconds_per_byte if seconds_per_byte > 0 else _memory_bandwidth(processes)
+
+
+def _memory_bandwidth(processes: int) -> float:
+    """Bytes/s of a large copy in this process, shared among ``processes`` on the cores."""
+    src = torch.empty(32 * 2**20, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    start = time.perf_counter()
+    for _ in range(5):
+        dst.copy_(src)
+    rate = 2 * 5 * src.numel() / (time.perf_counter() - start)  # read and write
+    cores = os.cpu_count() or 1
+    return rate * min(1.0, cores / processes)
+
+
+def run_profile(layout: Layout, nproc: int, workdir: Path, iteration: int = 3) -> Measurement:
+    """Train :data:`MODEL` under ``layout`` on ``nproc`` processes for ``iteration + 1``
+    iterations, profiling iteration ``iteration``; the record it wrote."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    metrics = workdir / f"{layout.name}.jsonl"
+    metrics.unlink(missing_ok=True)
+    flags = [*MODEL, *layout.flags(4), "--global-batch-size", str(GLOBAL_BATCH)]
+    flags += ["--lr", "1e-4", "--train-iters", str(iteration + 1), "--use-default-corpus"]
+    flags += ["--log-interval", "1", "--eval-iters", "0", "--metrics-path", str(metrics)]
+    flags += ["--profile-iteration", str(iteration)]
+    root = Path(__file__).resolve().parents[2]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
+    cmd += [str(root / "pretrain_gpt.py"), *flags]
+    env = os.environ | {"OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+        raise RuntimeError(f"calibration run {layout.name} failed: {tail[0]}")
+    records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    profile = next((r for r in records if r.get("kind") == "profile"), None)
+    if profile is None:
+        raise RuntimeError(f"calibration run {layout.name} wrote no profile record")
+    config = pretrain_config(layout, MODEL, GLOBAL_BATCH)
+    return Measurement(config, VOCAB, profile)
+
+
+def calibrate(
+    nproc: int,
+    out: str | Path,
+    layouts: Sequence[Layout] = LAYOUTS,
+    checks: Sequence[Layout] = (),
+    verbose: bool = True,
+) -> Hardware:
+    """Measure ``layouts`` on ``nproc`` processes, fit, write the profile to ``out``; then
+    measure ``checks`` and print their predicted against measured iteration times."""
+    workdir = Path(out).parent
+    measurements = [run_profile(_resize(layout, nproc), nproc, workdir) for layout in layouts]
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / nproc
+    hardware = fit_hardware(measurements, name=f"cpu-{nproc}proc", memory_bytes=memory)
+    hardware.save(out)
+    if verbose:
+        print(f"wrote {out}")
+        for m in measurements:
+            _report("fitted", m, hardware)
+        for layout in checks:
+            _report("checked", run_profile(_resize(layout, nproc), nproc, workdir), hardware)
+    return hardware
+
+
+def _report(what: str, m: Measurement, hardware: Hardware) -> None:
+    predicted = predict_step_time(m.config, m.vocab_size, hardware).seconds
+    measured = m.record["seconds"]
+    print(
+        f"{what} {m.config.schedule.name} {_label(m)}: measured {measured:.3f} s, "
+        f"predicted {predicted:.3f} s ({100 * (predicted / measured - 1):+.1f}%)"
+    )
+
+
+def _label(m: Measurement) -> str:
+    tp, pp = (
+        m.config.parallel.tensor_model_parallel_size,
+        m.config.parallel.pipeline_model_parallel_size,
+    )
+    return f"tp{tp} pp{pp} dp{m.config.data_parallel_size}"
+
+
+def _resize(layout: Layout, nproc: int) -> Layout:
+    """``layout`` with its data-parallel size changed to fill ``nproc`` processes."""
+    model_parallel = layout.tp * layout.pp
+    if layout.world_size == nproc:
+        return layout
+    if nproc % model_parallel:
+        raise ValueError(f"{nproc} processes do not hold tp {layout.tp} × pp {layout.pp}")
+    return dataclasses.replace(layout, dp=nproc // model_parallel)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m megapp.planning.calibrate")
+    parser.add_argument("--nproc", type=int, default=8, help="processes, as the plans use")
+    parser.add_argument("--out", default="runs/calibration/hardware.json")
+    parser.add_argument("--check", action="store_true", help="also time layouts not fitted")
+    args = parser.parse_args(argv)
+    try:
+        calibrate(args.nproc, args.out, checks=CHECKS if args.check else ())
+    except (RuntimeError, ValueError) as error:
+        print(f"python -m megapp.planning.calibrate: error: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
