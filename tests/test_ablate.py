@@ -323,5 +323,5 @@ def test_collect_turns_slurm_runs_into_records(tmp_path, capsys):
     collected = {r.name: r for r in records.load_all(tmp_path / "points")}
     assert collected[names[0]].status == records.OK
     assert collected[names[0]].parity.status == PASS
-    assert collected[names[1]].status == records.FAILED  # its array task wrote nothing
+    assert collected[names[1]].status == records.FAILED  # its array job wrote nothing
     assert "not run" in collected[names[1]].error

@@ -147,11 +147,11 @@ def write_slurm(spec: SweepSpec, out: Path, command: str, args: argparse.Namespa
     script = slurm_script(spec, points, out, command, collect_command)
     (out / "sweep.sbatch").write_text(script)
     print_points(expansion)
-    print(f"wrote {out / 'sweep.sbatch'} ({len(points)} array tasks); after it: {collect_command}")
+    print(f"wrote {out / 'sweep.sbatch'} ({len(points)} array jobs); after it: {collect_command}")
 
 
 def collect_runs(spec: SweepSpec, out: Path, rtol: float) -> list[ablation_records.PointRecord]:
-    """Records from the metrics files that SLURM array tasks wrote."""
+    """Records from the metrics files that the SLURM array jobs wrote."""
     expansion = ablation_points.expand(spec)
     found = []
     for point in [reference_point(spec), *expansion.points]:

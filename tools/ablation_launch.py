@@ -83,7 +83,7 @@ def run_command(
             _stop(process)
             log.write(f"\nstopped after the time limit of {timeout_s:.0f} s\n")
             return LaunchResult(None, True, time.perf_counter() - start)
-        except KeyboardInterrupt:  # its own session does not see the terminal's Ctrl-C
+        except KeyboardInterrupt:  # its own process group misses the terminal's Ctrl-C
             _stop(process)
             raise
 

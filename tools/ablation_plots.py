@@ -164,7 +164,7 @@ def loss_curves(
         right.semilogy(range(1, len(rel) + 1), rel, marker=".", lw=1)
     left.set_xlabel("iteration")
     left.set_ylabel("lm loss")
-    left.set_title("Loss per iteration (black: reference)", fontsize=10)
+    left.set_title(f"Loss per iteration of {len(done)} runs (black: reference)", fontsize=10)
     if len(done) <= 12:
         left.legend(fontsize=6)
     tolerance = next((r.parity.tolerance for r in done if r.parity and r.parity.tolerance), None)
@@ -173,5 +173,5 @@ def loss_curves(
         right.legend(fontsize=7)
     right.set_xlabel("iteration")
     right.set_ylabel("|loss - reference| / reference")
-    right.set_title("Distance from the single-process run", fontsize=10)
+    right.set_title("Distance from the single-process run (1e-10: equal)", fontsize=10)
     return _save(fig, path)

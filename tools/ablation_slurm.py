@@ -1,9 +1,9 @@
-"""A sweep as a SLURM job array: one array task per point, each a multi-node torchrun.
+"""A sweep as a SLURM job array: one array job per point, each a multi-node torchrun.
 
-Task 0 is the single-process reference (one node, one process); every other task runs its
+Index 0 is the single-process reference (one node, one process); every other index runs its
 layout on ``nnodes`` nodes of ``nproc`` processes, one torchrun per node through ``srun``
 meeting at the first node (c10d rendezvous), as examples/pretrain_gpt_slurm.sbatch does.
-Each task writes ``runs/<name>/metrics.jsonl`` and ``log.txt`` under the sweep directory;
+Each writes ``runs/<name>/metrics.jsonl`` and ``log.txt`` under the sweep directory;
 ``tools/ablate.py ... --collect`` turns them into records once the array is done.
 """
 
@@ -18,7 +18,7 @@ from ablation_launch import PRETRAIN, ROOT
 from ablation_points import Point, SweepSpec
 
 HEADER = """#!/usr/bin/env bash
-# Ablation sweep: {count} array tasks, one per layout (task 0: the single-process reference).
+# Ablation sweep: {count} array jobs, one per layout (index 0: the single-process reference).
 # Written by: {command}
 # Submit from anywhere:   sbatch {script}
 # Then collect records:   {collect}

@@ -78,7 +78,7 @@ def collect(
     timed_out: bool,
     seconds: float | None,
 ) -> PointRecord:
-    """The record of a point that ran (here, or as a SLURM array task): its measured
+    """The record of a point that ran (here, or as a SLURM array job): its measured
     figures from the metrics file, the prediction, and the error of a failed run."""
     where = run_dir(out_dir, point)
     metrics, log = where / "metrics.jsonl", where / "log.txt"

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# An ablation sweep on one CPU machine: the CPU demo's tiny GPT (4 layers, 128 wide, byte
+# tokens) under 12 layouts of 8 gloo processes (tp 1 and 2 × pipeline 2; 1F1B, interleaved
+# 1F1B and ZB-V; no recompute and full recompute), plus the single-process reference, then
+# the report with its plots.
+#
+#   bash examples/ablation_cpu.sh [more tools/ablate.py flags]
+#
+# Sweep records land in runs/ablation_cpu (SWEEP_DIR; run it again: finished points are
+# reused), the report in docs/ablation/ (REPORT_DIR). HARDWARE=<name or calibrated JSON
+# profile> sets the profile of the predicted step time. Measured on the 2-core development
+# machine with the default corpus built: 8 min 9 s to 8 min 51 s end to end (three runs,
+# 35-45 s per 8-process point, while other jobs kept the load average at 10-20); a rerun
+# that reuses every point takes 19 s.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+SWEEP_DIR=${SWEEP_DIR:-runs/ablation_cpu}
+REPORT_DIR=${REPORT_DIR:-docs/ablation}
+# The time prediction needs a hardware profile: this machine's, once measured with
+# `python -m megapp.plan --calibrate` (written to runs/calibration/hardware.json).
+CALIBRATED=runs/calibration/hardware.json
+if [[ -z "${HARDWARE:-}" && -f "$CALIBRATED" ]]; then
+    HARDWARE=$CALIBRATED
+fi
+HARDWARE_FLAGS=()
+if [[ -n "${HARDWARE:-}" ]]; then
+    HARDWARE_FLAGS=(--hardware "$HARDWARE")
+fi
+
+status=0
+python tools/ablate.py --out "$SWEEP_DIR" --model tiny --nproc 8 \
+    --global-batch-size 32 --train-iters 8 --timeout 240 \
+    --tp 1 2 --pp 2 --vpp 1 2 --schedule 1f1b interleaved-1f1b zb-v \
+    --micro-batch-size 2 --recompute none full \
+    "${HARDWARE_FLAGS[@]}" "$@" || status=$?
+# The report is written even when a layout failed parity (status 1), so the alarm is seen.
+python tools/ablation_report.py "$SWEEP_DIR" --out "$REPORT_DIR" || status=$?
+exit "$status"
