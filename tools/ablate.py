@@ -138,7 +138,8 @@ def print_points(expansion: ablation_points.Expansion, dropped: bool = True) -> 
         print(f"  drop  {drop.description}: {drop.reason.splitlines()[0]}")
 
 
-def write_slurm(spec: SweepSpec, out: Path, command: str, args: argparse.Namespace) -> None:
+def write_slurm(spec: SweepSpec, out: Path, command: str) -> None:
+    """``sweep.sbatch`` (one array job per point, the reference first) and ``sweep.json``."""
     expansion = ablation_points.expand(spec)
     write_manifest(spec, out, expansion, command)
     (out / "logs").mkdir(parents=True, exist_ok=True)
@@ -196,12 +197,12 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as error:
         print(f"ablate.py: error: {error}", file=sys.stderr)
         return 2
-    out = Path(args.out)
+    out = Path(args.out).resolve()  # the array jobs and the launcher run elsewhere
     if args.dry_run:
         print_points(ablation_points.expand(spec))
         return 0
     if args.slurm:
-        write_slurm(spec, out, command, args)
+        write_slurm(spec, out, command)
         return 0
     if args.collect:
         point_records = collect_runs(spec, out, args.rtol)
