@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import shlex
 import sys
 import time
@@ -31,16 +32,28 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from megapp.models.gpt import GPTConfig
-from megapp.pipeline_parallel.catalog import SCHEDULES, V_SHAPED
+from megapp.pipeline_parallel.catalog import (
+    SCHEDULES,
+    V_SHAPED,
+    build_schedule,
+    default_schedule,
+)
 from megapp.pipeline_parallel.partition import split_layers
 from megapp.pipeline_parallel.plan import ScheduleError
-from megapp.pipeline_parallel.schedules import looped_placement, v_placement
+from megapp.pipeline_parallel.schedules import Schedule, looped_placement, v_placement
 from megapp.pipeline_parallel.simulate import simulate
 from megapp.planning.hardware import Hardware, load_hardware
 from megapp.planning.layout import RECOMPUTE, Layout, pretrain_config
 from megapp.planning.model_state import chunk_parameters, model_state
 from megapp.planning.models import ModelPreset, load_model
-from megapp.planning.timing import ActionCosts, Shape, StepTime, action_costs, cost_model
+from megapp.planning.timing import (
+    ActionCosts,
+    Shape,
+    StepTime,
+    action_costs,
+    cost_model,
+    rank_finish,
+)
 from megapp.planning.timing import step_time as assemble_step_time
 from megapp.training.flag_groups import ArgumentsError
 from megapp.training.parallel_flags import ParallelArgs
@@ -121,7 +134,7 @@ class Planner:
         self._gpts: dict[tuple, GPTConfig | None] = {}
         self._states: dict[tuple, bool] = {}
         self._bounds: dict[tuple, float] = {}
-        self._refused: dict[tuple, str] = {}
+        self._schedules: dict[tuple, Schedule | str] = {}
 
     def gpt(self, layout: Layout) -> GPTConfig | None:
         """The model under ``layout`` as ``pretrain_gpt.py`` builds it (None where the
@@ -204,34 +217,47 @@ class Planner:
             return None
         return self._bounds[self._key(layout)]
 
-    def evaluate(self, layout: Layout, costs: ActionCosts) -> Planned | str:
-        """The prediction for ``layout``, or why it is dropped: "invalid", "memory",
-        "deadlock"."""
+    def schedule(self, layout: Layout, num_microbatches: int) -> Schedule | str:
+        """The schedule ``layout`` runs (built once per name and sizes), or "invalid"."""
+        key = (layout.schedule, layout.pp, num_microbatches, layout.vpp)
+        if key not in self._schedules:
+            name = layout.schedule or default_schedule(layout.vpp)
+            try:
+                self._schedules[key] = build_schedule(name, *key[1:])
+            except ValueError:
+                self._schedules[key] = "invalid"
+        return self._schedules[key]
+
+    def evaluate(
+        self, layout: Layout, costs: ActionCosts, cutoff: float = math.inf
+    ) -> Planned | str:
+        """The prediction for ``layout``, or why it is dropped: "invalid" (refused by
+        ``pretrain_gpt.py``'s checks), "deadlock" (the schedule cannot complete on this
+        transport), "slower" (not under ``cutoff`` seconds), "memory" (does not fit).
+        Simulates first: only a layout fast enough is checked and its memory predicted."""
         from megapp.planning.memory import predict_memory
 
-        # Whether a schedule can be built and completes on this transport depends only on
-        # the schedule's name and sizes (and tp, for the model's own rules): ask once.
         m = self.gbs // (layout.micro_batch_size * layout.dp)
-        refusal_key = (layout.schedule, layout.pp, m, layout.vpp, layout.tp)
-        if refusal_key in self._refused:
-            return self._refused[refusal_key]
+        schedule = self.schedule(layout, m)
+        if isinstance(schedule, str):
+            return schedule
+        try:
+            timeline = simulate(schedule, cost_model(costs, self.hardware))
+        except ScheduleError:  # a property of the schedule alone: remember it
+            self._schedules[(layout.schedule, layout.pp, m, layout.vpp)] = "deadlock"
+            return "deadlock"
+        if max(rank_finish(costs, timeline)) + self.hardware.step_overhead >= cutoff:
+            return "slower"
         try:
             config = pretrain_config(layout, self.model.flags, self.gbs)
         except (ArgumentsError, ValueError):
-            self._refused[refusal_key] = "invalid"
             return "invalid"
-        try:
-            timeline = simulate(config.schedule, cost_model(costs, self.hardware))
-        except ScheduleError:
-            self._refused[refusal_key] = "deadlock"
-            return "deadlock"
         memory = max(r.total for r in predict_memory(config, self.model.vocab_size))
         if memory > self.hardware.usable_memory:
             return "memory"
         gpt = config.gpt_config(self.model.vocab_size)
-        return Planned(
-            layout, memory, assemble_step_time(config, gpt, costs, timeline, self.hardware)
-        )
+        step = assemble_step_time(config, gpt, costs, timeline, self.hardware)
+        return Planned(layout, memory, step)
 
     def plan(
         self, gpus_per_node: int, top_k: int, max_micro_batch_size: int = 8, max_chunks: int = 8
@@ -254,8 +280,11 @@ class Planner:
         for bound, _, layout in bounded:
             if len(result.best) >= top_k and bound >= result.best[top_k - 1].step.seconds:
                 break
-            outcome = self.evaluate(layout, self.costs(layout))
-            if outcome == "invalid":
+            cutoff = result.best[-1].step.seconds if len(result.best) >= top_k else math.inf
+            outcome = self.evaluate(layout, self.costs(layout), cutoff)
+            if outcome == "slower":
+                result.timed += 1
+            elif outcome == "invalid":
                 result.invalid += 1
             elif outcome == "memory":
                 result.over_memory += 1

@@ -314,6 +314,14 @@ def predict_step_time(config: PretrainConfig, vocab_size: int, hardware: Hardwar
     return step_time(config, gpt, costs, timeline, hardware)
 
 
+def rank_finish(costs: ActionCosts, timeline: Timeline) -> list[float]:
+    """When every pipeline rank is done: its last action, then its tail."""
+    ends = [0.0] * len(costs.tail)
+    for event in timeline.events:
+        ends[event.rank] = max(ends[event.rank], event.end)
+    return [end + tail for end, tail in zip(ends, costs.tail, strict=True)]
+
+
 def step_time(
     config: PretrainConfig,
     gpt: GPTConfig,
@@ -323,8 +331,7 @@ def step_time(
 ) -> StepTime:
     """Assemble a :class:`StepTime` from ``costs`` and the schedule's simulated ``timeline``."""
     p = config.schedule.num_stages
-    ends = [max((e.end for e in timeline.events if e.rank == r), default=0.0) for r in range(p)]
-    finish = [end + tail for end, tail in zip(ends, costs.tail, strict=True)]
+    finish = rank_finish(costs, timeline)
     seconds = max(finish) + hardware.step_overhead
     slowest = finish.index(max(finish))
     m, world = config.num_microbatches, config.world_size
