@@ -11,7 +11,7 @@
 # profile> sets the profile of the predicted step time. Measured on the 2-core development
 # machine with the default corpus built: 8 min 9 s to 8 min 51 s end to end (three runs,
 # 35-45 s per 8-process point, while other jobs kept the load average at 10-20); a rerun
-# that reuses every point takes 19 s.
+# that reuses every point takes 19 s to 1 min, as busy as the machine is.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

@@ -156,7 +156,8 @@ def sweep_section(manifest: dict, point_records: Sequence[PointRecord]) -> list[
     notes = {part for r in point_records for part in (r.predicted.note or "").split("; ")}
     source = f"hardware profile `{spec['hardware']}`" if spec.get("hardware") else None
     lines += ["", f"Predicted step time on: {source or 'no hardware profile (--hardware)'}."]
-    lines += [f"Prediction notes: {'; '.join(sorted(notes - {''}))}." if notes - {""} else ""]
+    if notes - {""}:
+        lines.append(f"Prediction notes: {'; '.join(sorted(notes - {''}))}.")
     return [*lines, ""]
 
 
