@@ -59,6 +59,8 @@ from megapp.training.flag_groups import ArgumentsError
 from megapp.training.parallel_flags import ParallelArgs
 
 _GIB = 2**30
+SPLIT_BACKWARD = frozenset({"zb-h1", "zb-h2", "zb-v", "dualpipev"})
+"""Schedules that split every backward into I and W (the zero-bubble builders')."""
 _BUCKET = ParallelArgs().ddp_bucket_size
 
 
@@ -207,7 +209,9 @@ class Planner:
             )
             costs = action_costs(gpt, shape, self.hardware)
             m = self.gbs // (layout.micro_batch_size * layout.dp)
-            self._bounds[key] = costs.lower_bound(m, self.hardware.step_overhead)
+            for split in (False, True):
+                bound = costs.lower_bound(m, self.hardware.step_overhead, split)
+                self._bounds[(*key, split)] = bound
         self._costs[key] = costs
         return costs
 
@@ -215,7 +219,7 @@ class Planner:
         """:meth:`ActionCosts.lower_bound` of ``layout``; None when it overflows memory."""
         if self.costs(layout) is None:
             return None
-        return self._bounds[self._key(layout)]
+        return self._bounds[(*self._key(layout), layout.schedule in SPLIT_BACKWARD)]
 
     def schedule(self, layout: Layout, num_microbatches: int) -> Schedule | str:
         """The schedule ``layout`` runs (built once per name and sizes), or "invalid"."""

@@ -10,7 +10,7 @@ import pytest
 
 from megapp.pipeline_parallel.catalog import V_SHAPED
 from megapp.pipeline_parallel.plan import ScheduleError
-from megapp.plan import Planner, command_line, layouts, main
+from megapp.plan import SPLIT_BACKWARD, Planner, command_line, layouts, main
 from megapp.planning.hardware import load_hardware
 from megapp.planning.layout import pretrain_config
 from megapp.planning.memory import predict_memory
@@ -56,6 +56,16 @@ def test_the_space_follows_the_rules():
     assert (4, 2, "zb-v", "full", 3) not in kinds  # dp 1: no ZeRO
     assert (2, 2, "zb-v", "full", 3) in kinds
     assert {x.tp for x in space} == {1, 2, 4}
+
+
+def test_split_backward_names_the_schedules_with_input_gradients():
+    from megapp.pipeline_parallel.catalog import SCHEDULES, build_schedule
+    from megapp.pipeline_parallel.schedules import Op
+
+    for name in SCHEDULES:
+        schedule = build_schedule(name, 2, 4, 2 if name != "1f1b" and name != "gpipe" else 1)
+        splits = any(a.op is Op.INPUT_GRAD for row in schedule.actions for a in row)
+        assert splits == (name in SPLIT_BACKWARD), name
 
 
 def brute_force(hardware, gbs, gpus):

@@ -195,12 +195,26 @@ def test_overlap_hides_the_reduction_under_the_last_backward_but_its_last_bucket
     assert whole.tail[0] == pytest.approx(exposed.tail[0])
 
 
-def test_lower_bound_holds():
-    for layout in (Layout(pp=4), Layout(pp=2, vpp=2, dp=2), Layout(pp=4, schedule="gpipe")):
-        cfg = config(layout)
-        costs = action_costs(cfg.gpt_config(VOCAB), shape_of(cfg), PLAIN)
-        step = predict_step_time(cfg, VOCAB, PLAIN)
-        assert costs.lower_bound(cfg.num_microbatches) <= step.seconds + 1e-12
+@pytest.mark.parametrize(
+    ("layout", "split"),
+    [
+        (Layout(pp=4), False),
+        (Layout(pp=4, schedule="gpipe"), False),
+        (Layout(pp=2, vpp=2, dp=2), False),
+        (Layout(pp=2, vpp=2, schedule="looped-bfs"), False),
+        (Layout(pp=4, schedule="zb-h1"), True),
+        (Layout(pp=2, vpp=2, schedule="zb-v"), True),
+    ],
+    ids=lambda x: x.name if isinstance(x, Layout) else str(x),
+)
+def test_lower_bound_holds_and_is_tight_for_1f1b(layout, split):
+    cfg = config(layout)
+    costs = action_costs(cfg.gpt_config(VOCAB), shape_of(cfg), GLOO)
+    step = predict_step_time(cfg, VOCAB, GLOO)
+    bound = costs.lower_bound(cfg.num_microbatches, split_backward=split)
+    assert bound <= step.seconds + 1e-12
+    if layout.schedule is None and layout.vpp == 1:  # 1F1B: (m + p - 1)(F + B), nearly
+        assert bound > 0.97 * step.seconds
 
 
 def test_schedules_that_need_background_sends_fail_on_nccl_only():

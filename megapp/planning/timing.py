@@ -89,11 +89,16 @@ class ActionCosts:
         per_mb = sum(self.forward[rank]) + sum(self.input_grad[rank]) + sum(self.weight_grad[rank])
         return num_microbatches * per_mb
 
-    def lower_bound(self, num_microbatches: int, step_overhead: float = 0.0) -> float:
+    def lower_bound(
+        self, num_microbatches: int, step_overhead: float = 0.0, split_backward: bool = True
+    ) -> float:
         """A time no schedule beats, without simulating one: every rank idles until the
         first microbatch reaches its earliest stage, then computes all its actions; and
         the last microbatch to leave stage 0 (no sooner than ``m`` forwards of it) still
-        runs forward through every later stage and back before stage 0's ``I`` and ``W``."""
+        runs forward through every later stage and back before stage 0's ``I`` and ``W``.
+        Without split backwards (``split_backward=False``) a rank's last action is the
+        backward of its lowest stage, after which that microbatch's backward still runs
+        through every stage below it."""
         p, m = len(self.forward), num_microbatches
         where = {
             stage: (r, c) for r, row in enumerate(self.placement) for c, stage in enumerate(row)
@@ -101,11 +106,15 @@ class ActionCosts:
         order = [where[stage] for stage in range(len(where))]
         f = [self.forward[r][c] for r, c in order]
         i = [self.input_grad[r][c] for r, c in order]
+        b = [self.input_grad[r][c] + self.weight_grad[r][c] for r, c in order]
+        first_rank, first_chunk = order[0]
         bounds = []
         for rank in range(p):
-            start = sum(f[: min(self.placement[rank])])
-            bounds.append(start + self.busy(rank, m) + self.tail[rank])
-        first_rank, first_chunk = order[0]
+            lowest = min(self.placement[rank])
+            done = sum(f[:lowest]) + self.busy(rank, m)
+            bounds.append(done + self.tail[rank])
+            if not split_backward and lowest > 0:
+                bounds.append(done + sum(b[:lowest]) + self.tail[first_rank])
         chain = m * f[0] + sum(f[1:]) + sum(i) + self.weight_grad[first_rank][first_chunk]
         bounds.append(chain + self.tail[first_rank])
         return step_overhead + max(bounds)
