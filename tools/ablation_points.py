@@ -73,9 +73,11 @@ class SweepSpec:
     @property
     def num_layers(self) -> int:
         flags = list(self.model_flags)
-        for i, flag in enumerate(flags[:-1]):
-            if flag == "--num-layers":
+        for i, flag in enumerate(flags):
+            if flag == "--num-layers" and i + 1 < len(flags):
                 return int(flags[i + 1])
+            if flag.startswith("--num-layers="):
+                return int(flag.split("=", 1)[1])
         raise ValueError("the model flags must give --num-layers")
 
     @property
