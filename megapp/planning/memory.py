@@ -80,11 +80,21 @@ def _vocab_shard(config: GPTConfig) -> int:
 
 
 def chunk_activation_bytes(
-    config: GPTConfig, num_layers: int, first: bool, last: bool, seq_length: int, mbs: int
+    config: GPTConfig,
+    num_layers: int,
+    first: bool,
+    last: bool,
+    seq_length: int,
+    mbs: int,
+    *,
+    keeps_sent_output: bool = False,
 ) -> int:
     """Bytes one microbatch's forward through a chunk of ``num_layers`` layers leaves held
     until its backward, on one tensor-parallel rank. The chunk's input is the first
-    layer's norm input (counted with the layers); a sent output is freed once sent."""
+    layer's norm input (counted with the layers). A sent output is freed once the send
+    is known to be done: at once where sends report completion (NCCL); on gloo when the
+    plan proves it delivered, in practice when its gradient comes back
+    (``keeps_sent_output``)."""
     s, b, h, w = seq_length, mbs, config.hidden_size, _width(config)
     tp, sp = config.tensor_model_parallel_size, config.sequence_parallel
     if config.recompute_granularity == "full":
@@ -96,6 +106,8 @@ def chunk_activation_bytes(
         held += 8 * s * b  # the token ids the embedding's backward reads
         if config.position_embedding_type == "learned_absolute":
             held += 8 * s  # the position ids
+    if keeps_sent_output and not last:
+        held += s * b * h * w // (tp if sp else 1)
     if last:
         held += s * b * h * w // (tp if sp else 1)  # the final norm's input
         held += s * b * h * w  # the output layer's input, gathered under sequence parallelism
@@ -186,6 +198,8 @@ def predict_memory(
     if config.parallel.use_distributed_optimizer:
         zero = max(zero, 1)
     num_stages = schedule.num_virtual_stages
+    backend = config.parallel.distributed_backend
+    gloo = backend == "gloo" or (backend is None and not torch.cuda.is_available())
     layers = [
         len(r)
         for r in split_layers(
@@ -215,7 +229,9 @@ def predict_memory(
         for action in schedule.actions[rank]:
             stage = stages[action.chunk]
             first, last = stage == 0, stage == num_stages - 1
-            size = chunk_activation_bytes(model, layers[stage], first, last, s, b)
+            size = chunk_activation_bytes(
+                model, layers[stage], first, last, s, b, keeps_sent_output=gloo
+            )
             store = weight_grad_store_bytes(model, layers[stage], last, s, b)
             work = buffers + chunk_working_bytes(model, layers[stage], last, action.op, s, b)
             if action.op is Op.FORWARD:
