@@ -45,7 +45,7 @@ from megapp.pipeline_parallel.simulate import simulate
 from megapp.planning.hardware import Hardware, load_hardware
 from megapp.planning.layout import RECOMPUTE, Layout, pretrain_config
 from megapp.planning.model_state import chunk_parameters, model_state
-from megapp.planning.models import ModelPreset, load_model
+from megapp.planning.models import BYTE_VOCAB, ModelPreset, load_model
 from megapp.planning.timing import (
     ActionCosts,
     Shape,
@@ -303,21 +303,39 @@ class Planner:
         return result
 
 
+RUN_FLAGS = ("--lr", "1e-4", "--train-iters", "1000")
+"""What ``pretrain_gpt.py`` needs besides the model and the layout; ``--run-flags`` replaces
+it (data and tokenizer flags belong there)."""
+
+
 def command_line(
-    layout: Layout, model: ModelPreset, gpus: int, gpus_per_node: int, global_batch_size: int
+    layout: Layout,
+    model: ModelPreset,
+    gpus: int,
+    gpus_per_node: int,
+    global_batch_size: int,
+    run_flags: Sequence[str] = RUN_FLAGS,
 ) -> str:
-    """The ``torchrun`` line that trains ``model`` under ``layout``."""
+    """The ``torchrun`` line that trains ``model`` under ``layout``; a model on megapp's
+    byte tokens trains on the built-in corpus."""
     per_node = min(gpus, gpus_per_node)
     launch = ["torchrun", "--nproc-per-node", str(per_node)]
     if gpus > per_node:
         launch += ["--nnodes", str(gpus // per_node)]
     flags = [*model.flags, *layout.flags(model.num_layers)]
-    flags += ["--global-batch-size", str(global_batch_size)]
+    flags += ["--global-batch-size", str(global_batch_size), *run_flags]
+    if model.vocab_size == BYTE_VOCAB and not any(f.startswith("--data-path") for f in run_flags):
+        flags.append("--use-default-corpus")
     return shlex.join([*launch, "pretrain_gpt.py", *flags])
 
 
 def format_table(
-    result: PlanResult, model: ModelPreset, gpus: int, gpus_per_node: int, global_batch_size: int
+    result: PlanResult,
+    model: ModelPreset,
+    gpus: int,
+    gpus_per_node: int,
+    global_batch_size: int,
+    run_flags: Sequence[str] = RUN_FLAGS,
 ) -> str:
     """The top-k table, a command line under each row."""
     head = (
@@ -331,9 +349,9 @@ def format_table(
         lines.append(
             f"{i:>2}  {planned.layout.name:<48} {planned.memory_bytes / _GIB:>8.1f} "
             f"{step.seconds:>9.4g} {step.tokens_per_second_per_gpu:>10.1f} "
-            f"{step.tflops_per_gpu:>8.1f} {mfu:>6} {100 * step.bubble:>6.1f}%"
+            f"{step.tflops_per_gpu:>8.4g} {mfu:>6} {100 * step.bubble:>6.1f}%"
         )
-        cmd = command_line(planned.layout, model, gpus, gpus_per_node, global_batch_size)
+        cmd = command_line(planned.layout, model, gpus, gpus_per_node, global_batch_size, run_flags)
         lines.append(f"    {cmd}")
     return "\n".join(lines)
 
@@ -358,6 +376,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seq-length", type=int, help="default: the model's")
     parser.add_argument("--top-k", type=int, default=5)
     parser.add_argument("--max-micro-batch-size", type=int, default=8)
+    parser.add_argument(
+        "--run-flags",
+        default=shlex.join(RUN_FLAGS),
+        help="pretrain_gpt.py flags appended to every printed command (data, schedule)",
+    )
     parser.add_argument("--max-chunks", type=int, default=8, help="virtual stages per rank")
     parser.add_argument(
         "--calibrate",
@@ -420,7 +443,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not result.best:
         print("python -m megapp.plan: error: no layout fits in memory", file=sys.stderr)
         return 1
-    print(format_table(result, model, args.gpus, gpn, args.global_batch_size))
+    run_flags = shlex.split(args.run_flags)
+    print(format_table(result, model, args.gpus, gpn, args.global_batch_size, run_flags))
     return 0
 
 

@@ -130,8 +130,8 @@ def test_every_printed_command_is_a_valid_run(flag_file, capsys):
     for words in commands:
         assert words[:5] == ["torchrun", "--nproc-per-node", "8", "--nnodes", "2"]
         flags = words[words.index("pretrain_gpt.py") + 1 :]
-        run = ["--lr", "1e-4", "--train-iters", "1", "--use-default-corpus"]
-        config = config_from_flags(flags + run, world_size=16)
+        assert flags[-4:] == ["--lr", "1e-4", "--train-iters", "1000"]
+        config = config_from_flags([*flags, "--use-default-corpus"], world_size=16)
         assert config.training.global_batch_size == 32
     table = [line.split() for line in out.splitlines()[2:] if line[:3].strip().isdigit()]
     seconds = [float(row[3]) for row in table]
