@@ -1,23 +1,13 @@
 """The planner: every layout of a model on N devices, checked, fitted in memory and timed.
 
 ``python -m megapp.plan --model gpt3-175b --gpus 1024 --gpus-per-node 8 --gpu h100
---global-batch-size 1536 --seq-length 2048 --top-k 5`` prints the fastest layouts that fit,
-each with its predicted memory per device, iteration time, throughput, MFU and bubble, and
-the ``torchrun ... pretrain_gpt.py`` line that runs it.
-
-The space: tensor-parallel sizes within a node that divide the heads, pipeline sizes,
-virtual chunks that divide each rank's layers (two for the V schedules), every schedule of
-:data:`~megapp.pipeline_parallel.catalog.SCHEDULES`, micro-batch sizes up to a cap,
-recompute none/selective/full, ZeRO stages 0-3 (only 0 without data parallelism, where
-they are the same layout) and sequence parallelism with tp > 1. Only arithmetic a lower
-bound needs is checked up front; :func:`~megapp.planning.layout.pretrain_config` decides
-validity, exactly as ``pretrain_gpt.py`` would.
-
-Fast by bounding: a layout's busiest rank computes for a time no schedule can beat
-(:meth:`~megapp.planning.timing.ActionCosts.lower_bound`, no simulation), shared by every
-schedule of the same placement and cached. Layouts whose model state alone overflows
-memory are dropped before anything else; the rest are visited in order of that bound, and
-the search stops once the k-th best simulated time is below the next bound.
+--global-batch-size 1536 --seq-length 2048 --top-k 5`` prints the fastest layouts that fit
+(memory per device, iteration time, throughput, MFU, bubble) and the ``torchrun`` line
+of each. Arithmetic alone shapes the space (:func:`layouts`); ``pretrain_config`` decides
+validity as ``pretrain_gpt.py`` would, ``predict_memory`` the fit. Layouts are visited in
+order of a lower bound on their time (:meth:`~megapp.planning.timing.ActionCosts.lower_bound`,
+shared by the schedules of one placement, no simulation) until the next bound is no better
+than the k-th best simulated time; docs/planning.md describes the search.
 """
 
 from __future__ import annotations
@@ -32,29 +22,16 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from megapp.models.gpt import GPTConfig
-from megapp.pipeline_parallel.catalog import (
-    SCHEDULES,
-    V_SHAPED,
-    build_schedule,
-    default_schedule,
-)
+from megapp.pipeline_parallel.catalog import SCHEDULES, V_SHAPED, build_schedule, default_schedule
 from megapp.pipeline_parallel.partition import split_layers
 from megapp.pipeline_parallel.plan import ScheduleError
 from megapp.pipeline_parallel.schedules import Schedule, looped_placement, v_placement
 from megapp.pipeline_parallel.simulate import simulate
+from megapp.planning import timing
 from megapp.planning.hardware import Hardware, load_hardware
 from megapp.planning.layout import RECOMPUTE, Layout, pretrain_config
 from megapp.planning.model_state import chunk_parameters, model_state
 from megapp.planning.models import BYTE_VOCAB, ModelPreset, load_model
-from megapp.planning.timing import (
-    ActionCosts,
-    Shape,
-    StepTime,
-    action_costs,
-    cost_model,
-    rank_finish,
-)
-from megapp.planning.timing import step_time as assemble_step_time
 from megapp.training.flag_groups import ArgumentsError
 from megapp.training.parallel_flags import ParallelArgs
 
@@ -62,6 +39,12 @@ _GIB = 2**30
 SPLIT_BACKWARD = frozenset({"zb-h1", "zb-h2", "zb-v", "dualpipev"})
 """Schedules that split every backward into I and W (the zero-bubble builders')."""
 _BUCKET = ParallelArgs().ddp_bucket_size
+_COUNTED = {
+    "slower": "timed",
+    "invalid": "invalid",
+    "memory": "over_memory",
+    "deadlock": "deadlocks",
+}
 
 
 @dataclass(frozen=True)
@@ -70,7 +53,7 @@ class Planned:
 
     layout: Layout
     memory_bytes: float  # the largest prediction over the pipeline ranks
-    step: StepTime
+    step: timing.StepTime
 
 
 @dataclass
@@ -86,6 +69,16 @@ class PlanResult:
     seconds: float = 0.0
 
 
+@dataclass(frozen=True)
+class Space:
+    """Limits of the search: micro-batch sizes (powers of two) up to
+    ``max_micro_batch_size``, up to ``max_chunks`` virtual stages per rank, ``schedules``."""
+
+    max_micro_batch_size: int = 8
+    max_chunks: int = 8
+    schedules: tuple[str, ...] = tuple(SCHEDULES)
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -95,8 +88,7 @@ def layouts(
     gpus: int,
     gpus_per_node: int,
     global_batch_size: int,
-    max_micro_batch_size: int = 8,
-    max_chunks: int = 8,
+    space: Space = Space(),
 ) -> Iterator[Layout]:
     """Every layout of ``gpus`` devices the arithmetic allows (sizes that divide, a whole
     number of microbatches, whole chunks of layers); the schedules' own rules are left to
@@ -109,13 +101,13 @@ def layouts(
             dp = gpus // (tp * pp)
             if pp > layers or global_batch_size % dp:
                 continue
-            most = min(max_chunks, layers // pp)
+            most = min(space.max_chunks, layers // pp)
             chunks = [1] + [v for v in range(2, most + 1) if layers % (pp * v) == 0]
             for vpp in chunks if pp > 1 else [1]:
-                names = list(SCHEDULES) if pp > 1 else [None]
+                names = list(space.schedules) if pp > 1 else [None]
                 names = [n for n in names if n not in V_SHAPED or vpp == 2]
-                for mbs in (1 << i for i in range(max_micro_batch_size.bit_length())):
-                    if mbs > max_micro_batch_size or global_batch_size % (mbs * dp):
+                for mbs in (1 << i for i in range(space.max_micro_batch_size.bit_length())):
+                    if mbs > space.max_micro_batch_size or global_batch_size % (mbs * dp):
                         continue
                     for recompute in RECOMPUTE:
                         for zero in range(4) if dp > 1 else [0]:
@@ -132,7 +124,7 @@ class Planner:
     ) -> None:
         self.model, self.hardware, self.gbs, self.gpus = model, hardware, global_batch_size, gpus
         self.base = pretrain_config(Layout(), model.flags, 1).gpt_config(model.vocab_size)
-        self._costs: dict[tuple, ActionCosts | None] = {}
+        self._costs: dict[tuple, timing.ActionCosts | None] = {}
         self._gpts: dict[tuple, GPTConfig | None] = {}
         self._states: dict[tuple, bool] = {}
         self._bounds: dict[tuple, float] = {}
@@ -178,37 +170,21 @@ class Planner:
             layout.schedule in V_SHAPED,
         )
 
-    def costs(self, layout: Layout) -> ActionCosts | None:
+    def costs(self, layout: Layout) -> timing.ActionCosts | None:
         """Action costs of ``layout`` (None when its model state alone overflows memory),
         shared by every schedule with the same placement."""
-        v_shaped = layout.schedule in V_SHAPED
-        key = (
-            layout.tp,
-            layout.pp,
-            layout.dp,
-            layout.vpp,
-            layout.micro_batch_size,
-            layout.sequence_parallel,
-            layout.recompute,
-            layout.zero_stage,
-            v_shaped,
-        )
+        key = self._key(layout)
+        v_shaped = key[-1]
         if key in self._costs:
             return self._costs[key]
         gpt = self.gpt(layout)
         placement = v_placement(layout.pp) if v_shaped else looped_placement(layout.pp, layout.vpp)
         costs = None
         if gpt is not None and self.state_fits(layout, gpt, placement):
-            shape = Shape(
-                self.model.seq_length,
-                layout.micro_batch_size,
-                placement,
-                layout.dp,
-                layout.zero_stage,
-                _BUCKET,
-            )
-            costs = action_costs(gpt, shape, self.hardware)
-            m = self.gbs // (layout.micro_batch_size * layout.dp)
+            mbs, dp, seq = layout.micro_batch_size, layout.dp, self.model.seq_length
+            shape = timing.Shape(seq, mbs, placement, dp, layout.zero_stage, _BUCKET)
+            costs = timing.action_costs(gpt, shape, self.hardware)
+            m = self.gbs // (mbs * dp)
             for split in (False, True):
                 bound = costs.lower_bound(m, self.hardware.step_overhead, split)
                 self._bounds[(*key, split)] = bound
@@ -216,7 +192,7 @@ class Planner:
         return costs
 
     def bound(self, layout: Layout) -> float | None:
-        """:meth:`ActionCosts.lower_bound` of ``layout``; None when it overflows memory."""
+        """The lower bound on ``layout``'s time; None when it overflows memory."""
         if self.costs(layout) is None:
             return None
         return self._bounds[(*self._key(layout), layout.schedule in SPLIT_BACKWARD)]
@@ -233,7 +209,7 @@ class Planner:
         return self._schedules[key]
 
     def evaluate(
-        self, layout: Layout, costs: ActionCosts, cutoff: float = math.inf
+        self, layout: Layout, costs: timing.ActionCosts, cutoff: float = math.inf
     ) -> Planned | str:
         """The prediction for ``layout``, or why it is dropped: "invalid" (refused by
         ``pretrain_gpt.py``'s checks), "deadlock" (the schedule cannot complete on this
@@ -246,11 +222,11 @@ class Planner:
         if isinstance(schedule, str):
             return schedule
         try:
-            timeline = simulate(schedule, cost_model(costs, self.hardware))
+            timeline = simulate(schedule, timing.cost_model(costs, self.hardware))
         except ScheduleError:  # a property of the schedule alone: remember it
             self._schedules[(layout.schedule, layout.pp, m, layout.vpp)] = "deadlock"
             return "deadlock"
-        if max(rank_finish(costs, timeline)) + self.hardware.step_overhead >= cutoff:
+        if max(timing.rank_finish(costs, timeline)) + self.hardware.step_overhead >= cutoff:
             return "slower"
         try:
             config = pretrain_config(layout, self.model.flags, self.gbs)
@@ -260,20 +236,16 @@ class Planner:
         if memory > self.hardware.usable_memory:
             return "memory"
         gpt = config.gpt_config(self.model.vocab_size)
-        step = assemble_step_time(config, gpt, costs, timeline, self.hardware)
+        step = timing.step_time(config, gpt, costs, timeline, self.hardware)
         return Planned(layout, memory, step)
 
-    def plan(
-        self, gpus_per_node: int, top_k: int, max_micro_batch_size: int = 8, max_chunks: int = 8
-    ) -> PlanResult:
+    def plan(self, gpus_per_node: int, top_k: int, space: Space = Space()) -> PlanResult:
         """The ``top_k`` fastest layouts that fit, fastest first."""
         start = time.perf_counter()
         result = PlanResult(best=[])
         bounded: list[tuple[float, int, Layout]] = []
-        space = layouts(
-            self.base, self.gpus, gpus_per_node, self.gbs, max_micro_batch_size, max_chunks
-        )
-        for layout in space:
+        found = layouts(self.base, self.gpus, gpus_per_node, self.gbs, space)
+        for layout in found:
             result.enumerated += 1
             bound = self.bound(layout)
             if bound is None:
@@ -286,14 +258,9 @@ class Planner:
                 break
             cutoff = result.best[-1].step.seconds if len(result.best) >= top_k else math.inf
             outcome = self.evaluate(layout, self.costs(layout), cutoff)
-            if outcome == "slower":
-                result.timed += 1
-            elif outcome == "invalid":
-                result.invalid += 1
-            elif outcome == "memory":
-                result.over_memory += 1
-            elif outcome == "deadlock":
-                result.deadlocks += 1
+            if isinstance(outcome, str):
+                counter = _COUNTED[outcome]
+                setattr(result, counter, getattr(result, counter) + 1)
             else:
                 result.timed += 1
                 result.best.append(outcome)
@@ -361,60 +328,36 @@ class _OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _OneLineParser(prog="python -m megapp.plan", description=__doc__.split("\n")[0])
-    parser.add_argument(
-        "--model",
-        required=True,
-        help="a preset of megapp.planning.models or a file of pretrain_gpt.py model flags",
-    )
-    parser.add_argument("--vocab-size", type=int, help="tokenizer vocabulary (flag files)")
-    parser.add_argument("--gpus", type=int, required=True, help="devices in the job")
-    parser.add_argument("--gpus-per-node", type=int, help="default: the hardware's")
-    parser.add_argument("--gpu", default="h100", help="h100, h200, a100 or a JSON profile")
-    parser.add_argument("--global-batch-size", type=int, required=True)
-    parser.add_argument("--seq-length", type=int, help="default: the model's")
-    parser.add_argument("--top-k", type=int, default=5)
-    parser.add_argument("--max-micro-batch-size", type=int, default=8)
-    parser.add_argument(
-        "--run-flags",
-        default=shlex.join(RUN_FLAGS),
-        help="pretrain_gpt.py flags appended to every printed command (data, schedule)",
-    )
-    parser.add_argument("--max-chunks", type=int, default=8, help="virtual stages per rank")
-    parser.add_argument(
-        "--calibrate",
-        action="store_true",
-        help="measure this machine with --gpus processes and plan for it",
-    )
-    parser.add_argument(
-        "--hardware-out",
-        default="runs/calibration/hardware.json",
-        help="where --calibrate writes the measured profile",
-    )
+    add = parser.add_argument
+    add("--model", required=True, help="a preset (megapp.planning.models) or a flags file")
+    add("--vocab-size", type=_positive, help="tokenizer vocabulary (flag files)")
+    add("--gpus", type=_positive, required=True, help="devices in the job")
+    add("--gpus-per-node", type=_positive, help="default: the hardware's")
+    add("--gpu", default="h100", help="h100, h200, a100 or a JSON profile")
+    add("--global-batch-size", type=_positive, required=True)
+    add("--seq-length", type=_positive, help="default: the model's")
+    add("--top-k", type=_positive, default=5)
+    add("--max-micro-batch-size", type=_positive, default=8)
+    add("--max-chunks", type=_positive, default=8, help="virtual stages per rank")
+    add("--schedules", nargs="+", choices=list(SCHEDULES), default=list(SCHEDULES))
+    add("--run-flags", default=shlex.join(RUN_FLAGS), help="appended to every command (data)")
+    add("--calibrate", action="store_true", help="measure this machine (--gpus processes)")
+    add("--hardware-out", default="runs/calibration/hardware.json", help="--calibrate's file")
     return parser
-
-
-def _check_positive(args: argparse.Namespace) -> None:
-    for name in (
-        "gpus",
-        "gpus_per_node",
-        "global_batch_size",
-        "seq_length",
-        "top_k",
-        "max_micro_batch_size",
-        "max_chunks",
-        "vocab_size",
-    ):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        _check_positive(args)
         model = load_model(args.model, args.vocab_size)
         if args.seq_length is not None:
             model = model.with_seq_length(args.seq_length)
@@ -429,7 +372,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ValueError(f"--gpus {args.gpus} is not a whole number of {gpn}-GPU nodes")
         hardware = hardware.with_gpus_per_node(gpn)
         planner = Planner(model, hardware, args.global_batch_size, args.gpus)
-        result = planner.plan(gpn, args.top_k, args.max_micro_batch_size, args.max_chunks)
+        space = Space(args.max_micro_batch_size, args.max_chunks, tuple(args.schedules))
+        result = planner.plan(gpn, args.top_k, space)
     except (ArgumentsError, ValueError) as error:
         print(f"python -m megapp.plan: error: {' '.join(str(error).split())}", file=sys.stderr)
         return 2

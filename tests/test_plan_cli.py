@@ -10,7 +10,7 @@ import pytest
 
 from megapp.pipeline_parallel.catalog import V_SHAPED
 from megapp.pipeline_parallel.plan import ScheduleError
-from megapp.plan import SPLIT_BACKWARD, Planner, command_line, layouts, main
+from megapp.plan import SPLIT_BACKWARD, Planner, Space, command_line, layouts, main
 from megapp.planning.hardware import load_hardware
 from megapp.planning.layout import pretrain_config
 from megapp.planning.memory import predict_memory
@@ -43,7 +43,7 @@ def flag_file(tmp_path):
 
 def test_the_space_follows_the_rules():
     planner = Planner(MODEL, H100, 16, 8)
-    space = list(layouts(planner.base, 8, 4, 16, max_micro_batch_size=4))
+    space = list(layouts(planner.base, 8, 4, 16, Space(max_micro_batch_size=4)))
     assert space and len(space) == len(set(space))
     for layout in space:
         assert layout.world_size == 8 and layout.tp <= 4 and 8 % layout.tp == 0
@@ -72,7 +72,9 @@ def brute_force(hardware, gbs, gpus):
     """Every layout predicted in full, fastest first."""
     planner = Planner(MODEL, hardware, gbs, gpus)
     timed = []
-    for layout in layouts(planner.base, gpus, hardware.gpus_per_node, gbs, 2):
+    for layout in layouts(
+        planner.base, gpus, hardware.gpus_per_node, gbs, Space(max_micro_batch_size=2)
+    ):
         try:
             config = pretrain_config(layout, FLAGS, gbs)
             step = predict_step_time(config, MODEL.vocab_size, hardware)
@@ -89,13 +91,13 @@ def test_pruning_finds_what_brute_force_finds():
     that does not fit: memory tight enough that the fastest layouts are dropped."""
     hardware = dataclasses.replace(H100, memory_bytes=0.5e9, gpus_per_node=4)
     everything = brute_force(hardware, 8, 4)
-    result = Planner(MODEL, hardware, 8, 4).plan(4, 3, max_micro_batch_size=2)
+    result = Planner(MODEL, hardware, 8, 4).plan(4, 3, Space(max_micro_batch_size=2))
     got = [planned.step.seconds for planned in result.best]
     assert got == pytest.approx([seconds for seconds, _ in everything[:3]], rel=1e-12)
     assert result.timed < len(everything)  # it did prune
     assert all(planned.memory_bytes <= hardware.usable_memory for planned in result.best)
     roomy = Planner(MODEL, dataclasses.replace(hardware, memory_bytes=80e9), 8, 4)
-    fastest = roomy.plan(4, 1, max_micro_batch_size=2).best[0]
+    fastest = roomy.plan(4, 1, Space(max_micro_batch_size=2)).best[0]
     assert fastest.memory_bytes > hardware.usable_memory  # dropped above: it does not fit
     assert fastest.step.seconds < got[0]
 
@@ -139,6 +141,13 @@ def test_every_printed_command_is_a_valid_run(flag_file, capsys):
     assert all(float(row[2]) <= load_hardware("a100").usable_memory / 2**30 for row in table)
 
 
+def test_schedules_can_be_restricted():
+    planner = Planner(MODEL, H100, 16, 8)
+    space = list(layouts(planner.base, 8, 8, 16, Space(schedules=("zb-v",))))
+    assert {x.schedule for x in space} == {"zb-v", None}  # None: no pipeline
+    assert all(x.vpp == 2 for x in space if x.pp > 1)
+
+
 def test_sequence_length_override_reaches_the_command(capsys):
     assert (
         main(
@@ -176,7 +185,10 @@ def test_command_line_names_every_layout_flag():
     ("argv", "message"),
     [
         (["--model", "nope", "--gpus", "8", "--global-batch-size", "8"], "unknown model 'nope'"),
-        (["--model", "gpt2", "--gpus", "0", "--global-batch-size", "8"], "--gpus must be >= 1"),
+        (
+            ["--model", "gpt2", "--gpus", "0", "--global-batch-size", "8"],
+            "argument --gpus: must be >= 1, got 0",
+        ),
         (
             ["--model", "gpt2", "--gpus", "8", "--global-batch-size", "8", "--gpu", "v100"],
             "unknown hardware 'v100'",
