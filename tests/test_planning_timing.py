@@ -289,6 +289,8 @@ def test_calibration_recovers_known_constants():
     assert coef["action"] == pytest.approx(5e-3, rel=1e-6)
     assert coef["layers"] == pytest.approx(2e-3, rel=1e-6)
     fitted = calibrate.fit_hardware(measurements, memory_bandwidth=1e9)
+    assert fitted.intra_node_bandwidth == pytest.approx(2e8, rel=1e-4)
+    assert fitted.intra_node_latency == pytest.approx(4e-4, rel=1e-4)
     assert fitted.message_overhead == pytest.approx(3e-3, rel=1e-4)
     assert fitted.step_overhead == pytest.approx(0.05, rel=1e-4)
     for m in measurements:  # and so every iteration is predicted as it ran

@@ -61,11 +61,14 @@ LAYOUTS = (
     Layout(tp=2, pp=2, dp=2, micro_batch_size=4),
     Layout(tp=1, pp=4, dp=2, micro_batch_size=2),
     Layout(tp=1, pp=2, dp=4, micro_batch_size=8),
+    Layout(tp=1, pp=1, dp=8, micro_batch_size=4),
 )
 """8-process layouts to fit: with and without tensor parallelism, one and two layers per
-stage, micro-batches of 2 to 8 (so FLOPs vary apart from the layer count)."""
+stage, micro-batches of 2 to 8 (so FLOPs vary apart from the layer count), and data
+parallelism alone (so the reduction's bytes vary)."""
 CHECKS = (
     Layout(tp=2, pp=1, dp=4, micro_batch_size=2),
+    Layout(tp=1, pp=1, dp=8, micro_batch_size=4, zero_stage=1),
     Layout(tp=1, pp=2, dp=4, vpp=2, micro_batch_size=2),
 )
 """Layouts the fit never saw, to check its predictions against."""
@@ -211,6 +214,10 @@ def fit_hardware(
         overlap_communication=False,
         sends_finish_in_background=True,
     )
+    per_byte = _fit_tail_bandwidth(measurements, hardware)
+    if per_byte > 0:  # the data-parallel reductions' bytes show the bandwidth best
+        link = dict(intra_node_bandwidth=1.0 / per_byte, inter_node_bandwidth=1.0 / per_byte)
+        hardware = dataclasses.replace(hardware, **link)
     hardware = dataclasses.replace(hardware, message_overhead=_fit_messages(measurements, hardware))
     residuals = []
     for m in measurements:
@@ -218,6 +225,22 @@ def fit_hardware(
         residuals.append(m.record["seconds"] - predicted.seconds)
     overhead = max(0.0, float(np.mean(residuals)))
     return dataclasses.replace(hardware, step_overhead=overhead)
+
+
+def _fit_tail_bandwidth(measurements: Sequence[Measurement], hardware: Hardware) -> float:
+    """Seconds per byte of the collectives after the pipeline: what each iteration spent
+    beyond its measured pipeline span and the optimizer step, fitted against the bytes
+    its data-parallel reduction moves (plus a constant)."""
+    rows, residual = [], []
+    for m in measurements:
+        gpt, shape = m.config.gpt_config(m.vocab_size), shape_of(m.config)
+        moved = max(action_costs(gpt, shape, _PROBES["tp_bytes"]).tail)
+        steps = max(action_costs(gpt, shape, _PROBES["tp_steps"]).tail)
+        optimizer = max(action_costs(gpt, shape, hardware).optimizer)
+        rows.append([1.0, moved])
+        spent = m.record["seconds"] - makespan(m.record) - optimizer
+        residual.append(spent - steps * hardware.intra_node_latency)
+    return float(nonnegative_least_squares(np.asarray(rows), np.asarray(residual))[1])
 
 
 def _fit_messages(measurements: Sequence[Measurement], hardware: Hardware) -> float:
