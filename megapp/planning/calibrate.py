@@ -163,10 +163,13 @@ def nonnegative_least_squares(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return x
 
 
-def fit_actions(measurements: Sequence[Measurement]) -> dict[str, float]:
+def fit_actions(
+    measurements: Sequence[Measurement], memory_bandwidth: float | None = None
+) -> dict[str, float]:
     """The coefficient of every feature in :data:`FEATURES`, fitted to every action of
     every measurement. Features no measurement varies (no tensor parallelism: no
-    ``tp_bytes``) come out 0."""
+    ``tp_bytes``) come out 0. A known ``memory_bandwidth`` prices the loss's passes
+    instead of fitting them."""
     rows, seconds = [], []
     for measurement in measurements:
         r, s = samples(measurement)
@@ -175,10 +178,17 @@ def fit_actions(measurements: Sequence[Measurement]) -> dict[str, float]:
     if not rows:
         raise ValueError("the profile records hold no compute actions to fit")
     a, b = np.asarray(rows, dtype=float), np.asarray(seconds, dtype=float)
+    if memory_bandwidth is not None:
+        column = FEATURES.index("memory")
+        b = b - a[:, column] / memory_bandwidth
+        a[:, column] = 0.0
     scale = np.abs(a).max(axis=0)
     scale[scale == 0] = 1.0  # a feature that is always 0 stays 0
     x = nonnegative_least_squares(a / scale, b) / scale
-    return dict(zip(FEATURES, (float(v) for v in x), strict=True))
+    coef = dict(zip(FEATURES, (float(v) for v in x), strict=True))
+    if memory_bandwidth is not None:
+        coef["memory"] = 1.0 / memory_bandwidth
+    return coef
 
 
 def makespan(record: dict) -> float:
@@ -195,7 +205,7 @@ def fit_hardware(
     """A :class:`Hardware` whose predictions fit ``measurements`` (all taken on one
     machine: one node of ``world_size`` devices, gloo transport). ``memory_bandwidth``:
     default, a copy timed in this process and shared by the processes."""
-    coef = fit_actions(measurements)
+    coef = fit_actions(measurements, memory_bandwidth)
     world = measurements[0].config.world_size
     bandwidth = 1.0 / coef["tp_bytes"] if coef["tp_bytes"] > 0 else 1e30
     hardware = Hardware(
@@ -320,7 +330,9 @@ def calibrate(
     workdir = Path(out).parent
     measurements = [run_profile(_resize(layout, nproc), nproc, workdir) for layout in layouts]
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / nproc
-    hardware = fit_hardware(measurements, name=f"cpu-{nproc}proc", memory_bytes=memory)
+    # The loss's passes are too small a part of an action to pin the memory bandwidth down.
+    bandwidth = _memory_bandwidth(nproc)
+    hardware = fit_hardware(measurements, f"cpu-{nproc}proc", memory, memory_bandwidth=bandwidth)
     hardware.save(out)
     if verbose:
         print(f"wrote {out}")
