@@ -3,6 +3,9 @@ numbers that tie to each other in a source agree."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 
 from megapp.planning.layout import Layout, pretrain_config
@@ -84,3 +87,28 @@ def test_published_layout_builds_or_is_refused_for_its_layer_split(run: Publishe
     config = pretrain_config(layout, preset.flags, run.global_batch_size)
     assert config.data_parallel_size == run.dp
     assert config.model.seq_length == run.seq_length
+
+
+def _compare_tool():
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    import compare_published
+
+    return compare_published
+
+
+def test_compare_fills_what_a_source_leaves_open_and_says_what_it_cannot_model():
+    tool = _compare_tool()
+    mt_nlg = next(r for r in RUNS if r.gpu == "a100-40gb")
+    cp16 = next(r for r in RUNS if r.cp > 1)
+    uneven = next(r for r in RUNS if r.model == "llama3.1-405b" and r.cp == 1)
+    rows = [tool.compare(run, pick=False) for run in (mt_nlg, cp16, uneven)]
+    first = rows[0]
+    assert first.capacity == 40 * 2**30
+    assert first.memory is not None and first.memory < first.capacity
+    assert "distributed optimizer" in first.assumed and "recompute" not in first.assumed
+    assert first.layout.startswith("tp8.pp35.dp8.") and ".full." in first.layout
+    assert first.predicted is not None and first.ratio == first.predicted / 126
+    assert rows[1].predicted is None and "context parallelism" in rows[1].note
+    assert rows[2].predicted is None and "megapp refuses" in rows[2].note
+    table = tool.markdown(rows).splitlines()
+    assert len(table) == 2 + len(rows) and all(line.count("|") == 12 for line in table)
