@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 15.0  # --distributed-timeout-minutes 0.25
 MARGIN_S = 10.0  # exit and teardown on a shared two-core machine
+MODES = ("stop", "sleep", "kill")
 FLAGS = [
     "--pipeline-model-parallel-size",
     "2",
@@ -57,8 +59,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(mode: str, tmp_path: Path) -> tuple[list[subprocess.Popen], Path]:
-    marker = tmp_path / "stuck_at"
+def _launch(mode: str, root: Path, cache: Path) -> tuple[list[subprocess.Popen], Path]:
+    marker = root / "stuck_at"
     env = {
         **os.environ,
         "PYTHONPATH": str(ROOT),
@@ -67,13 +69,13 @@ def _launch(mode: str, tmp_path: Path) -> tuple[list[subprocess.Popen], Path]:
         "MASTER_PORT": str(_free_port()),
         "WORLD_SIZE": "4",
     }
-    flags = [*FLAGS, "--data-cache-path", str(tmp_path / "cache")]
+    flags = [*FLAGS, "--data-cache-path", str(cache)]
     job = [sys.executable, str(ROOT / "tests" / "stuck_rank_job.py"), mode, "0", "3", str(marker)]
     procs = [
         subprocess.Popen(
             [*job, "--", *flags],
             env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-            cwd=tmp_path,
+            cwd=root,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -83,24 +85,51 @@ def _launch(mode: str, tmp_path: Path) -> tuple[list[subprocess.Popen], Path]:
     return procs, marker
 
 
-@pytest.mark.parametrize("mode", ["stop", "sleep", "kill"])
-def test_every_other_rank_exits_within_the_timeout(mode, tmp_path):
-    procs, marker = _launch(mode, tmp_path)
-    exits: dict[int, float] = {}
+@dataclass
+class Job:
+    procs: list[subprocess.Popen]
+    marker: Path
+    exits: dict[int, float] = field(default_factory=dict)  # rank -> when it was seen gone
+    outputs: list[tuple[str, str]] = field(default_factory=list)
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory) -> dict[str, Job]:
+    """Every mode's job, side by side so the waits for the timeout overlap: "stop" and
+    "sleep" start together, "kill" once both are stuck (its peers have no timeout to wait
+    for, so it runs while the other two wait out theirs, on an otherwise idle machine)."""
+    roots = {mode: tmp_path_factory.mktemp(mode) for mode in MODES}
+    cache = roots["stop"] / "cache"  # "kill" reuses the corpus "stop" built before it got stuck
+    running = {mode: Job(*_launch(mode, roots[mode], roots[mode] / "cache")) for mode in MODES[:2]}
     try:
         deadline = time.time() + 240
-        while len(exits) < 3 and time.time() < deadline:
-            for r in (1, 2, 3):
-                if r not in exits and procs[r].poll() is not None:
-                    exits[r] = time.time()
+        while time.time() < deadline and (
+            len(running) < len(MODES) or any(len(job.exits) < 3 for job in running.values())
+        ):
+            stuck = all(job.marker.exists() or job.exits for job in running.values())
+            if "kill" not in running and stuck:
+                running["kill"] = Job(*_launch("kill", roots["kill"], cache))
+            for job in running.values():
+                for r in (1, 2, 3):
+                    if r not in job.exits and job.procs[r].poll() is not None:
+                        job.exits[r] = time.time()
             time.sleep(0.1)
-        assert len(exits) == 3, f"ranks {sorted({1, 2, 3} - set(exits))} still running"
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGKILL)
-        outputs = [p.communicate(timeout=60) for p in procs]
-    stuck_at = float(marker.read_text())
+        for job in running.values():
+            for p in job.procs:
+                if p.poll() is None:
+                    p.send_signal(signal.SIGKILL)
+            job.outputs = [p.communicate(timeout=60) for p in job.procs]
+    return running
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_every_other_rank_exits_within_the_timeout(mode, jobs):
+    assert mode in jobs, f"the {mode} job never started"
+    job = jobs[mode]
+    procs, exits, outputs = job.procs, job.exits, job.outputs
+    assert len(exits) == 3, f"ranks {sorted({1, 2, 3} - set(exits))} still running"
+    stuck_at = float(job.marker.read_text())
     limit = 0.0 if mode == "kill" else TIMEOUT_S  # a dead peer closes its connections
     for r in (1, 2, 3):
         stderr = outputs[r][1]
