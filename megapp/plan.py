@@ -32,6 +32,7 @@ from megapp.planning.hardware import Hardware, load_hardware
 from megapp.planning.layout import RECOMPUTE, Layout, pretrain_config
 from megapp.planning.model_state import chunk_parameters, model_state
 from megapp.planning.models import BYTE_VOCAB, ModelPreset, load_model
+from megapp.training.config import PretrainConfig
 from megapp.training.flag_groups import ArgumentsError
 from megapp.training.parallel_flags import ParallelArgs
 
@@ -226,11 +227,16 @@ class Planner:
         except ScheduleError:  # a property of the schedule alone: remember it
             self._schedules[(layout.schedule, layout.pp, m, layout.vpp)] = "deadlock"
             return "deadlock"
+        config = None
+        if self.hardware.shared_cores is not None:  # the slowdown needs the whole config
+            config = self._config(layout)
+            if config is None:
+                return "invalid"
+            costs, timeline = timing.share_cores(config, costs, timeline, self.hardware)
         if max(timing.rank_finish(costs, timeline)) + self.hardware.step_overhead >= cutoff:
             return "slower"
-        try:
-            config = pretrain_config(layout, self.model.flags, self.gbs)
-        except (ArgumentsError, ValueError):
+        config = config or self._config(layout)
+        if config is None:
             return "invalid"
         memory = max(r.total for r in predict_memory(config, self.model.vocab_size))
         if memory > self.hardware.usable_memory:
@@ -238,6 +244,12 @@ class Planner:
         gpt = config.gpt_config(self.model.vocab_size)
         step = timing.step_time(config, gpt, costs, timeline, self.hardware)
         return Planned(layout, memory, step)
+
+    def _config(self, layout: Layout) -> PretrainConfig | None:
+        try:
+            return pretrain_config(layout, self.model.flags, self.gbs)
+        except (ArgumentsError, ValueError):
+            return None
 
     def plan(self, gpus_per_node: int, top_k: int, space: Space = Space()) -> PlanResult:
         """The ``top_k`` fastest layouts that fit, fastest first."""

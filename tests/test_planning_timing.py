@@ -265,6 +265,7 @@ def synthetic(layout, hardware):
         for r in range(layout.pp)
     ]
     record = {"kind": "profile", "seconds": step.seconds, "ranks": ranks}
+    record["bubble"] = step.timeline.bubble_fraction
     return calibrate.Measurement(cfg, calibrate.VOCAB, record)
 
 
@@ -304,3 +305,38 @@ def test_nonnegative_least_squares_drops_a_negative_coefficient():
     x = calibrate.nonnegative_least_squares(a, b)
     assert (x >= 0).all() and x[1] == 0.0
     assert x[0] == pytest.approx(np.dot(a[:, 0], b) / np.dot(a[:, 0], a[:, 0]))
+
+
+def test_processes_sharing_cores_slow_by_how_many_compute_at_once():
+    """8 processes on 2 cores: without a pipeline all 8 compute at once, so every action
+    takes 4 times as long; a pipeline's bubble leaves cores to the busy ranks."""
+    shared = dataclasses.replace(GLOO, shared_cores=2, gpus_per_node=8)
+    dp8 = pretrain_config(Layout(dp=8), MODEL, 32)
+    alone, sharing = (predict_step_time(dp8, VOCAB, h) for h in (GLOO, shared))
+    busiest = (alone.breakdown["busiest_rank"], sharing.breakdown["busiest_rank"])
+    assert busiest[1] == pytest.approx(4 * busiest[0])
+    pp4 = pretrain_config(Layout(pp=4, dp=2), MODEL, 32)
+    alone, sharing = (predict_step_time(pp4, VOCAB, h) for h in (GLOO, shared))
+    slowdown = 8 * (1 - alone.bubble) / 2
+    assert 1 < slowdown < 4
+    assert sharing.breakdown["busiest_rank"] == pytest.approx(
+        slowdown * alone.breakdown["busiest_rank"]
+    )
+    sixteen = dataclasses.replace(shared, shared_cores=16)  # a core each: no change
+    assert predict_step_time(pp4, VOCAB, sixteen).seconds == pytest.approx(alone.seconds)
+
+
+def test_calibration_on_shared_cores_fits_a_process_on_a_core_of_its_own():
+    truth = dataclasses.replace(
+        GLOO, gemm_flops=3e9, action_overhead=5e-3, gpus_per_node=8, shared_cores=2
+    )
+    measurements = [synthetic(layout, truth) for layout in calibrate.LAYOUTS]
+    coef = calibrate.fit_actions(measurements, shared_cores=2)
+    # the measured bubble is the slowed pipeline's, a little off the dedicated one's
+    assert 1 / coef["flops"] == pytest.approx(3e9, rel=0.02)
+    assert coef["action"] == pytest.approx(5e-3, rel=0.02)
+    fitted = calibrate.fit_hardware(measurements, memory_bandwidth=1e9, shared_cores=2)
+    assert fitted.shared_cores == 2
+    for m in measurements:  # the overheads fitted after the rates absorb that offset
+        got = predict_step_time(m.config, m.vocab_size, fitted).seconds
+        assert got == pytest.approx(m.record["seconds"], rel=0.05)

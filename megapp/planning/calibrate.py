@@ -40,6 +40,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from megapp.planning.core_sharing import core_slowdown
 from megapp.planning.hardware import Hardware
 from megapp.planning.layout import Layout, pretrain_config
 from megapp.planning.timing import action_costs, predict_step_time, shape_of
@@ -134,9 +135,13 @@ def action_features(config: PretrainConfig, vocab_size: int) -> dict[tuple[str, 
     return out
 
 
-def samples(measurement: Measurement) -> tuple[list[list[float]], list[float]]:
-    """Features and measured seconds of every compute action of every rank in a record."""
+def samples(
+    measurement: Measurement, shared_cores: int | None = None
+) -> tuple[list[list[float]], list[float]]:
+    """Features and measured seconds of every compute action of every rank in a record
+    (with ``shared_cores``: on a core of its own, see :func:`run_slowdown`)."""
     features = action_features(measurement.config, measurement.vocab_size)
+    slowdown = run_slowdown(measurement, shared_cores)
     rows, seconds = [], []
     for rank in measurement.record["ranks"]:
         for kind, name, start, end in rank["events"]:
@@ -145,8 +150,17 @@ def samples(measurement: Measurement) -> tuple[list[list[float]], list[float]]:
                 continue
             key = (match[1], rank["pp"], int(match[3] or 0))
             rows.append(features[key])
-            seconds.append(end - start)
+            seconds.append((end - start) / slowdown)
     return rows, seconds
+
+
+def run_slowdown(measurement: Measurement, shared_cores: int | None) -> float:
+    """How much the processes of a measured run slowed each other: its measured busy
+    share (1 - its bubble) through :func:`~megapp.planning.core_sharing.core_slowdown`."""
+    if shared_cores is None:
+        return 1.0
+    busy = 1.0 - measurement.record["bubble"]
+    return core_slowdown(shared_cores, measurement.config.world_size, busy)
 
 
 def nonnegative_least_squares(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -164,7 +178,9 @@ def nonnegative_least_squares(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def fit_actions(
-    measurements: Sequence[Measurement], memory_bandwidth: float | None = None
+    measurements: Sequence[Measurement],
+    memory_bandwidth: float | None = None,
+    shared_cores: int | None = None,
 ) -> dict[str, float]:
     """The coefficient of every feature in :data:`FEATURES`, fitted to every action of
     every measurement. Features no measurement varies (no tensor parallelism: no
@@ -172,7 +188,7 @@ def fit_actions(
     instead of fitting them."""
     rows, seconds = [], []
     for measurement in measurements:
-        r, s = samples(measurement)
+        r, s = samples(measurement, shared_cores)
         rows += r
         seconds += s
     if not rows:
@@ -201,11 +217,14 @@ def fit_hardware(
     name: str = "calibrated",
     memory_bytes: float = 1.0,
     memory_bandwidth: float | None = None,
+    shared_cores: int | None = None,
 ) -> Hardware:
     """A :class:`Hardware` whose predictions fit ``measurements`` (all taken on one
     machine: one node of ``world_size`` devices, gloo transport). ``memory_bandwidth``:
-    default, a copy timed in this process and shared by the processes."""
-    coef = fit_actions(measurements, memory_bandwidth)
+    default, a copy timed in this process and shared by the processes. ``shared_cores``:
+    the cores the processes shared; the fitted rates are then a process's on a core of its
+    own, and the profile slows them by how many processes compute at once."""
+    coef = fit_actions(measurements, memory_bandwidth, shared_cores)
     world = measurements[0].config.world_size
     bandwidth = 1.0 / coef["tp_bytes"] if coef["tp_bytes"] > 0 else 1e30
     hardware = Hardware(
@@ -223,6 +242,7 @@ def fit_hardware(
         action_overhead=coef["action"],
         overlap_communication=False,
         sends_finish_in_background=True,
+        shared_cores=shared_cores,
     )
     per_byte = _fit_tail_bandwidth(measurements, hardware)
     if per_byte > 0:  # the data-parallel reductions' bytes show the bandwidth best
@@ -332,7 +352,10 @@ def calibrate(
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / nproc
     # The loss's passes are too small a part of an action to pin the memory bandwidth down.
     bandwidth = _memory_bandwidth(nproc)
-    hardware = fit_hardware(measurements, f"cpu-{nproc}proc", memory, memory_bandwidth=bandwidth)
+    cores = len(os.sched_getaffinity(0))
+    hardware = fit_hardware(
+        measurements, f"cpu-{nproc}proc", memory, memory_bandwidth=bandwidth, shared_cores=cores
+    )
     hardware.save(out)
     if verbose:
         print(f"wrote {out}")

@@ -67,6 +67,7 @@ class Hardware:
     usable_fraction: float = 0.9  # share of memory_bytes a job may fill
     overlap_communication: bool = True  # collectives run beside compute (NCCL streams)
     sends_finish_in_background: bool = False  # gloo; NCCL completes a batch of sends as one
+    shared_cores: int | None = None  # one CPU machine: every process of a job shares these
 
     def __post_init__(self) -> None:
         for name in ("gemm_flops", "memory_bytes", "memory_bandwidth"):
@@ -77,6 +78,8 @@ class Hardware:
                 raise ValueError(f"hardware {self.name!r}: {name} must be > 0")
         if self.gpus_per_node < 1:
             raise ValueError(f"hardware {self.name!r}: gpus_per_node must be >= 1")
+        if self.shared_cores is not None and self.shared_cores < 1:
+            raise ValueError(f"hardware {self.name!r}: shared_cores must be >= 1")
         if not 0 < self.usable_fraction <= 1:
             raise ValueError(f"hardware {self.name!r}: usable_fraction must be in (0, 1]")
 

@@ -41,6 +41,7 @@ import torch
 from megapp.models.gpt import GPTConfig
 from megapp.pipeline_parallel.partition import split_layers
 from megapp.pipeline_parallel.simulate import CostModel, Timeline, simulate
+from megapp.planning.core_sharing import core_slowdown, slowed
 from megapp.planning.hardware import Hardware, Link, group_link
 from megapp.planning.model_state import chunk_parameters, layer_parameters
 from megapp.tensor_parallel.utils import pad_vocab_size
@@ -320,7 +321,23 @@ def predict_step_time(config: PretrainConfig, vocab_size: int, hardware: Hardwar
     gpt = config.gpt_config(vocab_size)
     costs = action_costs(gpt, shape_of(config), hardware)
     timeline = simulate(config.schedule, cost_model(costs, hardware))
+    costs, timeline = share_cores(config, costs, timeline, hardware)
     return step_time(config, gpt, costs, timeline, hardware)
+
+
+def share_cores(
+    config: PretrainConfig, costs: ActionCosts, timeline: Timeline, hardware: Hardware
+) -> tuple[ActionCosts, Timeline]:
+    """``costs`` and ``timeline`` (simulated with a core per process) with the job's
+    processes sharing ``hardware.shared_cores`` (:mod:`~megapp.planning.core_sharing`);
+    unchanged on devices of their own."""
+    cores, world = hardware.shared_cores, config.world_size
+    everyone = core_slowdown(cores, world, 1.0)
+    if everyone == 1.0:
+        return costs, timeline
+    actions = core_slowdown(cores, world, 1.0 - timeline.bubble_fraction)
+    costs = slowed(costs, actions, everyone)
+    return costs, simulate(config.schedule, cost_model(costs, hardware))
 
 
 def rank_finish(costs: ActionCosts, timeline: Timeline) -> list[float]:
