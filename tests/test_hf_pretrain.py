@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -73,48 +74,59 @@ def test_hf_to_tp2_pp2_to_checkpoint_to_one_process_to_hf_is_bitwise(corpus, tmp
     )
     source = tmp_path / "hf"
     transformers.LlamaForCausalLM(config).save_pretrained(source)
-    flags = tool("flags", source)
-    assert flags.returncode == 0, flags.stderr
-    model_flags = flags.stdout.split()
-    assert "--use-rope-scaling" in model_flags and "--swiglu" in model_flags
-    data = ["--data-path", str(corpus / "stdlib"), "--data-cache-path", str(tmp_path / "cache")]
+    # Runs that need only the folder, or only the checkpoint, go side by side: each is
+    # one process, and the machine has two cores.
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        args = ["--prompt", "def main(", "--max-new-tokens", "12", "--ids"]
+        hf_text = pool.submit(
+            generate_tool, "--hf", source, "--tokenizer-type", "ByteTokenizer", *args
+        )
+        flags = tool("flags", source)
+        assert flags.returncode == 0, flags.stderr
+        model_flags = flags.stdout.split()
+        assert "--use-rope-scaling" in model_flags and "--swiglu" in model_flags
+        data = ["--data-path", str(corpus / "stdlib"), "--data-cache-path", str(tmp_path / "cache")]
 
-    layout = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
-    first = launch(
-        4,
-        *layout,
-        *model_flags,
-        *RUN,
-        *data,
-        *("--load-hf", source, "--save", tmp_path / "ckpt", "--save-hf", tmp_path / "from_tp2pp2"),
-        cwd=tmp_path,
-    )
-    assert first.returncode == 0, first.stderr[-4000:]
-    assert_same_tensors(tmp_path / "from_tp2pp2", source)
+        layout = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
+        first = launch(
+            4,
+            *layout,
+            *model_flags,
+            *RUN,
+            *data,
+            *("--load-hf", source, "--save", tmp_path / "ckpt"),
+            *("--save-hf", tmp_path / "from_tp2pp2"),
+            cwd=tmp_path,
+        )
+        assert first.returncode == 0, first.stderr[-4000:]
 
-    second = launch(
-        1,
-        *model_flags,
-        *RUN,
-        *data,
-        # The same flags resume: --load's checkpoint wins over --load-hf's weights.
-        *("--load", tmp_path / "ckpt", "--load-hf", source, "--save-hf", tmp_path / "from_tp1"),
-        cwd=tmp_path,
-    )
+        # The checkpoint, read three ways at once: resumed in one process, exported, generating.
+        second = pool.submit(
+            launch,
+            1,
+            *model_flags,
+            *RUN,
+            *data,
+            # The same flags resume: --load's checkpoint wins over --load-hf's weights.
+            *("--load", tmp_path / "ckpt", "--load-hf", source, "--save-hf", tmp_path / "from_tp1"),
+            cwd=tmp_path,
+        )
+        export = ("export", tmp_path / "ckpt", "--output", tmp_path / "tool")
+        exported = pool.submit(tool, *export, "--model-type", "llama")
+        checkpoint_text = pool.submit(generate_tool, "--load", tmp_path / "ckpt", *args)
+        assert_same_tensors(tmp_path / "from_tp2pp2", source)
+
+    second = second.result()
     assert second.returncode == 0, second.stderr[-4000:]
     assert_same_tensors(tmp_path / "from_tp1", source)
 
-    exported = tool(
-        "export", tmp_path / "ckpt", "--output", tmp_path / "tool", "--model-type", "llama"
-    )
+    exported = exported.result()
     assert exported.returncode == 0, exported.stderr
     assert_same_tensors(tmp_path / "tool", source)
 
     # The checkpoint and the original folder generate the same text (the run's byte
     # tokenizer comes from the checkpoint's settings).
-    args = ["--prompt", "def main(", "--max-new-tokens", "12", "--ids"]
-    from_checkpoint = generate_tool("--load", tmp_path / "ckpt", *args)
-    from_hf = generate_tool("--hf", source, "--tokenizer-type", "ByteTokenizer", *args)
+    from_checkpoint, from_hf = checkpoint_text.result(), hf_text.result()
     assert from_checkpoint.returncode == 0, from_checkpoint.stderr
     assert from_hf.returncode == 0, from_hf.stderr
     assert from_checkpoint.stdout == from_hf.stdout
