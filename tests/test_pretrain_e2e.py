@@ -75,23 +75,38 @@ def full_run(corpus, tmp_path_factory):
     return root, full
 
 
-def test_train_save_resume_continues_exactly(corpus, full_run, tmp_path):
-    root, full = full_run
-    ckpt = root / "checkpoints"
-    data = ["--data-path", str(corpus / "stdlib"), "--data-cache-path", str(tmp_path / "cache")]
+@pytest.fixture(scope="module")
+def from_checkpoint(corpus, full_run, tmp_path_factory):
+    """The jobs that start from the full run's checkpoints, launched side by side: the run
+    resumed from the middle one (its directory and finished process), and the hostile and
+    corrupt copies' cases with each one's exit status and stderr, and the file the hostile
+    one's command would write."""
+    root, _ = full_run
+    broken_dir = tmp_path_factory.mktemp("broken_checkpoints")
+    cases, marker = _broken_checkpoint_cases(root / "checkpoints", corpus, broken_dir)
+    running = _start_side_by_side(cases, broken_dir)
+    resumed_dir = tmp_path_factory.mktemp("resumed")
+    data = ["--data-path", str(corpus / "stdlib"), "--data-cache-path", str(resumed_dir / "cache")]
     resumed = launch(
         4,
         *MODEL,
         *data,
-        *("--load", str(ckpt), "--ckpt-step", str(SAVE_AT), "--save", str(tmp_path / "resumed")),
-        *("--metrics-path", str(tmp_path / "resumed.jsonl")),
-        cwd=tmp_path,
+        *("--load", str(root / "checkpoints"), "--ckpt-step", str(SAVE_AT)),
+        *("--save", str(resumed_dir / "resumed")),
+        *("--metrics-path", str(resumed_dir / "resumed.jsonl")),
+        cwd=resumed_dir,
     )
+    return (resumed_dir, resumed), (cases, _finish(running), marker)
+
+
+def test_train_save_resume_continues_exactly(full_run, from_checkpoint):
+    root, full = full_run
+    (resumed_dir, resumed), _ = from_checkpoint
     assert resumed.returncode == 0, resumed.stderr[-4000:]
 
     full_records, resumed_records = (
         records(root / "full.jsonl"),
-        records(tmp_path / "resumed.jsonl"),
+        records(resumed_dir / "resumed.jsonl"),
     )
     train = {r["iteration"]: r for r in full_records if r["kind"] == "train"}
     assert sorted(train) == list(range(1, ITERS + 1))
@@ -136,10 +151,9 @@ def test_train_save_resume_continues_exactly(corpus, full_run, tmp_path):
     assert "loaded checkpoint" in resumed.stdout
 
 
-def _run_side_by_side(cases: dict, cwd: Path) -> None:
-    """Launch every ``name: (nproc, flags, message)`` case at once; each must exit with
-    status 2 and exactly one ``error:`` line, ``message``, with no worker traceback."""
-    running = {
+def _start_side_by_side(cases: dict, cwd: Path) -> dict[str, subprocess.Popen]:
+    """Launch every ``name: (nproc, flags, message)`` case at once."""
+    return {
         name: subprocess.Popen(
             torchrun(n, *flags),
             cwd=cwd,
@@ -150,10 +164,23 @@ def _run_side_by_side(cases: dict, cwd: Path) -> None:
         )
         for name, (n, flags, _) in cases.items()
     }
+
+
+def _finish(running: dict[str, subprocess.Popen]) -> dict[str, tuple[int, str]]:
+    """Each launch's exit status and stderr, once it has ended."""
+    outcomes = {}
     for name, process in running.items():
         _, stderr = process.communicate(timeout=300)
+        outcomes[name] = (process.returncode, stderr)
+    return outcomes
+
+
+def _check_side_by_side(cases: dict, outcomes: dict[str, tuple[int, str]]) -> None:
+    """Every case exited nonzero with exactly one ``error:`` line, its ``message``, and
+    no worker traceback."""
+    for name, (returncode, stderr) in outcomes.items():
         message = cases[name][2]
-        assert process.returncode != 0, f"{name}: exited 0"
+        assert returncode != 0, f"{name}: exited 0"
         errors = [line for line in stderr.splitlines() if "pretrain_gpt.py: error:" in line]
         assert len(errors) == 1, f"{name}: {len(errors)} error lines:\n{stderr[-3000:]}"
         assert errors[0].startswith(f"pretrain_gpt.py: error: {message}"), (
@@ -162,6 +189,12 @@ def _run_side_by_side(cases: dict, cwd: Path) -> None:
         assert "megapp/" not in stderr and 'pretrain_gpt.py", line' not in stderr, (
             f"{name}: a worker printed a traceback:\n{stderr[-3000:]}"
         )
+
+
+def _run_side_by_side(cases: dict, cwd: Path) -> None:
+    """Launch every ``name: (nproc, flags, message)`` case at once; each must exit with
+    status 2 and exactly one ``error:`` line, ``message``, with no worker traceback."""
+    _check_side_by_side(cases, _finish(_start_side_by_side(cases, cwd)))
 
 
 SMALL = (
@@ -219,14 +252,13 @@ def test_bad_settings_and_data_fail_with_one_clear_error(corpus, tmp_path):
     _run_side_by_side(cases, tmp_path)
 
 
-def test_a_hostile_or_corrupt_checkpoint_ends_the_job_with_one_error(full_run, corpus, tmp_path):
-    """A .metadata file that would run a command, and a truncated tensor shard: the job
-    stops before training with one line naming the file, and the command never ran."""
-    root, _ = full_run
+def _broken_checkpoint_cases(checkpoints: Path, corpus: Path, tmp_path: Path):
+    """Launch cases loading two copies of ``checkpoints``: one whose .metadata file would
+    run a command, one with a truncated tensor shard; and the file the command writes."""
     marker = tmp_path / "ran"
     hostile, truncated = tmp_path / "hostile", tmp_path / "truncated"
     for copy in (hostile, truncated):
-        shutil.copytree(root / "checkpoints", copy)
+        shutil.copytree(checkpoints, copy)
     step = f"iter_{SAVE_AT:07d}"
     (hostile / step / ".metadata").write_bytes(dotted_system_payload(marker, protocol=4))
     shard = truncated / step / "__1_0.distcp"
@@ -246,5 +278,13 @@ def test_a_hostile_or_corrupt_checkpoint_ends_the_job_with_one_error(full_run, c
             f"--load {truncated}: {shard}: truncated (1000 bytes; ",
         ),
     }
-    _run_side_by_side(cases, tmp_path)
+    return cases, marker
+
+
+def test_a_hostile_or_corrupt_checkpoint_ends_the_job_with_one_error(from_checkpoint):
+    """A .metadata file that would run a command, and a truncated tensor shard: the job
+    stops before training with one line naming the file, and the command never ran. (They
+    ran beside the resumed run, in ``from_checkpoint``.)"""
+    _, (cases, outcomes, marker) = from_checkpoint
+    _check_side_by_side(cases, outcomes)
     assert not marker.exists()
