@@ -10,9 +10,6 @@ resharded run draws its dropout masks from its own seeds).
 
 from __future__ import annotations
 
-import re
-from concurrent.futures import Future, ThreadPoolExecutor
-
 import pytest
 
 from tests.test_pretrain_e2e import launch, records
@@ -47,63 +44,49 @@ def _train_records(path) -> dict[int, dict]:
     return {r["iteration"]: r for r in records(path) if r["kind"] == "train"}
 
 
-def _source(corpus, name: str, root) -> tuple:
-    """Train source ``name`` under ``root``: its checkpoint directory and training records."""
-    nproc, layout = SOURCES[name]
-    job = launch(
-        nproc,
-        *MODEL,
-        *layout.split(),
-        *("--data-path", str(corpus / "stdlib"), "--data-cache-path", str(root / "cache")),
-        *("--save", str(root / "ckpt"), "--save-interval", str(SAVE_AT)),
-        *("--metrics-path", str(root / "metrics.jsonl")),
-        cwd=root,
-    )
-    assert job.returncode == 0, job.stderr[-4000:]
-    return root, _train_records(root / "metrics.jsonl")
-
-
-def _resume(corpus, source: Future, layout: str, nproc: int, root) -> tuple:
-    """Resume ``source``'s checkpoint under ``layout`` once it is written: the finished
-    job and its training records."""
-    ckpt = source.result()[0] / "ckpt"
-    job = launch(
-        nproc,
-        *MODEL,
-        *layout.split(),
-        *("--data-path", str(corpus / "stdlib"), "--data-cache-path", str(root / "cache")),
-        *("--load", str(ckpt), "--ckpt-step", str(SAVE_AT)),
-        *("--metrics-path", str(root / "metrics.jsonl")),
-        cwd=root,
-    )
-    return job, _train_records(root / "metrics.jsonl") if job.returncode == 0 else {}
-
-
 @pytest.fixture(scope="module")
-def jobs(corpus, tmp_path_factory) -> dict[str, tuple]:
-    """Every job of the module, three at a time so one launch's single-process start and
-    end overlap another's work: by source name, its checkpoint directory and training
-    records; by target name, the finished job and its training records."""
-
-    def root(name: str):
-        return tmp_path_factory.mktemp(re.sub(r"\W+", "_", name))
-
-    with ThreadPoolExecutor(max_workers=3) as pool:
-        sources = {name: pool.submit(_source, corpus, name, root(name)) for name in SOURCES}
-        targets = {
-            name: pool.submit(_resume, corpus, sources[source], layout, nproc, root(name))
-            for source, name, nproc, layout in TARGETS
-        }
-    out = {name: future.result() for name, future in sources.items()}
-    return out | {name: future.result() for name, future in targets.items()}
+def sources(corpus, tmp_path_factory):
+    """Each source job's checkpoint directory and its training records."""
+    out = {}
+    for name, (nproc, layout) in SOURCES.items():
+        root = tmp_path_factory.mktemp(name.replace(" ", "_"))
+        job = launch(
+            nproc,
+            *MODEL,
+            *layout.split(),
+            *("--data-path", str(corpus / "stdlib"), "--data-cache-path", str(root / "cache")),
+            *("--save", str(root / "ckpt"), "--save-interval", str(SAVE_AT)),
+            *("--metrics-path", str(root / "metrics.jsonl")),
+            cwd=root,
+        )
+        assert job.returncode == 0, job.stderr[-4000:]
+        out[name] = (root, _train_records(root / "metrics.jsonl"))
+    return out
 
 
 @pytest.mark.parametrize("source, name, nproc, layout", TARGETS, ids=[t[1] for t in TARGETS])
-def test_a_checkpoint_resumes_under_another_layout(jobs, source, name, nproc, layout):
-    root, full = jobs[source]
-    job, resumed = jobs[name]
+def test_a_checkpoint_resumes_under_another_layout(
+    sources,
+    corpus,
+    tmp_path,
+    source,
+    name,
+    nproc,
+    layout,
+):
+    root, full = sources[source]
+    job = launch(
+        nproc,
+        *MODEL,
+        *layout.split(),
+        *("--data-path", str(corpus / "stdlib"), "--data-cache-path", str(tmp_path / "cache")),
+        *("--load", str(root / "ckpt"), "--ckpt-step", str(SAVE_AT)),
+        *("--metrics-path", str(tmp_path / "metrics.jsonl")),
+        cwd=tmp_path,
+    )
     assert job.returncode == 0, job.stderr[-4000:]
     assert f"loaded checkpoint {root / 'ckpt' / 'iter_0000002'}" in job.stdout
+    resumed = _train_records(tmp_path / "metrics.jsonl")
     assert sorted(resumed) == [3, 4]
     for i in (3, 4):
         for key in ("iteration", "consumed_samples", "learning_rate"):
