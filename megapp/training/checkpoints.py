@@ -12,8 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from megapp.checkpointing import NoOptimizerStateError, load_checkpoint, save_checkpoint
-from megapp.checkpointing.checkpoint import LATEST
 from megapp.optimizer import ScheduleMismatchError
 from megapp.training.config import PretrainConfig, as_flags
 from megapp.training.flag_groups import ArgumentsError
@@ -40,6 +38,11 @@ def load(config: PretrainConfig, setup: TrainingSetup) -> TrainState:
     A directory without a checkpoint is an error, except when it is also ``--save``: the
     first run of a job that saves and resumes in one place starts fresh. Collective.
     """
+    # megapp.checkpointing pulls in torch.distributed.checkpoint (about half a second per
+    # process): imported by the runs that save or load, not by every launch
+    from megapp.checkpointing import NoOptimizerStateError, load_checkpoint
+    from megapp.checkpointing.checkpoint import LATEST
+
     ckpt = config.checkpoint
     where = {} if ckpt.ckpt_step is None else {"iteration": ckpt.ckpt_step}
     try:
@@ -85,6 +88,8 @@ def load(config: PretrainConfig, setup: TrainingSetup) -> TrainState:
 def save(config: PretrainConfig, state: TrainState, setup: TrainingSetup) -> Path:
     """Save everything to ``--save`` after ``state.iteration``; returns the directory.
     Collective."""
+    from megapp.checkpointing import save_checkpoint  # see load()
+
     path = save_checkpoint(
         config.checkpoint.save,
         state.iteration,

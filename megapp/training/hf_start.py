@@ -13,7 +13,6 @@ from typing import Any
 
 from megapp import parallel_state as ps
 from megapp.models.gpt import GPTConfig
-from megapp.models.hf_checkpoint import hf_gpt_config, load_hf, read_hf_config, save_hf
 from megapp.training.flag_groups import ArgumentsError
 from megapp.training.initialize import print_rank_0
 
@@ -47,6 +46,15 @@ LLAMA31_SCALING = {
     "rope_high_freq_factor": 4.0,
     "rope_original_max_position_embeddings": 8192,
 }
+
+
+def _hf():
+    """megapp.models.hf_checkpoint, imported on first use: it pulls in
+    torch.distributed.checkpoint (about half a second per process), which a run that
+    neither reads nor writes a Hugging Face folder never needs."""
+    from megapp.models import hf_checkpoint
+
+    return hf_checkpoint
 
 
 def pretrain_flags(model: GPTConfig) -> list[str]:
@@ -91,7 +99,7 @@ def pretrain_flags(model: GPTConfig) -> list[str]:
 def model_type(directory: str) -> str:
     """The ``model_type`` of the model in ``directory``."""
     try:
-        return str(read_hf_config(directory)["model_type"])
+        return str(_hf().read_hf_config(directory)["model_type"])
     except (OSError, KeyError, ValueError) as error:
         raise ArgumentsError(f"--load-hf {directory}: {error}") from error
 
@@ -99,7 +107,7 @@ def model_type(directory: str) -> str:
 def hf_vocab_size(directory: str) -> int:
     """The vocabulary rows of the model in ``directory``."""
     try:
-        return int(read_hf_config(directory)["vocab_size"])
+        return int(_hf().read_hf_config(directory)["vocab_size"])
     except (OSError, KeyError, ValueError) as error:
         raise ArgumentsError(f"--load-hf {directory}: {error}") from error
 
@@ -109,7 +117,7 @@ def check_model_flags(config: Any, vocab_size: int) -> str:
     directory = config.checkpoint.load_hf
     mine = config.gpt_config(vocab_size)
     try:
-        theirs, model_type = hf_gpt_config(
+        theirs, model_type = _hf().hf_gpt_config(
             directory,
             **{
                 f.name: getattr(mine, f.name)
@@ -144,7 +152,7 @@ def load(config: Any, setup: Any, model_type: str) -> None:
     directory = config.checkpoint.load_hf
     tp_rank, tp = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
     try:
-        load_hf(setup.chunks, directory, model_type, tp_rank, tp)
+        _hf().load_hf(setup.chunks, directory, model_type, tp_rank, tp)
     except (OSError, ValueError, KeyError, ImportError) as error:
         raise ArgumentsError(f"--load-hf {directory}: {error}") from error
     setup.optimizer.copy_masters_from_weights()
@@ -157,7 +165,7 @@ def save(config: Any, setup: Any, model_type: str) -> None:
     if ps.get_data_parallel_rank() == 0:
         tp_rank, tp = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
         tokenizer_dir = config.checkpoint.load_hf or config.data.tokenizer_model
-        save_hf(
+        _hf().save_hf(
             setup.chunks,
             directory,
             model_type,
