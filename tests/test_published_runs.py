@@ -108,7 +108,8 @@ def test_compare_fills_what_a_source_leaves_open_and_says_what_it_cannot_model()
     assert "distributed optimizer" in first.assumed and "recompute" not in first.assumed
     assert first.layout.startswith("tp8.pp35.dp8.") and ".full." in first.layout
     assert first.predicted is not None and first.ratio == first.predicted / 126
+    assert first.hiding_tp is not None and first.hiding_tp > first.predicted
     assert rows[1].predicted is None and "context parallelism" in rows[1].note
     assert rows[2].predicted is None and "megapp refuses" in rows[2].note
     table = tool.markdown(rows).splitlines()
-    assert len(table) == 2 + len(rows) and all(line.count("|") == 12 for line in table)
+    assert len(table) == 2 + len(rows) and all(line.count("|") == 13 for line in table)

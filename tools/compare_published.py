@@ -14,6 +14,9 @@ for its fastest layout. It prints one markdown table row per run:
 - the published TFLOP/s per GPU, megapp's prediction for the published layout counted
   the way the source counts (with recompute's rerun forward where it does) and their
   ratio;
+- the same prediction with the tensor-parallel collectives taken off the critical path
+  (Megatron-Core's ``--tp-comm-overlap`` overlaps them with the matmuls; megapp's time
+  model charges them in full);
 - the predicted memory of the fullest GPU against the GPU's memory.
 
 What a source leaves open is filled in and listed under "assumed": sequence parallelism
@@ -30,6 +33,7 @@ import argparse
 import dataclasses
 import shlex
 import sys
+import time
 from dataclasses import dataclass
 
 from megapp.plan import Planner
@@ -118,6 +122,7 @@ class Row:
     layout: str = ""
     assumed: str = ""
     predicted: float | None = None  # TFLOP/s per GPU, counted as the source counts
+    hiding_tp: float | None = None  # the same with tensor-parallel collectives hidden
     memory: float | None = None  # bytes on the fullest GPU
     capacity: float = 0.0
     pick: str = ""
@@ -150,19 +155,25 @@ def compare(run: PublishedRun, pick: bool) -> Row:
             seconds = step.seconds
             recompute = step.breakdown["recompute_flops"] / step.seconds / run.gpus / 1e12
             row.predicted = step.tflops_per_gpu + (recompute if run.counts_recompute else 0.0)
+            hidden = step.seconds - step.breakdown["tensor_parallel"]
+            row.hiding_tp = row.predicted * step.seconds / hidden
             row.memory = peak_memory(config, model.vocab_size)
             row.layout, row.assumed = layout.name, ", ".join(assumed)
     if run.precision == "fp8":
         row.note = "; ".join(filter(None, [row.note, "FP8 run, predicted in 16-bit"]))
     if pick:
         planner = Planner(model, hardware, run.global_batch_size, run.gpus)
-        best = planner.plan(GPUS_PER_NODE, top_k=1).best
-        if best:
-            row.pick, row.pick_tflops = best[0].layout.name, best[0].step.tflops_per_gpu
+        result = planner.plan(GPUS_PER_NODE, top_k=1)
+        if result.best:
+            best = result.best[0]
+            row.pick, row.pick_tflops = best.layout.name, best.step.tflops_per_gpu
             if seconds is not None:
-                row.pick_speedup = seconds / best[0].step.seconds
+                row.pick_speedup = seconds / best.step.seconds
         else:
-            row.pick = "nothing fits"
+            row.pick = (
+                f"nothing fits: {result.over_memory} of {result.enumerated} layouts over "
+                f"memory, {result.invalid} refused"
+            )
     else:
         row.pick = "not searched"
     return row
@@ -176,9 +187,9 @@ def markdown(rows: list[Row]) -> str:
     """The comparison as a markdown table."""
     lines = [
         "| run | published layout (megapp's name) | assumed | published TFLOP/s | "
-        "predicted | pred / pub | memory GiB (of) | megapp's pick | pick TFLOP/s | "
-        "pick speed-up | note |",
-        "|---|---|---|---:|---:|---:|---:|---|---:|---:|---|",
+        "predicted | pred / pub | hiding tp | memory GiB (of) | megapp's pick | "
+        "pick TFLOP/s | pick speed-up | note |",
+        "|---|---|---|---:|---:|---:|---:|---:|---|---:|---:|---|",
     ]
     for row in rows:
         run = row.run
@@ -188,7 +199,7 @@ def markdown(rows: list[Row]) -> str:
         lines.append(
             f"| {run.name} | {row.layout or _stated(run)} | {row.assumed} | "
             f"{run.tflops_per_gpu:g}{counted} | {_num(row.predicted, '.1f')} | "
-            f"{_num(row.ratio, '.2f')} | {memory} | {row.pick} | "
+            f"{_num(row.ratio, '.2f')} | {_num(row.hiding_tp, '.1f')} | {memory} | {row.pick} | "
             f"{_num(row.pick_tflops, '.1f')} | {_num(row.pick_speedup, '.2f')} | {row.note} |"
         )
     return "\n".join(lines)
@@ -210,16 +221,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--match", help="only runs whose name contains this")
     args = parser.parse_args(argv)
     runs = [run for run in RUNS if args.match is None or args.match in run.name]
-    picks = [not args.no_pick and run.gpus <= args.pick_max_gpus for run in runs]
-    rows = [compare(run, pick) for run, pick in zip(runs, picks, strict=True)]
+    rows = []
+    for i, run in enumerate(runs, 1):
+        start = time.perf_counter()
+        rows.append(compare(run, not args.no_pick and run.gpus <= args.pick_max_gpus))
+        seconds = time.perf_counter() - start
+        print(f"[{i}/{len(runs)}] {run.name}: {seconds:.1f} s", file=sys.stderr, flush=True)
     flags = sys.argv[1:] if argv is None else argv
     command = shlex.join(["python", "tools/compare_published.py", *flags])
     print(f"`{command}`\n")
     print(markdown(rows))
     print(
         "\n(hw): the source counts recompute's rerun forward, and so does the prediction "
-        "beside it; pick speed-up: the published layout's predicted iteration time over "
-        "the pick's."
+        "beside it; hiding tp: the prediction with the tensor-parallel collectives off the "
+        "critical path (as --tp-comm-overlap runs them); pick speed-up: the published "
+        "layout's predicted iteration time over the pick's."
     )
     return 0
 
