@@ -9,9 +9,9 @@
 # Sweep records land in runs/ablation_cpu (SWEEP_DIR; run it again: finished points are
 # reused), the report in docs/ablation/ (REPORT_DIR). HARDWARE=<name or calibrated JSON
 # profile> sets the profile of the predicted step time. Measured on the 2-core development
-# machine with the default corpus built: 8 min 9 s to 8 min 51 s end to end (three runs,
-# 35-45 s per 8-process point, while other jobs kept the load average at 10-20); a rerun
-# that reuses every point takes 19 s to 1 min, as busy as the machine is.
+# machine with the default corpus built: 5 min 50 s end to end with one core busy with
+# another job, 8 min 9 s to 8 min 51 s under a load average of 10-20; a rerun that
+# reuses every point takes 19 s to 1 min.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
