@@ -58,15 +58,11 @@ def test_a_chunk_holds_what_the_model_predicts(pp_rank, pp, settings):
     if received is not None:
         held += received.nbytes  # received during the iteration in a pipeline
     layers = 6 // pp
-    predicted = chunk_activation_bytes(
-        config, layers, chunk.pre_process, chunk.post_process, s, b
-    )
+    predicted = chunk_activation_bytes(config, layers, chunk.pre_process, chunk.post_process, s, b)
     assert held == predicted
 
 
-@pytest.mark.parametrize(
-    "schedule, expected", [("gpipe", [8, 8, 8, 8]), ("1f1b", [4, 3, 2, 1])]
-)
+@pytest.mark.parametrize("schedule, expected", [("gpipe", [8, 8, 8, 8]), ("1f1b", [4, 3, 2, 1])])
 def test_in_flight_follows_the_schedule(schedule, expected):
     config = pretrain_config(Layout(pp=4, schedule=schedule), MODEL, global_batch_size=8)
     assert [m.in_flight for m in predict_memory(config, VOCAB)] == expected
