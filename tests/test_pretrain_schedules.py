@@ -28,10 +28,6 @@ MODEL = (
     f"--train-iters {ITERS} --log-interval 1 --eval-iters 0"
 ).split()
 PROFILE = ["--profile-iteration", "1"]
-# zb-v's rank 0 peaks 5.3% above the model on this 32-wide model: the deferred weight
-# gradients of both its chunks (the first and last stage) hold small buffers the model
-# leaves out, a larger share the narrower the model (docs/planning.md, Memory model).
-TOLERANCE = {"1f1b": 0.05, "zb-v": 0.06}
 SCHEDULES = {
     "1f1b": PROFILE,
     "zb-v": [
@@ -75,7 +71,7 @@ def test_schedules_train_the_same_model(corpus, tmp_path):
             predicted = predict_memory(config, ByteTokenizer().vocab_size)
             for rank in profiles[0]["ranks"]:
                 peak = rank["peak_bytes"]
-                assert predicted[rank["pp"]].total == pytest.approx(peak, rel=TOLERANCE[name])
+                assert predicted[rank["pp"]].total == pytest.approx(peak, rel=0.05), name
         losses[name] = [r["lm_loss"] for r in train]
         assert len(losses[name]) == ITERS
     for name in ("zb-v", "auto"):
