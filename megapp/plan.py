@@ -96,7 +96,7 @@ def layouts(
     :func:`pretrain_config`."""
     heads, groups, layers = base.num_attention_heads, base.num_query_groups, base.num_layers
     for tp in _divisors(gpus):
-        if tp > gpus_per_node or heads % tp or groups % tp:
+        if gpus_per_node % tp or heads % tp or groups % tp:  # a tp group within one node
             continue
         for pp in _divisors(gpus // tp):
             dp = gpus // (tp * pp)

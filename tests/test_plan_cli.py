@@ -230,3 +230,13 @@ def test_nothing_fits_says_so(tmp_path, capsys):
     assert (
         capsys.readouterr().err.strip() == "python -m megapp.plan: error: no layout fits in memory"
     )
+
+
+def test_tensor_parallel_groups_stay_within_a_node():
+    """tp 6 divides 48 GPUs and 48 heads, but on 8-GPU nodes a group of 6 would straddle
+    two nodes: only sizes that divide the node are laid out."""
+    from megapp.models.gpt import GPTConfig
+
+    base = GPTConfig(num_layers=4, hidden_size=96 * 48, num_attention_heads=48, vocab_size=128)
+    sizes = {layout.tp for layout in layouts(base, 48, 8, 96, Space(max_micro_batch_size=1))}
+    assert sizes == {1, 2, 4, 8}
