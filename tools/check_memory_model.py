@@ -19,22 +19,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-from megapp.data import ByteTokenizer
 from megapp.planning.layout import Layout, pretrain_config
 from megapp.planning.memory import predict_memory
+from megapp.planning.models import MODELS
 
 ROOT = Path(__file__).resolve().parents[1]
-MODEL = [
-    "--num-layers",
-    "4",
-    "--hidden-size",
-    "128",
-    "--num-attention-heads",
-    "4",
-    "--seq-length",
-    "128",
-]
-MODEL += ["--hidden-dropout", "0", "--attention-dropout", "0"]
+MODEL = [*MODELS["tiny"].flags, "--hidden-dropout", "0", "--attention-dropout", "0"]
 GLOBAL_BATCH = 16
 LAYOUTS = (
     Layout(),
@@ -80,7 +70,7 @@ def main() -> None:
         for layout in layouts:
             profile = measure(layout, workdir)
             config = pretrain_config(layout, MODEL, GLOBAL_BATCH)
-            predicted = predict_memory(config, ByteTokenizer().vocab_size)
+            predicted = predict_memory(config, MODELS["tiny"].vocab_size)
             for rank in profile["ranks"]:
                 if rank["tp"] or rank["dp"]:
                     continue

@@ -43,21 +43,13 @@ import torch
 from megapp.planning.core_sharing import core_slowdown
 from megapp.planning.hardware import Hardware
 from megapp.planning.layout import Layout, pretrain_config
+from megapp.planning.models import MODELS
 from megapp.planning.timing import action_costs, predict_step_time, shape_of
 from megapp.training.config import PretrainConfig
 
-MODEL = (
-    "--num-layers",
-    "4",
-    "--hidden-size",
-    "128",
-    "--num-attention-heads",
-    "4",
-    "--seq-length",
-    "128",
-)
-"""The CPU demo's model (byte tokens: 257 ids)."""
-VOCAB = 257
+MODEL = MODELS["tiny"].flags
+"""The CPU demo's model (byte tokens)."""
+VOCAB = MODELS["tiny"].vocab_size
 LAYOUTS = (
     Layout(tp=2, pp=2, dp=2, micro_batch_size=4),
     Layout(tp=1, pp=4, dp=2, micro_batch_size=2),

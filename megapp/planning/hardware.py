@@ -130,30 +130,29 @@ def _hbm(part: str) -> float:
 
 _MIB = 2**20
 
+_H100 = Hardware(
+    name="h100",
+    gemm_flops=0.60 * _peak("H100 SXM"),
+    peak_flops=_peak("H100 SXM"),
+    memory_bytes=81559 * _MIB,
+    memory_bandwidth=0.9 * _hbm("H100 SXM"),
+    gpus_per_node=8,
+    intra_node_bandwidth=360e9,
+    intra_node_latency=3e-6,
+    inter_node_bandwidth=45e9,
+    inter_node_latency=6e-6,
+)
+
 PROFILES: dict[str, Hardware] = {
-    "h100": Hardware(
-        name="h100",
-        gemm_flops=0.60 * _peak("H100 SXM"),
-        peak_flops=_peak("H100 SXM"),
-        memory_bytes=81559 * _MIB,
-        memory_bandwidth=0.9 * _hbm("H100 SXM"),
-        gpus_per_node=8,
-        intra_node_bandwidth=360e9,
-        intra_node_latency=3e-6,
-        inter_node_bandwidth=45e9,
-        inter_node_latency=6e-6,
-    ),
-    "h200": Hardware(
+    "h100": _H100,
+    # the H100's node and network with the H200's memory and bandwidth
+    "h200": dataclasses.replace(
+        _H100,
         name="h200",
         gemm_flops=0.60 * _peak("H200 SXM"),
         peak_flops=_peak("H200 SXM"),
         memory_bytes=143771 * _MIB,
         memory_bandwidth=0.9 * _hbm("H200 SXM"),
-        gpus_per_node=8,
-        intra_node_bandwidth=360e9,
-        intra_node_latency=3e-6,
-        inter_node_bandwidth=45e9,
-        inter_node_latency=6e-6,
     ),
     "a100": Hardware(
         name="a100",

@@ -225,14 +225,20 @@ def predict_memory(
                 state.weights, state.grads + 4 * late * (1 - 1 / dp), state.optimizer
             )
         buffers = _buffer_bytes(model, params, stages, layers, dp, zero, s, b, len(stages))
+        sizes, stores = [], []  # per chunk: held after F, kept from I to W
+        for stage in stages:
+            first, last = stage == 0, stage == num_stages - 1
+            sizes.append(
+                chunk_activation_bytes(
+                    model, layers[stage], first, last, s, b, keeps_sent_output=gloo
+                )
+            )
+            stores.append(weight_grad_store_bytes(model, layers[stage], last, s, b))
         held, in_flight, peak = 0.0, 0.0, (0.0, 0.0, 0.0)
         for action in schedule.actions[rank]:
             stage = stages[action.chunk]
-            first, last = stage == 0, stage == num_stages - 1
-            size = chunk_activation_bytes(
-                model, layers[stage], first, last, s, b, keeps_sent_output=gloo
-            )
-            store = weight_grad_store_bytes(model, layers[stage], last, s, b)
+            size, store = sizes[action.chunk], stores[action.chunk]
+            last = stage == num_stages - 1
             work = buffers + chunk_working_bytes(model, layers[stage], last, action.op, s, b)
             if action.op is Op.FORWARD:
                 held, in_flight = held + size, in_flight + 1
