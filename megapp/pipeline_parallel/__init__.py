@@ -1,6 +1,12 @@
 """Pipeline parallelism: schedules as data, their simulator, and the engine that runs them."""
 
-from megapp.pipeline_parallel.catalog import SCHEDULES, build_schedule
+from megapp.pipeline_parallel.asynchronous import (
+    held_versions,
+    pipedream,
+    pipedream_2bw,
+    stash_profile,
+)
+from megapp.pipeline_parallel.catalog import ASYNC_SCHEDULES, SCHEDULES, build_schedule
 from megapp.pipeline_parallel.engine import (
     PipelineHooks,
     PipelineResult,
@@ -19,9 +25,11 @@ from megapp.pipeline_parallel.schedules import (
     one_f_one_b,
 )
 from megapp.pipeline_parallel.simulate import CostModel, Timeline, simulate
+from megapp.pipeline_parallel.weight_stash import WeightStash
 from megapp.pipeline_parallel.zero_bubble import dualpipev, zb_h1, zb_h2, zb_v
 
 __all__ = [
+    "ASYNC_SCHEDULES",
     "SCHEDULES",
     "Action",
     "CostModel",
@@ -32,16 +40,21 @@ __all__ = [
     "ScheduleError",
     "TensorSpec",
     "Timeline",
+    "WeightStash",
     "build_schedule",
     "communication_plan",
     "dualpipev",
     "forward_backward",
     "get_forward_backward_func",
     "gpipe",
+    "held_versions",
     "interleaved_1f1b",
     "looped_bfs",
     "one_f_one_b",
+    "pipedream",
+    "pipedream_2bw",
     "simulate",
+    "stash_profile",
     "zb_h1",
     "zb_h2",
     "zb_v",

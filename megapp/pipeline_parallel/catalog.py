@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from megapp.pipeline_parallel.asynchronous import pipedream, pipedream_2bw
 from megapp.pipeline_parallel.schedules import (
     Schedule,
     gpipe,
@@ -23,7 +24,16 @@ SCHEDULES: dict[str, Callable[[int, int, int], Schedule]] = {
     "zb-v": zb_v,
     "dualpipev": dualpipev,
 }
-"""Builders ``(p, m, v) -> Schedule``."""
+"""Builders ``(p, m, v) -> Schedule`` of the flushed schedules: one iteration each, the
+optimizer steps after it."""
+
+ASYNC_SCHEDULES: dict[str, Callable[..., Schedule]] = {
+    "pipedream": pipedream,
+    "pipedream-2bw": pipedream_2bw,
+}
+"""Builders ``(p, m, v, iterations=...) -> Schedule`` of the schedules that step among
+their actions and never flush (:mod:`~megapp.pipeline_parallel.asynchronous`): a
+different training rule, so never picked for a flushed one."""
 
 V_SHAPED = frozenset({"zb-v", "dualpipev"})
 """Schedules that place two chunks per rank in a V (first and last stage on rank 0)."""
@@ -36,12 +46,31 @@ def build_schedule(
     num_chunks: int = 1,
     *,
     group_size: int | None = None,
+    iterations: int = 1,
+    vertical_sync: bool = False,
 ) -> Schedule:
-    """Build the schedule called ``name`` (one of :data:`SCHEDULES`). ``group_size``:
-    interleaved 1F1B's microbatches per group (Megatron's
-    ``microbatch_group_size_per_vp_stage``)."""
+    """Build the schedule called ``name`` (one of :data:`SCHEDULES` or
+    :data:`ASYNC_SCHEDULES`). ``group_size``: interleaved 1F1B's microbatches per group
+    (Megatron's ``microbatch_group_size_per_vp_stage``). ``iterations``: how many
+    iterations of ``num_microbatches`` an asynchronous schedule runs without a flush;
+    ``vertical_sync``: PipeDream's, every stage on the first stage's weights version."""
+    if name in ASYNC_SCHEDULES:
+        if group_size is not None:
+            raise ValueError(f"a microbatch group size applies to interleaved-1f1b, not {name}")
+        if vertical_sync and name != "pipedream":
+            raise ValueError(f"vertical sync applies to pipedream, not {name}")
+        extra = {"vertical_sync": True} if vertical_sync else {}
+        return ASYNC_SCHEDULES[name](
+            num_stages, num_microbatches, num_chunks, iterations=iterations, **extra
+        )
     if name not in SCHEDULES:
-        raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
+        known = ", ".join([*SCHEDULES, *ASYNC_SCHEDULES])
+        raise ValueError(f"unknown schedule {name!r}; choose one of {known}")
+    if iterations != 1 or vertical_sync:
+        raise ValueError(
+            f"{name} flushes after every iteration; iterations and vertical sync apply to "
+            f"{' and '.join(ASYNC_SCHEDULES)}"
+        )
     if group_size is not None:
         if name != "interleaved-1f1b":
             raise ValueError(f"a microbatch group size applies to interleaved-1f1b, not {name}")

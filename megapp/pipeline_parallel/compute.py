@@ -16,6 +16,10 @@ linears build deferrable nodes; a microbatch whose forward built some uses the s
 (``I`` computes all but their weight gradients), one whose forward built none (any
 other module) the graph split (``I`` computes the input gradients only). A
 microbatch-chunk counts as held from its forward until its ``W``.
+
+An asynchronous schedule also steps the optimizer among its actions (``U``, through
+:attr:`PipelineHooks.update`) and runs each microbatch on the weights version the
+schedule gives it, kept by a :class:`~megapp.pipeline_parallel.weight_stash.WeightStash`.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from megapp.pipeline_parallel.weight_grads import (
     collect_weight_grads,
     split_forward,
 )
+from megapp.pipeline_parallel.weight_stash import WeightStash
 
 LossFunc = Callable[[Any], torch.Tensor]
 ForwardStepFunc = Callable[
@@ -55,10 +60,13 @@ class PipelineHooks:
         enabled for the action that follows (see :func:`sync_actions`).
     post_backward(): runs once after every backward of the iteration, e.g. to
         all-reduce the tied embedding's gradient between first and last stage.
+    update(step): an asynchronous schedule's optimizer step ``step`` of this rank
+        (reduce the gradients, step, zero them); they are complete when it runs.
     """
 
     before_backward: Callable[[int, bool], None] | None = None
     post_backward: Callable[[], None] | None = None
+    update: Callable[[int], None] | None = None
 
 
 @dataclass
@@ -71,7 +79,8 @@ class Outgoing:
 
 
 def sync_actions(actions: Sequence[Action], num_chunks: int, single_stage: bool) -> set[Action]:
-    """The actions before which a chunk's data-parallel reduction is enabled.
+    """The actions before which a chunk's data-parallel reduction is enabled: for each
+    update ``U`` (and the end), of the actions since the previous one,
 
     Reduction of a bucket starts once every parameter in it has had a gradient while
     reduction is enabled (:class:`~megapp.distributed.ddp.DistributedDataParallel`), so
@@ -85,6 +94,20 @@ def sync_actions(actions: Sequence[Action], num_chunks: int, single_stage: bool)
     embedding's weight gets gradients from both the lookup (``I``) and the output layer
     (``W``).
     """
+    enabled: set[Action] = set()
+    segment: list[Action] = []
+    for action in [*actions, None]:
+        if action is None or action.op is Op.UPDATE:
+            enabled |= _sync_before_update(segment, num_chunks, single_stage)
+            segment = []
+        else:
+            segment.append(action)
+    return enabled
+
+
+def _sync_before_update(
+    actions: Sequence[Action], num_chunks: int, single_stage: bool
+) -> set[Action]:
     enabled = set()
     for chunk in range(num_chunks):
         grads = [a for a in actions if a.chunk == chunk and a.op is not Op.FORWARD]
@@ -120,6 +143,7 @@ class StageCompute:
         chunks: this rank's model chunks, by chunk index.
         shapes: records what each forward sends (and checks it against declared shapes).
         hooks: see :class:`PipelineHooks`.
+        stash: the weight versions of an asynchronous schedule (a fresh one if None).
 
     After the iteration, :attr:`losses` holds the last stage's per-microbatch losses and
     :attr:`peak` the most microbatches whose activations this rank held at once.
@@ -135,6 +159,7 @@ class StageCompute:
         chunks: Sequence[nn.Module],
         shapes: ActivationShapes,
         hooks: PipelineHooks,
+        stash: WeightStash | None = None,
     ) -> None:
         self.schedule = schedule
         self.pp_rank = pp_rank
@@ -160,16 +185,34 @@ class StageCompute:
         self.deferred: dict[tuple[int, int], DeferredWeightGrads | GraphSplit] = {}
         self.record: ForwardRecord | None = None
         self.in_flight = self.peak = 0
+        self.stash = None
+        if schedule.asynchronous:
+            if schedule.splits_backward:
+                raise ValueError(f"{schedule.name}: weight stashing needs whole backwards (B)")
+            if hooks.update is None:
+                raise ValueError(
+                    f"{schedule.name} steps the optimizer among its actions: pass "
+                    "PipelineHooks(update=...)"
+                )
+            self.stash = stash if stash is not None else WeightStash()
+            self.stash.begin(schedule, pp_rank, chunks)
         self.handlers: dict[Op, Callable[[Action], None]] = {
             Op.FORWARD: self.forward,
             Op.BACKWARD: self.backward,
             Op.INPUT_GRAD: self.input_grad,
             Op.WEIGHT_GRAD: self.weight_grad,
+            Op.UPDATE: self.update,
         }
 
     def run(self, action: Action) -> None:
         """Run ``action``: what it receives must be in :attr:`inbox`; what it sends is left
         in :attr:`outbox`."""
+        if self.stash is not None and action.op is not Op.UPDATE:
+            if action.op is Op.FORWARD:
+                self.stash.forward_weights(action.microbatch, action.chunk)
+            with self.stash.using(action.microbatch, action.chunk):
+                self.handlers[action.op](action)
+            return
         if not self.splits:
             self.handlers[action.op](action)
             return
@@ -222,8 +265,8 @@ class StageCompute:
         loss = loss_func(output)
         loss = loss[0] if isinstance(loss, tuple) else loss
         self.losses.append(loss.detach())
-        # The one place the iteration's loss is averaged over microbatches.
-        return loss / self.schedule.num_microbatches
+        # The one place the loss is averaged over the microbatches of one optimizer step.
+        return loss / self.schedule.microbatches_per_update
 
     def _gradients_in(self, action: Action):
         """Run the hook; return the forward's inputs, its outputs needing a gradient and
@@ -263,6 +306,15 @@ class StageCompute:
         run_backward(outputs, grads)
         self._send_input_grads(action, inputs)
         self.in_flight -= 1
+        if self.stash is not None:
+            self.stash.after_backward(action.microbatch, action.chunk)
+
+    def update(self, action: Action) -> None:
+        """``U``: the optimizer step the schedule puts here, keeping the weights that
+        microbatches in flight still need."""
+        self.stash.before_update()
+        self.hooks.update(action.microbatch)
+        self.stash.after_update()
 
     def input_grad(self, action: Action) -> None:
         """``I``: the inputs' gradients, sent back at once, and every parameter gradient

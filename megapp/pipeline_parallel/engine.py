@@ -41,6 +41,7 @@ from megapp.pipeline_parallel.plan import (
 from megapp.pipeline_parallel.runner import StageRunner
 from megapp.pipeline_parallel.schedules import Schedule
 from megapp.pipeline_parallel.simulate import CostModel, Event, simulate
+from megapp.pipeline_parallel.weight_stash import WeightStash
 
 __all__ = ["PipelineHooks", "PipelineResult", "forward_backward", "get_forward_backward_func"]
 
@@ -54,12 +55,17 @@ class PipelineResult:
     microbatch_losses: per-microbatch losses; only on the rank holding the last stage.
     peak_in_flight: most microbatch activations this rank held at once.
     events: this rank's timeline when recording was asked for.
+    weight_versions: most weight versions this rank held at once, the current ones
+        included (1 but for the asynchronous schedules).
+    weight_copies: most frozen copies of its weights this rank kept beside the live ones.
     """
 
     loss: torch.Tensor
     microbatch_losses: list[torch.Tensor] = field(default_factory=list)
     peak_in_flight: int = 0
     events: list[Event] = field(default_factory=list)
+    weight_versions: int = 1
+    weight_copies: int = 0
 
 
 @functools.lru_cache(maxsize=64)
@@ -97,6 +103,7 @@ def forward_backward(
     record: bool = False,
     device: torch.device | str | None = None,
     timeout: float | None = None,
+    weight_stash: WeightStash | None = None,
 ) -> PipelineResult:
     """Run one iteration (forward and backward of ``num_microbatches``) on this rank.
 
@@ -118,6 +125,9 @@ def forward_backward(
         device: where received tensors live (default: cuda if available, else cpu).
         timeout: seconds to wait for one batch of messages before failing (default:
             the process group's timeout), so a dead or stuck peer fails this rank too.
+        weight_stash: for an asynchronous schedule (PipeDream, 2BW), the weight versions
+            this rank keeps; pass the same one to every call so that 2BW's delay spans
+            them (a fresh one starts it afresh).
 
     Gradients accumulate into the chunks' parameters as ``d(mean loss)/dθ``.
     """
@@ -189,11 +199,13 @@ def forward_backward(
         tensor_shapes=tensor_shapes,
         hooks=hooks,
         clock=clock,
+        stash=weight_stash,
     )
     if distributed and p > 1 and transport.posts_batches:
         _check_blocking(sched)
     plan, delivered = _plan(sched)
     runner.run(plan[pp_rank], delivered[pp_rank])
+    stash = runner.compute.stash
     if not forward_only and hooks.post_backward is not None:
         hooks.post_backward()
 
@@ -208,6 +220,8 @@ def forward_backward(
         loss=loss,
         microbatch_losses=runner.compute.losses,
         peak_in_flight=runner.compute.peak,
+        weight_versions=stash.peak_versions if stash else 1,
+        weight_copies=stash.peak_copies if stash else 0,
         events=runner.events if record else [],
     )
 

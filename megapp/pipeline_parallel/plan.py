@@ -186,6 +186,7 @@ def delivered_sends(plan: list[list[Step]]) -> list[list[tuple[Message, ...]]]:
 def communication_plan(schedule: Schedule) -> list[list[Step]]:
     """:func:`rank_plan` for every rank, after :func:`check_actions` and :func:`check_fifo`."""
     check_actions(schedule)
+    check_updates(schedule)
     channels = send_order(schedule)
     plan = [rank_plan(schedule, rank, channels) for rank in range(schedule.num_stages)]
     check_fifo(plan)
@@ -194,7 +195,8 @@ def communication_plan(schedule: Schedule) -> list[list[Step]]:
 
 def check_actions(schedule: Schedule) -> None:
     """Every (microbatch, chunk) runs its forward once, then either one backward ``B`` or
-    an input-gradient ``I`` followed by a weight-gradient ``W``, on every rank."""
+    an input-gradient ``I`` followed by a weight-gradient ``W``, on every rank; updates
+    are as :func:`check_updates` says."""
     if len(schedule.actions) != schedule.num_stages:
         raise ScheduleError(
             f"{schedule.name}: {len(schedule.actions)} action lists for "
@@ -209,6 +211,8 @@ def check_actions(schedule: Schedule) -> None:
         _check_local_order(schedule, rank, actions)
         seen: dict[tuple[int, int], list[Op]] = {}
         for action in actions:
+            if action.op is Op.UPDATE:
+                continue
             key = (action.microbatch, action.chunk)
             if key not in pairs:
                 raise ScheduleError(f"{schedule.name}: rank {rank} runs {action}, out of range")
@@ -223,6 +227,50 @@ def check_actions(schedule: Schedule) -> None:
                     f"every microbatch and chunk must run as one of {', '.join(allowed)}, "
                     "in that order"
                 )
+
+
+def check_updates(schedule: Schedule) -> None:
+    """A schedule that steps among its actions (``U``) numbers its steps 0, 1, ... on
+    every rank, each after exactly ``update_interval`` more microbatches' backwards
+    (per chunk) and the last after the last backward; every forward uses a weights
+    version the rank has already made (at most its steps so far, at least -1)."""
+    name, every = schedule.name, schedule.update_interval
+    has_updates = any(a.op is Op.UPDATE for acts in schedule.actions for a in acts)
+    if not schedule.asynchronous:
+        if has_updates or schedule.versions:
+            raise ScheduleError(f"{name}: updates and weight versions need an update_interval")
+        return
+    if schedule.forward_only:
+        raise ScheduleError(f"{name}: a forward-only schedule takes no optimizer steps")
+    if len(schedule.versions) != schedule.num_stages or any(
+        len(row) != schedule.num_microbatches for row in schedule.versions
+    ):
+        raise ScheduleError(f"{name}: versions must list every microbatch for every rank")
+    counts = set()
+    for rank, actions in enumerate(schedule.actions):
+        steps = backwards = 0
+        for action in actions:
+            if action.op is Op.UPDATE:
+                if action.microbatch != steps or backwards != every * schedule.num_chunks:
+                    raise ScheduleError(
+                        f"{name}: rank {rank} runs {action} as step {steps} after {backwards} "
+                        f"backwards; each step must follow {every} per chunk, numbered in order"
+                    )
+                steps, backwards = steps + 1, 0
+            elif action.op in (Op.BACKWARD, Op.WEIGHT_GRAD):
+                backwards += 1
+            elif action.op is Op.FORWARD:
+                version = schedule.version(rank, action.microbatch)
+                if not -1 <= version <= steps:
+                    raise ScheduleError(
+                        f"{name}: rank {rank} runs {action} on weights version {version}, but "
+                        f"has made versions -1..{steps} so far"
+                    )
+        if backwards:
+            raise ScheduleError(f"{name}: rank {rank} ends with {backwards} gradients unapplied")
+        counts.add(steps)
+    if len(counts) > 1:
+        raise ScheduleError(f"{name}: ranks take different numbers of steps: {sorted(counts)}")
 
 
 def _check_local_order(schedule: Schedule, rank: int, actions) -> None:

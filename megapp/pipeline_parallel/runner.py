@@ -34,6 +34,7 @@ from megapp.pipeline_parallel.schedules import Action, Schedule
 from megapp.pipeline_parallel.sends import InFlightSends
 from megapp.pipeline_parallel.shapes import ActivationShapes, peer_of
 from megapp.pipeline_parallel.simulate import Event
+from megapp.pipeline_parallel.weight_stash import WeightStash
 
 __all__ = ["ForwardStepFunc", "PipelineHooks", "StageRunner"]
 
@@ -51,6 +52,7 @@ class StageRunner:
         tensor_shapes: the shapes every stage sends, or ``None`` to negotiate them.
         hooks: see :class:`PipelineHooks`.
         clock: seconds since the iteration's time origin, for :attr:`events`.
+        stash: an asynchronous schedule's weight versions, kept between runs.
 
     After :meth:`run`, :attr:`compute` holds the losses and the peak number of
     microbatches in flight, and :attr:`events` the timeline of this rank's actions
@@ -69,6 +71,7 @@ class StageRunner:
         tensor_shapes: Sequence[TensorSpec] | None,
         hooks: PipelineHooks,
         clock: Callable[[], float],
+        stash: WeightStash | None = None,
     ) -> None:
         self.pp_rank = pp_rank
         self.transport = transport
@@ -84,6 +87,7 @@ class StageRunner:
             chunks=chunks,
             shapes=self.shapes,
             hooks=hooks,
+            stash=stash,
         )
         self.events: list[Event] = []
 
@@ -149,6 +153,8 @@ class StageRunner:
 
     def finish(self) -> None:
         """Wait for every send still in flight."""
+        if self.compute.stash is not None:
+            self.compute.stash.finish()
         try:
             self.sends.wait_all()
             self.transport.finish_headers()

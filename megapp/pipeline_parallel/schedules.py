@@ -16,6 +16,10 @@ stage ``2p - 1 - r``, so the first and the last stage share rank 0.
 A backward is either one action (``B``) or split in two: ``I`` computes the
 gradient of the stage's input, which is sent upstream at once, and ``W`` the
 gradients of the weights, later, wherever the rank would otherwise idle.
+
+The asynchronous schedules (:mod:`megapp.pipeline_parallel.asynchronous`) also
+list the optimizer steps (``U``) among a rank's actions, and say which version of
+the weights each forward uses; the flushed ones step once, after the schedule.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ class Op(str, Enum):
     BACKWARD = "B"
     INPUT_GRAD = "I"
     WEIGHT_GRAD = "W"
+    UPDATE = "U"
 
     @property
     def sends_gradient(self) -> bool:
@@ -41,7 +46,8 @@ class Op(str, Enum):
 
 @dataclass(frozen=True, order=True)
 class Action:
-    """One compute step on one rank: ``op`` of ``microbatch`` through model ``chunk``."""
+    """One compute step on one rank: ``op`` of ``microbatch`` through model ``chunk``.
+    An update ``U`` numbers the rank's optimizer steps instead: ``U3`` is its fourth."""
 
     op: Op
     microbatch: int
@@ -80,6 +86,13 @@ class Schedule:
         forward_only: evaluation: the forwards alone, in the same order.
         placement: ``placement[rank][chunk]`` is the virtual stage that chunk runs
             (default: :func:`looped_placement`).
+        update_interval: microbatches whose gradients one optimizer step ``U`` applies, for
+            schedules that step among their actions (0: one step after the schedule, with
+            every microbatch's gradient).
+        versions: ``versions[rank][microbatch]``: how many of the rank's steps the weights
+            that microbatch's forward (and so its backward) uses have seen; -1 is the
+            weights one step before those the schedule starts from. Empty: the current
+            weights, always.
     """
 
     name: str
@@ -91,6 +104,8 @@ class Schedule:
     paired_steady_state: bool = False
     forward_only: bool = False
     placement: tuple[tuple[int, ...], ...] = ()
+    update_interval: int = 0
+    versions: tuple[tuple[int, ...], ...] = ()
     _where: dict[int, tuple[int, int]] = field(
         default_factory=dict, init=False, repr=False, compare=False, hash=False
     )
@@ -117,6 +132,21 @@ class Schedule:
             object.__setattr__(self, "warmup", warmup)
 
     @property
+    def asynchronous(self) -> bool:
+        """Whether the schedule runs its own optimizer steps (no flush between them)."""
+        return self.update_interval > 0
+
+    @property
+    def microbatches_per_update(self) -> int:
+        """Microbatches whose mean loss one optimizer step descends."""
+        return self.update_interval or self.num_microbatches
+
+    def version(self, rank: int, microbatch: int) -> int:
+        """The weights version the forward of ``microbatch`` on ``rank`` uses (0 without
+        versions: the weights the schedule starts from)."""
+        return self.versions[rank][microbatch] if self.versions else 0
+
+    @property
     def num_virtual_stages(self) -> int:
         return self.num_stages * self.num_chunks
 
@@ -135,11 +165,17 @@ class Schedule:
         return self._where[virtual_stage][1]
 
     def without_backward(self) -> Schedule:
-        """The same forwards in the same order, for evaluation."""
+        """The same forwards in the same order, for evaluation (with the current weights)."""
         forwards = tuple(tuple(a for a in acts if a.op is Op.FORWARD) for acts in self.actions)
         warmup = tuple(len(acts) for acts in forwards)
         return replace(
-            self, actions=forwards, warmup=warmup, paired_steady_state=False, forward_only=True
+            self,
+            actions=forwards,
+            warmup=warmup,
+            paired_steady_state=False,
+            forward_only=True,
+            update_interval=0,
+            versions=(),
         )
 
     def __str__(self) -> str:

@@ -41,6 +41,9 @@ class CostModel:
     ``weight_grad_memory`` the share of it a deferred ``W`` keeps alive after its
     ``I`` (the inputs of the weight matmuls; 1.0 counts the whole until ``W``).
 
+    ``update`` is the time of an optimizer step ``U`` of the asynchronous schedules (a
+    number, or one per rank).
+
     ``blocking_sends``: a step waits until its sends have met their receives too
     (NCCL, where a batch of messages completes as one); False models sends that
     finish in the background (gloo), as the engine runs there.
@@ -54,8 +57,11 @@ class CostModel:
     weight_grad_memory: float = 1.0
     blocking_sends: bool = True
     activation: float | Sequence[Sequence[float]] = 1.0
+    update: float | Sequence[float] = 0.0
 
     def time(self, rank: int, action: Action) -> float:
+        if action.op is Op.UPDATE:
+            return float(self.update if isinstance(self.update, int | float) else self.update[rank])
         if action.op is Op.FORWARD:
             return _lookup(self.forward, rank, action.chunk)
         if action.op is Op.BACKWARD:
@@ -67,6 +73,8 @@ class CostModel:
     def memory(self, rank: int, action: Action) -> float:
         """Change in held activations once ``action`` has run on ``rank``, in units of
         ``activation`` (default: one per microbatch-chunk)."""
+        if action.op is Op.UPDATE:
+            return 0.0
         size = _lookup(self.activation, rank, action.chunk)
         if action.op is Op.FORWARD:
             return size

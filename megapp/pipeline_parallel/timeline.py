@@ -44,7 +44,7 @@ def write_chrome_trace(events: Sequence[Event], path: str | Path, time_unit_s: f
     Path(path).write_text(json.dumps(chrome_trace(events, time_unit_s)))
 
 
-_COLORS = {"F": "#4c78a8", "B": "#f58518", "I": "#e45756", "W": "#54a24b"}
+_COLORS = {"F": "#4c78a8", "B": "#f58518", "I": "#e45756", "W": "#54a24b", "U": "#b279a2"}
 
 
 def _color(name: str) -> str:
@@ -58,7 +58,8 @@ def plot_timelines(
     """A Gantt chart per (title, events), stacked with a shared time axis, saved as PNG.
 
     Forwards are blue, backwards orange (split: input gradients red, weight gradients
-    green), communication waits grey hatches.
+    green), optimizer steps of the asynchronous schedules purple, communication waits
+    grey hatches.
     """
     try:
         import matplotlib
