@@ -69,8 +69,20 @@ class _Slice:
         return self.chunk.owned_weights(self.param, self.lo, self.hi)
 
 
-def _norm_groups(distributed: bool, tp_group: Group, norm_group: Group) -> tuple[Group, Group]:
+def _norm_groups(
+    distributed: bool, tp_group: Group, norm_group: Group, per_stage: bool
+) -> tuple[Group, Group]:
     """The (tp_group, norm_group) to use: the layout's, given ones checked against it."""
+    if per_stage:
+        if distributed:
+            raise ValueError(
+                "a pipeline stage that steps on its own needs the whole optimizer on each "
+                "data-parallel rank: its norm group would be the stage's tensor- and "
+                "data-parallel ranks, which no group holds; turn the distributed optimizer off"
+            )
+        if tp_group is None and ps.model_parallel_is_initialized():
+            tp_group = ps.get_tensor_model_parallel_group()
+        return tp_group, tp_group
     if not ps.model_parallel_is_initialized():
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return tp_group, norm_group
@@ -122,6 +134,8 @@ class Optimizer:
         larger one must pass them (the distributed optimizer's norm group is then every
         rank). A wrong group gives a different gradient norm per rank, so the replicas
         would drift apart silently.
+        per_stage: each pipeline stage steps on its own, at its own time (PipeDream,
+            2BW): the norm is of this stage's gradients, over the tensor-parallel group.
     """
 
     def __init__(
@@ -136,13 +150,14 @@ class Optimizer:
         grad_scaler=None,
         tp_group: Group = None,
         norm_group: Group = None,
+        per_stage: bool = False,
     ):
         self.chunks = list(chunks)
         modes = {c.use_distributed_optimizer for c in self.chunks}
         if len(modes) != 1:
             raise ValueError("all chunks must agree on use_distributed_optimizer")
         (self.distributed,) = modes
-        tp_group, norm_group = _norm_groups(self.distributed, tp_group, norm_group)
+        tp_group, norm_group = _norm_groups(self.distributed, tp_group, norm_group, per_stage)
         self.clip_grad, self.grad_scaler, self.norm_group = clip_grad, grad_scaler, norm_group
         tp_rank = comm.rank(tp_group)
         self.slices: list[_Slice] = []

@@ -109,7 +109,15 @@ def pipedream_2bw(
     actions, warmup = _no_flush(p, total, {t * m + m - 1 for t in range(iterations)})
     versions = tuple(tuple(g // m - 1 for g in range(total)) for _ in range(p))
     return Schedule(
-        "pipedream-2bw", p, total, 1, actions, warmup, update_interval=m, versions=versions
+        "pipedream-2bw",
+        p,
+        total,
+        1,
+        actions,
+        warmup,
+        update_interval=m,
+        iterations=iterations,
+        versions=versions,
     )
 
 

@@ -81,3 +81,19 @@ def build_schedule(
 def default_schedule(num_chunks: int) -> str:
     """Megatron's choice: 1F1B, interleaved with several chunks per rank."""
     return "interleaved-1f1b" if num_chunks > 1 else "1f1b"
+
+
+def asynchronous_run(schedule: Schedule, iterations: int) -> Schedule:
+    """``schedule`` (PipeDream or 2BW, over any number of iterations) over ``iterations``
+    iterations of the same microbatches each, without a flush."""
+    if not schedule.asynchronous:
+        raise ValueError(f"{schedule.name} flushes after every iteration")
+    vertical_sync = schedule.name == "pipedream-vsync"
+    return build_schedule(
+        "pipedream" if vertical_sync else schedule.name,
+        schedule.num_stages,
+        schedule.num_microbatches // schedule.iterations,
+        schedule.num_chunks,
+        iterations=iterations,
+        vertical_sync=vertical_sync,
+    )

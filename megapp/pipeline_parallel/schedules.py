@@ -89,6 +89,8 @@ class Schedule:
         update_interval: microbatches whose gradients one optimizer step ``U`` applies, for
             schedules that step among their actions (0: one step after the schedule, with
             every microbatch's gradient).
+        iterations: the training iterations the actions span, ``num_microbatches /
+            iterations`` microbatches each (1 but for the asynchronous schedules).
         versions: ``versions[rank][microbatch]``: how many of the rank's steps the weights
             that microbatch's forward (and so its backward) uses have seen; -1 is the
             weights one step before those the schedule starts from. Empty: the current
@@ -105,6 +107,7 @@ class Schedule:
     forward_only: bool = False
     placement: tuple[tuple[int, ...], ...] = ()
     update_interval: int = 0
+    iterations: int = 1
     versions: tuple[tuple[int, ...], ...] = ()
     _where: dict[int, tuple[int, int]] = field(
         default_factory=dict, init=False, repr=False, compare=False, hash=False

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 import torch
 
 from megapp.models.gpt import GPTConfig
+from megapp.pipeline_parallel.asynchronous import stash_profile
+from megapp.pipeline_parallel.catalog import asynchronous_run
 from megapp.pipeline_parallel.partition import split_layers
 from megapp.pipeline_parallel.schedules import Op
 from megapp.planning.activations import (
@@ -60,10 +62,11 @@ class RankMemory:
     activations: float  # held for backward at the peak
     working: float  # the running action's temporaries at the peak
     in_flight: float  # microbatch-chunks held at the peak
+    stashed: float = 0.0  # frozen copies of the weights (PipeDream, 2BW)
 
     @property
     def state(self) -> float:
-        return self.weights + self.grads + self.optimizer
+        return self.weights + self.grads + self.optimizer + self.stashed
 
     @property
     def total(self) -> float:
@@ -209,6 +212,9 @@ def predict_memory(
             last_stage_layers=last_stage_layers,
         )
     ]
+    run = None  # an asynchronous schedule over the iterations between two flushes
+    if schedule.asynchronous:
+        run = asynchronous_run(schedule, config.parallel.pipeline_flush_interval)
     out = []
     for rank, stages in enumerate(schedule.placement):
         params = rank_parameters(
@@ -236,6 +242,8 @@ def predict_memory(
             stores.append(weight_grad_store_bytes(model, layers[stage], last, s, b))
         held, in_flight, peak = 0.0, 0.0, (0.0, 0.0, 0.0)
         for action in schedule.actions[rank]:
+            if action.op is Op.UPDATE:
+                continue
             stage = stages[action.chunk]
             size, store = sizes[action.chunk], stores[action.chunk]
             last = stage == num_stages - 1
@@ -250,8 +258,18 @@ def predict_memory(
                 held, in_flight = held - store, in_flight - 1
             elif action.op is Op.BACKWARD:
                 held, in_flight = held - size, in_flight - 1
+        copies = stash_profile(run, rank)[1] if run is not None else 0
         out.append(
-            RankMemory(rank, state.weights, state.grads, state.optimizer, peak[0], peak[1], peak[2])
+            RankMemory(
+                rank,
+                state.weights,
+                state.grads,
+                state.optimizer,
+                peak[0],
+                peak[1],
+                peak[2],
+                stashed=copies * state.weights,
+            )
         )
     return out
 

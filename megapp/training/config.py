@@ -120,7 +120,12 @@ class PretrainConfig:
         object.__setattr__(self, name, value)  # derived once, while the frozen config is built
 
     def _build_schedule(self, pp: int, vpp: int | None, gbs: int, mbs: int, dp: int):
-        from megapp.pipeline_parallel.catalog import V_SHAPED, build_schedule, default_schedule
+        from megapp.pipeline_parallel.catalog import (
+            ASYNC_SCHEDULES,
+            V_SHAPED,
+            build_schedule,
+            default_schedule,
+        )
         from megapp.training.auto_schedule import PROBE
 
         par = self.parallel
@@ -138,6 +143,12 @@ class PretrainConfig:
                 f"--pipeline-schedule {name} runs two model chunks per pipeline rank, placed in "
                 f"a V; {hint}"
             )
+        if par.vertical_sync and name != "pipedream":
+            raise ArgumentsError(
+                f"--vertical-sync applies to --pipeline-schedule pipedream, not {name}"
+            )
+        if name in ASYNC_SCHEDULES:
+            self._check_asynchronous(name, pp, vpp)
         try:
             return build_schedule(
                 name,
@@ -145,6 +156,7 @@ class PretrainConfig:
                 self.num_microbatches,
                 vpp or 1,
                 group_size=par.microbatch_group_size_per_virtual_pipeline_stage,
+                vertical_sync=par.vertical_sync,
             )
         except ValueError as error:
             raise ArgumentsError(
@@ -153,6 +165,36 @@ class PretrainConfig:
                 f"{name} schedule cannot run: {as_flags(str(error))}; change the global "
                 "batch size or the schedule"
             ) from error
+
+    def _check_asynchronous(self, name: str, pp: int, vpp: int | None) -> None:
+        """What PipeDream and 2BW, whose stages step on their own, cannot run with."""
+        par = self.parallel
+        refusals = [
+            (vpp is not None, "virtual pipeline stages: it runs one model chunk per rank"),
+            (
+                par.zero_stage > 0 or par.use_distributed_optimizer,
+                "ZeRO (--zero-stage, --use-distributed-optimizer): the sharded optimizer's "
+                "gradient norm and weight gathers span ranks that step at other times; "
+                "use --zero-stage 0",
+            ),
+            (
+                self.precision.fp16,
+                "--fp16: a skipped step must be skipped by every stage at once; use --bf16",
+            ),
+            (
+                pp > 1 and self.optimizer.clip_grad > 0,
+                "clipping by the global gradient norm, which needs every stage's gradients "
+                "of a step at once; pass --clip-grad 0",
+            ),
+            (
+                pp > 1 and not self.model.untie_embeddings_and_output_weights,
+                "a word embedding tied across stages, whose two copies would step at "
+                "different times; pass --untie-embeddings-and-output-weights",
+            ),
+        ]
+        for refused, why in refusals:
+            if refused:
+                raise ArgumentsError(f"--pipeline-schedule {name} cannot run with {why}")
 
     def _derive(self) -> None:
         from megapp.optimizer.lr_scheduler import check_schedule

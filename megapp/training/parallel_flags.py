@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megapp.pipeline_parallel.catalog import SCHEDULES
+from megapp.pipeline_parallel.catalog import ASYNC_SCHEDULES, SCHEDULES
 from megapp.training.flag_groups import ArgumentsError, arg, require_positive
 
 
@@ -20,9 +20,18 @@ class ParallelArgs:
     pipeline_schedule: str | None = arg(
         None,
         "default 1f1b, interleaved-1f1b with virtual stages; zb-v and dualpipev place two "
-        "chunks per rank in a V; auto times one zb-h1 iteration and searches",
+        "chunks per rank in a V; auto times one zb-h1 iteration and searches; pipedream and "
+        "pipedream-2bw never flush and step each stage on its own (a different update rule)",
         kind=str,
-        choices=(*SCHEDULES, "auto"),
+        choices=(*SCHEDULES, *ASYNC_SCHEDULES, "auto"),
+    )
+    vertical_sync: bool = arg(
+        False, "pipedream: every stage runs a microbatch on the weights the first stage used"
+    )
+    pipeline_flush_interval: int = arg(
+        8,
+        "pipedream, pipedream-2bw: iterations run between two flushes of the pipeline "
+        "(fewer before an evaluation, a checkpoint, an exit or a profiled iteration)",
     )
     microbatch_group_size_per_virtual_pipeline_stage: int | None = arg(
         None, "interleaved-1f1b: microbatches per group (default: from --pp up)", kind=int
@@ -50,6 +59,7 @@ class ParallelArgs:
                 "num_layers_per_virtual_pipeline_stage",
                 "microbatch_group_size_per_virtual_pipeline_stage",
                 "ddp_bucket_size",
+                "pipeline_flush_interval",
             ),
         )
         if not self.distributed_timeout_minutes > 0:

@@ -29,7 +29,9 @@ from megapp import parallel_state as ps
 from megapp.parallel_state import TrainGroups
 from megapp.pipeline_parallel.compute import ForwardStepFunc
 from megapp.pipeline_parallel.p2p import TensorSpec
+from megapp.pipeline_parallel.weight_stash import WeightStash
 from megapp.training import checkpoints, hf_start
+from megapp.training.async_step import run_length, train_run
 from megapp.training.auto_schedule import choose_schedule
 from megapp.training.checkpoints import TrainState
 from megapp.training.config import PretrainConfig
@@ -51,7 +53,7 @@ from megapp.training.metrics import (
     perplexity,
 )
 from megapp.training.setup import TrainingSetup, build_training_setup
-from megapp.training.step import train_step
+from megapp.training.step import TrainStepResult, train_step
 
 DatasetsProvider = Callable[[PretrainConfig, Sequence[int]], tuple[Any, Any, Any]]
 """``(config, [train, valid, test] sample counts) -> (train, valid, test)`` datasets (or None)."""
@@ -109,6 +111,7 @@ class Trainer:
         self.tensor_shapes = pipeline_tensor_shapes(config)
         self.schedule = config.schedule
         self.searching = config.parallel.pipeline_schedule == "auto"  # times the first
+        self.stash = WeightStash()  # the weight versions of an asynchronous schedule
 
     def _sync(self) -> float:
         if self.device.type == "cuda":
@@ -117,44 +120,33 @@ class Trainer:
 
     def train(self, train_iterators) -> bool:
         """Train to ``--train-iters``; True when ``--exit-interval`` stopped it early."""
-        config, setup, state, interval = self.config, self.setup, self.state, _Interval()
+        config, state, interval = self.config, self.state, _Interval()
         training, logging, ckpt = config.training, config.logging, config.checkpoint
         while state.iteration < training.train_iters:
-            lr = setup.optimizer.param_groups[0]["lr"]  # the rate this iteration applies
             with self._profiling(state.iteration + 1) as measuring:
                 start = self._sync()
-                result = train_step(
-                    self.forward_step_func,
-                    train_iterators,
-                    setup.chunks,
-                    setup.optimizer,
-                    num_microbatches=config.num_microbatches,
-                    groups=setup.groups,
-                    schedule=self.schedule,
-                    lr_scheduler=setup.scheduler,
-                    tensor_shapes=self.tensor_shapes,
-                    record=self.searching or isinstance(measuring, TimedIteration),
-                )
-                seconds = self._sync() - start
-            self._after_profiling(measuring, result.events, state.iteration + 1)
-            interval.seconds += seconds
-            interval.profiled |= isinstance(measuring, MemoryIteration)
-            if self.searching:
-                self.schedule, line = choose_schedule(self.schedule, result.events, seconds)
-                self.searching = False
-                print_rank_0(line)
-            state.iteration += 1
-            state.consumed_train_samples += training.global_batch_size
-            interval.iterations += 1
-            interval.skipped += int(result.skipped)
-            if not math.isfinite(result.loss):
-                interval.nan += 1
-            elif not result.skipped:
-                interval.advanced += 1
-                interval.loss_sum += result.loss
-            if state.iteration % logging.log_interval == 0:
-                self.log(interval, lr, result.grad_norm)
-                interval = _Interval()
+                results = self._run(train_iterators, measuring)
+                seconds = (self._sync() - start) / len(results)
+            self._after_profiling(measuring, results[0][0].events, state.iteration + 1)
+            for result, lr in results:
+                interval.seconds += seconds
+                interval.profiled |= isinstance(measuring, MemoryIteration)
+                if self.searching:
+                    self.schedule, line = choose_schedule(self.schedule, result.events, seconds)
+                    self.searching = False
+                    print_rank_0(line)
+                state.iteration += 1
+                state.consumed_train_samples += training.global_batch_size
+                interval.iterations += 1
+                interval.skipped += int(result.skipped)
+                if not math.isfinite(result.loss):
+                    interval.nan += 1
+                elif not result.skipped:
+                    interval.advanced += 1
+                    interval.loss_sum += result.loss
+                if state.iteration % logging.log_interval == 0:
+                    self.log(interval, lr, result.grad_norm)
+                    interval = _Interval()
             if logging.eval_iters and state.iteration % logging.eval_interval == 0:
                 self.evaluate("valid", f"iteration {state.iteration}")
             saved = False
@@ -167,6 +159,40 @@ class Trainer:
                 print_rank_0(f" > exiting after iteration {state.iteration} (--exit-interval)")
                 return True
         return False
+
+    def _run(self, train_iterators, measuring) -> list[tuple[TrainStepResult, float]]:
+        """The next iteration, or with an asynchronous schedule the next run of them
+        (:mod:`~megapp.training.async_step`): each one's result and learning rate."""
+        config, setup = self.config, self.setup
+        record = self.searching or isinstance(measuring, TimedIteration)
+        if not self.schedule.asynchronous:
+            lr = setup.optimizer.param_groups[0]["lr"]  # the rate this iteration applies
+            result = train_step(
+                self.forward_step_func,
+                train_iterators,
+                setup.chunks,
+                setup.optimizer,
+                num_microbatches=config.num_microbatches,
+                groups=setup.groups,
+                schedule=self.schedule,
+                lr_scheduler=setup.scheduler,
+                tensor_shapes=self.tensor_shapes,
+                record=record,
+            )
+            return [(result, lr)]
+        return train_run(
+            self.forward_step_func,
+            train_iterators,
+            setup.chunks,
+            setup.optimizer,
+            schedule=self.schedule,
+            iterations=run_length(config, self.state.iteration),
+            groups=setup.groups,
+            stash=self.stash,
+            lr_scheduler=setup.scheduler,
+            tensor_shapes=self.tensor_shapes,
+            record=record,
+        )
 
     def _profiling(self, iteration: int):
         """What measures ``iteration`` for ``--profile-iteration``: its timeline, or the
@@ -300,6 +326,7 @@ def pretrain(
         use_distributed_optimizer=config.parallel.use_distributed_optimizer,
         zero_stage=config.parallel.zero_stage,
         device=device,
+        per_stage_steps=config.schedule.asynchronous,
     )
     print_rank_0(_describe_layout(config, setup))
     trainer = Trainer(config, forward_step_func, setup, device, flops_per_iteration)

@@ -61,6 +61,7 @@ def build_training_setup(
     seed: int = 1234,
     device: torch.device | str = "cpu",
     stages: Sequence[int] | None = None,
+    per_stage_steps: bool = False,
 ) -> TrainingSetup:
     """Chunks, optimizer and schedule of this rank under the current
     :mod:`megapp.parallel_state` layout (call ``initialize_model_parallel`` first; a single
@@ -72,7 +73,8 @@ def build_training_setup(
     ``zero_stage``: 1 shards the optimizer states over data-parallel ranks (what
     ``use_distributed_optimizer`` asks too), 2 also the gradients, 3 also the weights.
     ``stages``: the virtual stage of each GPT chunk on this rank (a schedule's
-    ``placement[pp_rank]``; default the looped placement).
+    ``placement[pp_rank]``; default the looped placement). ``per_stage_steps``: each
+    pipeline stage steps its optimizer on its own (the asynchronous schedules).
     """
     if zero_stage not in ZERO_STAGES:
         raise ValueError(f"zero_stage must be one of {ZERO_STAGES}, got {zero_stage}")
@@ -121,6 +123,7 @@ def build_training_setup(
         eps=optimizer.adam_eps,
         clip_grad=optimizer.clip_grad or None,
         grad_scaler=build_grad_scaler(precision),
+        per_stage=per_stage_steps,
     )
     scheduler = LRScheduler(
         adamw,
