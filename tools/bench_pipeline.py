@@ -17,6 +17,8 @@ the cost per action. Each schedule with a peer in ``torch.distributed.pipelining
 ScheduleInterleavedZeroBubble for zb-h1, ScheduleZBVZeroBubble, ScheduleDualPipeV)
 runs the same chunks, activations and microbatches there too. ``auto`` is the
 schedule search, fed with the per-action times of one recorded zb-h1 iteration.
+``pipedream`` and ``pipedream-2bw`` run ``--iterations`` iterations per call with no
+flush between them (their steps do nothing here); every time is per iteration.
 An iteration is timed the same way for both: barrier, one forward/backward call on
 every rank, the slowest rank's time. One extra untimed megapp iteration with
 ``record=True`` gives the measured per-action times, which the simulator replays
@@ -34,6 +36,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from megapp.pipeline_parallel import CostModel, Schedule, build_schedule, simulate
+from megapp.pipeline_parallel.catalog import ASYNC_SCHEDULES
 from megapp.pipeline_parallel.catalog import SCHEDULES as BUILT_IN
 from megapp.pipeline_parallel.schedule_search import costs_from_events, search_schedule
 from megapp.pipeline_parallel.timeline import plot_timelines, write_chrome_trace
@@ -59,8 +62,8 @@ from pipeline_sleep import (
     torch_runner,
 )
 
-SCHEDULES = (*BUILT_IN, "auto")
-ONE_CHUNK = ("gpipe", "1f1b", "zb-h2")  # the rest take --chunks (the V: two)
+SCHEDULES = (*BUILT_IN, *ASYNC_SCHEDULES, "auto")
+ONE_CHUNK = ("gpipe", "1f1b", "zb-h2", *ASYNC_SCHEDULES)  # the rest take --chunks (the V: two)
 
 
 @dataclass
@@ -100,7 +103,7 @@ def _gathered_events(result) -> list:
 
 def _mean_times(events) -> tuple[float, float]:
     """Mean forward and backward (``B``, or ``I`` + ``W``) durations over every rank."""
-    total: dict[str, list[float]] = {"F": [], "B": [], "I": [], "W": []}
+    total: dict[str, list[float]] = {"F": [], "B": [], "I": [], "W": [], "U": []}
     for e in events:
         total[e.name[0]].append(e.end - e.start)
     mean = {k: sum(v) / len(v) if v else 0.0 for k, v in total.items()}
@@ -154,19 +157,22 @@ def searched_schedule(cfg: Config, args, latency: float) -> tuple[Schedule, str]
 def schedule_for(cfg: Config, args, latency: float) -> tuple[Schedule, str]:
     if cfg.schedule == "auto":
         return searched_schedule(cfg, args, latency)
-    return build_schedule(cfg.schedule, dist.get_world_size(), cfg.m, cfg.v), ""
+    runs = {"iterations": cfg.iterations} if cfg.asynchronous else {}
+    return build_schedule(cfg.schedule, dist.get_world_size(), cfg.m, cfg.v, **runs), ""
 
 
 def bench(cfg: Config, args, latency: float, iters: int, warmup: int, negotiated: bool) -> Row:
     """megapp (declared and, with ``negotiated``, negotiated shapes) and torch, timed in
-    alternating rounds; then one untimed megapp iteration with ``record=True``."""
+    alternating rounds; then one untimed megapp iteration with ``record=True``. Times are
+    per iteration: an asynchronous schedule's call runs ``cfg.iterations`` of them."""
     p, size, hidden = dist.get_world_size(), args.micro_batch_size, args.hidden
     row = Row(cfg, 2 * cfg.m * cfg.v)
-    row.formula = (cfg.m + (p - 1) / cfg.v) * (cfg.tf + cfg.tb)
+    k = cfg.iterations if cfg.asynchronous else 1
+    row.formula = (k * cfg.m + (p - 1) / cfg.v) * (cfg.tf + cfg.tb) / k
     schedule, row.searched = schedule_for(cfg, args, latency)
     row.actions_per_rank = len(schedule.actions[0])
     nominal = simulate(schedule, nominal_costs(cfg, p, latency))
-    row.simulated, row.bubble = nominal.makespan, nominal.bubble_fraction
+    row.simulated, row.bubble = nominal.makespan / k, nominal.bubble_fraction
     row.peak = max(nominal.peak_in_flight)
     runs = {"megapp": megapp_runner(cfg, size, hidden, schedule=schedule)}
     if negotiated:
@@ -176,7 +182,7 @@ def bench(cfg: Config, args, latency: float, iters: int, warmup: int, negotiated
             runs["torch"] = torch_runner(cfg, size, hidden)
         except Exception as err:  # a configuration torch refuses (on every rank): report it
             row.torch_error = f"{type(err).__name__}: {err}".splitlines()[0][:120]
-    calls = {name: (lambda run=run: iteration(run)[0]) for name, run in runs.items()}
+    calls = {name: (lambda run=run: iteration(run)[0] / k) for name, run in runs.items()}
     times = interleaved(calls, iters, warmup=warmup)
     row.megapp = times["megapp"]
     row.megapp_negotiated = times.get("negotiated", [])
@@ -185,7 +191,7 @@ def bench(cfg: Config, args, latency: float, iters: int, warmup: int, negotiated
     events = _gathered_events(recorded)
     row.forward_s, row.backward_s = _mean_times(events)
     measured = costs_from_events(schedule, events, p2p_latency=latency, blocking_sends=False)
-    row.simulated_measured = simulate(schedule, measured).makespan
+    row.simulated_measured = simulate(schedule, measured).makespan / k
     return row
 
 
@@ -209,7 +215,7 @@ def configs(args, tf: float, tb: float, tw: float) -> list[Config]:
         for name in args.schedules:
             v = 1 if name in ONE_CHUNK else (2 if name in ("zb-v", "dualpipev") else args.chunks)
             scales = (args.first_stage_scale, args.last_stage_scale)
-            out.append(Config(name, m, v, tf, tb, tw, *scales))
+            out.append(Config(name, m, v, tf, tb, tw, *scales, iterations=args.iterations))
     return out
 
 
@@ -313,6 +319,9 @@ def report(args, p, command, latencies, cold, sleep_rows, zero_rows, files, elap
             f"stage x{args.first_stage_scale:g}/x{args.last_stage_scale:g}; median of "
             f"{args.iters} rounds after {args.warmup} warmup; each round runs every "
             "implementation once, in a rotating order.\n"
+            "Times are per iteration; pipedream and pipedream-2bw run "
+            f"{args.iterations} iterations per call without a flush, so their formula is "
+            "(k m + (p-1)/v)(tf + tb) / k for k iterations.\n"
             "formula = (m + (p-1)/v)(tf + tb); sim = simulator with the nominal sleeps, and its "
             "bubble and peak activations held per rank (microbatch-chunks); F/B = measured mean "
             "forward and backward (B, or I + W); sim* = simulator replaying every rank's "
@@ -359,6 +368,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--microbatches", type=int, nargs="+", default=[8, 16], help="values of m")
     parser.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=SCHEDULES)
     parser.add_argument("--chunks", type=int, default=2, help="v for interleaved-1f1b")
+    parser.add_argument(
+        "--iterations",
+        type=int,
+        default=4,
+        help="pipedream, pipedream-2bw: iterations per call, run without a flush (times\n"
+        "are per iteration; every other schedule flushes after each)",
+    )
     parser.add_argument("--forward-ms", type=float, default=100.0, help="tf per pipeline stage")
     parser.add_argument("--backward-ms", type=float, default=200.0, help="tb per pipeline stage")
     parser.add_argument(

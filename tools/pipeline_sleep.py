@@ -25,8 +25,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
-from megapp.pipeline_parallel import TensorSpec, forward_backward
-from megapp.pipeline_parallel.catalog import V_SHAPED
+from megapp.pipeline_parallel import (
+    PipelineHooks,
+    TensorSpec,
+    WeightStash,
+    build_schedule,
+    forward_backward,
+)
+from megapp.pipeline_parallel.catalog import ASYNC_SCHEDULES, V_SHAPED
 from megapp.pipeline_parallel.schedules import Schedule
 
 TORCH_SCHEDULES = {
@@ -117,10 +123,16 @@ class Config:
     tw: float = 0.0
     first_scale: float = 1.0  # the first virtual stage's times, times this (an embedding)
     last_scale: float = 1.0  # the last virtual stage's (an output layer and the loss)
+    iterations: int = 1  # per call: the asynchronous schedules run them without a flush
 
     @property
     def label(self) -> str:
-        return f"{self.schedule} m={self.m} v={self.v}"
+        runs = f" x{self.iterations} iterations" if self.asynchronous else ""
+        return f"{self.schedule} m={self.m} v={self.v}{runs}"
+
+    @property
+    def asynchronous(self) -> bool:
+        return self.schedule in ASYNC_SCHEDULES
 
     @property
     def v_shape(self) -> bool:
@@ -140,7 +152,7 @@ def iteration(run: Callable, record: bool = False) -> tuple[float, object]:
 
 def _data(cfg: Config, micro_batch_size: int, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
-    shape = (cfg.m * micro_batch_size, hidden)
+    shape = (cfg.m * (cfg.iterations if cfg.asynchronous else 1) * micro_batch_size, hidden)
     return torch.randn(shape, generator=g), torch.randn(shape, generator=g)
 
 
@@ -181,21 +193,29 @@ def megapp_runner(
 
     ``declared`` passes the activation shape as ``tensor_shapes``; otherwise the engine
     negotiates shapes per message (its default). ``schedule`` replaces ``cfg.schedule``'s
-    (a searched one)."""
+    (a searched one). An asynchronous schedule runs ``cfg.iterations`` iterations per call,
+    its steps doing nothing but keep the weight versions."""
     x, target = _data(cfg, micro_batch_size, hidden)
     batches = list(zip(x.split(micro_batch_size), target.split(micro_batch_size), strict=True))
     chunks = _chunks(cfg)
     shapes = [TensorSpec((micro_batch_size, hidden), torch.float32)] if declared else None
+    if cfg.asynchronous:
+        p = dist.get_world_size()
+        schedule = schedule or build_schedule(cfg.schedule, p, cfg.m, iterations=cfg.iterations)
+    hooks = PipelineHooks(update=lambda step: None) if cfg.asynchronous else None
+    stash = WeightStash()
 
     def run(record: bool = False):
         return forward_backward(
             _forward_step,
             [iter(batches) for _ in chunks],
             chunks,
-            cfg.m,
+            len(batches),
             schedule=schedule or cfg.schedule,
             tensor_shapes=shapes,
             record=record,
+            hooks=hooks,
+            weight_stash=stash,
         )
 
     return run
