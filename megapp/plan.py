@@ -27,7 +27,7 @@ from megapp.pipeline_parallel.partition import split_layers
 from megapp.pipeline_parallel.plan import ScheduleError
 from megapp.pipeline_parallel.schedules import Schedule, looped_placement, v_placement
 from megapp.pipeline_parallel.simulate import simulate
-from megapp.planning import timing
+from megapp.planning import step_time, timing
 from megapp.planning.hardware import Hardware, load_hardware
 from megapp.planning.layout import RECOMPUTE, Layout, pretrain_config
 from megapp.planning.model_state import chunk_parameters, model_state
@@ -54,7 +54,7 @@ class Planned:
 
     layout: Layout
     memory_bytes: float  # the largest prediction over the pipeline ranks
-    step: timing.StepTime
+    step: step_time.StepTime
 
 
 @dataclass
@@ -233,7 +233,7 @@ class Planner:
             if config is None:
                 return "invalid"
             costs, timeline = timing.share_cores(config, costs, timeline, self.hardware)
-        if max(timing.rank_finish(costs, timeline)) + self.hardware.step_overhead >= cutoff:
+        if max(step_time.rank_finish(costs, timeline)) + self.hardware.step_overhead >= cutoff:
             return "slower"
         config = config or self._config(layout)
         if config is None:
@@ -242,7 +242,7 @@ class Planner:
         if memory > self.hardware.usable_memory:
             return "memory"
         gpt = config.gpt_config(self.model.vocab_size)
-        step = timing.step_time(config, gpt, costs, timeline, self.hardware)
+        step = step_time.step_time(config, gpt, costs, timeline, self.hardware)
         return Planned(layout, memory, step)
 
     def _config(self, layout: Layout) -> PretrainConfig | None:

@@ -340,3 +340,27 @@ def test_calibration_on_shared_cores_fits_a_process_on_a_core_of_its_own():
     for m in measurements:  # the overheads fitted after the rates absorb that offset
         got = predict_step_time(m.config, m.vocab_size, fitted).seconds
         assert got == pytest.approx(m.record["seconds"], rel=0.05)
+
+
+def test_asynchronous_schedules_pay_one_flush_per_run_and_step_among_their_actions():
+    """2BW over k iterations: one fill and drain per run instead of per iteration, so its
+    bubble is about (p - 1) / (k m + p - 1); its steps (the tail: reduction and optimizer)
+    are actions. PipeDream steps after every microbatch: m times the optimizer's work."""
+    flags = [*MODEL, "--clip-grad", "0", "--untie-embeddings-and-output-weights"]
+    k, m = 8, 16
+    flushed = predict_step_time(config(Layout(pp=4), model=flags), 128, PLAIN)
+    runs = [*flags, "--pipeline-flush-interval", str(k)]
+    two_bw = predict_step_time(
+        config(Layout(pp=4, schedule="pipedream-2bw"), model=runs), 128, PLAIN
+    )
+    assert two_bw.bubble == pytest.approx(3 / (k * m + 3), abs=0.02)
+    assert two_bw.seconds < flushed.seconds
+    assert two_bw.breakdown["pipeline"] == pytest.approx(two_bw.timeline.makespan / k)
+    steps = [e for e in two_bw.timeline.events if e.name.startswith("U")]
+    assert len(steps) == 4 * k  # one per iteration on every rank
+    pipedream = predict_step_time(
+        config(Layout(pp=4, schedule="pipedream"), model=runs), 128, PLAIN
+    )
+    steps = [e for e in pipedream.timeline.events if e.name.startswith("U")]
+    assert len(steps) == 4 * k * m
+    assert pipedream.seconds > two_bw.seconds  # m optimizer steps per iteration

@@ -34,19 +34,21 @@ all-gather, the embedding sum and the optimizer step are exposed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from megapp.models.gpt import GPTConfig
+from megapp.pipeline_parallel.catalog import asynchronous_run
 from megapp.pipeline_parallel.partition import split_layers
+from megapp.pipeline_parallel.schedules import Schedule
 from megapp.pipeline_parallel.simulate import CostModel, Timeline, simulate
 from megapp.planning.core_sharing import core_slowdown, slowed
 from megapp.planning.hardware import Hardware, Link, group_link
 from megapp.planning.model_state import chunk_parameters, layer_parameters
+from megapp.planning.step_time import StepTime, step_time
 from megapp.tensor_parallel.utils import pad_vocab_size
 from megapp.training.config import PretrainConfig
-from megapp.training.flops import gpt_config_training_flops
 
 Table = list[list[float]]
 
@@ -119,19 +121,6 @@ class ActionCosts:
         chain = m * f[0] + sum(f[1:]) + sum(i) + self.weight_grad[first_rank][first_chunk]
         bounds.append(chain + self.tail[first_rank])
         return step_overhead + max(bounds)
-
-
-@dataclass(frozen=True)
-class StepTime:
-    """A predicted iteration: its time, throughput and where the time goes (seconds)."""
-
-    seconds: float
-    bubble: float  # idle share of the pipeline ranks' time during the schedule
-    tokens_per_second_per_gpu: float
-    tflops_per_gpu: float  # model FLOPs (recompute not counted), 10^12/s per device
-    mfu: float | None  # against the hardware's peak; None without one
-    timeline: Timeline = field(repr=False)
-    breakdown: dict[str, float] = field(default_factory=dict)
 
 
 def _width(dtype: torch.dtype) -> int:
@@ -303,7 +292,8 @@ def shape_of(config: PretrainConfig) -> Shape:
 
 
 def cost_model(costs: ActionCosts, hardware: Hardware) -> CostModel:
-    """The simulator's cost model of ``costs`` on ``hardware``'s transport."""
+    """The simulator's cost model of ``costs`` on ``hardware``'s transport (an optimizer
+    step ``U`` of an asynchronous schedule costs the rank's tail)."""
     return CostModel(
         forward=costs.forward,
         backward=costs.backward(),
@@ -311,7 +301,18 @@ def cost_model(costs: ActionCosts, hardware: Hardware) -> CostModel:
         weight_grad=costs.weight_grad,
         p2p_latency=costs.p2p,
         blocking_sends=not hardware.sends_finish_in_background,
+        update=costs.tail,
     )
+
+
+def simulated_run(config: PretrainConfig) -> tuple[Schedule, int]:
+    """The schedule the time model simulates and the iterations it spans: the config's, or
+    for PipeDream and 2BW a run of ``--pipeline-flush-interval`` iterations, whose optimizer
+    steps (reduction, step, gathers: the tail) are among its actions."""
+    if not config.schedule.asynchronous:
+        return config.schedule, 1
+    iterations = config.parallel.pipeline_flush_interval
+    return asynchronous_run(config.schedule, iterations), iterations
 
 
 def predict_step_time(config: PretrainConfig, vocab_size: int, hardware: Hardware) -> StepTime:
@@ -320,7 +321,8 @@ def predict_step_time(config: PretrainConfig, vocab_size: int, hardware: Hardwar
     schedule cannot complete on the hardware's transport (NCCL: sends complete in batches)."""
     gpt = config.gpt_config(vocab_size)
     costs = action_costs(gpt, shape_of(config), hardware)
-    timeline = simulate(config.schedule, cost_model(costs, hardware))
+    schedule, _ = simulated_run(config)
+    timeline = simulate(schedule, cost_model(costs, hardware))
     costs, timeline = share_cores(config, costs, timeline, hardware)
     return step_time(config, gpt, costs, timeline, hardware)
 
@@ -337,57 +339,4 @@ def share_cores(
         return costs, timeline
     actions = core_slowdown(cores, world, 1.0 - timeline.bubble_fraction)
     costs = slowed(costs, actions, everyone)
-    return costs, simulate(config.schedule, cost_model(costs, hardware))
-
-
-def rank_finish(costs: ActionCosts, timeline: Timeline) -> list[float]:
-    """When every pipeline rank is done: its last action, then its tail."""
-    ends = [0.0] * len(costs.tail)
-    for event in timeline.events:
-        ends[event.rank] = max(ends[event.rank], event.end)
-    return [end + tail for end, tail in zip(ends, costs.tail, strict=True)]
-
-
-def step_time(
-    config: PretrainConfig,
-    gpt: GPTConfig,
-    costs: ActionCosts,
-    timeline: Timeline,
-    hardware: Hardware,
-) -> StepTime:
-    """Assemble a :class:`StepTime` from ``costs`` and the schedule's simulated ``timeline``."""
-    p = config.schedule.num_stages
-    finish = rank_finish(costs, timeline)
-    seconds = max(finish) + hardware.step_overhead
-    slowest = finish.index(max(finish))
-    m, world = config.num_microbatches, config.world_size
-    tokens = config.training.global_batch_size * config.model.seq_length
-    flops = gpt_config_training_flops(gpt, config.model.seq_length, tokens)
-    per_gpu = flops / seconds / world
-    replica_flops = m * sum(
-        sum(map(sum, t))
-        for t in (costs.flops_forward, costs.flops_input_grad, costs.flops_weight_grad)
-    )
-    hardware_flops = (
-        replica_flops * config.parallel.tensor_model_parallel_size * config.data_parallel_size
-    )
-    breakdown = {
-        "pipeline": timeline.makespan,
-        "busiest_rank": max(costs.busy(r, m) for r in range(p)),
-        "tensor_parallel": m * max(sum(row) for row in costs.tensor_parallel),
-        "p2p_message": costs.p2p,
-        "data_parallel": costs.grad_reduce[slowest],
-        "optimizer": costs.optimizer[slowest],
-        "tail": costs.tail[slowest],
-        "step_overhead": hardware.step_overhead,
-        "recompute_flops": hardware_flops - flops,
-    }
-    return StepTime(
-        seconds=seconds,
-        bubble=timeline.bubble_fraction,
-        tokens_per_second_per_gpu=tokens / seconds / world,
-        tflops_per_gpu=per_gpu / 1e12,
-        mfu=None if hardware.peak_flops is None else per_gpu / hardware.peak_flops,
-        timeline=timeline,
-        breakdown=breakdown,
-    )
+    return costs, simulate(timeline.schedule, cost_model(costs, hardware))
