@@ -40,7 +40,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from megapp.planning.core_sharing import core_slowdown
+from megapp.planning.core_sharing import dedicated_seconds
 from megapp.planning.hardware import Hardware
 from megapp.planning.layout import Layout, pretrain_config
 from megapp.planning.models import MODELS
@@ -131,9 +131,16 @@ def samples(
     measurement: Measurement, shared_cores: int | None = None
 ) -> tuple[list[list[float]], list[float]]:
     """Features and measured seconds of every compute action of every rank in a record
-    (with ``shared_cores``: on a core of its own, see :func:`run_slowdown`)."""
+    (with ``shared_cores``: the work it did on a core of its own, from how many of the
+    run's processes computed while it ran, as
+    :func:`~megapp.planning.core_sharing.dedicated_seconds` counts)."""
     features = action_features(measurement.config, measurement.vocab_size)
-    slowdown = run_slowdown(measurement, shared_cores)
+    computing = [
+        (start, end)
+        for rank in measurement.record["ranks"]
+        for kind, _, start, end in rank["events"]
+        if kind == "compute"
+    ]
     rows, seconds = [], []
     for rank in measurement.record["ranks"]:
         for kind, name, start, end in rank["events"]:
@@ -142,17 +149,11 @@ def samples(
                 continue
             key = (match[1], rank["pp"], int(match[3] or 0))
             rows.append(features[key])
-            seconds.append((end - start) / slowdown)
+            if shared_cores is None:
+                seconds.append(end - start)
+            else:  # the work it did: its time at its share of the cores
+                seconds.append(dedicated_seconds(start, end, computing, shared_cores))
     return rows, seconds
-
-
-def run_slowdown(measurement: Measurement, shared_cores: int | None) -> float:
-    """How much the processes of a measured run slowed each other: its measured busy
-    share (1 - its bubble) through :func:`~megapp.planning.core_sharing.core_slowdown`."""
-    if shared_cores is None:
-        return 1.0
-    busy = 1.0 - measurement.record["bubble"]
-    return core_slowdown(shared_cores, measurement.config.world_size, busy)
 
 
 def nonnegative_least_squares(a: np.ndarray, b: np.ndarray) -> np.ndarray:

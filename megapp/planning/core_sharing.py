@@ -1,20 +1,32 @@
-"""Processes that share a CPU's cores: how much each one slows the others.
+"""Processes that share a CPU's cores: each computes at its share of them.
 
-On one CPU machine a job of ``world`` processes (one thread each) shares ``cores`` cores.
-When ``k`` of them compute at once, each gets ``min(1, cores / k)`` of a core. The time
-model runs the pipeline simulator with a core per process, then slows every action by
-the processes computing at once on average, ``world × busy share / cores`` (the busy
-share is one minus the simulated bubble), and the optimizer step, which every process runs
-at once, by ``world / cores``: the iteration is then the larger of the dedicated critical
-path and the job's compute spread over the cores, the fluid limit of processor sharing
-(ranks idle in a bubble leave their core to the busy ones). Calibration divides measured
-action times by the same factor, so the fitted rates are a process's on a core of its own.
+On one CPU machine a job of ``world`` single-threaded processes shares ``cores`` cores. When
+``n`` of them compute at once, each gets ``min(1, cores / n)`` of a core (processor
+sharing: the fluid limit of a fair scheduler); a process waiting for a message uses none.
+
+:func:`simulate_shared` runs a schedule's communication plan that way. Every pipeline rank
+stands for ``processes_per_rank`` processes (its tensor- and data-parallel peers, which run
+the same actions in step), an action's cost is its work in seconds on a core of its own,
+and the rate of every running action changes whenever an action starts or ends. A
+pipeline's bubble therefore leaves its cores to the ranks that compute, when it happens
+and for as long as it lasts. With a core per process it gives the timeline of
+:func:`~megapp.pipeline_parallel.simulate.simulate`.
+
+:func:`dedicated_seconds` goes the other way for a measured run: the work an action did,
+from how many processes computed during it. The optimizer step, which every process runs
+at once, is :func:`core_slowdown` ``(cores, world, 1)`` times slower.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
+from collections.abc import Sequence
 from typing import Any
+
+from megapp.pipeline_parallel.plan import ScheduleError, communication_plan
+from megapp.pipeline_parallel.schedules import Schedule
+from megapp.pipeline_parallel.simulate import CostModel, Event, Timeline
 
 
 def core_slowdown(shared_cores: int | None, world_size: int, busy_share: float) -> float:
@@ -26,20 +38,131 @@ def core_slowdown(shared_cores: int | None, world_size: int, busy_share: float) 
     return max(1.0, world_size * busy_share / shared_cores)
 
 
-def slowed(costs: Any, actions: float, everyone: float) -> Any:
-    """``costs`` (an :class:`~megapp.planning.timing.ActionCosts`) with every action
-    ``actions`` times slower and the optimizer step, which all processes run at once,
-    ``everyone`` times slower."""
-
-    def scaled(table: list[list[float]]) -> list[list[float]]:
-        return [[t * actions for t in row] for row in table]
-
+def slowed_steps(costs: Any, everyone: float) -> Any:
+    """``costs`` (an :class:`~megapp.planning.timing.ActionCosts`) with the optimizer step,
+    which all processes run at once, ``everyone`` times slower."""
     extra = [o * (everyone - 1.0) for o in costs.optimizer]
     return dataclasses.replace(
         costs,
-        forward=scaled(costs.forward),
-        input_grad=scaled(costs.input_grad),
-        weight_grad=scaled(costs.weight_grad),
         tail=[t + e for t, e in zip(costs.tail, extra, strict=True)],
         optimizer=[o * everyone for o in costs.optimizer],
     )
+
+
+class _Rank:
+    """Where one pipeline rank is in its plan during :func:`simulate_shared`."""
+
+    def __init__(self) -> None:
+        self.cursor = 0
+        self.state = "ready"  # ready | waiting (a peer has not posted) | until | running | done
+        self.posted_at = 0.0  # when it posted the current step
+        self.wake = 0.0  # until: when its messages are in
+        self.work = 0.0  # running: seconds of work left on a core of its own
+        self.started = 0.0
+
+
+def simulate_shared(
+    schedule: Schedule, costs: CostModel, processes_per_rank: int, cores: int
+) -> Timeline:
+    """The timeline of ``schedule`` when its ``p × processes_per_rank`` processes share
+    ``cores`` cores (see the module docstring). Raises
+    :class:`~megapp.pipeline_parallel.plan.ScheduleError` on a deadlock."""
+    plan = communication_plan(schedule)
+    p = schedule.num_stages
+    ranks = [_Rank() for _ in range(p)]
+    posted: dict[tuple[str, Any], float] = {}
+    timeline = Timeline(schedule)
+    in_flight, peak = [0.0] * p, [0.0] * p
+    now = 0.0
+
+    def advance(rank: int) -> bool:
+        """Move ``rank`` on at ``now`` as far as it can; True if its state changed."""
+        r, changed = ranks[rank], False
+        while r.state in ("ready", "waiting"):
+            if r.cursor == len(plan[rank]):
+                r.state = "done"
+                return True
+            step = plan[rank][r.cursor]
+            if r.state == "ready":
+                for msg in step.sends:
+                    posted[("send", msg)] = now
+                for msg in step.recvs:
+                    posted[("recv", msg)] = now
+                r.posted_at, r.state, changed = now, "waiting", True
+            waits = [("recv", m) for m in step.sends] if costs.blocking_sends else []
+            waits += [("send", m) for m in step.recvs]
+            if any(key not in posted for key in waits):
+                return changed
+            times = [max(posted[("send", k[1])], posted[("recv", k[1])]) for k in waits]
+            ready = max([now, *(t + costs.p2p_latency for t in times)])
+            if ready > now:
+                r.state, r.wake = "until", ready
+                return True
+            start(rank, step)
+            changed = True
+        return changed
+
+    def start(rank: int, step) -> None:
+        r = ranks[rank]
+        if now > r.posted_at:
+            timeline.events.append(Event(rank, "wait", "p2p", r.posted_at, now))
+        if step.action is None:
+            r.cursor, r.state = r.cursor + 1, "ready"
+            return
+        r.state, r.work, r.started = "running", costs.time(rank, step.action), now
+
+    def finish(rank: int) -> None:
+        r = ranks[rank]
+        action = plan[rank][r.cursor].action
+        timeline.events.append(Event(rank, "compute", str(action), r.started, now))
+        if not schedule.forward_only:
+            in_flight[rank] += costs.memory(rank, action)
+            peak[rank] = max(peak[rank], in_flight[rank])
+        r.cursor, r.state = r.cursor + 1, "ready"
+
+    def settle() -> None:
+        while any(advance(rank) for rank in range(p)):
+            pass
+
+    settle()
+    while True:
+        running = [i for i, r in enumerate(ranks) if r.state == "running"]
+        sleeping = [i for i, r in enumerate(ranks) if r.state == "until"]
+        if not running and not sleeping:
+            break
+        computing = len(running) * processes_per_rank
+        rate = min(1.0, cores / computing) if computing else 1.0
+        ends = {i: now + ranks[i].work / rate for i in running}
+        then = min([*ends.values(), *(ranks[i].wake for i in sleeping)])
+        for i in running:
+            ranks[i].work -= (then - now) * rate
+        now = then
+        for i in running:
+            if ends[i] <= now:
+                finish(i)
+        for i in sleeping:
+            if ranks[i].wake <= now:
+                start(i, plan[i][ranks[i].cursor])
+        settle()
+    stuck = [i for i, r in enumerate(ranks) if r.state != "done"]
+    if stuck:
+        where = ", ".join(f"rank {i} before {plan[i][ranks[i].cursor].action}" for i in stuck)
+        raise ScheduleError(f"{schedule.name} deadlocks: {where} wait forever")
+    timeline.peak_in_flight = [int(x) if float(x).is_integer() else x for x in peak]
+    return timeline
+
+
+def dedicated_seconds(
+    start: float, end: float, computing: Sequence[tuple[float, float]], cores: int
+) -> float:
+    """The work, in seconds on a core of its own, of an action that ran from ``start`` to
+    ``end`` while the processes computed over the intervals ``computing`` (every process's
+    compute intervals, this action's included), sharing ``cores`` cores."""
+    inside = [(max(s, start), min(e, end)) for s, e in computing if s < end and e > start]
+    edges = sorted({start, end, *(t for pair in inside for t in pair)})
+    work = 0.0
+    for left, right in itertools.pairwise(edges):
+        middle = (left + right) / 2
+        busy = sum(s <= middle < e for s, e in inside)
+        work += (right - left) * min(1.0, cores / max(busy, 1))
+    return work

@@ -43,7 +43,7 @@ from megapp.pipeline_parallel.catalog import asynchronous_run
 from megapp.pipeline_parallel.partition import split_layers
 from megapp.pipeline_parallel.schedules import Schedule
 from megapp.pipeline_parallel.simulate import CostModel, Timeline, simulate
-from megapp.planning.core_sharing import core_slowdown, slowed
+from megapp.planning.core_sharing import core_slowdown, simulate_shared, slowed_steps
 from megapp.planning.hardware import Hardware, Link, group_link
 from megapp.planning.model_state import chunk_parameters, layer_parameters
 from megapp.planning.step_time import StepTime, step_time
@@ -331,12 +331,14 @@ def share_cores(
     config: PretrainConfig, costs: ActionCosts, timeline: Timeline, hardware: Hardware
 ) -> tuple[ActionCosts, Timeline]:
     """``costs`` and ``timeline`` (simulated with a core per process) with the job's
-    processes sharing ``hardware.shared_cores`` (:mod:`~megapp.planning.core_sharing`);
-    unchanged on devices of their own."""
+    processes sharing ``hardware.shared_cores`` (:mod:`~megapp.planning.core_sharing`):
+    the schedule run again with every action at its share of the cores while it runs, and
+    the optimizer step, which all processes run at once, slowed by all of them; unchanged
+    on devices of their own."""
     cores, world = hardware.shared_cores, config.world_size
     everyone = core_slowdown(cores, world, 1.0)
     if everyone == 1.0:
         return costs, timeline
-    actions = core_slowdown(cores, world, 1.0 - timeline.bubble_fraction)
-    costs = slowed(costs, actions, everyone)
-    return costs, simulate(timeline.schedule, cost_model(costs, hardware))
+    costs = slowed_steps(costs, everyone)
+    per_rank = world // config.schedule.num_stages
+    return costs, simulate_shared(timeline.schedule, cost_model(costs, hardware), per_rank, cores)
