@@ -16,13 +16,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
 
 import ablate  # noqa: E402
+import ablation_points as points_of  # noqa: E402
 import ablation_records as records  # noqa: E402
 import ablation_report  # noqa: E402
 from ablation_launch import LaunchResult, error_summary, run_command  # noqa: E402
-from ablation_parity import FAIL, PASS, compare_losses  # noqa: E402
+from ablation_parity import FAIL, NOT_APPLICABLE, PASS, compare_losses  # noqa: E402
 from ablation_points import SweepSpec, expand, load_spec, spec_from_mapping  # noqa: E402
 from ablation_slurm import slurm_script  # noqa: E402
-from ablation_sweep import reference_point, run_sweep  # noqa: E402
+from ablation_sweep import reference_points, run_sweep  # noqa: E402
 
 MODEL = ("--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4")
 MODEL += ("--seq-length", "32")
@@ -149,7 +150,9 @@ def test_sweep_records_every_point_and_resumes(tmp_path):
     spec = small_spec()
     launcher = FakeLauncher()
     first = run_sweep(spec, tmp_path, launcher=launcher)
-    expected = {reference_point(spec).name, *(p.name for p in expand(spec).points)}
+    references = reference_points(spec, expand(spec))
+    assert [r.name for r in references] == ["tp1.pp1.dp1.v1.mb2.default.norecompute.z0"]
+    expected = {references[0].name, *(p.name for p in expand(spec).points)}
     assert set(launcher.calls) == expected
     assert {r.name for r in first.records} == expected
     for record in first.records:
@@ -217,10 +220,74 @@ def test_sweep_flags_the_layout_that_trains_another_model(tmp_path, capsys):
     assert "PARITY ALARM" in out and wrong in out
 
 
+ASYNC_MODEL = (*MODEL, "--clip-grad", "0", "--untie-embeddings-and-output-weights")
+SCHEDULES = ("1f1b", "pipedream-2bw", "pipedream", "pipedream-vsync")
+
+
+def async_spec(**overrides) -> SweepSpec:
+    values = dict(model_flags=ASYNC_MODEL, tp=(1,), pp=(2,), schedule=SCHEDULES)
+    return small_spec(**{**values, **overrides})
+
+
+def test_each_update_rule_has_its_own_reference():
+    rule = points_of.update_rule
+    assert {rule(s) for s in (None, "zb-v", "auto", "1f1b")} == {points_of.FLUSHED}
+    assert rule("pipedream-2bw") == points_of.TWO_BW
+    assert rule("pipedream") == rule("pipedream-vsync") == points_of.PIPEDREAM
+    expansion = expand(async_spec())
+    assert not expansion.dropped and len(expansion.points) == 8  # × recompute none, selective
+    assert [p.layout.schedule for p in expansion.points[::2]] == list(SCHEDULES)
+    references = reference_points(async_spec(), expansion)
+    assert [r.layout.schedule for r in references] == [None, "pipedream-2bw"]
+    assert all(r.world_size == 1 and r.layout.micro_batch_size == 2 for r in references)
+    assert "--clip-grad" in references[1].flags
+    flushed_only = async_spec(schedule=("1f1b", "pipedream"))  # no 2BW point, no 2BW reference
+    assert len(reference_points(flushed_only, expand(flushed_only))) == 1
+
+
+def test_parity_per_update_rule(tmp_path, capsys):
+    """1F1B against the flushed reference, 2BW against its own, PipeDream with no verdict."""
+    spec = async_spec()
+    two_bw_ok = "tp1.pp2.dp2.v1.mb2.pipedream-2bw.norecompute.z0"
+    two_bw_bad = "tp1.pp2.dp2.v1.mb2.pipedream-2bw.selective.z0"
+    flushed, two_bw = (r.name for r in reference_points(spec, expand(spec)))
+    other_rule = [x + 0.05 for x in LOSSES]
+    launcher = FakeLauncher(lambda name: other_rule if name in (two_bw, two_bw_ok) else LOSSES)
+    sweep = tmp_path / "sweep"
+    result = run_sweep(spec, sweep, launcher=launcher)
+    assert json.loads((sweep / "sweep.json").read_text())["references"] == [flushed, two_bw]
+    got = {r.name: (r.parity.status, r.parity.reference) for r in result.records}
+    assert launcher.calls[:2] == [r.name for r in result.records if r.reference]
+    assert got.pop(flushed) == (PASS, flushed) and got.pop(two_bw) == (PASS, two_bw)
+    by_schedule = {"1f1b": (PASS, flushed), "pipedream-2bw": (PASS, two_bw)}
+    for name, verdict in got.items():
+        expected = by_schedule.get(name.split(".")[5], (NOT_APPLICABLE, None))
+        assert verdict == ((FAIL, two_bw) if name == two_bw_bad else expected), name
+    ablate.summary(result.records)
+    out = capsys.readouterr().out
+    why = "PipeDream's weight versions depend on the pipeline depth; its semantics are checked"
+    assert f"parity n/a: {why}" in out and f"(against {two_bw})" in out
+    assert ablation_report.main([str(sweep), "--out", str(tmp_path / "report")]) == 1
+    text = (tmp_path / "report" / "report.md").read_text()
+    alarm = text[: text.index("Made by")]
+    assert f"`{two_bw_bad}`: max relative difference" in alarm and f"from `{two_bw}`" in alarm
+    assert two_bw_ok not in alarm and "1f1b" not in alarm
+    assert f"Parity: 2 of 2 finished layouts equal the single-process run `{flushed}`" in text
+    assert f"1 of 2 finished layouts equal the single-process run `{two_bw}`" in text
+    assert f"vertical sync): n/a for 4 layout(s). {why}" in text
+    # a sweep directory written with one "reference" name still reads its reference
+    manifest = ablation_report.read_manifest(sweep)
+    manifest["reference"] = manifest.pop("references")[0]
+    current = ablation_report.current_records(sweep, manifest)
+    assert [r.name for r in current if r.reference] == [flushed]
+
+
 def test_slurm_array_script(tmp_path):
     spec = small_spec(nproc=8, nnodes=2, recompute=(None,), timeout_s=3700)
-    points = [reference_point(spec), *expand(spec).points]
-    script = slurm_script(spec, points, tmp_path, "python tools/ablate.py --slurm", "collect")
+    references, expansion = reference_points(spec, expand(spec)), expand(spec)
+    script = slurm_script(spec, references, expansion.points, tmp_path, "ablate", "collect")
+    points = [*references, *expansion.points]
+    assert "one per layout (index 0: the single-process reference)" in script
     assert f"#SBATCH --array=0-{len(points) - 1}" in script
     assert "#SBATCH --nodes=2" in script and "#SBATCH --gpus-per-node=8" in script
     assert "#SBATCH --time=01:02:00" in script
@@ -231,6 +298,11 @@ def test_slurm_array_script(tmp_path):
     assert "--rdzv-backend c10d" in script and '"${FLAGS[@]}"' in script
     assert "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2" in script
     assert f"--profile-iteration {spec.profiled_iteration}" in script
+    spec = async_spec(recompute=(None,))
+    references, points = reference_points(spec, expand(spec)), expand(spec).points
+    script = slurm_script(spec, references, points, tmp_path, "ablate", "collect")
+    assert "(indices 0-1: the single-process references)" in script
+    assert f"1) NAME={references[1].name} NNODES=1 NPROC=1" in script
 
 
 def test_command_line_dry_run_and_slurm(tmp_path, capsys):

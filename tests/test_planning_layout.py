@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from megapp.planning.layout import Layout, pretrain_config
+from megapp.planning.layout import PIPEDREAM_VSYNC, Layout, pretrain_config
 from megapp.training.flag_groups import ArgumentsError
 
 MODEL = ["--num-layers", "8", "--hidden-size", "64", "--num-attention-heads", "4"]
@@ -39,6 +39,21 @@ def test_the_default_schedule_is_megatrons():
     assert pretrain_config(Layout(pp=2), MODEL, 4).schedule.name == "1f1b"
     interleaved = pretrain_config(Layout(pp=2, vpp=2), MODEL, 4)
     assert interleaved.schedule.name == "interleaved-1f1b"
+
+
+def test_pipedream_with_vertical_sync_is_a_schedule_of_its_own():
+    layout = Layout(pp=2, dp=2, schedule=PIPEDREAM_VSYNC)
+    flags = layout.flags(8)
+    assert flags[-3:] == ["--pipeline-schedule", "pipedream", "--vertical-sync"]
+    assert layout.name == "tp1.pp2.dp2.v1.mb1.pipedream-vsync.norecompute.z0"
+    asynchronous = [*MODEL, "--clip-grad", "0", "--untie-embeddings-and-output-weights"]
+    config = pretrain_config(layout, asynchronous, global_batch_size=8)
+    assert config.parallel.vertical_sync and config.schedule.name == PIPEDREAM_VSYNC
+    assert config.schedule.asynchronous
+    plain = pretrain_config(Layout(pp=2, dp=2, schedule="pipedream"), asynchronous, 8)
+    assert not plain.parallel.vertical_sync and plain.schedule.name == "pipedream"
+    with pytest.raises(ArgumentsError, match="pass --clip-grad 0"):
+        pretrain_config(layout, MODEL, global_batch_size=8)
 
 
 @pytest.mark.parametrize(

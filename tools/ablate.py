@@ -13,7 +13,8 @@ are listed with the reason. Each point runs as ``torchrun --standalone --nproc-p
 pretrain_gpt.py ...`` (dropout off, a loss every iteration, one profiled iteration) with a
 time limit; its record (``points/<name>.json``) holds the measured iteration time, tokens/s,
 memory per rank, bubble, communication time, losses, the planner's prediction and the
-parity with the single-process reference. Finished points are not run again. A TOML file's
+parity with the single-process reference of its update rule (flushed schedules, or
+PipeDream-2BW; PipeDream has none). Finished points are not run again. A TOML file's
 top-level keys are the fields of ``ablation_points.SweepSpec``; flags override them.
 """
 
@@ -31,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # siblings: tools/ is 
 import ablation_points
 import ablation_records
 from ablation_launch import point_command
-from ablation_parity import DEFAULT_RTOL, deviating
+from ablation_parity import DEFAULT_RTOL, NOT_APPLICABLE, NOT_APPLICABLE_WHY, deviating
 from ablation_points import SweepSpec, load_spec, spec_from_mapping
 from ablation_slurm import slurm_script
 from ablation_sweep import (
@@ -40,7 +41,7 @@ from ablation_sweep import (
     finish,
     finished,
     record_path,
-    reference_point,
+    reference_points,
     run_dir,
     run_sweep,
     write_manifest,
@@ -139,23 +140,24 @@ def print_points(expansion: ablation_points.Expansion, dropped: bool = True) -> 
 
 
 def write_slurm(spec: SweepSpec, out: Path, command: str) -> None:
-    """``sweep.sbatch`` (one array job per point, the reference first) and ``sweep.json``."""
+    """``sweep.sbatch`` (one array job per point, the references first) and ``sweep.json``."""
     expansion = ablation_points.expand(spec)
     write_manifest(spec, out, expansion, command)
     (out / "logs").mkdir(parents=True, exist_ok=True)
     collect_command = command.replace(" --slurm", "") + " --collect"
-    points = [reference_point(spec), *expansion.points]
-    script = slurm_script(spec, points, out, command, collect_command)
+    references = reference_points(spec, expansion)
+    script = slurm_script(spec, references, expansion.points, out, command, collect_command)
     (out / "sweep.sbatch").write_text(script)
     print_points(expansion)
-    print(f"wrote {out / 'sweep.sbatch'} ({len(points)} array jobs); after it: {collect_command}")
+    count = len(references) + len(expansion.points)
+    print(f"wrote {out / 'sweep.sbatch'} ({count} array jobs); after it: {collect_command}")
 
 
 def collect_runs(spec: SweepSpec, out: Path, rtol: float) -> list[ablation_records.PointRecord]:
     """Records from the metrics files that the SLURM array jobs wrote."""
     expansion = ablation_points.expand(spec)
     found = []
-    for point in [reference_point(spec), *expansion.points]:
+    for point in [*reference_points(spec, expansion), *expansion.points]:
         metrics = run_dir(out, point) / "metrics.jsonl"
         command = point_command(point.flags, point.world_size, metrics, spec.profiled_iteration)
         record = collect(spec, point, out, command, 0, False, None)
@@ -168,7 +170,8 @@ def collect_runs(spec: SweepSpec, out: Path, rtol: float) -> list[ablation_recor
 
 
 def summary(point_records: list[ablation_records.PointRecord]) -> None:
-    """One line per point, and the parity alarm loudly at the end."""
+    """One line per point, why PipeDream has no parity verdict, and the parity alarm
+    loudly at the end."""
     for r in point_records:
         m = r.measured
         time_text = f"{m.iteration_seconds * 1e3:8.1f} ms" if m.iteration_seconds else "       -   "
@@ -176,13 +179,18 @@ def summary(point_records: list[ablation_records.PointRecord]) -> None:
         print(f"  {r.status:7s} {time_text}  parity {parity:7s} {r.name}")
         if r.error:
             print("          " + r.error.splitlines()[-1][:150])
+    if any(r.parity and r.parity.status == NOT_APPLICABLE for r in point_records):
+        print(f"  parity {NOT_APPLICABLE}: {NOT_APPLICABLE_WHY}")
     bad = deviating(point_records)
     if bad:
         print("\n" + "!" * 78)
-        print(f"PARITY ALARM: {len(bad)} layout(s) trained a different model than tp=pp=dp=1:")
+        print(
+            f"PARITY ALARM: {len(bad)} layout(s) trained a different model than the "
+            "single-process run of their update rule:"
+        )
         for r in bad:
             p = r.parity
-            where = f"from iteration {p.first_bad_iteration}"
+            where = f"from iteration {p.first_bad_iteration} (against {p.reference})"
             print(f"  {r.name}: max relative difference {p.max_rel_diff:.3g} {where}")
         print("!" * 78)
 
@@ -212,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         expansion = ablation_points.expand(spec)
         print_points(expansion, dropped=False)
-        todo = [reference_point(spec), *expansion.points]
+        todo = [*reference_points(spec, expansion), *expansion.points]
         pending = sum(finished(out, p, args.retry_failed) is None for p in todo)
         bar = ProgressBar(pending)
         result = run_sweep(

@@ -1,19 +1,30 @@
-"""The parity alarm: every layout must train the model the single-process run trains.
+"""The parity alarm: every layout must train the model the single-process run of its update
+rule trains.
 
 With dropout off, the same seed and the same global batch, a layout changes only the order
 of floating-point sums (tensor-parallel all-reduces, data-parallel gradient reduction,
 microbatch accumulation), so its loss per iteration equals the reference's to fp32
 round-off. :func:`compare_losses` checks that within :data:`DEFAULT_RTOL`; a layout past it
-computes something else (a dropped layer, a wrong gradient) and is flagged.
+computes something else (a dropped layer, a wrong gradient) and is flagged. The flushed
+schedules and PipeDream-2BW each have a single-process reference
+(:func:`ablation_points.update_rule`); PipeDream has none, so its layouts get
+:data:`NOT_APPLICABLE`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+from ablation_points import PIPEDREAM, update_rule
 from ablation_records import OK, Parity, PointRecord
 
-PASS, FAIL, UNKNOWN = "pass", "FAIL", "unknown"
+PASS, FAIL, UNKNOWN, NOT_APPLICABLE = "pass", "FAIL", "unknown", "n/a"
+
+NOT_APPLICABLE_WHY = (
+    "PipeDream's weight versions depend on the pipeline depth; its semantics are checked by "
+    "the test suite against its own single-process rule"
+)
+"""Why a PipeDream layout (with or without vertical sync) has no parity verdict."""
 
 DEFAULT_RTOL = 1e-5
 """Largest relative difference of a loss from the reference's at the same iteration.
@@ -51,14 +62,36 @@ def compare_losses(
     return Parity(status, worst, first_bad, rtol, reference_name)
 
 
-def apply_parity(
-    records: Sequence[PointRecord], reference: PointRecord | None, rtol: float = DEFAULT_RTOL
-) -> None:
-    """Set every finished record's ``parity`` against ``reference`` (``unknown`` without a
-    finished reference run); a failed run gets no verdict."""
+def rule_of(record: PointRecord) -> str:
+    """The update rule ``record``'s layout trains under."""
+    return update_rule(record.layout.get("schedule"))
+
+
+def references_by_rule(records: Sequence[PointRecord]) -> dict[str, PointRecord]:
+    """The reference records among ``records`` by update rule (the first of each)."""
+    out: dict[str, PointRecord] = {}
     for record in records:
+        if record.reference:
+            out.setdefault(rule_of(record), record)
+    return out
+
+
+def apply_parity(
+    records: Sequence[PointRecord],
+    references: Sequence[PointRecord],
+    rtol: float = DEFAULT_RTOL,
+) -> None:
+    """Set every finished record's ``parity`` against the reference of its update rule
+    among ``references`` (``unknown`` without a finished one, ``n/a`` for PipeDream); a
+    failed run gets no verdict."""
+    by_rule = references_by_rule(references)
+    for record in records:
+        rule = rule_of(record)
+        reference = by_rule.get(rule)
         if record.status != OK:
             record.parity = None
+        elif rule == PIPEDREAM:
+            record.parity = Parity(NOT_APPLICABLE, tolerance=rtol)
         elif reference is None or reference.status != OK:
             record.parity = Parity(UNKNOWN, tolerance=rtol)
         else:
@@ -67,5 +100,5 @@ def apply_parity(
 
 
 def deviating(records: Sequence[PointRecord]) -> list[PointRecord]:
-    """The records whose losses left the reference's."""
+    """The records whose losses left their reference's."""
     return [r for r in records if r.parity is not None and r.parity.status == FAIL]

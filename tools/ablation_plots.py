@@ -1,6 +1,6 @@
 """The pictures of an ablation report, each one PNG from the sweep's records: throughput and
 memory per layout, predicted against measured, the measured timelines of two layouts, and
-the loss curves with their distance from the single-process reference.
+the loss curves with their distance from the single-process reference of their update rule.
 
 Every function takes the records and an output path and returns the path, or None when the
 records hold nothing to draw (no prediction yet, no profile).
@@ -15,6 +15,8 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+from ablation_parity import references_by_rule, rule_of
+from ablation_points import FLUSHED
 from ablation_records import OK, PointRecord
 
 from megapp.pipeline_parallel.simulate import Event
@@ -143,19 +145,25 @@ def timelines(records_to_draw: Sequence[tuple[str, PointRecord]], path: Path) ->
 
 
 def loss_curves(
-    point_records: Sequence[PointRecord], reference: PointRecord | None, path: Path
+    point_records: Sequence[PointRecord], references: Sequence[PointRecord], path: Path
 ) -> Path | None:
-    """Every layout's loss per iteration (left) and its relative distance from the
-    reference's (right, log scale; the dashed line is the parity tolerance)."""
+    """Every layout's loss per iteration (left; the references black, the flushed one solid
+    and the others dashed) and its relative distance from the reference of its update rule
+    (right, log scale; the dashed line is the parity tolerance; none for PipeDream)."""
     done = [r for r in point_records if r.measured.losses]
     if not done:
         return None
+    by_rule = references_by_rule(references)
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     for record in done:
         losses = record.measured.losses
         steps = range(1, len(losses) + 1)
-        style = dict(color="black", lw=2.5, zorder=3) if record.reference else dict(lw=1)
+        style = dict(lw=1)
+        if record.reference:
+            line = "-" if rule_of(record) == FLUSHED else "--"
+            style = dict(color="black", lw=2.5, zorder=3, ls=line)
         left.plot(steps, losses, label=record.name, **style)
+        reference = by_rule.get(rule_of(record))
         if reference is None or record.reference or not reference.measured.losses:
             continue
         pairs = zip(losses, reference.measured.losses, strict=False)
@@ -164,7 +172,8 @@ def loss_curves(
         right.semilogy(range(1, len(rel) + 1), rel, marker=".", lw=1)
     left.set_xlabel("iteration")
     left.set_ylabel("lm loss")
-    left.set_title(f"Loss per iteration of {len(done)} runs (black: reference)", fontsize=10)
+    black = "references, dashed: pipedream-2bw's" if len(by_rule) > 1 else "reference"
+    left.set_title(f"Loss per iteration of {len(done)} runs (black: {black})", fontsize=10)
     if len(done) <= 12:
         left.legend(fontsize=6)
     tolerance = next((r.parity.tolerance for r in done if r.parity and r.parity.tolerance), None)
@@ -173,5 +182,5 @@ def loss_curves(
         right.legend(fontsize=7)
     right.set_xlabel("iteration")
     right.set_ylabel("|loss - reference| / reference")
-    right.set_title("Distance from the single-process run (1e-10: equal)", fontsize=10)
+    right.set_title("Distance from the single-process run of its rule (1e-10: equal)", fontsize=10)
     return _save(fig, path)

@@ -4,19 +4,21 @@ A :class:`SweepSpec` names the model, the data, the run (global batch, iteration
 processes) and a list of values per layout field; :func:`expand` takes their cross product
 and checks every point with :func:`megapp.planning.layout.pretrain_config`, the same check
 ``pretrain_gpt.py`` runs at start-up, so a refused point is dropped with the message the
-job would have printed instead of costing a launch.
+job would have printed instead of costing a launch. :func:`update_rule` says which update
+rule a schedule trains under, and :func:`reference_layouts` the single-process runs the
+points are compared with, one per rule that has one.
 """
 
 from __future__ import annotations
 
 import hashlib
 import itertools
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from megapp.planning.layout import Layout, pretrain_config
+from megapp.planning.layout import PIPEDREAM_VSYNC, Layout, pretrain_config
 from megapp.training.config import PretrainConfig
 
 try:
@@ -144,10 +146,49 @@ def point_for(spec: SweepSpec, layout: Layout) -> Point:
     return Point(layout=layout, flags=flags, world_size=layout.world_size)
 
 
-def reference_layout(spec: SweepSpec) -> Layout:
-    """The single-process layout every point is compared with: tp = pp = dp = 1, the first
-    micro-batch size of the sweep, no recompute, the default schedule."""
-    return Layout(micro_batch_size=spec.micro_batch_size[0])
+FLUSHED, TWO_BW, PIPEDREAM = "flushed", "pipedream-2bw", "pipedream"
+"""The update rules a schedule trains under: the flushed schedules' W(t+1) = W(t) −
+lr·∇f(W(t)); PipeDream-2BW's W(t+1) = W(t) − lr·∇f(W(t−1)), the same for every layout;
+PipeDream's (with or without vertical sync), whose weight versions depend on the
+pipeline depth."""
+
+UPDATE_RULES = (FLUSHED, TWO_BW, PIPEDREAM)
+"""Every update rule, in the order a report lists them."""
+
+RULE_SCHEDULES = {FLUSHED: None, TWO_BW: "pipedream-2bw"}
+"""The schedule of each rule's single-process reference (None: the default); PipeDream has
+none, as no single-process run trains under its rule."""
+
+
+def update_rule(schedule: str | None) -> str:
+    """The update rule of the schedule called ``schedule`` (a :class:`Layout`'s, None for
+    the default): :data:`TWO_BW`, :data:`PIPEDREAM` or else :data:`FLUSHED`."""
+    if schedule == "pipedream-2bw":
+        return TWO_BW
+    if schedule in ("pipedream", PIPEDREAM_VSYNC):
+        return PIPEDREAM
+    return FLUSHED
+
+
+def reference_layout(spec: SweepSpec, rule: str = FLUSHED) -> Layout | None:
+    """The single-process layout the points of ``rule`` are compared with: tp = pp = dp =
+    1, the first micro-batch size of the sweep, no recompute, the rule's schedule (the
+    default for the flushed ones); None for a rule without one."""
+    if rule not in RULE_SCHEDULES:
+        return None
+    return Layout(micro_batch_size=spec.micro_batch_size[0], schedule=RULE_SCHEDULES[rule])
+
+
+def reference_layouts(spec: SweepSpec, layouts: Iterable[Layout]) -> list[Layout]:
+    """The references a sweep of ``layouts`` runs: the flushed one first, always, then the
+    PipeDream-2BW one when a layout trains under that rule."""
+    rules = {FLUSHED} | {update_rule(layout.schedule) for layout in layouts}
+    return [reference_layout(spec, rule) for rule in RULE_SCHEDULES if rule in rules]
+
+
+def is_reference(spec: SweepSpec, layout: Layout) -> bool:
+    """Whether ``layout`` is the single-process reference of its own update rule."""
+    return layout == reference_layout(spec, update_rule(layout.schedule))
 
 
 def check_point(spec: SweepSpec, layout: Layout) -> PretrainConfig:

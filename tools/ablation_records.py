@@ -76,9 +76,10 @@ class Prediction:
 
 @dataclass
 class Parity:
-    """The point's losses against the single-process reference: ``status`` is ``pass``,
-    ``FAIL`` or ``unknown`` (no losses to compare); the largest relative difference and the
-    first iteration past the tolerance."""
+    """The point's losses against the single-process reference of its update rule, named
+    by ``reference``: ``status`` is ``pass``, ``FAIL``, ``unknown`` (no losses to compare)
+    or ``n/a`` (PipeDream: no single-process run trains under its rule); the largest
+    relative difference and the first iteration past the tolerance."""
 
     status: str
     max_rel_diff: float | None = None

@@ -3,11 +3,11 @@
     python tools/ablation_report.py runs/ablation                  # runs/ablation/report/
     python tools/ablation_report.py runs/ablation --out docs/ablation
 
-The report opens with the parity alarm when a layout's losses left the single-process
-run's, then a table per layout (time, tokens/s, memory per pipeline rank, bubble,
-communication, prediction errors, parity), the plots (throughput, memory, predicted against
-measured, the timelines of the fastest and slowest layout, loss curves), the failed points
-with their errors and the points the sweep refused.
+The report opens with the parity alarm when a layout's losses left those of the
+single-process run of its update rule, then a table per layout (time, tokens/s, memory per
+pipeline rank, bubble, communication, prediction errors, parity), the plots (throughput,
+memory, predicted against measured, the timelines of the fastest and slowest layout, loss
+curves), the failed points with their errors and the points the sweep refused.
 """
 
 from __future__ import annotations
@@ -22,7 +22,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # siblings: tools/ is not a package
 
-from ablation_parity import deviating
+from ablation_parity import (
+    NOT_APPLICABLE,
+    NOT_APPLICABLE_WHY,
+    PASS,
+    deviating,
+    references_by_rule,
+    rule_of,
+)
+from ablation_points import FLUSHED, PIPEDREAM, TWO_BW, UPDATE_RULES
 from ablation_records import OK, PointRecord, load_all
 
 MIB = 2**20
@@ -96,41 +104,71 @@ def layout_table(point_records: Sequence[PointRecord]) -> list[str]:
 
 
 def alarm(point_records: Sequence[PointRecord]) -> list[str]:
-    """The loud block on top when a layout trained another model than the reference."""
+    """The loud block on top when a layout trained another model than the reference of its
+    update rule, each line naming that reference."""
     bad = deviating(point_records)
     if not bad:
         return []
     tolerance = bad[0].parity.tolerance
     lines = [
         f"> **PARITY ALARM: {len(bad)} layout(s) trained a different model than the "
-        f"single-process run** (relative tolerance {tolerance:g} per iteration's loss).",
+        f"single-process run of their update rule** (relative tolerance {tolerance:g} per "
+        "iteration's loss).",
         ">",
     ]
     for r in bad:
         p = r.parity
         lines.append(
-            f"> - `{r.name}`: max relative difference {p.max_rel_diff:.3g}, "
-            f"first past the tolerance at iteration {p.first_bad_iteration}"
+            f"> - `{r.name}`: max relative difference {p.max_rel_diff:.3g} from "
+            f"`{p.reference}`, first past the tolerance at iteration {p.first_bad_iteration}"
         )
     return [*lines, ""]
 
 
-def parity_summary(point_records: Sequence[PointRecord]) -> list[str]:
-    compared = [r for r in point_records if r.parity and not r.reference]
-    reference = next((r for r in point_records if r.reference), None)
+RULE_TEXT = {
+    FLUSHED: "",
+    TWO_BW: " of pipedream-2bw (W(t+1) = W(t) − lr·∇f(W(t−1)), the same for every layout)",
+}
+"""How the parity section names each update rule that has a reference."""
+
+
+def rule_parity(rule: str, of_rule: Sequence[PointRecord], reference: PointRecord | None) -> str:
+    """The parity line of the layouts ``of_rule`` of one update rule against ``reference``."""
+    if rule == PIPEDREAM:
+        count = sum(r.parity.status == NOT_APPLICABLE for r in of_rule)
+        head = "Parity of pipedream (with or without vertical sync)"
+        return f"{head}: {NOT_APPLICABLE} for {count} layout(s). {NOT_APPLICABLE_WHY}."
     if reference is None or reference.status != OK:
-        return ["No finished single-process reference: parity was not checked.", ""]
+        name = f" `{reference.name}`" if reference else ""
+        return (
+            f"No finished single-process reference{name}{RULE_TEXT[rule]}: parity was not checked."
+        )
+    worst = max(of_rule, key=lambda r: r.parity.max_rel_diff or 0.0)
+    passed = sum(r.parity.status == PASS for r in of_rule)
+    return (
+        f"Parity{RULE_TEXT[rule]}: {passed} of {len(of_rule)} finished layouts equal the "
+        f"single-process run `{reference.name}` within a relative {worst.parity.tolerance:g} "
+        f"at every one of {len(reference.measured.losses)} iterations; the largest difference "
+        f"is {worst.parity.max_rel_diff:.2e} (`{worst.name}`)."
+    )
+
+
+def parity_summary(point_records: Sequence[PointRecord]) -> list[str]:
+    """One line per update rule of the finished layouts, naming the reference each was
+    compared against; PipeDream's says why it has none."""
+    compared = [r for r in point_records if r.parity and not r.reference]
+    references = references_by_rule(point_records)
     if not compared:
+        reference = references.get(FLUSHED)
+        if reference is None or reference.status != OK:
+            return ["No finished single-process reference: parity was not checked.", ""]
         return ["No finished layout to compare with the reference.", ""]
-    worst = max(compared, key=lambda r: r.parity.max_rel_diff or 0.0)
-    passed = sum(r.parity.status == "pass" for r in compared)
-    return [
-        f"Parity: {passed} of {len(compared)} finished layouts equal the single-process run "
-        f"`{reference.name}` within a relative {worst.parity.tolerance:g} at every one of "
-        f"{len(reference.measured.losses)} iterations; the largest difference is "
-        f"{worst.parity.max_rel_diff:.2e} (`{worst.name}`).",
-        "",
-    ]
+    lines = []
+    for rule in UPDATE_RULES:
+        of_rule = [r for r in compared if rule_of(r) == rule]
+        if of_rule:
+            lines += [rule_parity(rule, of_rule, references.get(rule)), ""]
+    return lines
 
 
 AXES = ("tp", "pp", "vpp", "schedule", "micro_batch_size", "recompute", "zero_stage")
@@ -194,7 +232,7 @@ def make_plots(point_records: Sequence[PointRecord], out: Path) -> list[tuple[st
     by_time = sorted(
         (r for r in done if not r.reference), key=lambda r: r.measured.iteration_seconds
     )
-    reference = next((r for r in point_records if r.reference), None)
+    references = [r for r in point_records if r.reference]
     pictures = [
         ("Throughput", plots.throughput_bars(point_records, out / "throughput.png")),
         ("Memory", plots.memory_bars(point_records, out / "memory.png")),
@@ -202,7 +240,7 @@ def make_plots(point_records: Sequence[PointRecord], out: Path) -> list[tuple[st
             "Predicted against measured",
             plots.prediction_scatter(point_records, out / "prediction.png"),
         ),
-        ("Loss curves", plots.loss_curves(point_records, reference, out / "loss.png")),
+        ("Loss curves", plots.loss_curves(point_records, references, out / "loss.png")),
     ]
     if by_time:
         best, worst = by_time[0], by_time[-1]
@@ -221,17 +259,28 @@ def read_manifest(sweep_dir: Path) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
+def manifest_references(manifest: dict) -> list[str] | None:
+    """The names of the sweep's references: ``references`` (the flushed one first), or the
+    one ``reference`` of a sweep written before there were several; None when it names
+    none."""
+    if "references" in manifest:
+        return list(manifest["references"])
+    if manifest.get("reference"):
+        return [manifest["reference"]]
+    return None
+
+
 def current_records(sweep_dir: Path, manifest: dict) -> list[PointRecord]:
-    """The records of the sweep's current points and reference: a directory reused with
+    """The records of the sweep's current points and references: a directory reused with
     another spec keeps the old points' files, which are not part of this sweep."""
     point_records = load_all(sweep_dir / "points")
     if "points" not in manifest:
         return point_records
-    points, reference = set(manifest["points"]), manifest.get("reference")
+    points, references = set(manifest["points"]), manifest_references(manifest)
     return [
         r
         for r in point_records
-        if r.name in points or (r.name == reference if reference else r.reference)
+        if r.name in points or (r.name in references if references is not None else r.reference)
     ]
 
 

@@ -1,8 +1,10 @@
 """A sweep as a SLURM job array: one array job per point, each a multi-node torchrun.
 
-Index 0 is the single-process reference (one node, one process); every other index runs its
-layout on ``nnodes`` nodes of ``nproc`` processes, one torchrun per node through ``srun``
-meeting at the first node (c10d rendezvous), as examples/pretrain_gpt_slurm.sbatch does.
+The first indices are the single-process references (one node, one process each: the
+flushed schedules', then PipeDream-2BW's when the sweep has such points); every other index
+runs its layout on ``nnodes`` nodes of ``nproc`` processes, one torchrun per node through
+``srun`` meeting at the first node (c10d rendezvous), as examples/pretrain_gpt_slurm.sbatch
+does.
 Each writes ``runs/<name>/metrics.jsonl`` and ``log.txt`` under the sweep directory;
 ``tools/ablate.py ... --collect`` turns them into records once the array is done.
 """
@@ -18,7 +20,7 @@ from ablation_launch import PRETRAIN, ROOT
 from ablation_points import Point, SweepSpec
 
 HEADER = """#!/usr/bin/env bash
-# Ablation sweep: {count} array jobs, one per layout (index 0: the single-process reference).
+# Ablation sweep: {count} array jobs, one per layout ({references}).
 # Written by: {command}
 # Submit from anywhere:   sbatch {script}
 # Then collect records:   {collect}
@@ -64,13 +66,23 @@ def slurm_time(seconds: float) -> str:
 
 
 def slurm_script(
-    spec: SweepSpec, points: Sequence[Point], out_dir: Path, command: str, collect: str
+    spec: SweepSpec,
+    references: Sequence[Point],
+    points: Sequence[Point],
+    out_dir: Path,
+    command: str,
+    collect: str,
 ) -> str:
-    """The array job of ``points`` (the reference first) for ``spec`` writing under
-    ``out_dir``; ``command`` made it and ``collect`` gathers its records."""
+    """The array job of ``references`` (the single-process runs, the flushed one first)
+    then ``points`` for ``spec`` writing under ``out_dir``; ``command`` made it and
+    ``collect`` gathers its records."""
     out = shlex.quote(str(Path(out_dir).resolve()))
+    count = len(references)
+    first = "index 0" if count == 1 else f"indices 0-{count - 1}"
+    points = [*references, *points]
     text = HEADER.format(
         count=len(points),
+        references=f"{first}: the single-process reference{'s' if count > 1 else ''}",
         command=command,
         script=shlex.quote(str(Path(out_dir) / "sweep.sbatch")),
         collect=collect,

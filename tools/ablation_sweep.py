@@ -1,8 +1,9 @@
-"""Running a sweep: every point once, the single-process reference first, then the parity
-check of every layout against it.
+"""Running a sweep: every point once, the single-process references first (one per update
+rule the points train under that has one), then the parity check of every layout against
+the reference of its rule.
 
 A sweep directory holds ``points/<name>.json`` (one :class:`PointRecord` per point, the
-reference's with ``reference: true``), ``runs/<name>/`` (each point's metrics file and
+references' with ``reference: true``), ``runs/<name>/`` (each point's metrics file and
 log) and ``sweep.json`` (the spec, the dropped points and the command). A record whose
 key equals the point's (the same command) is not run again, so an interrupted sweep
 continues where it stopped; a failed point runs again only with ``retry_failed``.
@@ -19,8 +20,16 @@ from pathlib import Path
 import ablation_records as records
 from ablation_launch import Launcher, error_summary, point_command, point_env, run_command
 from ablation_parity import DEFAULT_RTOL, apply_parity
-from ablation_points import Expansion, Point, SweepSpec, check_point, expand, point_for
-from ablation_points import reference_layout as reference_layout_of
+from ablation_points import (
+    Expansion,
+    Point,
+    SweepSpec,
+    check_point,
+    expand,
+    is_reference,
+    point_for,
+    reference_layouts,
+)
 from ablation_predict import predict
 from ablation_records import FAILED, OK, TIMEOUT, Measured, PointRecord, Prediction
 
@@ -38,15 +47,17 @@ class Progress:
 
 @dataclass
 class SweepResult:
-    """The sweep's records (reference first) and what it skipped or dropped."""
+    """The sweep's records (references first) and what it skipped or dropped."""
 
     records: list[PointRecord] = field(default_factory=list)
     reused: list[str] = field(default_factory=list)
     expansion: Expansion = field(default_factory=Expansion)
 
 
-def reference_point(spec: SweepSpec) -> Point:
-    return point_for(spec, reference_layout_of(spec))
+def reference_points(spec: SweepSpec, expansion: Expansion) -> list[Point]:
+    """The single-process references of ``expansion``'s points, the flushed one first."""
+    layouts = reference_layouts(spec, [point.layout for point in expansion.points])
+    return [point_for(spec, layout) for layout in layouts]
 
 
 def record_path(out_dir: Path, point: Point) -> Path:
@@ -91,7 +102,7 @@ def collect(
         status=OK,
         wall_seconds=seconds,
         log=str(log.relative_to(out_dir)),
-        reference=point.layout == reference_layout_of(spec),
+        reference=is_reference(spec, point.layout),
     )
     measured = records.measure(metrics, spec.profiled_iteration) if metrics.is_file() else None
     record.measured = measured or Measured()
@@ -124,14 +135,14 @@ def run_sweep(
     progress: Progress | None = None,
     command_line: str = "",
 ) -> SweepResult:
-    """Run (or reuse) the reference and every runnable point of ``spec`` under ``out_dir``,
-    then record every point's parity with the reference. A failing point is recorded with
-    its error and the sweep goes on."""
+    """Run (or reuse) the references and every runnable point of ``spec`` under
+    ``out_dir``, then record every point's parity with the reference of its update rule. A
+    failing point is recorded with its error and the sweep goes on."""
     out_dir = Path(out_dir).resolve()  # the launcher runs from the repository root
     result = SweepResult(expansion=expand(spec))
     write_manifest(spec, out_dir, result.expansion, command_line)
     progress = progress or Progress()
-    for point in [reference_point(spec), *result.expansion.points]:
+    for point in [*reference_points(spec, result.expansion), *result.expansion.points]:
         progress.start(point.name)
         record = finished(out_dir, point, retry_failed)
         if record is not None:
@@ -161,21 +172,21 @@ def run_sweep(
 
 
 def finish(point_records: Sequence[PointRecord], out_dir: Path, rtol: float) -> None:
-    """Set every record's parity against the reference among them and save them again."""
-    reference = next((r for r in point_records if r.reference), None)
-    apply_parity(point_records, reference, rtol)
+    """Set every record's parity against the reference of its update rule among them and
+    save them again."""
+    apply_parity(point_records, [r for r in point_records if r.reference], rtol)
     for record in point_records:
         records.save(record, out_dir / "points" / f"{record.name}.json")
 
 
 def write_manifest(spec: SweepSpec, out_dir: Path, expansion: Expansion, command: str) -> None:
-    """``sweep.json``: the spec, the points, the dropped points with their reasons, and the
-    command that ran the sweep."""
+    """``sweep.json``: the spec, the references (the flushed one first), the points, the
+    dropped points with their reasons, and the command that ran the sweep."""
     out_dir.mkdir(parents=True, exist_ok=True)
     manifest = {
         "command": command,
         "spec": asdict(spec),
-        "reference": reference_point(spec).name,
+        "references": [p.name for p in reference_points(spec, expansion)],
         "points": [p.name for p in expansion.points],
         "dropped": [{"point": d.description, "reason": d.reason} for d in expansion.dropped],
         "written": time.strftime("%Y-%m-%d %H:%M:%S"),

@@ -21,13 +21,20 @@ RECOMPUTE = (None, "selective", "full")
 layer's input kept, the layer rerun in backward: Megatron's uniform method, one layer per
 group)."""
 
+PIPEDREAM_VSYNC = "pipedream-vsync"
+"""The schedule of a layout that runs ``--pipeline-schedule pipedream --vertical-sync``
+(every stage runs a microbatch on the weights version the first stage used); the name the
+built schedule carries."""
+
 
 @dataclass(frozen=True)
 class Layout:
     """One parallel layout. ``vpp``: model chunks per pipeline rank (2 for the V-shaped
     schedules, >= 2 for interleaving). ``schedule``: a name of
-    :data:`~megapp.pipeline_parallel.catalog.SCHEDULES`, or None for Megatron's default
-    (1F1B, interleaved with several chunks)."""
+    :data:`~megapp.pipeline_parallel.catalog.SCHEDULES` (flushed) or
+    :data:`~megapp.pipeline_parallel.catalog.ASYNC_SCHEDULES` (PipeDream, PipeDream-2BW),
+    :data:`PIPEDREAM_VSYNC` for PipeDream with vertical sync, or None for Megatron's
+    default (1F1B, interleaved with several chunks)."""
 
     tp: int = 1
     pp: int = 1
@@ -82,7 +89,9 @@ class Layout:
                     f"{self.vpp} chunks"
                 )
             out += ["--num-layers-per-virtual-pipeline-stage", str(per_stage)]
-        if self.schedule is not None:
+        if self.schedule == PIPEDREAM_VSYNC:
+            out += ["--pipeline-schedule", "pipedream", "--vertical-sync"]
+        elif self.schedule is not None:
             out += ["--pipeline-schedule", self.schedule]
         if self.sequence_parallel:
             out.append("--sequence-parallel")
