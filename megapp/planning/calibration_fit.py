@@ -1,0 +1,267 @@
+"""Fitting the time model's constants to profiled runs (:mod:`megapp.planning.calibrate`
+measures them): every action's seconds against the model's own feature counts by
+non-negative least squares, then the data-parallel tail's bandwidth, the per-message
+overhead and the step overhead."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from megapp.planning.core_sharing import dedicated_seconds
+from megapp.planning.hardware import Hardware
+from megapp.planning.timing import action_costs, predict_step_time, shape_of
+from megapp.training.config import PretrainConfig
+
+_ACTION = re.compile(r"^([FBIW])(\d+)(?:\.(\d+))?$")
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One profiled iteration: the config it ran and its ``"profile"`` metrics record; and
+    the median time of the run's plain iterations (neither the first, nor the profiled
+    ones, whose recording and memory counting slow them), when it had some."""
+
+    config: PretrainConfig
+    vocab_size: int
+    record: dict
+    steady_seconds: float | None = None
+
+    @property
+    def seconds(self) -> float:
+        """The iteration time a prediction is held to."""
+        return self.record["seconds"] if self.steady_seconds is None else self.steady_seconds
+
+
+def _unit(**rates: float) -> Hardware:
+    """A hardware on which only the named constants cost anything (the others are free),
+    so an action's predicted seconds read out one feature."""
+    free = dict(
+        gemm_flops=1e30,
+        memory_bandwidth=1e30,
+        intra_node_bandwidth=1e30,
+        inter_node_bandwidth=1e30,
+        intra_node_latency=0.0,
+        inter_node_latency=0.0,
+    )
+    return Hardware(
+        name="unit", peak_flops=None, memory_bytes=1.0, gpus_per_node=1 << 20, **(free | rates)
+    )
+
+
+FEATURES = ("flops", "action", "layers", "tp_bytes", "tp_steps", "memory")
+_PROBES = {
+    "flops": _unit(gemm_flops=1.0),
+    "action": _unit(action_overhead=1.0),
+    "layers": _unit(layer_overhead=1.0),
+    "tp_bytes": _unit(intra_node_bandwidth=1.0, inter_node_bandwidth=1.0),
+    "tp_steps": _unit(intra_node_latency=1.0, inter_node_latency=1.0),
+    "memory": _unit(memory_bandwidth=1.0),
+}
+
+
+def action_features(config: PretrainConfig, vocab_size: int) -> dict[tuple[str, int, int], list]:
+    """For every kind of action (``"F"``, ``"B"``, ``"I"``, ``"W"``) on every ``[rank][chunk]``
+    its :data:`FEATURES`: the action's seconds on hardware where only that constant is 1."""
+    gpt, shape = config.gpt_config(vocab_size), shape_of(config)
+    shape = dataclasses.replace(shape, dp=1, zero_stage=0)  # no ZeRO transfers in the actions
+    tables = {name: action_costs(gpt, shape, probe) for name, probe in _PROBES.items()}
+    out = {}
+    p, v = len(shape.placement), len(shape.placement[0])
+    for rank in range(p):
+        for chunk in range(v):
+            for kind in "FBIW":
+                row = []
+                for name in FEATURES:
+                    costs = tables[name]
+                    f, i, w = (
+                        t[rank][chunk] for t in (costs.forward, costs.input_grad, costs.weight_grad)
+                    )
+                    row.append({"F": f, "I": i, "W": w, "B": i + w}[kind])
+                out[(kind, rank, chunk)] = row
+    return out
+
+
+def samples(
+    measurement: Measurement, shared_cores: int | None = None
+) -> tuple[list[list[float]], list[float]]:
+    """Features and measured seconds of every compute action of every rank in a record
+    (with ``shared_cores``: the work it did on a core of its own, from how many of the
+    run's processes computed while it ran, as
+    :func:`~megapp.planning.core_sharing.dedicated_seconds` counts)."""
+    features = action_features(measurement.config, measurement.vocab_size)
+    computing = [
+        (start, end)
+        for rank in measurement.record["ranks"]
+        for kind, _, start, end in rank["events"]
+        if kind == "compute"
+    ]
+    rows, seconds = [], []
+    for rank in measurement.record["ranks"]:
+        for kind, name, start, end in rank["events"]:
+            match = _ACTION.match(name)
+            if kind != "compute" or match is None:
+                continue
+            key = (match[1], rank["pp"], int(match[3] or 0))
+            rows.append(features[key])
+            if shared_cores is None:
+                seconds.append(end - start)
+            else:  # the work it did: its time at its share of the cores
+                seconds.append(dedicated_seconds(start, end, computing, shared_cores))
+    return rows, seconds
+
+
+def nonnegative_least_squares(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``argmin |a·x - b|`` with ``x >= 0``: least squares, dropping the most negative
+    coefficient until none is left (enough for a handful of features)."""
+    active = list(range(a.shape[1]))
+    x = np.zeros(a.shape[1])
+    while active:
+        sol, *_ = np.linalg.lstsq(a[:, active], b, rcond=None)
+        if (sol >= 0).all():
+            x[active] = sol
+            break
+        active.pop(int(np.argmin(sol)))
+    return x
+
+
+def fit_actions(
+    measurements: Sequence[Measurement],
+    memory_bandwidth: float | None = None,
+    shared_cores: int | None = None,
+) -> dict[str, float]:
+    """The coefficient of every feature in :data:`FEATURES`, fitted to every action of
+    every measurement. Features no measurement varies (no tensor parallelism: no
+    ``tp_bytes``) come out 0. A known ``memory_bandwidth`` prices the loss's passes
+    instead of fitting them."""
+    rows, seconds = [], []
+    for measurement in measurements:
+        r, s = samples(measurement, shared_cores)
+        rows += r
+        seconds += s
+    if not rows:
+        raise ValueError("the profile records hold no compute actions to fit")
+    a, b = np.asarray(rows, dtype=float), np.asarray(seconds, dtype=float)
+    if memory_bandwidth is not None:
+        column = FEATURES.index("memory")
+        b = b - a[:, column] / memory_bandwidth
+        a[:, column] = 0.0
+    scale = np.abs(a).max(axis=0)
+    scale[scale == 0] = 1.0  # a feature that is always 0 stays 0
+    x = nonnegative_least_squares(a / scale, b) / scale
+    coef = dict(zip(FEATURES, (float(v) for v in x), strict=True))
+    if memory_bandwidth is not None:
+        coef["memory"] = 1.0 / memory_bandwidth
+    return coef
+
+
+def makespan(record: dict) -> float:
+    """The measured pipeline's span: the latest event end over all ranks."""
+    return max((e[3] for r in record["ranks"] for e in r["events"]), default=0.0)
+
+
+def fit_hardware(
+    measurements: Sequence[Measurement],
+    name: str = "calibrated",
+    memory_bytes: float = 1.0,
+    memory_bandwidth: float | None = None,
+    shared_cores: int | None = None,
+) -> Hardware:
+    """A :class:`Hardware` whose predictions fit ``measurements`` (all taken on one
+    machine: one node of ``world_size`` devices, gloo transport). ``memory_bandwidth``:
+    default, a copy timed in this process and shared by the processes. ``shared_cores``:
+    the cores the processes shared; the fitted rates are then a process's on a core of its
+    own, and the profile slows them by how many processes compute at once."""
+    coef = fit_actions(measurements, memory_bandwidth, shared_cores)
+    world = measurements[0].config.world_size
+    bandwidth = 1.0 / coef["tp_bytes"] if coef["tp_bytes"] > 0 else 1e30
+    hardware = Hardware(
+        name=name,
+        gemm_flops=1.0 / coef["flops"] if coef["flops"] > 0 else 1e30,
+        peak_flops=None,
+        memory_bytes=memory_bytes,
+        memory_bandwidth=memory_bandwidth or _fitted_or_measured(coef["memory"], world),
+        gpus_per_node=world,
+        intra_node_bandwidth=bandwidth,
+        intra_node_latency=coef["tp_steps"],
+        inter_node_bandwidth=bandwidth,
+        inter_node_latency=coef["tp_steps"],
+        layer_overhead=coef["layers"],
+        action_overhead=coef["action"],
+        overlap_communication=False,
+        sends_finish_in_background=True,
+        shared_cores=shared_cores,
+    )
+    per_byte = _fit_tail_bandwidth(measurements, hardware)
+    if per_byte > 0:  # the data-parallel reductions' bytes show the bandwidth best
+        link = dict(intra_node_bandwidth=1.0 / per_byte, inter_node_bandwidth=1.0 / per_byte)
+        hardware = dataclasses.replace(hardware, **link)
+    hardware = dataclasses.replace(hardware, message_overhead=_fit_messages(measurements, hardware))
+    residuals = []
+    for m in measurements:
+        predicted = predict_step_time(m.config, m.vocab_size, hardware)
+        residuals.append(m.seconds - predicted.seconds)
+    overhead = max(0.0, float(np.mean(residuals)))
+    return dataclasses.replace(hardware, step_overhead=overhead)
+
+
+def _fit_tail_bandwidth(measurements: Sequence[Measurement], hardware: Hardware) -> float:
+    """Seconds per byte of the collectives after the pipeline: what each iteration spent
+    beyond its measured pipeline span and the optimizer step, fitted against the bytes
+    its data-parallel reduction moves (plus a constant)."""
+    rows, residual = [], []
+    for m in measurements:
+        gpt, shape = m.config.gpt_config(m.vocab_size), shape_of(m.config)
+        moved = max(action_costs(gpt, shape, _PROBES["tp_bytes"]).tail)
+        steps = max(action_costs(gpt, shape, _PROBES["tp_steps"]).tail)
+        optimizer = max(action_costs(gpt, shape, hardware).optimizer)
+        rows.append([1.0, moved])
+        spent = m.record["seconds"] - makespan(m.record) - optimizer
+        residual.append(spent - steps * hardware.intra_node_latency)
+    return float(nonnegative_least_squares(np.asarray(rows), np.asarray(residual))[1])
+
+
+def _fit_messages(measurements: Sequence[Measurement], hardware: Hardware) -> float:
+    """The per-message overhead for which the simulated pipelines span, on average, what
+    the measured ones did (bisection: the span grows with it)."""
+
+    def excess(overhead: float) -> float:
+        trial = dataclasses.replace(hardware, message_overhead=overhead)
+        spans = [
+            predict_step_time(m.config, m.vocab_size, trial).timeline.makespan - makespan(m.record)
+            for m in measurements
+        ]
+        return float(np.mean(spans))
+
+    low, high = 0.0, 1.0
+    if excess(low) >= 0:
+        return 0.0
+    for _ in range(40):
+        middle = (low + high) / 2
+        low, high = (middle, high) if excess(middle) < 0 else (low, middle)
+    return (low + high) / 2
+
+
+def _fitted_or_measured(seconds_per_byte: float, processes: int) -> float:
+    """The memory bandwidth the loss's passes fitted, else a measured one."""
+    return 1.0 / seconds_per_byte if seconds_per_byte > 0 else memory_bandwidth(processes)
+
+
+def memory_bandwidth(processes: int) -> float:
+    """Bytes/s of a large copy in this process, shared among ``processes`` on the cores."""
+    src = torch.empty(32 * 2**20, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    start = time.perf_counter()
+    for _ in range(5):
+        dst.copy_(src)
+    rate = 2 * 5 * src.numel() / (time.perf_counter() - start)  # read and write
+    cores = os.cpu_count() or 1
+    return rate * min(1.0, cores / processes)
