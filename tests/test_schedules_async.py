@@ -28,6 +28,7 @@ def _ops(schedule, rank):
 def test_pipedream_is_1f1b_with_a_step_after_every_backward():
     s = pipedream(3, 2, iterations=2)  # four microbatches, no flush between the iterations
     assert s.num_microbatches == 4 and s.update_interval == 1 and s.asynchronous
+    assert s.iterations == 2 and pipedream_2bw(3, 2, iterations=3).iterations == 3
     assert _ops(s, 0) == "F0 F1 F2 B0 U0 F3 B1 U1 B2 U2 B3 U3"
     assert _ops(s, 2) == "F0 B0 U0 F1 B1 U1 F2 B2 U2 F3 B3 U3"
     # each rank runs microbatch g on the weights of its steps so far

@@ -86,7 +86,17 @@ def pipedream(
         tuple(max(0, g - (first if vertical_sync else w)) for g in range(total)) for w in warmup
     )
     name = "pipedream-vsync" if vertical_sync else "pipedream"
-    return Schedule(name, p, total, 1, actions, warmup, update_interval=1, versions=versions)
+    return Schedule(
+        name,
+        p,
+        total,
+        1,
+        actions,
+        warmup,
+        update_interval=1,
+        iterations=iterations,
+        versions=versions,
+    )
 
 
 def pipedream_2bw(

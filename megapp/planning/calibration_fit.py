@@ -57,6 +57,8 @@ def _unit(**rates: float) -> Hardware:
 
 
 FEATURES = ("flops", "action", "layers", "tp_bytes", "tp_steps", "memory")
+WAIT_FEATURES = ("tp_bytes", "tp_steps")
+"""The features of time spent in collectives, not on a core."""
 _PROBES = {
     "flops": _unit(gemm_flops=1.0),
     "action": _unit(action_overhead=1.0),
@@ -92,10 +94,12 @@ def action_features(config: PretrainConfig, vocab_size: int) -> dict[tuple[str, 
 def samples(
     measurement: Measurement, shared_cores: int | None = None
 ) -> tuple[list[list[float]], list[float]]:
-    """Features and measured seconds of every compute action of every rank in a record
-    (with ``shared_cores``: the work it did on a core of its own, from how many of the
-    run's processes computed while it ran, as
-    :func:`~megapp.planning.core_sharing.dedicated_seconds` counts)."""
+    """Features and measured seconds of every compute action of every rank in a record.
+    With ``shared_cores`` an action's time is its work at its share of the cores (from how
+    many of the run's processes computed while it ran, as
+    :func:`~megapp.planning.core_sharing.dedicated_seconds` counts) plus its waits in
+    tensor-parallel collectives, which use no core: the work's features are divided by
+    that share, the collectives' (:data:`WAIT_FEATURES`) are not."""
     features = action_features(measurement.config, measurement.vocab_size)
     computing = [
         (start, end)
@@ -110,11 +114,13 @@ def samples(
             if kind != "compute" or match is None:
                 continue
             key = (match[1], rank["pp"], int(match[3] or 0))
-            rows.append(features[key])
-            if shared_cores is None:
-                seconds.append(end - start)
-            else:  # the work it did: its time at its share of the cores
-                seconds.append(dedicated_seconds(start, end, computing, shared_cores))
+            row = features[key]
+            if shared_cores is not None and end > start:
+                share = dedicated_seconds(start, end, computing, shared_cores) / (end - start)
+                pairs = zip(FEATURES, row, strict=True)
+                row = [f if n in WAIT_FEATURES else f / share for n, f in pairs]
+            rows.append(row)
+            seconds.append(end - start)
     return rows, seconds
 
 
@@ -204,12 +210,16 @@ def fit_hardware(
         link = dict(intra_node_bandwidth=1.0 / per_byte, inter_node_bandwidth=1.0 / per_byte)
         hardware = dataclasses.replace(hardware, **link)
     hardware = dataclasses.replace(hardware, message_overhead=_fit_messages(measurements, hardware))
-    residuals = []
-    for m in measurements:
-        predicted = predict_step_time(m.config, m.vocab_size, hardware)
-        residuals.append(m.seconds - predicted.seconds)
-    overhead = max(0.0, float(np.mean(residuals)))
-    return dataclasses.replace(hardware, step_overhead=overhead)
+    residuals = _residuals(measurements, hardware)
+    return dataclasses.replace(hardware, step_overhead=max(0.0, float(np.mean(residuals))))
+
+
+def _residuals(measurements: Sequence[Measurement], hardware: Hardware) -> list[float]:
+    """Measured less predicted seconds of every measurement's iteration."""
+    return [
+        m.seconds - predict_step_time(m.config, m.vocab_size, hardware).seconds
+        for m in measurements
+    ]
 
 
 def _fit_tail_bandwidth(measurements: Sequence[Measurement], hardware: Hardware) -> float:
@@ -229,16 +239,27 @@ def _fit_tail_bandwidth(measurements: Sequence[Measurement], hardware: Hardware)
 
 
 def _fit_messages(measurements: Sequence[Measurement], hardware: Hardware) -> float:
-    """The per-message overhead for which the simulated pipelines span, on average, what
-    the measured ones did (bisection: the span grows with it)."""
+    """The per-message overhead for which the pipelined layouts' iterations miss their
+    measured times by as much as every layout's do on average (what the constant per-step
+    overhead then takes up); by bisection, as the pipelined ones grow with it. With no
+    layout free of messages to tell the two apart, the simulated pipelines are held to the
+    measured spans instead."""
+    piped = [m.config.schedule.num_stages > 1 for m in measurements]
 
     def excess(overhead: float) -> float:
         trial = dataclasses.replace(hardware, message_overhead=overhead)
-        spans = [
-            predict_step_time(m.config, m.vocab_size, trial).timeline.makespan - makespan(m.record)
-            for m in measurements
-        ]
-        return float(np.mean(spans))
+        if all(piped):
+            return float(
+                np.mean(
+                    [
+                        predict_step_time(m.config, m.vocab_size, trial).timeline.makespan
+                        - makespan(m.record)
+                        for m in measurements
+                    ]
+                )
+            )
+        residuals = np.asarray(_residuals(measurements, trial))
+        return float(residuals.mean() - residuals[np.asarray(piped)].mean())
 
     low, high = 0.0, 1.0
     if excess(low) >= 0:

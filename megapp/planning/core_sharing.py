@@ -6,8 +6,9 @@ sharing: the fluid limit of a fair scheduler); a process waiting for a message u
 
 :func:`simulate_shared` runs a schedule's communication plan that way. Every pipeline rank
 stands for ``processes_per_rank`` processes (its tensor- and data-parallel peers, which run
-the same actions in step), an action's cost is its work in seconds on a core of its own,
-and the rate of every running action changes whenever an action starts or ends. A
+the same actions in step), an action's cost is its work in seconds on a core of its own
+and then, given, the time its processes wait in collectives (using no core), and the rate
+of every running action changes whenever an action starts or ends. A
 pipeline's bubble therefore leaves its cores to the ranks that compute, when it happens
 and for as long as it lasts. With a core per process it gives the timeline of
 :func:`~megapp.pipeline_parallel.simulate.simulate`.
@@ -21,11 +22,11 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from megapp.pipeline_parallel.plan import ScheduleError, communication_plan
-from megapp.pipeline_parallel.schedules import Schedule
+from megapp.pipeline_parallel.schedules import Action, Schedule
 from megapp.pipeline_parallel.simulate import CostModel, Event, Timeline
 
 
@@ -54,19 +55,28 @@ class _Rank:
 
     def __init__(self) -> None:
         self.cursor = 0
-        self.state = "ready"  # ready | waiting (a peer has not posted) | until | running | done
+        # ready | waiting (a peer has not posted) | until (its messages are in at ``wake``)
+        # | running | collective (in the action's collectives until ``wake``) | done
+        self.state = "ready"
         self.posted_at = 0.0  # when it posted the current step
         self.wake = 0.0  # until: when its messages are in
         self.work = 0.0  # running: seconds of work left on a core of its own
+        self.wait = 0.0  # then seconds in the action's collectives
         self.started = 0.0
 
 
 def simulate_shared(
-    schedule: Schedule, costs: CostModel, processes_per_rank: int, cores: int
+    schedule: Schedule,
+    costs: CostModel,
+    processes_per_rank: int,
+    cores: int,
+    waiting: Callable[[int, Action], float] | None = None,
 ) -> Timeline:
     """The timeline of ``schedule`` when its ``p × processes_per_rank`` processes share
-    ``cores`` cores (see the module docstring). Raises
-    :class:`~megapp.pipeline_parallel.plan.ScheduleError` on a deadlock."""
+    ``cores`` cores (see the module docstring). ``waiting(rank, action)``: the seconds of
+    the action's time its processes spend waiting in collectives, using no core (its work
+    is the rest). Raises :class:`~megapp.pipeline_parallel.plan.ScheduleError` on a
+    deadlock."""
     plan = communication_plan(schedule)
     p = schedule.num_stages
     ranks = [_Rank() for _ in range(p)]
@@ -109,7 +119,9 @@ def simulate_shared(
         if step.action is None:
             r.cursor, r.state = r.cursor + 1, "ready"
             return
-        r.state, r.work, r.started = "running", costs.time(rank, step.action), now
+        r.state, r.started = "running", now
+        r.wait = waiting(rank, step.action) if waiting is not None else 0.0
+        r.work = costs.time(rank, step.action) - r.wait
 
     def finish(rank: int) -> None:
         r = ranks[rank]
@@ -127,7 +139,7 @@ def simulate_shared(
     settle()
     while True:
         running = [i for i, r in enumerate(ranks) if r.state == "running"]
-        sleeping = [i for i, r in enumerate(ranks) if r.state == "until"]
+        sleeping = [i for i, r in enumerate(ranks) if r.state in ("until", "collective")]
         if not running and not sleeping:
             break
         computing = len(running) * processes_per_rank
@@ -138,10 +150,16 @@ def simulate_shared(
             ranks[i].work -= (then - now) * rate
         now = then
         for i in running:
-            if ends[i] <= now:
+            if ends[i] <= now and ranks[i].wait > 0:
+                ranks[i].state, ranks[i].wake = "collective", now + ranks[i].wait
+            elif ends[i] <= now:
                 finish(i)
         for i in sleeping:
-            if ranks[i].wake <= now:
+            if ranks[i].wake > now:
+                continue
+            if ranks[i].state == "collective":
+                finish(i)
+            else:
                 start(i, plan[i][ranks[i].cursor])
         settle()
     stuck = [i for i, r in enumerate(ranks) if r.state != "done"]
