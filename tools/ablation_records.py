@@ -165,10 +165,10 @@ def measure(path: str | Path, profile_iteration: int | None) -> Measured:
     profile = next((r for r in records if r.get("kind") == "profile"), None)
     out = Measured(losses=[r["lm_loss"] for r in sorted(train, key=lambda r: r["iteration"])])
     profiled = {profile_iteration, profile_iteration + 1} if profile_iteration else set()
-    steady = [
+    steady = [  # an asynchronous schedule's memory run may span several iterations
         r["elapsed_ms_per_iteration"] / 1e3
         for r in train
-        if r["iteration"] > 1 and r["iteration"] not in profiled
+        if r["iteration"] > 1 and r["iteration"] not in profiled and not r.get("profiled")
     ]
     if steady:
         out.iteration_seconds = statistics.median(steady)

@@ -79,8 +79,9 @@ class Outgoing:
 
 
 def sync_actions(actions: Sequence[Action], num_chunks: int, single_stage: bool) -> set[Action]:
-    """The actions before which a chunk's data-parallel reduction is enabled: for each
-    update ``U`` (and the end), of the actions since the previous one,
+    """The actions before which a chunk's data-parallel reduction is enabled, chosen as
+    below among the actions since the previous update ``U`` (or the start), for every
+    update and for the end.
 
     Reduction of a bucket starts once every parameter in it has had a gradient while
     reduction is enabled (:class:`~megapp.distributed.ddp.DistributedDataParallel`), so

@@ -108,7 +108,7 @@ def run_profile(
     steady = [
         r["elapsed_ms_per_iteration"] / 1e3
         for r in records
-        if r.get("kind") == "train" and r["iteration"] not in profiled
+        if r.get("kind") == "train" and r["iteration"] not in profiled and not r.get("profiled")
     ]
     config = pretrain_config(layout, MODEL, GLOBAL_BATCH)
     return Measurement(config, VOCAB, profile, statistics.median(steady) if steady else None)
