@@ -3,7 +3,8 @@
 ``python -m megapp.plan --model gpt3-175b --gpus 1024 --gpus-per-node 8 --gpu h100
 --global-batch-size 1536 --seq-length 2048 --top-k 5`` prints the fastest layouts that fit
 (memory per device, iteration time, throughput, MFU, bubble) and the ``torchrun`` line
-of each. Arithmetic alone shapes the space (:func:`layouts`); ``pretrain_config`` decides
+of each. Arithmetic alone shapes the space (:func:`~megapp.planning.layout_space.layouts`);
+``pretrain_config`` decides
 validity as ``pretrain_gpt.py`` would, ``predict_memory`` the fit. Layouts are visited in
 order of a lower bound on their time (:meth:`~megapp.planning.timing.ActionCosts.lower_bound`,
 shared by the schedules of one placement, no simulation) until the next bound is no better
@@ -18,7 +19,7 @@ import math
 import shlex
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from megapp.models.gpt import GPTConfig
@@ -29,7 +30,8 @@ from megapp.pipeline_parallel.schedules import Schedule, looped_placement, v_pla
 from megapp.pipeline_parallel.simulate import simulate
 from megapp.planning import step_time, timing
 from megapp.planning.hardware import Hardware, load_hardware
-from megapp.planning.layout import RECOMPUTE, Layout, pretrain_config
+from megapp.planning.layout import Layout, pretrain_config
+from megapp.planning.layout_space import Space, layouts
 from megapp.planning.model_state import chunk_parameters, model_state
 from megapp.planning.models import BYTE_VOCAB, ModelPreset, load_model
 from megapp.training.config import PretrainConfig
@@ -68,53 +70,6 @@ class PlanResult:
     deadlocks: int = 0  # the schedule cannot complete on the hardware's transport
     timed: int = 0  # simulated
     seconds: float = 0.0
-
-
-@dataclass(frozen=True)
-class Space:
-    """Limits of the search: micro-batch sizes (powers of two) up to
-    ``max_micro_batch_size``, up to ``max_chunks`` virtual stages per rank, ``schedules``."""
-
-    max_micro_batch_size: int = 8
-    max_chunks: int = 8
-    schedules: tuple[str, ...] = tuple(SCHEDULES)
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def layouts(
-    base: GPTConfig,
-    gpus: int,
-    gpus_per_node: int,
-    global_batch_size: int,
-    space: Space = Space(),
-) -> Iterator[Layout]:
-    """Every layout of ``gpus`` devices the arithmetic allows (sizes that divide, a whole
-    number of microbatches, whole chunks of layers); the schedules' own rules are left to
-    :func:`pretrain_config`."""
-    heads, groups, layers = base.num_attention_heads, base.num_query_groups, base.num_layers
-    for tp in _divisors(gpus):
-        if gpus_per_node % tp or heads % tp or groups % tp:  # a tp group within one node
-            continue
-        for pp in _divisors(gpus // tp):
-            dp = gpus // (tp * pp)
-            if pp > layers or global_batch_size % dp:
-                continue
-            most = min(space.max_chunks, layers // pp)
-            chunks = [1] + [v for v in range(2, most + 1) if layers % (pp * v) == 0]
-            for vpp in chunks if pp > 1 else [1]:
-                names = list(space.schedules) if pp > 1 else [None]
-                names = [n for n in names if n not in V_SHAPED or vpp == 2]
-                for mbs in (1 << i for i in range(space.max_micro_batch_size.bit_length())):
-                    if mbs > space.max_micro_batch_size or global_batch_size % (mbs * dp):
-                        continue
-                    for recompute in RECOMPUTE:
-                        for zero in range(4) if dp > 1 else [0]:
-                            for sp in (False, True) if tp > 1 else [False]:
-                                for name in names:
-                                    yield Layout(tp, pp, dp, vpp, mbs, name, sp, recompute, zero)
 
 
 class Planner:
@@ -251,8 +206,10 @@ class Planner:
         except (ArgumentsError, ValueError):
             return None
 
-    def plan(self, gpus_per_node: int, top_k: int, space: Space = Space()) -> PlanResult:
-        """The ``top_k`` fastest layouts that fit, fastest first."""
+    def plan(self, gpus_per_node: int, top_k: int, space: Space | None = None) -> PlanResult:
+        """The ``top_k`` fastest layouts that fit, fastest first (in ``space``, default
+        :class:`Space`'s limits)."""
+        space = space or Space()
         start = time.perf_counter()
         result = PlanResult(best=[])
         bounded: list[tuple[float, int, Layout]] = []
