@@ -74,7 +74,9 @@ class _ChunkWeights:
 
     @contextlib.contextmanager
     def replaced(self, tensors: Sequence[torch.Tensor]) -> Iterator[None]:
-        """The chunk with ``tensors`` in its parameters' places."""
+        """The chunk with ``tensors`` in its parameters' places (written into each module's
+        parameter table directly, as ``torch.func.functional_call`` does: ``setattr``
+        accepts only a Parameter there)."""
         for slots, tensor in zip(self.slots, tensors, strict=True):
             for module, name in slots:
                 module._parameters[name] = tensor
