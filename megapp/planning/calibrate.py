@@ -110,8 +110,14 @@ def run_profile(
         for r in records
         if r.get("kind") == "train" and r["iteration"] not in profiled and not r.get("profiled")
     ]
+    timed = [
+        r["elapsed_ms_per_iteration"] / 1e3
+        for r in records
+        if r.get("kind") == "train" and r["iteration"] == iteration
+    ]
     config = pretrain_config(layout, MODEL, GLOBAL_BATCH)
-    return Measurement(config, VOCAB, profile, statistics.median(steady) if steady else None)
+    median = statistics.median(steady) if steady else None
+    return Measurement(config, VOCAB, profile, median, timed[0] if timed else None)
 
 
 def calibrate(

@@ -33,11 +33,20 @@ class Measurement:
     vocab_size: int
     record: dict
     steady_seconds: float | None = None
+    profiled_seconds: float | None = None  # the profiled iteration's own time
 
     @property
     def seconds(self) -> float:
         """The iteration time a prediction is held to."""
         return self.record["seconds"] if self.steady_seconds is None else self.steady_seconds
+
+    @property
+    def pace(self) -> float:
+        """How much faster a plain iteration ran than the profiled one (1 when unknown):
+        the profiled iteration's action times are scaled by it."""
+        if self.steady_seconds is None or not self.profiled_seconds:
+            return 1.0
+        return self.steady_seconds / self.profiled_seconds
 
 
 def _unit(**rates: float) -> Hardware:
@@ -120,7 +129,7 @@ def samples(
                 pairs = zip(FEATURES, row, strict=True)
                 row = [f if n in WAIT_FEATURES else f / share for n, f in pairs]
             rows.append(row)
-            seconds.append(end - start)
+            seconds.append((end - start) * measurement.pace)
     return rows, seconds
 
 
@@ -233,7 +242,7 @@ def _fit_tail_bandwidth(measurements: Sequence[Measurement], hardware: Hardware)
         steps = max(action_costs(gpt, shape, _PROBES["tp_steps"]).tail)
         optimizer = max(action_costs(gpt, shape, hardware).optimizer)
         rows.append([1.0, moved])
-        spent = m.record["seconds"] - makespan(m.record) - optimizer
+        spent = m.record["seconds"] - makespan(m.record) - optimizer  # the profiled one's
         residual.append(spent - steps * hardware.intra_node_latency)
     return float(nonnegative_least_squares(np.asarray(rows), np.asarray(residual))[1])
 
