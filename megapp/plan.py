@@ -5,9 +5,10 @@
 (memory per device, iteration time, throughput, MFU, bubble) and the ``torchrun`` line
 of each. Arithmetic alone shapes the space (:func:`~megapp.planning.layout_space.layouts`);
 ``pretrain_config`` decides validity as ``pretrain_gpt.py`` would, ``predict_memory`` the
-fit. Layouts are visited in order of a lower bound on their time (:meth:`~megapp.planning.timing.ActionCosts.lower_bound`,
-shared by the schedules of one placement, no simulation) until the next bound is no better
-than the k-th best simulated time; docs/planning.md describes the search.
+fit. Layouts are visited in order of a lower bound on their time
+(:meth:`~megapp.planning.timing.ActionCosts.lower_bound`, shared by the schedules of one
+placement, no simulation) until the next bound is no better than the k-th best simulated
+time; docs/planning.md describes the search.
 """
 
 from __future__ import annotations
