@@ -7,7 +7,8 @@ recompute and flushes every third iteration give its losses, iteration by iterat
 Resumed from a checkpoint (which holds the current weights, not the stashed ones), a run
 starts its delay afresh on any layout, as one process does. Profiled, 2BW and PipeDream
 with vertical sync peak within 5% of the planner's memory model, stashed copies
-included. Dropout is off, as in every parity test.
+included (PipeDream's with tensor parallelism and sequence parallelism). Dropout is off,
+as in every parity test.
 """
 
 from __future__ import annotations
@@ -40,9 +41,9 @@ RUNS = {  # name: (processes, flags)
         f"--recompute-method uniform --recompute-num-layers 1 {PROFILED}",
     ),
     "vsync": (
-        2,
+        4,
         f"--pipeline-schedule pipedream --vertical-sync --pipeline-model-parallel-size 2 "
-        f"{PROFILED}",
+        f"--tensor-model-parallel-size 2 --sequence-parallel {PROFILED}",
     ),
 }
 RESUMED = {
