@@ -65,10 +65,12 @@ LAYOUTS = (
     Layout(tp=1, pp=4, dp=2, micro_batch_size=2),
     Layout(tp=1, pp=2, dp=4, micro_batch_size=8),
     Layout(tp=1, pp=1, dp=8, micro_batch_size=4),
+    Layout(tp=2, pp=4, dp=1, micro_batch_size=2),
 )
 """8-process layouts to fit: with and without tensor parallelism, one and two layers per
-stage, micro-batches of 2 to 8 (so FLOPs vary apart from the layer count), and data
-parallelism alone (so the reduction's bytes vary)."""
+stage, micro-batches of 2 to 8 (so FLOPs vary apart from the layer count, and the
+tensor-parallel bytes apart from the collectives' count), and data parallelism alone
+(so the reduction's bytes vary)."""
 CHECKS = (
     Layout(tp=2, pp=1, dp=4, micro_batch_size=2),
     Layout(tp=1, pp=1, dp=8, micro_batch_size=4, zero_stage=1),
