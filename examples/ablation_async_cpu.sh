@@ -14,14 +14,7 @@ cd "$(dirname "$0")/.."
 
 SWEEP_DIR=${SWEEP_DIR:-runs/ablation_async}
 REPORT_DIR=${REPORT_DIR:-docs/ablation_async}
-CALIBRATED=runs/calibration/hardware.json
-if [[ -z "${HARDWARE:-}" && -f "$CALIBRATED" ]]; then
-    HARDWARE=$CALIBRATED
-fi
-HARDWARE_FLAGS=()
-if [[ -n "${HARDWARE:-}" ]]; then
-    HARDWARE_FLAGS=(--hardware "$HARDWARE")
-fi
+source examples/ablation_hardware.sh  # HARDWARE_FLAGS
 
 status=0
 # Both asynchronous schedules step each stage on its own: no global-norm clipping, no

@@ -17,16 +17,7 @@ cd "$(dirname "$0")/.."
 
 SWEEP_DIR=${SWEEP_DIR:-runs/ablation_cpu}
 REPORT_DIR=${REPORT_DIR:-docs/ablation}
-# The time prediction needs a hardware profile: this machine's, once measured with
-# `python -m megapp.plan --calibrate` (written to runs/calibration/hardware.json).
-CALIBRATED=runs/calibration/hardware.json
-if [[ -z "${HARDWARE:-}" && -f "$CALIBRATED" ]]; then
-    HARDWARE=$CALIBRATED
-fi
-HARDWARE_FLAGS=()
-if [[ -n "${HARDWARE:-}" ]]; then
-    HARDWARE_FLAGS=(--hardware "$HARDWARE")
-fi
+source examples/ablation_hardware.sh  # HARDWARE_FLAGS
 
 status=0
 python tools/ablate.py --out "$SWEEP_DIR" --model tiny --nproc 8 \

@@ -28,18 +28,10 @@ from megapp.pipeline_parallel import (
 from megapp.pipeline_parallel.partition import split_layers
 from megapp.testing import distributed
 from megapp.training.live_memory import LiveTensorMemory
+from tests.test_pipeline_engine import Block, forward_step
 
 HIDDEN, BATCH, SEQ = 8, 3, 5
 TOL = {"rtol": 1e-12, "atol": 1e-12}
-
-
-class Block(nn.Module):
-    def __init__(self, hidden: int):
-        super().__init__()
-        self.linear = nn.Linear(hidden, hidden, dtype=torch.float64)
-
-    def forward(self, x):
-        return x + torch.tanh(self.linear(x))
 
 
 def _model(num_layers: int, hidden: int = HIDDEN) -> nn.ModuleList:
@@ -56,14 +48,6 @@ def _microbatches(n: int, hidden: int = HIDDEN, seq: int = SEQ):
         )
         for _ in range(n)
     ]
-
-
-def _forward_step(iterator, chunk, inputs):
-    x, target = next(iterator)
-    h = x if inputs is None else inputs[0]
-    for layer in chunk:
-        h = layer(h)
-    return h, lambda out: nn.functional.mse_loss(out, target)
 
 
 def _optimizer(params):
@@ -144,7 +128,7 @@ def _run_pipeline(kind: str, p: int, m: int, runs: tuple[int, ...], num_layers: 
     for iterations in runs:
         schedule = build_schedule(name, p, m, 1, iterations=iterations, vertical_sync=vsync)
         result = forward_backward(
-            _forward_step,
+            forward_step,
             iterator,
             [chunk],
             m * iterations,
@@ -216,7 +200,7 @@ def test_stashed_versions_hold_their_bytes(kind):
         carried = sum(t.numel() * t.element_size() for c in stash.carried or [] for t in c)
         with LiveTensorMemory() as memory:
             result = forward_backward(
-                _forward_step,
+                forward_step,
                 iter(batches),
                 [chunk],
                 2 * m,

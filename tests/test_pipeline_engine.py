@@ -67,7 +67,7 @@ def reference_loss(layers: nn.ModuleList, batches) -> torch.Tensor:
     return loss.detach()
 
 
-def _forward_step(iterator, chunk, inputs):
+def forward_step(iterator, chunk, inputs):
     x, target = next(iterator)
     h = x if inputs is None else inputs[0]
     for layer in chunk:
@@ -90,7 +90,7 @@ def _run(p: int, v: int, m: int, schedule: str, num_layers: int | None = None, *
     chunks = _chunks_of(layers, p, v, stage)
     iterators = [iter(batches) for _ in range(v)]
     result = forward_backward(
-        _forward_step, iterators, chunks, m, schedule=schedule, pp_group=group, **kwargs
+        forward_step, iterators, chunks, m, schedule=schedule, pp_group=group, **kwargs
     )
     return result, layers, reference, batches, stage
 
@@ -186,7 +186,7 @@ def test_declared_shapes_and_mismatch():
     batches = _microbatches(3)
     shape = [TensorSpec((5, BATCH, HIDDEN), torch.float64)]
     declared = forward_backward(
-        _forward_step, iter(batches), chunks, 3, pp_group=group, tensor_shapes=shape
+        forward_step, iter(batches), chunks, 3, pp_group=group, tensor_shapes=shape
     )
     reference = _model(4)
     torch.testing.assert_close(
@@ -196,7 +196,7 @@ def test_declared_shapes_and_mismatch():
         wrong = [TensorSpec((7, BATCH, HIDDEN), torch.float64)]
         with pytest.raises(ValueError, match="tensor_shapes declares"):
             forward_backward(
-                _forward_step, iter(batches), chunks, 3, pp_group=group, tensor_shapes=wrong
+                forward_step, iter(batches), chunks, 3, pp_group=group, tensor_shapes=wrong
             )
 
 
@@ -242,7 +242,7 @@ def test_uneven_stages_and_single_stage():
 def test_single_process_without_distributed():
     layers, reference = _model(3), _model(3)
     batches = _microbatches(4)
-    result = forward_backward(_forward_step, iter(batches), nn.Sequential(*layers), 4)
+    result = forward_backward(forward_step, iter(batches), nn.Sequential(*layers), 4)
     expected = reference_loss(reference, batches)
     torch.testing.assert_close(result.loss.double(), expected, rtol=1e-6, atol=0)
     for got, want in zip(layers.parameters(), reference.parameters(), strict=True):
@@ -251,10 +251,10 @@ def test_single_process_without_distributed():
 
 def test_bad_arguments():
     with pytest.raises(ValueError, match="2 data iterators for 1 model chunks"):
-        forward_backward(_forward_step, [iter([]), iter([])], nn.Identity(), 2)
+        forward_backward(forward_step, [iter([]), iter([])], nn.Identity(), 2)
     with pytest.raises(ValueError, match="schedule is for p=2"):
         forward_backward(
-            _forward_step, iter([]), nn.Identity(), 2, schedule=build_schedule("1f1b", 2, 2)
+            forward_step, iter([]), nn.Identity(), 2, schedule=build_schedule("1f1b", 2, 2)
         )
     with pytest.raises(ValueError, match="no loss function"):
         forward_backward(lambda it, chunk, inp: (torch.ones(1), None), None, nn.Identity(), 1)

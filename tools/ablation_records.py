@@ -15,6 +15,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from megapp.training.iteration_profile import plain_iteration_seconds
+
 OK, FAILED, TIMEOUT = "ok", "failed", "timeout"
 
 
@@ -164,12 +166,7 @@ def measure(path: str | Path, profile_iteration: int | None) -> Measured:
     train = [r for r in records if r.get("kind") == "train"]
     profile = next((r for r in records if r.get("kind") == "profile"), None)
     out = Measured(losses=[r["lm_loss"] for r in sorted(train, key=lambda r: r["iteration"])])
-    profiled = {profile_iteration, profile_iteration + 1} if profile_iteration else set()
-    steady = [  # an asynchronous schedule's memory run may span several iterations
-        r["elapsed_ms_per_iteration"] / 1e3
-        for r in train
-        if r["iteration"] > 1 and r["iteration"] not in profiled and not r.get("profiled")
-    ]
+    steady = plain_iteration_seconds(train, profile_iteration)
     if steady:
         out.iteration_seconds = statistics.median(steady)
         tokens = train[-1]["global_batch_size"] * _seq_length(records)

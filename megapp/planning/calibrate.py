@@ -47,6 +47,7 @@ from megapp.planning.hardware import Hardware
 from megapp.planning.layout import Layout, pretrain_config
 from megapp.planning.models import MODELS
 from megapp.planning.timing import predict_step_time
+from megapp.training.iteration_profile import plain_iteration_seconds
 
 __all__ = [  # the fit's names too, for callers of one module
     "Measurement",
@@ -106,12 +107,7 @@ def run_profile(
     profile = next((r for r in records if r.get("kind") == "profile"), None)
     if profile is None:
         raise RuntimeError(f"calibration run {layout.name} wrote no profile record")
-    profiled = {1, iteration, iteration + 1}  # the first one warms up
-    steady = [
-        r["elapsed_ms_per_iteration"] / 1e3
-        for r in records
-        if r.get("kind") == "train" and r["iteration"] not in profiled and not r.get("profiled")
-    ]
+    steady = plain_iteration_seconds(records, iteration)
     timed = [
         r["elapsed_ms_per_iteration"] / 1e3
         for r in records

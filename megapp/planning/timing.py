@@ -77,13 +77,18 @@ class ActionCosts:
     flops_forward: Table
     flops_input_grad: Table
     flops_weight_grad: Table
-    tensor_parallel: Table  # seconds of tp collectives in F + I of one microbatch
-    tp_forward: Table  # of them, in F
+    tp_forward: Table  # seconds of tp collectives in F of one microbatch
     tp_backward: Table  # in I (and so in B)
     p2p: float
     grad_reduce: list[float]  # data-parallel reduction at the end, before overlap
     tail: list[float]  # exposed after the last action: reduction, sums, optimizer, gathers
     optimizer: list[float]
+
+    @property
+    def tensor_parallel(self) -> Table:
+        """Seconds of tp collectives in F + I of one microbatch."""
+        pairs = zip(self.tp_forward, self.tp_backward, strict=True)
+        return [[f + b for f, b in zip(rf, rb, strict=True)] for rf, rb in pairs]
 
     def backward(self) -> Table:
         pairs = zip(self.input_grad, self.weight_grad, strict=True)
@@ -181,15 +186,15 @@ def action_costs(gpt: GPTConfig, shape: Shape, hardware: Hardware) -> ActionCost
     loss_seconds = 5 * 4 * tokens * vocab / tp / hardware.memory_bandwidth  # fp32 passes
     lin, core = layer_flops(gpt, shape.seq_length, shape.micro_batch_size)
     rerun = {"full": lin + core, "selective": core}.get(gpt.recompute_granularity, 0.0)
-    names = ("f", "i", "w", "ff", "fi", "fw", "tp", "tpf", "tpb")
+    names = ("f", "i", "w", "ff", "fi", "fw", "tpf", "tpb")
     tables: dict[str, Table] = {k: [] for k in names}
     params: list[float] = []
     layer_params = layer_parameters(gpt)
     chunks: dict[tuple[int, bool, bool], tuple[int, tuple[float, ...]]] = {}
 
     def chunk(stage: int) -> tuple[int, tuple[float, ...]]:
-        """Parameters and (F, I, W seconds, F, I, W FLOPs, tp seconds in F + I, in F, in I)
-        of one chunk."""
+        """Parameters and (F, I, W seconds, F, I, W FLOPs, tp seconds in F, in I) of one
+        chunk."""
         layers, first, last = len(ranges[stage]), stage == 0, stage == num_stages - 1
         chunk_params = chunk_parameters(gpt, stage, num_stages, layers)
         f = layers * (lin + core) + logits * last
@@ -212,7 +217,7 @@ def action_costs(gpt: GPTConfig, shape: Shape, hardware: Hardware) -> ActionCost
         f_s = _with_transfer(f_s, gather_f, hardware)
         i_s = _with_transfer(i_s, gather_b, hardware)
         w_s = _with_transfer(w_s, scatter, hardware)
-        return chunk_params, (f_s, i_s, w_s, f, i, w, tp_f + tp_b, tp_f, tp_b)
+        return chunk_params, (f_s, i_s, w_s, f, i, w, tp_f, tp_b)
 
     for rank in range(p):
         rows: dict[str, list[float]] = {k: [] for k in tables}
@@ -262,7 +267,6 @@ def action_costs(gpt: GPTConfig, shape: Shape, hardware: Hardware) -> ActionCost
         flops_forward=tables["ff"],
         flops_input_grad=tables["fi"],
         flops_weight_grad=tables["fw"],
-        tensor_parallel=tables["tp"],
         tp_forward=tables["tpf"],
         tp_backward=tables["tpb"],
         p2p=p2p,
@@ -348,11 +352,13 @@ def share_cores(
     costs = slowed_steps(costs, everyone)
     per_rank = world // config.schedule.num_stages
 
+    tables = {Op.FORWARD: costs.tp_forward, Op.INPUT_GRAD: costs.tp_backward}
+    tables[Op.BACKWARD] = costs.tp_backward
+
     def waiting(rank: int, action: Action) -> float:
         """Seconds of ``action`` a process spends in tensor-parallel collectives."""
-        table = {Op.FORWARD: costs.tp_forward, Op.INPUT_GRAD: costs.tp_backward}
-        table[Op.BACKWARD] = costs.tp_backward
-        return table[action.op][rank][action.chunk] if action.op in table else 0.0
+        table = tables.get(action.op)
+        return 0.0 if table is None else table[rank][action.chunk]
 
     model = cost_model(costs, hardware)
     return costs, simulate_shared(timeline.schedule, model, per_rank, cores, waiting)

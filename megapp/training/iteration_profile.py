@@ -100,3 +100,18 @@ def profile_record(iteration: int, profiles: Sequence[RankProfile]) -> dict:
         "bubble": measured_bubble(ranks),
         "ranks": [vars(p) for p in ranks],
     }
+
+
+def plain_iteration_seconds(records: Sequence[dict], profile_iteration: int | None) -> list[float]:
+    """Seconds of every plain iteration among a run's metrics ``records``: neither the
+    first (it warms up), nor the profiled one and the one after it, nor any other whose
+    record says its memory was profiled (an asynchronous run's memory run may span
+    several)."""
+    profiled = {1}
+    if profile_iteration is not None:
+        profiled |= {profile_iteration, profile_iteration + 1}
+    return [
+        r["elapsed_ms_per_iteration"] / 1e3
+        for r in records
+        if r.get("kind") == "train" and r["iteration"] not in profiled and not r.get("profiled")
+    ]
