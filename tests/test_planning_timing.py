@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
 import pytest
 
 from megapp.pipeline_parallel.plan import ScheduleError
-from megapp.planning import calibrate
 from megapp.planning.hardware import PROFILES, Hardware, Link, load_hardware
 from megapp.planning.layout import Layout, pretrain_config
 from megapp.planning.model_state import rank_parameters
@@ -146,6 +144,26 @@ def test_sequence_parallel_moves_the_same_bytes_in_more_steps():
     assert a == pytest.approx(b)
 
 
+def test_collective_overhead_is_per_call_and_a_rerun_forward_calls_again():
+    """Two all-reduces per layer each way, the embedding's in the forward, the output
+    layer's in the backward, the cross-entropy's three in the forward; full recompute
+    makes the forward's calls again inside the backward."""
+    slow = dataclasses.replace(PLAIN, collective_overhead=1e-3)
+    for recompute in (None, "full"):
+        cfg = config(Layout(tp=2, recompute=recompute))
+        gpt, shape = cfg.gpt_config(VOCAB), shape_of(cfg)
+        base, called = (action_costs(gpt, shape, h) for h in (PLAIN, slow))
+        forward_calls, backward_calls = 8 * 2 + 1 + 3, 8 * 2 + 1
+        if recompute == "full":
+            backward_calls += forward_calls
+        extra_f = called.tp_forward[0][0] - base.tp_forward[0][0]
+        extra_b = called.tp_backward[0][0] - base.tp_backward[0][0]
+        assert extra_f == pytest.approx(forward_calls * 1e-3)
+        assert extra_b == pytest.approx(backward_calls * 1e-3)
+        assert called.forward[0][0] - base.forward[0][0] == pytest.approx(extra_f)
+        assert called.input_grad[0][0] - base.input_grad[0][0] == pytest.approx(extra_b)
+
+
 def test_recompute_adds_its_rerun_forward_to_the_input_gradient():
     base = config(Layout())
     gpt = base.gpt_config(VOCAB)
@@ -191,8 +209,10 @@ def test_overlap_hides_the_reduction_under_the_last_backward_but_its_last_bucket
     assert reduce < window  # so only the last bucket's share stays exposed
     saved = reduce - reduce * (n // 4) / n
     assert exposed.tail[0] - overlapped.tail[0] == pytest.approx(saved)
-    whole = action_costs(gpt, shape_of(cfg), hidden)  # one bucket: nothing to overlap
-    assert whole.tail[0] == pytest.approx(exposed.tail[0])
+    whole = action_costs(gpt, shape_of(cfg), hidden)  # one bucket: nothing to overlap,
+    ring = 2 * 1e-6  # and three collectives fewer, each 2 ring steps over dp 2
+    assert whole.tail[0] == pytest.approx(exposed.tail[0] - 3 * ring)
+    assert whole.grad_reduce[0] == pytest.approx(reduce - 3 * ring)
 
 
 @pytest.mark.parametrize(
@@ -247,68 +267,6 @@ def test_profiles_and_json(tmp_path):
         load_hardware(str(tmp_path / "bad.json"))
 
 
-def synthetic(layout, hardware):
-    """The profile record ``pretrain_gpt.py --profile-iteration`` would write if the
-    machine ran exactly as ``hardware`` predicts."""
-    cfg = calibrate.pretrain_config(layout, calibrate.MODEL, calibrate.GLOBAL_BATCH)
-    step = predict_step_time(cfg, calibrate.VOCAB, hardware)
-    replicas = layout.world_size // layout.pp  # every process of a stage runs its timeline
-    ranks = [
-        {
-            "rank": r * replicas + k,
-            "tp": k % layout.tp,
-            "pp": r,
-            "dp": k // layout.tp,
-            "events": [
-                [e.kind, e.name, e.start, e.end] for e in step.timeline.events if e.rank == r
-            ],
-        }
-        for r in range(layout.pp)
-        for k in range(replicas)
-    ]
-    record = {"kind": "profile", "seconds": step.seconds, "ranks": ranks}
-    record["bubble"] = step.timeline.bubble_fraction
-    return calibrate.Measurement(cfg, calibrate.VOCAB, record)
-
-
-def test_calibration_recovers_known_constants():
-    truth = dataclasses.replace(
-        GLOO,
-        gemm_flops=3e9,
-        intra_node_bandwidth=2e8,
-        inter_node_bandwidth=2e8,
-        intra_node_latency=4e-4,
-        inter_node_latency=4e-4,
-        layer_overhead=2e-3,
-        action_overhead=5e-3,
-        message_overhead=3e-3,
-        step_overhead=0.05,
-        memory_bandwidth=1e9,
-        gpus_per_node=8,
-    )
-    measurements = [synthetic(layout, truth) for layout in calibrate.LAYOUTS]
-    coef = calibrate.fit_actions(measurements)
-    assert 1 / coef["flops"] == pytest.approx(3e9, rel=1e-6)
-    assert coef["action"] == pytest.approx(5e-3, rel=1e-6)
-    assert coef["layers"] == pytest.approx(2e-3, rel=1e-6)
-    fitted = calibrate.fit_hardware(measurements, memory_bandwidth=1e9)
-    assert fitted.intra_node_bandwidth == pytest.approx(2e8, rel=1e-4)
-    assert fitted.intra_node_latency == pytest.approx(4e-4, rel=1e-4)
-    assert fitted.message_overhead == pytest.approx(3e-3, rel=1e-4)
-    assert fitted.step_overhead == pytest.approx(0.05, rel=1e-4)
-    for m in measurements:  # and so every iteration is predicted as it ran
-        got = predict_step_time(m.config, m.vocab_size, fitted).seconds
-        assert got == pytest.approx(m.record["seconds"], rel=1e-6)
-
-
-def test_nonnegative_least_squares_drops_a_negative_coefficient():
-    a = np.array([[1.0, 1.0], [2.0, 1.0], [3.0, 1.0]])
-    b = np.array([0.9, 2.1, 2.9])  # intercept would come out slightly negative
-    x = calibrate.nonnegative_least_squares(a, b)
-    assert (x >= 0).all() and x[1] == 0.0
-    assert x[0] == pytest.approx(np.dot(a[:, 0], b) / np.dot(a[:, 0], a[:, 0]))
-
-
 def test_processes_sharing_cores_slow_by_how_many_compute_at_once():
     """8 processes on 2 cores: without a pipeline all 8 compute at once, so every action
     takes 4 times as long; a pipeline's fill and drain leave cores to the ranks that
@@ -335,23 +293,6 @@ def test_processes_sharing_cores_slow_by_how_many_compute_at_once():
     assert 3 < ratio <= 4 + 1e-9
     sixteen = dataclasses.replace(shared, shared_cores=16)  # a core each: no change
     assert predict_step_time(pp4, VOCAB, sixteen).seconds == pytest.approx(alone.seconds)
-
-
-def test_calibration_on_shared_cores_fits_a_process_on_a_core_of_its_own():
-    truth = dataclasses.replace(
-        GLOO, gemm_flops=3e9, action_overhead=5e-3, gpus_per_node=8, shared_cores=2
-    )
-    measurements = [synthetic(layout, truth) for layout in calibrate.LAYOUTS]
-    coef = calibrate.fit_actions(measurements, shared_cores=2)
-    # each action's work is read off how many processes computed while it ran (a rank's
-    # tensor-parallel waits count as computing there: a small error)
-    assert 1 / coef["flops"] == pytest.approx(3e9, rel=1e-3)
-    assert coef["action"] == pytest.approx(5e-3, rel=1e-3)
-    fitted = calibrate.fit_hardware(measurements, memory_bandwidth=1e9, shared_cores=2)
-    assert fitted.shared_cores == 2
-    for m in measurements:  # the overheads fitted after the rates absorb that offset
-        got = predict_step_time(m.config, m.vocab_size, fitted).seconds
-        assert got == pytest.approx(m.record["seconds"], rel=0.05)
 
 
 def test_asynchronous_schedules_pay_one_flush_per_run_and_step_among_their_actions():

@@ -1,7 +1,8 @@
-"""Fitting the time model's constants to profiled runs (:mod:`megapp.planning.calibrate`
-measures them): every action's seconds against the model's own feature counts by
-non-negative least squares, then the data-parallel tail's bandwidth, the per-message
-overhead and the step overhead."""
+"""Fitting the time model's constants to profiled runs of processes with a core each
+(:mod:`megapp.planning.calibrate` measures them; :mod:`~megapp.planning.calibration_shared`
+fits processes that outnumber their cores): every action's seconds against the model's own
+feature counts by non-negative least squares, then the data-parallel tail's bandwidth, the
+per-message overhead and the step overhead."""
 
 from __future__ import annotations
 
@@ -15,7 +16,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from megapp.planning.core_sharing import dedicated_seconds
 from megapp.planning.hardware import Hardware
 from megapp.planning.timing import action_costs, predict_step_time, shape_of
 from megapp.training.config import PretrainConfig
@@ -49,7 +49,7 @@ class Measurement:
         return self.steady_seconds / self.profiled_seconds
 
 
-def _unit(**rates: float) -> Hardware:
+def unit_hardware(**rates: float) -> Hardware:
     """A hardware on which only the named constants cost anything (the others are free),
     so an action's predicted seconds read out one feature."""
     free = dict(
@@ -66,15 +66,13 @@ def _unit(**rates: float) -> Hardware:
 
 
 FEATURES = ("flops", "action", "layers", "tp_bytes", "tp_steps", "memory")
-WAIT_FEATURES = ("tp_bytes", "tp_steps")
-"""The features of time spent in collectives, not on a core."""
 _PROBES = {
-    "flops": _unit(gemm_flops=1.0),
-    "action": _unit(action_overhead=1.0),
-    "layers": _unit(layer_overhead=1.0),
-    "tp_bytes": _unit(intra_node_bandwidth=1.0, inter_node_bandwidth=1.0),
-    "tp_steps": _unit(intra_node_latency=1.0, inter_node_latency=1.0),
-    "memory": _unit(memory_bandwidth=1.0),
+    "flops": unit_hardware(gemm_flops=1.0),
+    "action": unit_hardware(action_overhead=1.0),
+    "layers": unit_hardware(layer_overhead=1.0),
+    "tp_bytes": unit_hardware(intra_node_bandwidth=1.0, inter_node_bandwidth=1.0),
+    "tp_steps": unit_hardware(intra_node_latency=1.0, inter_node_latency=1.0),
+    "memory": unit_hardware(memory_bandwidth=1.0),
 }
 
 
@@ -100,35 +98,16 @@ def action_features(config: PretrainConfig, vocab_size: int) -> dict[tuple[str, 
     return out
 
 
-def samples(
-    measurement: Measurement, shared_cores: int | None = None
-) -> tuple[list[list[float]], list[float]]:
-    """Features and measured seconds of every compute action of every rank in a record.
-    With ``shared_cores`` an action's time is its work at its share of the cores (from how
-    many of the run's processes computed while it ran, as
-    :func:`~megapp.planning.core_sharing.dedicated_seconds` counts) plus its waits in
-    tensor-parallel collectives, which use no core: the work's features are divided by
-    that share, the collectives' (:data:`WAIT_FEATURES`) are not."""
+def samples(measurement: Measurement) -> tuple[list[list[float]], list[float]]:
+    """Features and measured seconds of every compute action of every rank in a record."""
     features = action_features(measurement.config, measurement.vocab_size)
-    computing = [
-        (start, end)
-        for rank in measurement.record["ranks"]
-        for kind, _, start, end in rank["events"]
-        if kind == "compute"
-    ]
     rows, seconds = [], []
     for rank in measurement.record["ranks"]:
         for kind, name, start, end in rank["events"]:
             match = _ACTION.match(name)
             if kind != "compute" or match is None:
                 continue
-            key = (match[1], rank["pp"], int(match[3] or 0))
-            row = features[key]
-            if shared_cores is not None and end > start:
-                share = dedicated_seconds(start, end, computing, shared_cores) / (end - start)
-                pairs = zip(FEATURES, row, strict=True)
-                row = [f if n in WAIT_FEATURES else f / share for n, f in pairs]
-            rows.append(row)
+            rows.append(features[(match[1], rank["pp"], int(match[3] or 0))])
             seconds.append((end - start) * measurement.pace)
     return rows, seconds
 
@@ -148,9 +127,7 @@ def nonnegative_least_squares(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def fit_actions(
-    measurements: Sequence[Measurement],
-    memory_bandwidth: float | None = None,
-    shared_cores: int | None = None,
+    measurements: Sequence[Measurement], memory_bandwidth: float | None = None
 ) -> dict[str, float]:
     """The coefficient of every feature in :data:`FEATURES`, fitted to every action of
     every measurement. Features no measurement varies (no tensor parallelism: no
@@ -158,7 +135,7 @@ def fit_actions(
     instead of fitting them."""
     rows, seconds = [], []
     for measurement in measurements:
-        r, s = samples(measurement, shared_cores)
+        r, s = samples(measurement)
         rows += r
         seconds += s
     if not rows:
@@ -187,14 +164,12 @@ def fit_hardware(
     name: str = "calibrated",
     memory_bytes: float = 1.0,
     memory_bandwidth: float | None = None,
-    shared_cores: int | None = None,
 ) -> Hardware:
     """A :class:`Hardware` whose predictions fit ``measurements`` (all taken on one
-    machine: one node of ``world_size`` devices, gloo transport). ``memory_bandwidth``:
-    default, a copy timed in this process and shared by the processes. ``shared_cores``:
-    the cores the processes shared; the fitted rates are then a process's on a core of its
-    own, and the profile slows them by how many processes compute at once."""
-    coef = fit_actions(measurements, memory_bandwidth, shared_cores)
+    machine: one node of ``world_size`` devices, gloo transport, a core per process).
+    ``memory_bandwidth``: default, a copy timed in this process and shared by the
+    processes."""
+    coef = fit_actions(measurements, memory_bandwidth)
     world = measurements[0].config.world_size
     bandwidth = 1.0 / coef["tp_bytes"] if coef["tp_bytes"] > 0 else 1e30
     hardware = Hardware(
@@ -212,7 +187,6 @@ def fit_hardware(
         action_overhead=coef["action"],
         overlap_communication=False,
         sends_finish_in_background=True,
-        shared_cores=shared_cores,
     )
     per_byte = _fit_tail_bandwidth(measurements, hardware)
     if per_byte > 0:  # the data-parallel reductions' bytes show the bandwidth best

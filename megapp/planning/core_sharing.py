@@ -1,32 +1,30 @@
 """Processes that share a CPU's cores: each computes at its share of them.
 
 On one CPU machine a job of ``world`` single-threaded processes shares ``cores`` cores. When
-``n`` of them compute at once, each gets ``min(1, cores / n)`` of a core (processor
-sharing: the fluid limit of a fair scheduler); a process waiting for a message uses none.
+``n`` of them compute at once, each gets ``cores / n`` of a core (processor sharing: the
+fluid limit of a fair scheduler), or, while they fit on the cores, a core of its own; a
+process waiting for a message uses none.
 
 :func:`simulate_shared` runs a schedule's communication plan that way. Every pipeline rank
 stands for ``processes_per_rank`` processes (its tensor- and data-parallel peers, which run
 the same actions in step), an action's cost is its work in seconds on a core of its own
-and then, given, the time its processes wait in collectives (using no core), and the rate
-of every running action changes whenever an action starts or ends. A
-pipeline's bubble therefore leaves its cores to the ranks that compute, when it happens
-and for as long as it lasts. With a core per process it gives the timeline of
-:func:`~megapp.pipeline_parallel.simulate.simulate`.
-
-:func:`dedicated_seconds` goes the other way for a measured run: the work an action did,
-from how many processes computed during it. The optimizer step, which every process runs
-at once, is :func:`core_slowdown` ``(cores, world, 1)`` times slower.
+(its tensor-parallel collectives included: gloo's collectives keep their processes busy
+copying, reducing and handing bytes to sockets, and a peer waiting for another leaves its
+core to the processes that have work), and the rate of every running action changes
+whenever an action starts or ends. A pipeline's bubble therefore leaves its cores to the
+ranks that compute, when it happens and for as long as it lasts. With a core per process
+it gives the timeline of :func:`~megapp.pipeline_parallel.simulate.simulate`. The optimizer
+step, which every process runs at once, is :func:`core_slowdown` ``(cores, world, 1)``
+times slower.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
-from collections.abc import Callable, Sequence
 from typing import Any
 
 from megapp.pipeline_parallel.plan import ScheduleError, communication_plan
-from megapp.pipeline_parallel.schedules import Action, Schedule
+from megapp.pipeline_parallel.schedules import Schedule
 from megapp.pipeline_parallel.simulate import CostModel, Event, Timeline
 
 
@@ -56,12 +54,11 @@ class _Rank:
     def __init__(self) -> None:
         self.cursor = 0
         # ready | waiting (a peer has not posted) | until (its messages are in at ``wake``)
-        # | running | collective (in the action's collectives until ``wake``) | done
+        # | running | done
         self.state = "ready"
         self.posted_at = 0.0  # when it posted the current step
         self.wake = 0.0  # until: when its messages are in
         self.work = 0.0  # running: seconds of work left on a core of its own
-        self.wait = 0.0  # then seconds in the action's collectives
         self.started = 0.0
 
 
@@ -70,13 +67,13 @@ def simulate_shared(
     costs: CostModel,
     processes_per_rank: int,
     cores: int,
-    waiting: Callable[[int, Action], float] | None = None,
+    uncontended_speedup: float = 1.0,
 ) -> Timeline:
     """The timeline of ``schedule`` when its ``p × processes_per_rank`` processes share
-    ``cores`` cores (see the module docstring). ``waiting(rank, action)``: the seconds of
-    the action's time its processes spend waiting in collectives, using no core (its work
-    is the rest). Raises :class:`~megapp.pipeline_parallel.plan.ScheduleError` on a
-    deadlock."""
+    ``cores`` cores (see the module docstring). While the computing processes fit on the
+    cores, each computes ``uncontended_speedup`` times faster than the rate its cost is
+    in, which is a process's when they take turns. Raises
+    :class:`~megapp.pipeline_parallel.plan.ScheduleError` on a deadlock."""
     plan = communication_plan(schedule)
     p = schedule.num_stages
     ranks = [_Rank() for _ in range(p)]
@@ -120,8 +117,7 @@ def simulate_shared(
             r.cursor, r.state = r.cursor + 1, "ready"
             return
         r.state, r.started = "running", now
-        r.wait = waiting(rank, step.action) if waiting is not None else 0.0
-        r.work = costs.time(rank, step.action) - r.wait
+        r.work = costs.time(rank, step.action)
 
     def finish(rank: int) -> None:
         r = ranks[rank]
@@ -139,27 +135,21 @@ def simulate_shared(
     settle()
     while True:
         running = [i for i, r in enumerate(ranks) if r.state == "running"]
-        sleeping = [i for i, r in enumerate(ranks) if r.state in ("until", "collective")]
+        sleeping = [i for i, r in enumerate(ranks) if r.state == "until"]
         if not running and not sleeping:
             break
         computing = len(running) * processes_per_rank
-        rate = min(1.0, cores / computing) if computing else 1.0
+        rate = cores / computing if computing > cores else uncontended_speedup
         ends = {i: now + ranks[i].work / rate for i in running}
         then = min([*ends.values(), *(ranks[i].wake for i in sleeping)])
         for i in running:
             ranks[i].work -= (then - now) * rate
         now = then
         for i in running:
-            if ends[i] <= now and ranks[i].wait > 0:
-                ranks[i].state, ranks[i].wake = "collective", now + ranks[i].wait
-            elif ends[i] <= now:
+            if ends[i] <= now:
                 finish(i)
         for i in sleeping:
-            if ranks[i].wake > now:
-                continue
-            if ranks[i].state == "collective":
-                finish(i)
-            else:
+            if ranks[i].wake <= now:
                 start(i, plan[i][ranks[i].cursor])
         settle()
     stuck = [i for i, r in enumerate(ranks) if r.state != "done"]
@@ -168,19 +158,3 @@ def simulate_shared(
         raise ScheduleError(f"{schedule.name} deadlocks: {where} wait forever")
     timeline.peak_in_flight = [int(x) if float(x).is_integer() else x for x in peak]
     return timeline
-
-
-def dedicated_seconds(
-    start: float, end: float, computing: Sequence[tuple[float, float]], cores: int
-) -> float:
-    """The work, in seconds on a core of its own, of an action that ran from ``start`` to
-    ``end`` while the processes computed over the intervals ``computing`` (every process's
-    compute intervals, this action's included), sharing ``cores`` cores."""
-    inside = [(max(s, start), min(e, end)) for s, e in computing if s < end and e > start]
-    edges = sorted({start, end, *(t for pair in inside for t in pair)})
-    work = 0.0
-    for left, right in itertools.pairwise(edges):
-        middle = (left + right) / 2
-        busy = sum(s <= middle < e for s, e in inside)
-        work += (right - left) * min(1.0, cores / max(busy, 1))
-    return work

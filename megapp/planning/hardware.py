@@ -64,6 +64,12 @@ class Hardware:
     action_overhead: float = 0.0  # fixed time per pipeline action (the engine's own work)
     step_overhead: float = 0.0  # fixed time per iteration outside the pipeline
     message_overhead: float = 0.0  # fixed time per pipeline message (headers, scheduling)
+    # Fixed time per tensor-parallel collective call beyond its ring steps (on processes
+    # sharing cores: the CPU time a call takes, which the fit separates from its bytes).
+    collective_overhead: float = 0.0
+    # Shared cores: how much faster a process computes in a job of no more processes than
+    # cores (the fitted rates are those of more processes taking turns on them).
+    uncontended_speedup: float = 1.0
     usable_fraction: float = 0.9  # share of memory_bytes a job may fill
     overlap_communication: bool = True  # collectives run beside compute (NCCL streams)
     sends_finish_in_background: bool = False  # gloo; NCCL completes a batch of sends as one
@@ -78,6 +84,8 @@ class Hardware:
                 raise ValueError(f"hardware {self.name!r}: {name} must be > 0")
         if self.gpus_per_node < 1:
             raise ValueError(f"hardware {self.name!r}: gpus_per_node must be >= 1")
+        if not self.uncontended_speedup > 0:
+            raise ValueError(f"hardware {self.name!r}: uncontended_speedup must be > 0")
         if self.shared_cores is not None and self.shared_cores < 1:
             raise ValueError(f"hardware {self.name!r}: shared_cores must be >= 1")
         if not 0 < self.usable_fraction <= 1:

@@ -34,6 +34,7 @@ all-gather, the embedding sum and the optimizer step are exposed.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -41,10 +42,10 @@ import torch
 from megapp.models.gpt import GPTConfig
 from megapp.pipeline_parallel.catalog import asynchronous_run
 from megapp.pipeline_parallel.partition import split_layers
-from megapp.pipeline_parallel.schedules import Action, Op, Schedule
+from megapp.pipeline_parallel.schedules import Schedule
 from megapp.pipeline_parallel.simulate import CostModel, Timeline, simulate
 from megapp.planning.core_sharing import core_slowdown, simulate_shared, slowed_steps
-from megapp.planning.hardware import Hardware, Link, group_link
+from megapp.planning.hardware import Hardware, group_link
 from megapp.planning.model_state import chunk_parameters, layer_parameters
 from megapp.planning.step_time import StepTime, step_time
 from megapp.tensor_parallel.utils import pad_vocab_size
@@ -146,12 +147,15 @@ def layer_flops(gpt: GPTConfig, seq_length: int, micro_batch_size: int) -> tuple
 
 
 def _chunk_tp_seconds(
-    gpt: GPTConfig, shape: Shape, layers: int, first: bool, last: bool, link: Link
+    gpt: GPTConfig, shape: Shape, layers: int, first: bool, last: bool, hardware: Hardware
 ) -> tuple[float, float]:
-    """Seconds of tensor-parallel collectives in one chunk's forward and backward."""
+    """Seconds of tensor-parallel collectives in one chunk's forward and backward: their
+    ring steps, and :attr:`~megapp.planning.hardware.Hardware.collective_overhead` per call
+    (a recomputed forward's calls run again in the backward)."""
     tp = gpt.tensor_model_parallel_size
     if tp == 1:
         return 0.0, 0.0
+    link = group_link(hardware, tp)
     tokens = shape.seq_length * shape.micro_batch_size
     act = tokens * gpt.hidden_size * _width(gpt.params_dtype)
     if gpt.sequence_parallel:  # an all-gather and a reduce-scatter move one all-reduce's bytes
@@ -159,12 +163,17 @@ def _chunk_tp_seconds(
         fwd, bwd = 2 * pair * layers, 2 * pair * layers
         fwd += pair / 2 * (first + last)  # embedding's reduce-scatter, output's all-gather
         bwd += pair / 2 * (first + last)
+        calls_f = calls_b = 4 * layers + first + last
     else:
         fwd, bwd = 2 * layers * link.all_reduce(act, tp), 2 * layers * link.all_reduce(act, tp)
         fwd += link.all_reduce(act, tp) * first  # the vocab-parallel embedding's sum
         bwd += link.all_reduce(act, tp) * last  # the output layer's input gradient
+        calls_f, calls_b = 2 * layers + first, 2 * layers + last
     if last:  # cross-entropy: max, sum of exponentials, target logit, each [s, b] fp32
         fwd += 3 * link.all_reduce(4 * tokens, tp)
+        calls_f += 3
+    fwd += calls_f * hardware.collective_overhead
+    bwd += calls_b * hardware.collective_overhead
     if gpt.recompute_granularity == "full":
         bwd += fwd
     return fwd, bwd
@@ -175,7 +184,6 @@ def action_costs(gpt: GPTConfig, shape: Shape, hardware: Hardware) -> ActionCost
     ``shape.placement``, layers split evenly over the virtual stages as megapp builds them."""
     p, num_stages = len(shape.placement), sum(len(row) for row in shape.placement)
     tp, dp = gpt.tensor_model_parallel_size, shape.dp
-    tp_link = group_link(hardware, tp)
     dp_link = group_link(hardware, tp * dp)
     pp_link = group_link(hardware, tp * dp * p)
     ranges = split_layers(gpt.num_layers, num_stages)
@@ -189,6 +197,7 @@ def action_costs(gpt: GPTConfig, shape: Shape, hardware: Hardware) -> ActionCost
     names = ("f", "i", "w", "ff", "fi", "fw", "tpf", "tpb")
     tables: dict[str, Table] = {k: [] for k in names}
     params: list[float] = []
+    buckets: list[int] = []  # data-parallel gradient buckets per rank (per chunk, as DDP)
     layer_params = layer_parameters(gpt)
     chunks: dict[tuple[int, bool, bool], tuple[int, tuple[float, ...]]] = {}
 
@@ -200,7 +209,7 @@ def action_costs(gpt: GPTConfig, shape: Shape, hardware: Hardware) -> ActionCost
         f = layers * (lin + core) + logits * last
         i = layers * (lin + 2 * core + rerun) + logits * last
         w = layers * lin + logits * last
-        tp_f, tp_b = _chunk_tp_seconds(gpt, shape, layers, first, last, tp_link)
+        tp_f, tp_b = _chunk_tp_seconds(gpt, shape, layers, first, last, hardware)
         fixed = hardware.action_overhead + layers * hardware.layer_overhead
         loss = loss_seconds * last
         f_s = f / hardware.gemm_flops + fixed + tp_f + 3 / 5 * loss
@@ -221,18 +230,20 @@ def action_costs(gpt: GPTConfig, shape: Shape, hardware: Hardware) -> ActionCost
 
     for rank in range(p):
         rows: dict[str, list[float]] = {k: [] for k in tables}
-        rank_params = 0
+        rank_params = rank_buckets = 0
         for stage in shape.placement[rank]:
             key = (len(ranges[stage]), stage == 0, stage == num_stages - 1)
             if key not in chunks:  # chunks of one kind cost the same: compute once
                 chunks[key] = chunk(stage)
             chunk_params, values = chunks[key]
             rank_params += chunk_params
+            rank_buckets += max(1, math.ceil(chunk_params / shape.bucket_size))
             for name, value in zip(rows, values, strict=True):
                 rows[name].append(value)
         for name in tables:
             tables[name].append(rows[name])
         params.append(rank_params)
+        buckets.append(rank_buckets)
 
     sp = gpt.sequence_parallel
     p2p = pp_link.message(tokens * gpt.hidden_size * width / (tp if sp else 1))
@@ -243,10 +254,11 @@ def action_costs(gpt: GPTConfig, shape: Shape, hardware: Hardware) -> ActionCost
     reduce, tail, optimizer = [], [], []
     for rank in range(p):
         grads, weights = 4 * params[rank], width * params[rank]
+        calls = buckets[rank] - 1  # every bucket's collective beyond one pays its ring steps
         if shape.zero_stage == 0:
-            end = dp_link.all_reduce(grads, dp)
+            end = dp_link.all_reduce(grads, dp) + calls * dp_link.all_reduce(0.0, dp)
         elif shape.zero_stage == 1:
-            end = dp_link.all_gather(grads, dp)
+            end = dp_link.all_gather(grads, dp) + calls * dp_link.all_gather(0.0, dp)
         else:
             end = 0.0  # reduced microbatch by microbatch inside the actions
         window = sum(tables["w"][rank]) + sum(tables["i"][rank])  # the last microbatch
@@ -342,23 +354,16 @@ def share_cores(
 ) -> tuple[ActionCosts, Timeline]:
     """``costs`` and ``timeline`` (simulated with a core per process) with the job's
     processes sharing ``hardware.shared_cores`` (:mod:`~megapp.planning.core_sharing`):
-    the schedule run again with every action at its share of the cores while it runs, and
-    the optimizer step, which all processes run at once, slowed by all of them; unchanged
-    on devices of their own."""
+    the schedule run again with every action, its collectives included, at its share of
+    the cores while it runs, and the optimizer step, which all processes run at once,
+    slowed by all of them; unchanged on devices of their own."""
     cores, world = hardware.shared_cores, config.world_size
-    everyone = core_slowdown(cores, world, 1.0)
-    if everyone == 1.0:
+    if cores is None:
         return costs, timeline
-    costs = slowed_steps(costs, everyone)
+    costs = slowed_steps(costs, core_slowdown(cores, world, 1.0))
     per_rank = world // config.schedule.num_stages
-
-    tables = {Op.FORWARD: costs.tp_forward, Op.INPUT_GRAD: costs.tp_backward}
-    tables[Op.BACKWARD] = costs.tp_backward
-
-    def waiting(rank: int, action: Action) -> float:
-        """Seconds of ``action`` a process spends in tensor-parallel collectives."""
-        table = tables.get(action.op)
-        return 0.0 if table is None else table[rank][action.chunk]
-
     model = cost_model(costs, hardware)
-    return costs, simulate_shared(timeline.schedule, model, per_rank, cores, waiting)
+    # A job of more processes than cores computes at the fitted rates even where few of
+    # them run at once: the others have just left their caches and memory traffic behind.
+    speedup = hardware.uncontended_speedup if world <= cores else 1.0
+    return costs, simulate_shared(timeline.schedule, model, per_rank, cores, speedup)

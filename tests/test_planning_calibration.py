@@ -1,0 +1,194 @@
+"""Calibration: fitted constants recovered from runs that went exactly as a known
+hardware predicts, on devices of their own and on processes sharing cores."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+from test_planning_timing import GLOO
+
+from megapp.planning import calibrate
+from megapp.planning.calibration_shared import iteration_counts
+from megapp.planning.hardware import load_hardware
+from megapp.planning.layout import Layout
+from megapp.planning.timing import predict_step_time
+
+
+def synthetic(run, hardware):
+    """The profile record ``pretrain_gpt.py --profile-iteration`` would write if the
+    machine ran ``run`` (a :class:`~megapp.planning.calibrate.Run`) exactly as
+    ``hardware`` predicts."""
+    layout = run.layout
+    cfg = calibrate.pretrain_config(layout, calibrate.MODEL, run.global_batch)
+    step = predict_step_time(cfg, calibrate.VOCAB, hardware)
+    replicas = layout.world_size // layout.pp  # every process of a stage runs its timeline
+    ranks = [
+        {
+            "rank": r * replicas + k,
+            "tp": k % layout.tp,
+            "pp": r,
+            "dp": k // layout.tp,
+            "events": [
+                [e.kind, e.name, e.start, e.end] for e in step.timeline.events if e.rank == r
+            ],
+        }
+        for r in range(layout.pp)
+        for k in range(replicas)
+    ]
+    record = {"kind": "profile", "seconds": step.seconds, "ranks": ranks}
+    record["bubble"] = step.timeline.bubble_fraction
+    return calibrate.Measurement(cfg, calibrate.VOCAB, record)
+
+
+def test_calibration_recovers_known_constants():
+    truth = dataclasses.replace(
+        GLOO,
+        gemm_flops=3e9,
+        intra_node_bandwidth=2e8,
+        inter_node_bandwidth=2e8,
+        intra_node_latency=4e-4,
+        inter_node_latency=4e-4,
+        layer_overhead=2e-3,
+        action_overhead=5e-3,
+        message_overhead=3e-3,
+        step_overhead=0.05,
+        memory_bandwidth=1e9,
+        gpus_per_node=8,
+    )
+    measurements = [synthetic(run, truth) for run in calibrate.LAYOUTS]
+    coef = calibrate.fit_actions(measurements)
+    assert 1 / coef["flops"] == pytest.approx(3e9, rel=1e-6)
+    assert coef["action"] == pytest.approx(5e-3, rel=1e-6)
+    assert coef["layers"] == pytest.approx(2e-3, rel=1e-6)
+    fitted = calibrate.fit_hardware(measurements, memory_bandwidth=1e9)
+    assert fitted.intra_node_bandwidth == pytest.approx(2e8, rel=1e-4)
+    assert fitted.intra_node_latency == pytest.approx(4e-4, rel=1e-4)
+    assert fitted.message_overhead == pytest.approx(3e-3, rel=1e-4)
+    assert fitted.step_overhead == pytest.approx(0.05, rel=1e-4)
+    for m in measurements:  # and so every iteration is predicted as it ran
+        got = predict_step_time(m.config, m.vocab_size, fitted).seconds
+        assert got == pytest.approx(m.record["seconds"], rel=1e-6)
+
+
+def test_nonnegative_least_squares_drops_a_negative_coefficient():
+    a = np.array([[1.0, 1.0], [2.0, 1.0], [3.0, 1.0]])
+    b = np.array([0.9, 2.1, 2.9])  # intercept would come out slightly negative
+    x = calibrate.nonnegative_least_squares(a, b)
+    assert (x >= 0).all() and x[1] == 0.0
+    assert x[0] == pytest.approx(np.dot(a[:, 0], b) / np.dot(a[:, 0], a[:, 0]))
+
+
+SHARED = dataclasses.replace(
+    GLOO,
+    gemm_flops=3e9,
+    intra_node_bandwidth=1e30,
+    inter_node_bandwidth=1e30,
+    intra_node_latency=0.0,
+    inter_node_latency=0.0,
+    action_overhead=2e-3,
+    layer_overhead=1e-3,
+    collective_overhead=1.5e-3,
+    step_overhead=0.02,
+    memory_bandwidth=1e9,
+    gpus_per_node=8,
+    shared_cores=2,
+)
+"""Eight processes on two cores whose every cost is work, as a calibration fits them."""
+
+
+def test_shared_cores_fit_recovers_known_constants():
+    """The calibration layouts keep both cores busy from their first action to their
+    last, so each iteration is the counted work over the cores: the fit gives the
+    constants back and every iteration as it ran."""
+    measurements = [synthetic(run, SHARED) for run in calibrate.LAYOUTS]
+    fitted = calibrate.fit_shared_cores(measurements, 2, memory_bandwidth=1e9)
+    assert fitted.gemm_flops == pytest.approx(3e9, rel=1e-3)
+    assert fitted.action_overhead == pytest.approx(2e-3, rel=1e-2)
+    assert fitted.layer_overhead == pytest.approx(1e-3, rel=1e-2)
+    assert fitted.collective_overhead == pytest.approx(1.5e-3, rel=1e-2)
+    assert fitted.step_overhead == pytest.approx(0.02, rel=1e-2)
+    for m in measurements:
+        got = predict_step_time(m.config, m.vocab_size, fitted).seconds
+        assert got == pytest.approx(m.record["seconds"], rel=1e-3)
+
+
+def test_iteration_counts_by_hand():
+    """tp 2 × pp 2 × dp 2, four layers, 4 microbatches of 4: every process runs one
+    forward and one backward (two parts: input and weight gradient) of two layers per
+    microbatch; each tensor-parallel rank makes 2 all-reduces per layer each way, the first
+    stage the embedding's, the last the output layer's and the cross-entropy's three, each
+    of 2 ring steps; after the pipeline the data-parallel all-reduce of each rank's one
+    bucket takes 2 more steps and the tied embedding's sum between the first and the last
+    stage 2 more, which all processes wait for (not shared over the cores)."""
+    m = synthetic(calibrate.LAYOUTS[0], SHARED)
+    assert m.config.num_microbatches == 4
+    flops, actions, layers, calls, steps = iteration_counts(m, cores=2)
+    assert actions == pytest.approx(8 * 4 * 3 / 2)
+    assert layers == pytest.approx(8 * 4 * 3 * 2 / 2)
+    stage_calls = [2 * 2 * 2 + 1, 2 * 2 * 2 + 1 + 3]  # first stage, last stage
+    assert calls == pytest.approx(4 * 4 * sum(stage_calls) / 2)
+    assert steps == pytest.approx(2 * calls + 2 + 2)
+    assert flops > 0
+
+
+def test_shared_cores_fit_wants_more_processes_than_cores():
+    alone = synthetic(calibrate.Run(Layout(dp=2)), SHARED)
+    with pytest.raises(ValueError, match="more processes than the 2 cores"):
+        calibrate.fit_shared_cores([alone], 2, memory_bandwidth=1e9)
+
+
+def test_the_uncontended_speedup_is_fitted_from_a_run_that_fits_on_the_cores():
+    truth = dataclasses.replace(
+        GLOO, gemm_flops=3e9, gpus_per_node=8, shared_cores=2, uncontended_speedup=1.3
+    )
+    alone = synthetic(calibrate.ALONE, truth)
+    fitted = calibrate.fit_uncontended_speedup(
+        alone, dataclasses.replace(truth, uncontended_speedup=1.0)
+    )
+    assert fitted == pytest.approx(1.3, rel=1e-6)
+    with pytest.raises(ValueError, match="no more processes than cores"):
+        calibrate.fit_uncontended_speedup(synthetic(calibrate.Run(Layout(dp=4)), truth), truth)
+
+
+def write_launch(path, seconds, profile_iteration=3, iterations=8):
+    """A metrics file as a calibration launch writes it: every plain iteration took
+    ``seconds`` (the first and the profiled ones took longer)."""
+    lines = []
+    for i in range(1, iterations + 1):
+        slow = i in (1, profile_iteration, profile_iteration + 1)
+        lines.append(
+            {
+                "kind": "train",
+                "iteration": i,
+                "elapsed_ms_per_iteration": 1e3 * seconds * (3 if slow else 1),
+            }
+        )
+    lines.append(
+        {"kind": "profile", "iteration": profile_iteration, "seconds": seconds, "ranks": []}
+    )
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+
+
+def test_calibrate_fits_the_median_launch_of_metrics_left_beside_its_output(tmp_path, monkeypatch):
+    """``calibrate(reuse=True, repeats=3)`` on metrics files whose launches took a known
+    iteration's time, 30% more, and 10% less: the median launch is the known one, so the
+    shared-cores fit (two cores, as on the development machine) recovers the constants."""
+    monkeypatch.setattr(calibrate.os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(calibrate, "memory_bandwidth", lambda processes: 1e9)
+    truth = dataclasses.replace(SHARED, uncontended_speedup=1.25)
+    for run, processes in [*((r, 8) for r in calibrate.LAYOUTS), (calibrate.ALONE, 1)]:
+        m = synthetic(run, truth)
+        assert m.config.world_size == processes
+        for launch, factor in ((1, 1.3), (2, 1.0), (3, 0.9)):
+            suffix = "" if launch == 1 else f".launch{launch}"
+            write_launch(tmp_path / f"{run.name}{suffix}.jsonl", m.record["seconds"] * factor)
+    out = tmp_path / "hardware.json"
+    fitted = calibrate.calibrate(8, out, verbose=False, reuse=True, repeats=3)
+    assert load_hardware(str(out)) == fitted
+    assert fitted.shared_cores == 2
+    assert fitted.gemm_flops == pytest.approx(3e9, rel=1e-2)
+    assert fitted.collective_overhead == pytest.approx(1.5e-3, rel=2e-2)
+    assert fitted.uncontended_speedup == pytest.approx(1.25, rel=1e-2)
