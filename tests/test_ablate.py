@@ -74,13 +74,16 @@ class FakeLauncher:
     """Writes the metrics a point would, with ``losses_of(name)``; ``fail`` names points
     that exit with an error instead, ``calls`` counts launches."""
 
-    def __init__(self, losses_of=None, fail=(), timeout=()):
+    def __init__(self, losses_of=None, fail=(), timeout=(), ms_of=None):
         self.losses_of = losses_of or (lambda name: LOSSES)
+        self.ms_of = ms_of or (lambda name, launch: 100.0)
         self.fail, self.timeout, self.calls = set(fail), set(timeout), []
 
     def __call__(self, command, log_path, timeout_s, env) -> LaunchResult:
         metrics = Path(flag_value(command, "--metrics-path"))
-        name = metrics.parent.name
+        name, launch = metrics.parent.name, 1
+        if name.startswith("launch"):  # runs/<name>/launch<k>/metrics.jsonl
+            name, launch = metrics.parent.parent.name, int(name.removeprefix("launch"))
         self.calls.append(name)
         assert env["OMP_NUM_THREADS"] == "1"
         log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -91,7 +94,7 @@ class FakeLauncher:
             log_path.write_text("iteration 1\n")
             return LaunchResult(None, True, timeout_s)
         world = int(flag_value(command, "--nproc-per-node"))
-        write_metrics(metrics, self.losses_of(name), world)
+        write_metrics(metrics, self.losses_of(name), world, ms=self.ms_of(name, launch))
         log_path.write_text("ok\n")
         return LaunchResult(0, False, 0.1)
 
@@ -186,6 +189,45 @@ def test_failed_point_is_recorded_and_the_sweep_goes_on(tmp_path):
     retry = FakeLauncher()
     run_sweep(spec, tmp_path, launcher=retry, retry_failed=True)
     assert sorted(retry.calls) == sorted(names[:2])
+
+
+def test_repeats_run_in_rounds_and_time_each_point_by_the_median_launch(tmp_path):
+    spec = small_spec(repeats=3, tp=(1,), recompute=(None,))
+    times = {1: 100.0, 2: 130.0, 3: 90.0}
+    launcher = FakeLauncher(ms_of=lambda name, launch: times[launch])
+    result = run_sweep(spec, tmp_path, launcher=launcher)
+    names = [r.name for r in result.records]
+    assert launcher.calls == names * 3  # every point once, then again, then again
+    for record in result.records:
+        assert record.measured.launch_seconds == pytest.approx([0.1, 0.13, 0.09])
+        assert record.measured.iteration_seconds == pytest.approx(0.1)
+        assert record.measured.tokens_per_second == pytest.approx(8 * 32 / 0.1)
+        assert record.error is None
+    resumed = FakeLauncher()
+    run_sweep(spec, tmp_path, launcher=resumed)
+    assert resumed.calls == []
+    more = FakeLauncher(ms_of=lambda name, launch: 140.0)
+    result = run_sweep(small_spec(repeats=4, tp=(1,), recompute=(None,)), tmp_path, launcher=more)
+    assert more.calls == names
+    assert result.records[0].measured.iteration_seconds == pytest.approx(0.115)
+
+
+def test_a_repeat_that_fails_or_trains_another_model_is_not_counted(tmp_path):
+    spec = small_spec(tp=(1,), pp=(1,), recompute=(None,))
+    run_sweep(spec, tmp_path, launcher=FakeLauncher())
+    twice = small_spec(repeats=2, tp=(1,), pp=(1,), recompute=(None,))
+    name = expand(spec).points[0].name
+    result = run_sweep(twice, tmp_path, launcher=FakeLauncher(fail={name}))
+    record = next(r for r in result.records if r.name == name)
+    assert record.status == records.OK and record.measured.launch_seconds == [0.1]
+    assert "launch 2 failed (exit status 2)" in record.error
+    other = FakeLauncher(losses_of=lambda n: [x + 1e-3 for x in LOSSES])
+    result = run_sweep(twice, tmp_path, launcher=other)
+    record = next(r for r in result.records if r.name == name)
+    assert "other losses than the first" in record.error
+    assert record.measured.launch_seconds == [0.1]
+    with pytest.raises(ValueError, match="repeats must be >= 1"):
+        spec_from_mapping({"model_flags": list(MODEL), "repeats": 0})
 
 
 def test_run_command_stops_a_point_at_its_time_limit(tmp_path):

@@ -11,10 +11,11 @@ The cross product of the axes (tp, pp, vpp, schedule, micro batch, recompute, Ze
 sequence parallelism) is checked as ``pretrain_gpt.py`` checks its flags; refused points
 are listed with the reason. Each point runs as ``torchrun --standalone --nproc-per-node N
 pretrain_gpt.py ...`` (dropout off, a loss every iteration, one profiled iteration) with a
-time limit; its record (``points/<name>.json``) holds the measured iteration time, tokens/s,
-memory per rank, bubble, communication time, losses, the planner's prediction and the
-parity with the single-process reference of its update rule (flushed schedules, or
-PipeDream-2BW; PipeDream has none). Finished points are not run again. A TOML file's
+time limit, ``--repeats`` times in rounds over the points; its record
+(``points/<name>.json``) holds the measured iteration time, tokens/s, memory per rank,
+bubble, communication time, losses, the planner's prediction and the parity with the
+single-process reference of its update rule (flushed schedules, or PipeDream-2BW;
+PipeDream has none). Finished points are not run again. A TOML file's
 top-level keys are the fields of ``ablation_points.SweepSpec``; flags override them.
 """
 
@@ -42,6 +43,7 @@ from ablation_sweep import (
     finished,
     record_path,
     reference_points,
+    repeats_to_run,
     run_dir,
     run_sweep,
     write_manifest,
@@ -65,6 +67,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--profile-iteration", type=int)
     parser.add_argument("--timeout", type=float, dest="timeout_s", help="seconds per point")
     parser.add_argument("--hardware", help="hardware profile (name or JSON) for the time")
+    parser.add_argument("--repeats", type=int, help="launches per point, for its time")
     for name in AXES:
         parser.add_argument("--" + name.replace("_", "-"), type=int, nargs="+")
     for name in WORD_AXES:
@@ -85,7 +88,7 @@ def spec_from_args(args: argparse.Namespace) -> SweepSpec:
         if getattr(args, name) is not None:
             values[name] = shlex.split(getattr(args, name))
     simple = ("global_batch_size", "train_iters", "nproc", "nnodes", "seed", "timeout_s")
-    for name in (*simple, "model", "profile_iteration", "hardware", *AXES, *WORD_AXES):
+    for name in (*simple, "model", "profile_iteration", "hardware", "repeats", *AXES, *WORD_AXES):
         if getattr(args, name) is not None:
             values[name] = getattr(args, name)
     if args.sequence_parallel is not None:
@@ -221,7 +224,9 @@ def main(argv: list[str] | None = None) -> int:
         expansion = ablation_points.expand(spec)
         print_points(expansion, dropped=False)
         todo = [*reference_points(spec, expansion), *expansion.points]
-        pending = sum(finished(out, p, args.retry_failed) is None for p in todo)
+        done = [finished(out, p, args.retry_failed) for p in todo]
+        pending = sum(spec.repeats for record in done if record is None)
+        pending += repeats_to_run(spec, [record for record in done if record is not None])
         bar = ProgressBar(pending)
         result = run_sweep(
             spec,

@@ -45,6 +45,8 @@ class SweepSpec:
     (None: two before the last). ``timeout_s``: a point running longer is stopped and
     recorded as failed. ``hardware``: a :func:`megapp.planning.hardware.load_hardware`
     profile (name or JSON file) for the predicted step time (None: no time prediction).
+    ``repeats``: launches per point, in rounds over all points (so a machine that slows
+    for a while slows every point alike); a point's time is the median of its launches'.
     """
 
     model_flags: tuple[str, ...]
@@ -59,6 +61,7 @@ class SweepSpec:
     timeout_s: float = 600.0
     profile_iteration: int | None = None
     hardware: str | None = None
+    repeats: int = 1
     tp: tuple[int, ...] = (1,)
     pp: tuple[int, ...] = (1,)
     vpp: tuple[int, ...] = (1,)
@@ -280,6 +283,8 @@ def spec_from_mapping(values: Mapping[str, Any]) -> SweepSpec:
         kwargs["model_flags"] = (*preset.flags, *kwargs.get("model_flags", ()))
     if "model_flags" not in kwargs:
         raise ValueError('a sweep needs model_flags or a model preset (model = "tiny")')
+    if kwargs.get("repeats", 1) < 1:
+        raise ValueError(f"repeats must be >= 1, got {kwargs['repeats']}")
     return SweepSpec(**kwargs)
 
 

@@ -40,8 +40,10 @@ class RankMeasure:
 class Measured:
     """The figures of one run. ``losses[i]``: the loss of iteration ``i + 1``.
     ``iteration_seconds``: the median iteration time after the first, leaving out the two
-    profiled iterations. ``tokens_per_second``: the whole job's (global batch × sequence
-    length over that time). ``bubble``: the idle share of the profiled pipeline timeline."""
+    profiled iterations (of a point launched several times: the median over its launches,
+    each one's in ``launch_seconds``). ``tokens_per_second``: the whole job's (global batch
+    × sequence length over that time). ``bubble``: the idle share of the profiled pipeline
+    timeline."""
 
     losses: list[float] = field(default_factory=list)
     iteration_seconds: float | None = None
@@ -49,6 +51,18 @@ class Measured:
     bubble: float | None = None
     profile_seconds: float | None = None
     ranks: list[RankMeasure] = field(default_factory=list)
+    launch_seconds: list[float] = field(default_factory=list)
+
+    def add_launch(self, seconds: float) -> None:
+        """Count one more launch's iteration time; the time becomes the launches' median."""
+        if self.iteration_seconds is not None and self.tokens_per_second is not None:
+            tokens = self.tokens_per_second * self.iteration_seconds
+        else:
+            tokens = None
+        self.launch_seconds.append(seconds)
+        self.iteration_seconds = statistics.median(self.launch_seconds)
+        if tokens is not None:
+            self.tokens_per_second = tokens / self.iteration_seconds
 
     def peak_per_stage(self) -> list[int]:
         """The largest peak of each pipeline rank (over its tensor and data-parallel peers)."""
@@ -118,6 +132,8 @@ class PointRecord:
         ranks = [RankMeasure(**r) for r in measured.pop("ranks", [])]
         predicted = Prediction(**(raw.pop("predicted", {}) or {}))
         parity = raw.pop("parity", None)
+        if "launch_seconds" not in measured and measured.get("iteration_seconds") is not None:
+            measured["launch_seconds"] = [measured["iteration_seconds"]]  # a one-launch record
         known = {f.name for f in fields(cls)}
         return cls(
             **{k: v for k, v in raw.items() if k in known},
@@ -169,6 +185,7 @@ def measure(path: str | Path, profile_iteration: int | None) -> Measured:
     steady = plain_iteration_seconds(train, profile_iteration)
     if steady:
         out.iteration_seconds = statistics.median(steady)
+        out.launch_seconds = [out.iteration_seconds]
         tokens = train[-1]["global_batch_size"] * _seq_length(records)
         out.tokens_per_second = tokens / out.iteration_seconds
     if profile is not None:

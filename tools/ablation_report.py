@@ -71,6 +71,13 @@ def parity_cell(record: PointRecord) -> str:
     return f"{bold}{parity.status}{bold} ({parity.max_rel_diff:.1e})"
 
 
+def iteration_cell(seconds: float | None, launches: Sequence[float]) -> str:
+    """Milliseconds, with the range over the launches when there were several."""
+    if seconds is None or len(launches) < 2:
+        return fmt(seconds, ".1f", 1e3)
+    return f"{seconds * 1e3:.1f} ({min(launches) * 1e3:.0f}–{max(launches) * 1e3:.0f})"
+
+
 def layout_table(point_records: Sequence[PointRecord]) -> list[str]:
     """One row per layout, fastest first; failed points last."""
     head = (
@@ -88,7 +95,7 @@ def layout_table(point_records: Sequence[PointRecord]) -> list[str]:
         cells = [
             f"`{r.name}`",
             r.status,
-            fmt(m.iteration_seconds, ".1f", 1e3),
+            iteration_cell(m.iteration_seconds, m.launch_seconds),
             fmt(m.tokens_per_second, ".0f"),
             peaks,
             predicted_peaks,
@@ -298,9 +305,11 @@ def write_report(sweep_dir: Path, out: Path, command: str) -> Path:
     lines += ["## Layouts", "", *layout_table(point_records), ""]
     lines += [
         "Iteration: median wall time after the first iteration, without the two profiled "
-        "ones. Memory: peak live tensor bytes of the profiled iteration, the largest over "
-        "each pipeline rank's tensor- and data-parallel peers. Comm: the longest any rank "
-        "waited in collectives in the profiled iteration. Errors: predicted / measured − 1.",
+        "ones (of a point launched several times, the median over its launches, their "
+        "range in brackets). Memory: peak live tensor bytes of the profiled iteration, the "
+        "largest over each pipeline rank's tensor- and data-parallel peers. Comm: the "
+        "longest any rank waited in collectives in the profiled iteration. Errors: "
+        "predicted / measured − 1.",
         "",
     ]
     for caption, path in make_plots(point_records, out):

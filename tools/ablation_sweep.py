@@ -1,12 +1,16 @@
 """Running a sweep: every point once, the single-process references first (one per update
-rule the points train under that has one), then the parity check of every layout against
-the reference of its rule.
+rule the points train under that has one), then (with ``repeats``) every point again,
+round after round, for its time, then the parity check of every layout against the
+reference of its rule.
 
 A sweep directory holds ``points/<name>.json`` (one :class:`PointRecord` per point, the
 references' with ``reference: true``), ``runs/<name>/`` (each point's metrics file and
 log) and ``sweep.json`` (the spec, the dropped points and the command). A record whose
 key equals the point's (the same command) is not run again, so an interrupted sweep
-continues where it stopped; a failed point runs again only with ``retry_failed``.
+continues where it stopped; a failed point runs again only with ``retry_failed``. The
+launches after a point's first write ``runs/<name>/launch<k>/``; a point's time is the
+median over its launches (a machine shared with other jobs drifts by 10% over minutes, and
+rounds spread that over every point alike).
 """
 
 from __future__ import annotations
@@ -142,7 +146,8 @@ def run_sweep(
     result = SweepResult(expansion=expand(spec))
     write_manifest(spec, out_dir, result.expansion, command_line)
     progress = progress or Progress()
-    for point in [*reference_points(spec, result.expansion), *result.expansion.points]:
+    todo = [*reference_points(spec, result.expansion), *result.expansion.points]
+    for point in todo:
         progress.start(point.name)
         record = finished(out_dir, point, retry_failed)
         if record is not None:
@@ -167,8 +172,53 @@ def run_sweep(
             records.save(record, record_path(out_dir, point))
         result.records.append(record)
         progress.done(point.name, ran=point.name not in result.reused)
+    points = {p.name: p for p in todo}
+    run_repeats(spec, out_dir, result.records, points, launcher, progress)
     finish(result.records, out_dir, rtol)
     return result
+
+
+def repeats_to_run(spec: SweepSpec, point_records: Sequence[PointRecord]) -> int:
+    """How many more launches the finished points need to have ``spec.repeats`` each."""
+    done = [r for r in point_records if r.status == OK]
+    return sum(max(0, spec.repeats - len(r.measured.launch_seconds)) for r in done)
+
+
+def run_repeats(
+    spec: SweepSpec,
+    out_dir: Path,
+    point_records: Sequence[PointRecord],
+    points: dict[str, Point],
+    launcher: Launcher,
+    progress: Progress,
+) -> None:
+    """Launch every finished point again, round after round, until each has
+    ``spec.repeats`` launches, saving its record after each. A launch that fails, or whose
+    losses are not the first launch's, is noted in the record's error and its time not
+    counted."""
+    for launch in range(2, spec.repeats + 1):
+        for record in point_records:
+            if record.status != OK or len(record.measured.launch_seconds) >= launch:
+                continue
+            point = points[record.name]
+            where = run_dir(out_dir, point) / f"launch{launch}"
+            metrics = where / "metrics.jsonl"
+            metrics.unlink(missing_ok=True)
+            command = point_command(point.flags, point.world_size, metrics, spec.profiled_iteration)
+            progress.start(f"{point.name} launch {launch}")
+            outcome = launcher(command, where / "log.txt", spec.timeout_s, point_env())
+            again = records.measure(metrics, spec.profiled_iteration) if metrics.is_file() else None
+            if outcome.returncode != 0 or again is None or again.iteration_seconds is None:
+                why = f"exit status {outcome.returncode}" if outcome.returncode else "no time"
+                record.error = f"launch {launch} failed ({why}), not counted\n" + error_summary(
+                    where / "log.txt"
+                )
+            elif again.losses != record.measured.losses:
+                record.error = f"launch {launch} trained other losses than the first, not counted"
+            else:
+                record.measured.add_launch(again.iteration_seconds)
+            records.save(record, record_path(out_dir, point))
+            progress.done(point.name, ran=True)
 
 
 def finish(point_records: Sequence[PointRecord], out_dir: Path, rtol: float) -> None:
