@@ -4,14 +4,15 @@
 # 1F1B and ZB-V; no recompute and full recompute), plus the single-process reference, then
 # the report with its plots.
 #
-#   bash examples/ablation_cpu.sh [more tools/ablate.py flags]
+#   bash examples/ablation_cpu.sh [more tools/ablate.py flags, e.g. --repeats 3]
 #
 # Sweep records land in runs/ablation_cpu (SWEEP_DIR; run it again: finished points are
-# reused), the report in docs/ablation/ (REPORT_DIR). HARDWARE=<name or calibrated JSON
-# profile> sets the profile of the predicted step time. Measured on the 2-core development
-# machine with the default corpus built: 5 min 50 s end to end with one core busy with
-# another job, 8 min 9 s to 8 min 51 s under a load average of 10-20; a rerun that
-# reuses every point takes 19 s to 1 min.
+# reused, and a larger --repeats only adds launches), the report in docs/ablation/
+# (REPORT_DIR). HARDWARE=<name or calibrated JSON profile> sets the profile of the
+# predicted step time. Measured on the 2-core development machine with the default
+# corpus built: 4 min 26 s end to end with no other job, 8 min 9 s to 8 min 51 s under a
+# load average of 10-20, 13 min 35 s with --repeats 3; a rerun that reuses every point
+# takes 19 s to 1 min.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
