@@ -360,6 +360,8 @@ def test_command_line_dry_run_and_slurm(tmp_path, capsys):
     assert "#SBATCH --array=0-3" in (tmp_path / "sweep.sbatch").read_text()
     manifest = json.loads((tmp_path / "sweep.json").read_text())
     assert len(manifest["points"]) == 3 and len(manifest["dropped"]) == 1
+    assert ablate.main([*flags, "--slurm", "--repeats", "2"]) == 2
+    assert "--repeats runs here only" in capsys.readouterr().out
 
 
 def test_report_from_synthetic_records(tmp_path):

@@ -212,6 +212,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         print_points(ablation_points.expand(spec))
         return 0
+    if (args.slurm or args.collect) and spec.repeats > 1:
+        print("ablate.py: error: --repeats runs here only; an array job launches each point once")
+        return 2
     if args.slurm:
         write_slurm(spec, out, command)
         return 0

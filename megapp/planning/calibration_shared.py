@@ -117,10 +117,9 @@ def fit_shared_cores(
 
 
 def fit_uncontended_speedup(alone: Measurement, hardware: Hardware) -> float:
-    """How much faster than its fitted share a process computes when the computing
-    processes fit on the cores: the factor for which the predicted iteration of ``alone``
-    (a run of no more processes than ``hardware.shared_cores``) takes its measured time;
-    by bisection."""
+    """How much faster than its fitted share a process computes in a job of no more
+    processes than cores: the factor for which the predicted iteration of ``alone`` (such
+    a job) takes its measured time; by bisection."""
     if hardware.shared_cores is None or alone.config.world_size > hardware.shared_cores:
         raise ValueError("the speedup is measured by a run of no more processes than cores")
 
