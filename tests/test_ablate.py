@@ -226,6 +226,12 @@ def test_a_repeat_that_fails_or_trains_another_model_is_not_counted(tmp_path):
     record = next(r for r in result.records if r.name == name)
     assert "other losses than the first" in record.error
     assert record.measured.launch_seconds == [0.1]
+    result = run_sweep(twice, tmp_path, launcher=FakeLauncher(timeout={name}))
+    record = next(r for r in result.records if r.name == name)
+    assert "launch 2 failed (stopped after 600 s)" in record.error
+    result = run_sweep(twice, tmp_path, launcher=FakeLauncher())  # the retry counts
+    record = next(r for r in result.records if r.name == name)
+    assert record.measured.launch_seconds == [0.1, 0.1] and record.error is None
     with pytest.raises(ValueError, match="repeats must be >= 1"):
         spec_from_mapping({"model_flags": list(MODEL), "repeats": 0})
 

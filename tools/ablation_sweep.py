@@ -9,8 +9,8 @@ log) and ``sweep.json`` (the spec, the dropped points and the command). A record
 key equals the point's (the same command) is not run again, so an interrupted sweep
 continues where it stopped; a failed point runs again only with ``retry_failed``. The
 launches after a point's first write ``runs/<name>/launch<k>/``; a point's time is the
-median over its launches (a machine shared with other jobs drifts by 10% over minutes, and
-rounds spread that over every point alike).
+median over its launches (a machine shared with other jobs has slow spells of minutes,
+and rounds spread them over every point alike).
 """
 
 from __future__ import annotations
@@ -210,6 +210,7 @@ def run_repeats(
             again = records.measure(metrics, spec.profiled_iteration) if metrics.is_file() else None
             if outcome.returncode != 0 or again is None or again.iteration_seconds is None:
                 why = f"exit status {outcome.returncode}" if outcome.returncode else "no time"
+                why = f"stopped after {spec.timeout_s:.0f} s" if outcome.timed_out else why
                 record.error = f"launch {launch} failed ({why}), not counted\n" + error_summary(
                     where / "log.txt"
                 )
@@ -217,6 +218,8 @@ def run_repeats(
                 record.error = f"launch {launch} trained other losses than the first, not counted"
             else:
                 record.measured.add_launch(again.iteration_seconds)
+                if record.error and record.error.startswith(f"launch {launch} "):
+                    record.error = None  # an earlier attempt at this launch failed
             records.save(record, record_path(out_dir, point))
             progress.done(point.name, ran=True)
 
