@@ -56,7 +56,7 @@ def test_deadlock_is_reported():
 def test_processes_that_fit_on_the_cores_compute_at_the_uncontended_speed():
     """One process per rank on four cores: every action runs at 1.25 times its cost's rate
     throughout, so without message latency the timeline is the plain one scaled by 0.8;
-    with more processes than cores the speedup never applies."""
+    in a job of more processes than cores the speedup never applies."""
     schedule = build_schedule("1f1b", 2, 4)
     costs = CostModel(forward=1.0, backward=2.0)
     plain = simulate(schedule, costs)
@@ -64,3 +64,8 @@ def test_processes_that_fit_on_the_cores_compute_at_the_uncontended_speed():
     assert fast.makespan == pytest.approx(0.8 * plain.makespan)
     crowded = simulate_shared(schedule, costs, 4, 2, uncontended_speedup=1.25)
     assert crowded.makespan == pytest.approx(simulate_shared(schedule, costs, 4, 2).makespan)
+    # a job of 4 processes on 2 cores: its first forward runs alone, on the 2 cores, yet at
+    # the rate of processes that take turns
+    larger = simulate_shared(schedule, costs, 2, 2, uncontended_speedup=1.25)
+    first = next(e for e in larger.events if e.rank == 0 and e.kind == "compute")
+    assert (first.start, first.end) == (0.0, 1.0)

@@ -65,15 +65,18 @@ def unit_hardware(**rates: float) -> Hardware:
     )
 
 
-FEATURES = ("flops", "action", "layers", "tp_bytes", "tp_steps", "memory")
-_PROBES = {
+PROBES = {
     "flops": unit_hardware(gemm_flops=1.0),
     "action": unit_hardware(action_overhead=1.0),
     "layers": unit_hardware(layer_overhead=1.0),
     "tp_bytes": unit_hardware(intra_node_bandwidth=1.0, inter_node_bandwidth=1.0),
     "tp_steps": unit_hardware(intra_node_latency=1.0, inter_node_latency=1.0),
+    "collectives": unit_hardware(collective_overhead=1.0),
     "memory": unit_hardware(memory_bandwidth=1.0),
 }
+"""Per model constant, the hardware on which only it costs anything: an action's seconds
+there count what that constant multiplies (FLOPs, ring steps, collective calls, ...)."""
+FEATURES = ("flops", "action", "layers", "tp_bytes", "tp_steps", "memory")
 
 
 def action_features(config: PretrainConfig, vocab_size: int) -> dict[tuple[str, int, int], list]:
@@ -81,7 +84,7 @@ def action_features(config: PretrainConfig, vocab_size: int) -> dict[tuple[str, 
     its :data:`FEATURES`: the action's seconds on hardware where only that constant is 1."""
     gpt, shape = config.gpt_config(vocab_size), shape_of(config)
     shape = dataclasses.replace(shape, dp=1, zero_stage=0)  # no ZeRO transfers in the actions
-    tables = {name: action_costs(gpt, shape, probe) for name, probe in _PROBES.items()}
+    tables = {name: action_costs(gpt, shape, PROBES[name]) for name in FEATURES}
     out = {}
     p, v = len(shape.placement), len(shape.placement[0])
     for rank in range(p):
@@ -212,8 +215,8 @@ def _fit_tail_bandwidth(measurements: Sequence[Measurement], hardware: Hardware)
     rows, residual = [], []
     for m in measurements:
         gpt, shape = m.config.gpt_config(m.vocab_size), shape_of(m.config)
-        moved = max(action_costs(gpt, shape, _PROBES["tp_bytes"]).tail)
-        steps = max(action_costs(gpt, shape, _PROBES["tp_steps"]).tail)
+        moved = max(action_costs(gpt, shape, PROBES["tp_bytes"]).tail)
+        steps = max(action_costs(gpt, shape, PROBES["tp_steps"]).tail)
         optimizer = max(action_costs(gpt, shape, hardware).optimizer)
         rows.append([1.0, moved])
         spent = m.record["seconds"] - makespan(m.record) - optimizer  # the profiled one's

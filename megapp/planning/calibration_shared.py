@@ -33,19 +33,19 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from megapp.planning.calibration_fit import Measurement, nonnegative_least_squares, unit_hardware
+from megapp.planning.calibration_fit import (
+    PROBES,
+    Measurement,
+    nonnegative_least_squares,
+    unit_hardware,
+)
 from megapp.planning.hardware import Hardware
 from megapp.planning.timing import action_costs, predict_step_time, shape_of
 
-COUNTS = ("flops", "action", "layers", "collectives", "ring_steps")
-"""The per-iteration counts the fit weighs, in the order of its coefficients."""
-_PROBES = {
-    "flops": unit_hardware(gemm_flops=1.0),
-    "action": unit_hardware(action_overhead=1.0),
-    "layers": unit_hardware(layer_overhead=1.0),
-    "collectives": unit_hardware(collective_overhead=1.0),
-    "ring_steps": unit_hardware(intra_node_latency=1.0, inter_node_latency=1.0),
-}
+COUNTS = ("flops", "action", "layers", "collectives", "tp_steps")
+"""The per-iteration counts the fit weighs, in the order of its coefficients (names of
+:data:`~megapp.planning.calibration_fit.PROBES`; ``tp_steps``: every ring step, those of
+the data-parallel reductions included)."""
 
 
 def iteration_counts(measurement: Measurement, cores: int) -> list[float]:
@@ -60,9 +60,9 @@ def iteration_counts(measurement: Measurement, cores: int) -> list[float]:
     m, p = config.num_microbatches, config.schedule.num_stages
     out = []
     for name in COUNTS:
-        costs = action_costs(gpt, shape, _PROBES[name])
+        costs = action_costs(gpt, shape, PROBES[name])
         work = processes * sum(costs.busy(rank, m) for rank in range(p)) / cores
-        out.append(work + (max(costs.tail) if name == "ring_steps" else 0.0))
+        out.append(work + (max(costs.tail) if name == "tp_steps" else 0.0))
     return out
 
 
@@ -80,20 +80,13 @@ def fit_shared_cores(
     if any(m.config.world_size <= cores for m in measurements):
         raise ValueError(f"every run fitted here has more processes than the {cores} cores")
     world = max(m.config.world_size for m in measurements)
-    known = Hardware(
+    known = dataclasses.replace(  # only what a measured constant prices costs anything
+        unit_hardware(memory_bandwidth=memory_bandwidth, shared_cores=cores),
         name=name,
-        gemm_flops=1e30,
-        peak_flops=None,
         memory_bytes=memory_bytes,
-        memory_bandwidth=memory_bandwidth,
         gpus_per_node=world,
-        intra_node_bandwidth=1e30,
-        intra_node_latency=0.0,
-        inter_node_bandwidth=1e30,
-        inter_node_latency=0.0,
         overlap_communication=False,
         sends_finish_in_background=True,
-        shared_cores=cores,
     )
     rows, seconds = [], []
     for m in measurements:

@@ -70,12 +70,15 @@ def simulate_shared(
     uncontended_speedup: float = 1.0,
 ) -> Timeline:
     """The timeline of ``schedule`` when its ``p × processes_per_rank`` processes share
-    ``cores`` cores (see the module docstring). While the computing processes fit on the
-    cores, each computes ``uncontended_speedup`` times faster than the rate its cost is
-    in, which is a process's when they take turns. Raises
+    ``cores`` cores (see the module docstring). A job of no more processes than cores
+    computes ``uncontended_speedup`` times faster than the rate its costs are in, which is
+    a process's when more processes take turns on the cores (a larger job keeps that rate
+    even where few of its processes run at once: the others have just left their caches
+    and memory traffic behind). Raises
     :class:`~megapp.pipeline_parallel.plan.ScheduleError` on a deadlock."""
     plan = communication_plan(schedule)
     p = schedule.num_stages
+    alone = uncontended_speedup if p * processes_per_rank <= cores else 1.0
     ranks = [_Rank() for _ in range(p)]
     posted: dict[tuple[str, Any], float] = {}
     timeline = Timeline(schedule)
@@ -139,7 +142,7 @@ def simulate_shared(
         if not running and not sleeping:
             break
         computing = len(running) * processes_per_rank
-        rate = cores / computing if computing > cores else uncontended_speedup
+        rate = cores / computing if computing > cores else alone
         ends = {i: now + ranks[i].work / rate for i in running}
         then = min([*ends.values(), *(ranks[i].wake for i in sleeping)])
         for i in running:

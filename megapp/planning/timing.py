@@ -363,7 +363,5 @@ def share_cores(
     costs = slowed_steps(costs, core_slowdown(cores, world, 1.0))
     per_rank = world // config.schedule.num_stages
     model = cost_model(costs, hardware)
-    # A job of more processes than cores computes at the fitted rates even where few of
-    # them run at once: the others have just left their caches and memory traffic behind.
-    speedup = hardware.uncontended_speedup if world <= cores else 1.0
+    speedup = hardware.uncontended_speedup
     return costs, simulate_shared(timeline.schedule, model, per_rank, cores, speedup)
