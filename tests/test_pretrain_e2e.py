@@ -140,6 +140,7 @@ def test_train_save_resume_continues_exactly(full_run, from_checkpoint):
     for rank in profile["ranks"]:
         assert 0 < rank["state_bytes"] < rank["peak_bytes"]
         assert rank["comm_seconds"] > 0  # tensor-parallel all-reduces
+        assert 0 < rank["message_cpu_seconds"] < rank["cpu_seconds"]  # pipeline messages
         names = [e[1] for e in rank["events"] if e[0] == "compute"]
         assert sorted(names) == sorted(f"{op}{m}" for op in "FB" for m in range(4))
     assert [train[i].get("profiled", False) for i in train] == [i == PROFILE_AT + 1 for i in train]

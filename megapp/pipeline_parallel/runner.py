@@ -13,12 +13,16 @@ one schedule. Each job has its own part:
 - :class:`~megapp.pipeline_parallel.compute.StageCompute` runs the forward and
   backward actions.
 
+:func:`message_cpu_seconds` counts the CPU time this process spends on the messages
+(posting, waiting, finishing), which a profile turns into the work a message costs.
+
 A failed or timed-out wait raises :class:`~megapp.comm.CollectiveError` naming
 the pipeline rank, the step, what was waited for and the group.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator, Sequence
 
 import torch.distributed as dist
@@ -36,7 +40,16 @@ from megapp.pipeline_parallel.shapes import ActivationShapes, peer_of
 from megapp.pipeline_parallel.simulate import Event
 from megapp.pipeline_parallel.weight_stash import WeightStash
 
-__all__ = ["ForwardStepFunc", "PipelineHooks", "StageRunner"]
+__all__ = ["ForwardStepFunc", "PipelineHooks", "StageRunner", "message_cpu_seconds"]
+
+_message_cpu = [0.0]  # CPU seconds this process has spent on pipeline messages
+
+
+def message_cpu_seconds() -> float:
+    """CPU seconds (all of this process's threads) spent so far in :class:`StageRunner`'s
+    message handling: posting sends and receives, waiting for them, finishing the last
+    sends. With gloo that is the copies through the sockets; a blocked wait costs none."""
+    return _message_cpu[0]
 
 
 class StageRunner:
@@ -102,10 +115,11 @@ class StageRunner:
         self.finish()
 
     def act(self, action: Action) -> None:
-        """Run ``action`` and add it to the timeline."""
-        start = self.clock()
+        """Run ``action`` and add it to the timeline, with the CPU time it took."""
+        start, cpu = self.clock(), time.process_time()
         self.compute.run(action)
-        self.events.append(Event(self.pp_rank, "compute", str(action), start, self.clock()))
+        cpu = time.process_time() - cpu
+        self.events.append(Event(self.pp_rank, "compute", str(action), start, self.clock(), cpu))
 
     def communicate(self, step: Step, upcoming: Step | None, delivered: Sequence[Message]) -> None:
         """Post ``step``'s sends and receives (and, where the transport posts early,
@@ -113,6 +127,7 @@ class StageRunner:
         proves ``delivered``."""
         if not (step.sends or step.recvs or (upcoming is not None and upcoming.recvs)):
             return
+        started = time.process_time()
         try:
             self._communicate(step, upcoming, delivered)
         except RuntimeError as err:
@@ -122,6 +137,8 @@ class StageRunner:
             if upcoming is not None and self.early.enabled:
                 what += [f"receive of the {m} (posted ahead)" for m in upcoming.recvs]
             raise self._failure(f"{before} failed waiting for: {'; '.join(what)}", err) from err
+        finally:
+            _message_cpu[0] += time.process_time() - started
 
     def _communicate(self, step: Step, upcoming: Step | None, delivered: Sequence[Message]) -> None:
         outgoing = [self.compute.outbox.pop(m) for m in step.sends]
@@ -155,11 +172,14 @@ class StageRunner:
         """Wait for every send still in flight."""
         if self.compute.stash is not None:
             self.compute.stash.finish()
+        started = time.process_time()
         try:
             self.sends.wait_all()
             self.transport.finish_headers()
         except RuntimeError as err:
             raise self._failure("failed waiting for its last sends to be received", err) from err
+        finally:
+            _message_cpu[0] += time.process_time() - started
 
     def _failure(self, what: str, err: RuntimeError) -> CollectiveError:
         return CollectiveError(

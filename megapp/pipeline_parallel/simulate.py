@@ -100,6 +100,7 @@ class Event:
     name: str
     start: float
     end: float
+    cpu: float | None = None  # a measured action's CPU seconds (its process, all threads)
 
 
 @dataclass

@@ -3,8 +3,9 @@
 Two consecutive iterations are measured, each with what the other would distort:
 
 - iteration ``N``: the pipeline timeline of every rank (the engine's recorded actions and
-  waits) and the seconds each rank spent blocked in collectives (tensor- and data-parallel
-  communication; the pipeline's waits are in the timeline);
+  waits), the seconds each rank spent blocked in collectives (tensor- and data-parallel
+  communication; the pipeline's waits are in the timeline), and its CPU seconds: all of
+  them, those spent on pipeline messages, and each action's;
 - iteration ``N + 1``: every rank's peak live tensor bytes (:class:`LiveTensorMemory`; its
   per-operator bookkeeping would slow the timeline), and the bytes live before it starts
   (weights, gradient buffers, optimizer states).
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megapp import comm
+from megapp.pipeline_parallel.runner import message_cpu_seconds
 from megapp.pipeline_parallel.simulate import Event
 from megapp.training.live_memory import LiveTensorMemory
 
@@ -36,6 +38,9 @@ class RankProfile:
     dp: int
     seconds: float = 0.0
     comm_seconds: float = 0.0
+    cpu_seconds: float = 0.0  # the process's CPU time (all its threads)
+    message_cpu_seconds: float = 0.0  # of which on pipeline messages
+    action_cpu_seconds: list[float] = field(default_factory=list)  # per compute event
     events: list[list] = field(default_factory=list)  # [kind, name, start, end]
     state_bytes: int = 0
     peak_bytes: int = 0
@@ -50,14 +55,19 @@ class TimedIteration:
 
     def __enter__(self) -> TimedIteration:
         self.comm_start, self.start = comm.blocked_seconds(), time.perf_counter()
+        self.cpu_start, self.message_start = time.process_time(), message_cpu_seconds()
         return self
 
     def __exit__(self, *exc) -> None:
         self.profile.seconds = time.perf_counter() - self.start
         self.profile.comm_seconds = comm.blocked_seconds() - self.comm_start
+        self.profile.cpu_seconds = time.process_time() - self.cpu_start
+        self.profile.message_cpu_seconds = message_cpu_seconds() - self.message_start
 
     def keep_events(self, events: Sequence[Event]) -> None:
         self.profile.events = [[e.kind, e.name, e.start, e.end] for e in events]
+        computed = [e.cpu for e in events if e.kind == "compute"]
+        self.profile.action_cpu_seconds = [0.0 if c is None else c for c in computed]
 
 
 class MemoryIteration:
