@@ -24,11 +24,26 @@ def _events(timeline):
 
 @pytest.mark.parametrize("name, p, m, v", CASES)
 def test_a_core_per_process_is_the_plain_simulator(name, p, m, v):
+    """Without messages' work (which the plain simulator prices as a wait)."""
     schedule = build_schedule(name, p, m, v)
-    costs = CostModel(forward=1.0, backward=2.0, p2p_latency=0.3, blocking_sends=False, update=0.5)
+    costs = CostModel(forward=1.0, backward=2.0, blocking_sends=False, update=0.5)
     plain, shared = simulate(schedule, costs), simulate_shared(schedule, costs, 2, 2 * p)
     assert _events(shared) == _events(plain)
     assert shared.peak_in_flight == plain.peak_in_flight
+
+
+def test_a_message_is_work_at_both_its_ends():
+    """1F1B, two ranks, one microbatch, a core each, 0.3 per message end: rank 1's
+    forward receives the activation (1 + 0.3, from 1), its backward sends the gradient
+    (2 + 0.3, from 2.3), and rank 0's backward does the activation's send and the
+    gradient's receive (2 + 0.6, from 4.6)."""
+    costs = CostModel(forward=1.0, backward=2.0, p2p_latency=0.3, blocking_sends=False)
+    timeline = simulate_shared(build_schedule("1f1b", 2, 1), costs, 1, 2)
+    spans = {(e.rank, e.name): (e.start, e.end) for e in timeline.events if e.kind == "compute"}
+    assert spans[(0, "F0")] == pytest.approx((0.0, 1.0))
+    assert spans[(1, "F0")] == pytest.approx((1.0, 2.3))
+    assert spans[(1, "B0")] == pytest.approx((2.3, 4.6))
+    assert spans[(0, "B0")] == pytest.approx((4.6, 7.2))
 
 
 def test_a_rank_alone_runs_at_full_speed_and_shares_the_cores_otherwise():

@@ -10,8 +10,10 @@ stands for ``processes_per_rank`` processes (its tensor- and data-parallel peers
 the same actions in step), an action's cost is its work in seconds on a core of its own
 (its tensor-parallel collectives included: gloo's collectives keep their processes busy
 copying, reducing and handing bytes to sockets, and a peer waiting for another leaves its
-core to the processes that have work), and the rate of every running action changes
-whenever an action starts or ends. A pipeline's bubble therefore leaves its cores to the
+core to the processes that have work), a pipeline message costs its seconds as work at
+both ends (its sender's and its receiver's copies through the socket, about 0.45 ms of CPU
+per end for the CPU demo's 128 KiB activations), and the rate of every running action
+changes whenever an action starts or ends. A pipeline's bubble therefore leaves its cores to the
 ranks that compute, when it happens and for as long as it lasts. With a core per process
 it gives the timeline of :func:`~megapp.pipeline_parallel.simulate.simulate`. The optimizer
 step, which every process runs at once, is :func:`core_slowdown` ``(cores, world, 1)``
@@ -23,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from megapp.pipeline_parallel.plan import ScheduleError, communication_plan
+from megapp.pipeline_parallel.plan import ScheduleError, Step, communication_plan
 from megapp.pipeline_parallel.schedules import Schedule
 from megapp.pipeline_parallel.simulate import CostModel, Event, Timeline
 
@@ -62,6 +64,22 @@ class _Rank:
         self.started = 0.0
 
 
+def message_ends(plan: list[list[Step]]) -> list[list[int]]:
+    """Per rank and step of ``plan``, the message ends whose work the step's action does:
+    the sends and receives it posts, and on its last action those of the final flush."""
+    ends = []
+    for steps in plan:
+        row = [len(step.sends) + len(step.recvs) for step in steps]
+        acting = [i for i, step in enumerate(steps) if step.action is not None]
+        for i, step in enumerate(steps):
+            if step.action is None and row[i] and acting:
+                before = [a for a in acting if a < i] or acting
+                row[before[-1]] += row[i]
+                row[i] = 0
+        ends.append(row)
+    return ends
+
+
 def simulate_shared(
     schedule: Schedule,
     costs: CostModel,
@@ -78,6 +96,7 @@ def simulate_shared(
     :class:`~megapp.pipeline_parallel.plan.ScheduleError` on a deadlock."""
     plan = communication_plan(schedule)
     p = schedule.num_stages
+    messages = message_ends(plan)
     alone = uncontended_speedup if p * processes_per_rank <= cores else 1.0
     ranks = [_Rank() for _ in range(p)]
     posted: dict[tuple[str, Any], float] = {}
@@ -104,7 +123,7 @@ def simulate_shared(
             if any(key not in posted for key in waits):
                 return changed
             times = [max(posted[("send", k[1])], posted[("recv", k[1])]) for k in waits]
-            ready = max([now, *(t + costs.p2p_latency for t in times)])
+            ready = max([now, *times])  # a message's seconds are work at its ends
             if ready > now:
                 r.state, r.wake = "until", ready
                 return True
@@ -120,7 +139,7 @@ def simulate_shared(
             r.cursor, r.state = r.cursor + 1, "ready"
             return
         r.state, r.started = "running", now
-        r.work = costs.time(rank, step.action)
+        r.work = costs.time(rank, step.action) + messages[rank][r.cursor] * costs.p2p_latency
 
     def finish(rank: int) -> None:
         r = ranks[rank]

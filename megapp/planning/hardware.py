@@ -63,7 +63,9 @@ class Hardware:
     layer_overhead: float = 0.0  # fixed time per layer per pipeline action (launches, Python)
     action_overhead: float = 0.0  # fixed time per pipeline action (the engine's own work)
     step_overhead: float = 0.0  # fixed time per iteration outside the pipeline
-    message_overhead: float = 0.0  # fixed time per pipeline message (headers, scheduling)
+    # Fixed time per pipeline message (headers, scheduling); on processes sharing cores,
+    # with the latency, the CPU work a message costs at each of its two ends.
+    message_overhead: float = 0.0
     # Fixed time per tensor-parallel collective call beyond its ring steps (on processes
     # sharing cores: the CPU time a call takes, which the fit separates from its bytes).
     collective_overhead: float = 0.0

@@ -67,7 +67,7 @@ def step_time(
     )
     breakdown = {
         "pipeline": timeline.makespan / iterations,
-        "busiest_rank": max(costs.busy(r, m) for r in range(p)),
+        "busiest_rank": max(costs.busy(r, m, config.schedule.splits_backward) for r in range(p)),
         "tensor_parallel": m * max(sum(row) for row in costs.tensor_parallel),
         "p2p_message": costs.p2p,
         "data_parallel": costs.grad_reduce[slowest],

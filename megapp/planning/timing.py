@@ -11,7 +11,9 @@ core ``core`` = q·kᵀ and p·v, as :func:`~megapp.training.flops.gpt_training_
   (+ logits); a whole backward ``B = I + W``. Recompute adds its rerun forward to ``I``:
   the whole layer with full recompute, the attention core with selective.
 - FLOPs over ``Hardware.gemm_flops``, plus ``action_overhead + L·layer_overhead`` (zero
-  unless calibrated), plus the loss's memory-bound passes over the logits.
+  unless calibrated) per action, plus the loss's memory-bound passes over the logits. A
+  whole backward pays that fixed cost once: split into ``I`` and ``W`` it pays it twice. A
+  full-recompute rerun pays its layers' ``L·layer_overhead`` again in ``I``.
 - tensor-parallel collectives on the critical path: per layer two all-reduces of the
   ``[s, b, h]`` activation in forward and two in backward (with sequence parallelism an
   all-gather and a reduce-scatter for each, the same bytes), the embedding's all-reduce,
@@ -22,8 +24,10 @@ core ``core`` = q·kᵀ and p·v, as :func:`~megapp.training.flops.gpt_training_
   prefetch) an action takes the longer of its compute and these transfers, else their sum.
 
 Pipeline messages (``[s, b, h]``, ``/tp`` with sequence parallelism) cost a latency plus
-bytes over the pipeline group's link; :func:`~megapp.pipeline_parallel.simulate.simulate`
-then gives every rank's timeline. After its last action a rank reduces its gradients over
+bytes over the pipeline group's link (plus ``message_overhead``), a wait for the receiver;
+:func:`~megapp.pipeline_parallel.simulate.simulate` then gives every rank's timeline.
+Processes sharing a CPU's cores pay that time as work at both ends instead
+(:mod:`~megapp.planning.core_sharing`). After its last action a rank reduces its gradients over
 the data-parallel group (ZeRO 0: all-reduce of fp32 gradients; 1-2: reduce-scatter, then
 an all-gather of the updated 16-bit weights; ZeRO-2's per-microbatch reductions are in the
 actions already), sums the tied embedding over the first and last stage, and steps the
@@ -75,6 +79,7 @@ class ActionCosts:
     forward: Table
     input_grad: Table
     weight_grad: Table
+    whole_backward: Table  # B: I + W paying the fixed cost of one action, not two
     flops_forward: Table
     flops_input_grad: Table
     flops_weight_grad: Table
@@ -91,14 +96,13 @@ class ActionCosts:
         pairs = zip(self.tp_forward, self.tp_backward, strict=True)
         return [[f + b for f, b in zip(rf, rb, strict=True)] for rf, rb in pairs]
 
-    def backward(self) -> Table:
-        pairs = zip(self.input_grad, self.weight_grad, strict=True)
-        return [[i + w for i, w in zip(ri, rw, strict=True)] for ri, rw in pairs]
-
-    def busy(self, rank: int, num_microbatches: int) -> float:
-        """Seconds rank ``rank`` computes in one iteration."""
-        per_mb = sum(self.forward[rank]) + sum(self.input_grad[rank]) + sum(self.weight_grad[rank])
-        return num_microbatches * per_mb
+    def busy(self, rank: int, num_microbatches: int, split_backward: bool = True) -> float:
+        """Seconds rank ``rank`` computes in one iteration, its backwards split into ``I``
+        and ``W`` or not."""
+        backward = self.input_grad[rank] + self.weight_grad[rank]
+        if not split_backward:
+            backward = self.whole_backward[rank]
+        return num_microbatches * (sum(self.forward[rank]) + sum(backward))
 
     def lower_bound(
         self, num_microbatches: int, step_overhead: float = 0.0, split_backward: bool = True
@@ -117,12 +121,12 @@ class ActionCosts:
         order = [where[stage] for stage in range(len(where))]
         f = [self.forward[r][c] for r, c in order]
         i = [self.input_grad[r][c] for r, c in order]
-        b = [self.input_grad[r][c] + self.weight_grad[r][c] for r, c in order]
+        b = [self.whole_backward[r][c] for r, c in order]
         first_rank, first_chunk = order[0]
         bounds = []
         for rank in range(p):
             lowest = min(self.placement[rank])
-            done = sum(f[:lowest]) + self.busy(rank, m)
+            done = sum(f[:lowest]) + self.busy(rank, m, split_backward)
             bounds.append(done + self.tail[rank])
             if not split_backward and lowest > 0:
                 bounds.append(done + sum(b[:lowest]) + self.tail[first_rank])
@@ -194,7 +198,7 @@ def action_costs(gpt: GPTConfig, shape: Shape, hardware: Hardware) -> ActionCost
     loss_seconds = 5 * 4 * tokens * vocab / tp / hardware.memory_bandwidth  # fp32 passes
     lin, core = layer_flops(gpt, shape.seq_length, shape.micro_batch_size)
     rerun = {"full": lin + core, "selective": core}.get(gpt.recompute_granularity, 0.0)
-    names = ("f", "i", "w", "ff", "fi", "fw", "tpf", "tpb")
+    names = ("f", "i", "w", "b", "ff", "fi", "fw", "tpf", "tpb")
     tables: dict[str, Table] = {k: [] for k in names}
     params: list[float] = []
     buckets: list[int] = []  # data-parallel gradient buckets per rank (per chunk, as DDP)
@@ -202,8 +206,8 @@ def action_costs(gpt: GPTConfig, shape: Shape, hardware: Hardware) -> ActionCost
     chunks: dict[tuple[int, bool, bool], tuple[int, tuple[float, ...]]] = {}
 
     def chunk(stage: int) -> tuple[int, tuple[float, ...]]:
-        """Parameters and (F, I, W seconds, F, I, W FLOPs, tp seconds in F, in I) of one
-        chunk."""
+        """Parameters and (F, I, W, B seconds, F, I, W FLOPs, tp seconds in F, in I) of
+        one chunk."""
         layers, first, last = len(ranges[stage]), stage == 0, stage == num_stages - 1
         chunk_params = chunk_parameters(gpt, stage, num_stages, layers)
         f = layers * (lin + core) + logits * last
@@ -213,7 +217,10 @@ def action_costs(gpt: GPTConfig, shape: Shape, hardware: Hardware) -> ActionCost
         fixed = hardware.action_overhead + layers * hardware.layer_overhead
         loss = loss_seconds * last
         f_s = f / hardware.gemm_flops + fixed + tp_f + 3 / 5 * loss
-        i_s = i / hardware.gemm_flops + fixed + tp_b + 2 / 5 * loss
+        rerun_passes = (
+            layers * hardware.layer_overhead if gpt.recompute_granularity == "full" else 0
+        )
+        i_s = i / hardware.gemm_flops + fixed + rerun_passes + tp_b + 2 / 5 * loss
         w_s = w / hardware.gemm_flops + fixed
         # ZeRO-3 gathers the chunk before its forward and the layers before backward;
         # ZeRO-2/3 reduce-scatter the chunk's fp32 gradients after every backward.
@@ -226,7 +233,8 @@ def action_costs(gpt: GPTConfig, shape: Shape, hardware: Hardware) -> ActionCost
         f_s = _with_transfer(f_s, gather_f, hardware)
         i_s = _with_transfer(i_s, gather_b, hardware)
         w_s = _with_transfer(w_s, scatter, hardware)
-        return chunk_params, (f_s, i_s, w_s, f, i, w, tp_f, tp_b)
+        b_s = i_s + w_s - fixed  # one action, not two
+        return chunk_params, (f_s, i_s, w_s, b_s, f, i, w, tp_f, tp_b)
 
     for rank in range(p):
         rows: dict[str, list[float]] = {k: [] for k in tables}
@@ -276,6 +284,7 @@ def action_costs(gpt: GPTConfig, shape: Shape, hardware: Hardware) -> ActionCost
         forward=tables["f"],
         input_grad=tables["i"],
         weight_grad=tables["w"],
+        whole_backward=tables["b"],
         flops_forward=tables["ff"],
         flops_input_grad=tables["fi"],
         flops_weight_grad=tables["fw"],
@@ -318,7 +327,7 @@ def cost_model(costs: ActionCosts, hardware: Hardware) -> CostModel:
     step ``U`` of an asynchronous schedule costs the rank's tail)."""
     return CostModel(
         forward=costs.forward,
-        backward=costs.backward(),
+        backward=costs.whole_backward,
         input_grad=costs.input_grad,
         weight_grad=costs.weight_grad,
         p2p_latency=costs.p2p,
