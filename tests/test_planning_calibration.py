@@ -5,25 +5,43 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import numpy as np
 import pytest
 from test_planning_timing import GLOO
 
+from megapp.pipeline_parallel.plan import communication_plan
 from megapp.planning import calibrate
-from megapp.planning.calibration_shared import iteration_counts
+from megapp.planning.core_sharing import message_ends
 from megapp.planning.hardware import load_hardware
 from megapp.planning.layout import Layout
-from megapp.planning.timing import predict_step_time
+from megapp.planning.timing import action_costs, predict_step_time, shape_of
+
+ACTION = re.compile(r"^([FBIW])(\d+)(?:\.(\d+))?$")  # F3, or B3.1 for chunk 1
 
 
 def synthetic(run, hardware):
     """The profile record ``pretrain_gpt.py --profile-iteration`` would write if the
     machine ran ``run`` (a :class:`~megapp.planning.calibrate.Run`) exactly as
-    ``hardware`` predicts."""
+    ``hardware`` predicts: an action's CPU time is its cost on a core of its own, a message
+    end's the message's price."""
     layout = run.layout
     cfg = calibrate.pretrain_config(layout, calibrate.MODEL, run.global_batch)
     step = predict_step_time(cfg, calibrate.VOCAB, hardware)
+    costs = action_costs(cfg.gpt_config(calibrate.VOCAB), shape_of(cfg), hardware)
+    tables = {
+        "F": costs.forward,
+        "I": costs.input_grad,
+        "W": costs.weight_grad,
+        "B": costs.whole_backward,
+    }
+    ends = [sum(row) for row in message_ends(communication_plan(cfg.schedule))]
+
+    def work(rank, name):
+        kind, chunk = ACTION.match(name).group(1, 3)
+        return tables[kind][rank][int(chunk or 0)]
+
     replicas = layout.world_size // layout.pp  # every process of a stage runs its timeline
     ranks = [
         {
@@ -33,6 +51,10 @@ def synthetic(run, hardware):
             "dp": k // layout.tp,
             "events": [
                 [e.kind, e.name, e.start, e.end] for e in step.timeline.events if e.rank == r
+            ],
+            "message_cpu_seconds": ends[r] * costs.p2p,
+            "action_cpu_seconds": [
+                work(r, e.name) for e in step.timeline.events if e.rank == r and e.kind == "compute"
             ],
         }
         for r in range(layout.pp)
@@ -84,13 +106,14 @@ def test_nonnegative_least_squares_drops_a_negative_coefficient():
 SHARED = dataclasses.replace(
     GLOO,
     gemm_flops=3e9,
-    intra_node_bandwidth=1e30,
-    inter_node_bandwidth=1e30,
-    intra_node_latency=0.0,
+    intra_node_bandwidth=2e9,
+    inter_node_bandwidth=2e9,
+    intra_node_latency=0.0,  # a collective's steps are in its fixed cost
     inter_node_latency=0.0,
     action_overhead=2e-3,
     layer_overhead=1e-3,
     collective_overhead=1.5e-3,
+    message_overhead=5e-4,
     step_overhead=0.02,
     memory_bandwidth=1e9,
     gpus_per_node=8,
@@ -100,38 +123,44 @@ SHARED = dataclasses.replace(
 
 
 def test_shared_cores_fit_recovers_known_constants():
-    """The calibration layouts keep both cores busy from their first action to their
-    last, so each iteration is the counted work over the cores: the fit gives the
-    constants back and every iteration as it ran."""
+    """Every action's CPU time gives the rates and fixed costs back, the messages' CPU
+    time their overhead, and the iterations the step overhead: every iteration is then
+    predicted as it ran."""
     measurements = [synthetic(run, SHARED) for run in calibrate.LAYOUTS]
     fitted = calibrate.fit_shared_cores(measurements, 2, memory_bandwidth=1e9)
     assert fitted.gemm_flops == pytest.approx(3e9, rel=1e-3)
-    assert fitted.action_overhead == pytest.approx(2e-3, rel=1e-2)
-    assert fitted.layer_overhead == pytest.approx(1e-3, rel=1e-2)
-    assert fitted.collective_overhead == pytest.approx(1.5e-3, rel=1e-2)
-    assert fitted.step_overhead == pytest.approx(0.02, rel=1e-2)
+    assert fitted.action_overhead == pytest.approx(2e-3, rel=1e-3)
+    assert fitted.layer_overhead == pytest.approx(1e-3, rel=1e-3)
+    assert fitted.collective_overhead == pytest.approx(1.5e-3, rel=1e-3)
+    assert fitted.intra_node_bandwidth == pytest.approx(2e9, rel=1e-3)
+    assert fitted.message_overhead == pytest.approx(5e-4, rel=1e-3)
+    assert fitted.step_overhead == pytest.approx(0.02, rel=1e-3)
     for m in measurements:
         got = predict_step_time(m.config, m.vocab_size, fitted).seconds
         assert got == pytest.approx(m.record["seconds"], rel=1e-3)
 
 
-def test_iteration_counts_by_hand():
-    """tp 2 × pp 2 × dp 2, four layers, 4 microbatches of 4: every process runs one
-    forward and one backward (two parts: input and weight gradient) of two layers per
-    microbatch; each tensor-parallel rank makes 2 all-reduces per layer each way, the first
-    stage the embedding's, the last the output layer's and the cross-entropy's three, each
-    of 2 ring steps; after the pipeline the data-parallel all-reduce of each rank's one
-    bucket takes 2 more steps and the tied embedding's sum between the first and the last
-    stage 2 more, which all processes wait for (not shared over the cores)."""
+def test_a_split_backward_pays_the_fixed_cost_of_two_actions():
+    """ZB-H1 runs the layout of 1F1B with every backward split into I and W: the same
+    FLOPs and messages, and per microbatch one more action's and its layer's fixed cost
+    on every process (8 of them, over 2 cores)."""
+    layout = Layout(tp=1, pp=4, dp=2, micro_batch_size=2)
+    config = calibrate.pretrain_config(layout, calibrate.MODEL, 32)
+    split = calibrate.pretrain_config(
+        dataclasses.replace(layout, schedule="zb-h1"), calibrate.MODEL, 32
+    )
+    assert split.schedule.splits_backward and not config.schedule.splits_backward
+    fixed = SHARED.action_overhead + SHARED.layer_overhead  # one layer per stage
+    wall = (predict_step_time(c, calibrate.VOCAB, SHARED).seconds for c in (split, config))
+    assert next(wall) - next(wall) == pytest.approx(8 * split.num_microbatches * fixed / 2)
+
+
+def test_a_record_without_cpu_times_is_refused():
     m = synthetic(calibrate.LAYOUTS[0], SHARED)
-    assert m.config.num_microbatches == 4
-    flops, actions, layers, calls, steps = iteration_counts(m, cores=2)
-    assert actions == pytest.approx(8 * 4 * 3 / 2)
-    assert layers == pytest.approx(8 * 4 * 3 * 2 / 2)
-    stage_calls = [2 * 2 * 2 + 1, 2 * 2 * 2 + 1 + 3]  # first stage, last stage
-    assert calls == pytest.approx(4 * 4 * sum(stage_calls) / 2)
-    assert steps == pytest.approx(2 * calls + 2 + 2)
-    assert flops > 0
+    for rank in m.record["ranks"]:
+        del rank["action_cpu_seconds"]
+    with pytest.raises(ValueError, match="no action_cpu_seconds"):
+        calibrate.fit_shared_cores([m], 2, memory_bandwidth=1e9)
 
 
 def test_shared_cores_fit_wants_more_processes_than_cores():
@@ -153,9 +182,9 @@ def test_the_uncontended_speedup_is_fitted_from_a_run_that_fits_on_the_cores():
         calibrate.fit_uncontended_speedup(synthetic(calibrate.Run(Layout(dp=4)), truth), truth)
 
 
-def write_launch(path, seconds, profile_iteration=3, iterations=8):
+def write_launch(path, seconds, ranks, profile_iteration=3, iterations=8):
     """A metrics file as a calibration launch writes it: every plain iteration took
-    ``seconds`` (the first and the profiled ones took longer)."""
+    ``seconds`` (the first and the profiled ones took longer); ``ranks``: the profile's."""
     lines = []
     for i in range(1, iterations + 1):
         slow = i in (1, profile_iteration, profile_iteration + 1)
@@ -167,28 +196,31 @@ def write_launch(path, seconds, profile_iteration=3, iterations=8):
             }
         )
     lines.append(
-        {"kind": "profile", "iteration": profile_iteration, "seconds": seconds, "ranks": []}
+        {"kind": "profile", "iteration": profile_iteration, "seconds": seconds, "ranks": ranks}
     )
     path.write_text("".join(json.dumps(x) + "\n" for x in lines))
 
 
-def test_calibrate_fits_the_median_launch_of_metrics_left_beside_its_output(tmp_path, monkeypatch):
-    """``calibrate(reuse=True, repeats=3)`` on metrics files whose launches took a known
-    iteration's time, 30% more, and 10% less: the median launch is the known one, so the
-    shared-cores fit (two cores, as on the development machine) recovers the constants."""
+def test_calibrate_fits_the_fastest_launch_of_metrics_left_beside_its_output(tmp_path, monkeypatch):
+    """``calibrate(reuse=True, repeats=3)`` on metrics files whose launches took 30% more
+    than a known iteration's time, 10% more, and the known time (their CPU times the known
+    ones): the fastest launch is the known one, so the shared-cores fit (two cores, as on
+    the development machine) recovers the constants."""
     monkeypatch.setattr(calibrate.os, "sched_getaffinity", lambda pid: {0, 1})
     monkeypatch.setattr(calibrate, "memory_bandwidth", lambda processes: 1e9)
     truth = dataclasses.replace(SHARED, uncontended_speedup=1.25)
     for run, processes in [*((r, 8) for r in calibrate.LAYOUTS), (calibrate.ALONE, 1)]:
         m = synthetic(run, truth)
         assert m.config.world_size == processes
-        for launch, factor in ((1, 1.3), (2, 1.0), (3, 0.9)):
+        for launch, factor in ((1, 1.3), (2, 1.0), (3, 1.1)):
             suffix = "" if launch == 1 else f".launch{launch}"
-            write_launch(tmp_path / f"{run.name}{suffix}.jsonl", m.record["seconds"] * factor)
+            path = tmp_path / f"{run.name}{suffix}.jsonl"
+            write_launch(path, m.record["seconds"] * factor, m.record["ranks"])
     out = tmp_path / "hardware.json"
     fitted = calibrate.calibrate(8, out, verbose=False, reuse=True, repeats=3)
     assert load_hardware(str(out)) == fitted
     assert fitted.shared_cores == 2
     assert fitted.gemm_flops == pytest.approx(3e9, rel=1e-2)
     assert fitted.collective_overhead == pytest.approx(1.5e-3, rel=2e-2)
+    assert fitted.message_overhead == pytest.approx(5e-4, rel=2e-2)
     assert fitted.uncontended_speedup == pytest.approx(1.25, rel=1e-2)

@@ -40,9 +40,10 @@ class RankMeasure:
 class Measured:
     """The figures of one run. ``losses[i]``: the loss of iteration ``i + 1``.
     ``iteration_seconds``: the median iteration time after the first, leaving out the two
-    profiled iterations (of a point launched several times: the median over its launches,
-    each one's in ``launch_seconds``). ``tokens_per_second``: the whole job's (global batch
-    × sequence length over that time). ``bubble``: the idle share of the profiled pipeline
+    profiled iterations (of a point launched several times: its fastest launch's, each
+    one's in ``launch_seconds``; the machine's slow spells only ever add time).
+    ``tokens_per_second``: the whole job's (global batch × sequence length over that
+    time). ``bubble``: the idle share of the profiled pipeline
     timeline."""
 
     losses: list[float] = field(default_factory=list)
@@ -54,13 +55,13 @@ class Measured:
     launch_seconds: list[float] = field(default_factory=list)
 
     def add_launch(self, seconds: float) -> None:
-        """Count one more launch's iteration time; the time becomes the launches' median."""
+        """Count one more launch's iteration time; the time becomes the fastest launch's."""
         if self.iteration_seconds is not None and self.tokens_per_second is not None:
             tokens = self.tokens_per_second * self.iteration_seconds
         else:
             tokens = None
         self.launch_seconds.append(seconds)
-        self.iteration_seconds = statistics.median(self.launch_seconds)
+        self.iteration_seconds = min(self.launch_seconds)
         if tokens is not None:
             self.tokens_per_second = tokens / self.iteration_seconds
 

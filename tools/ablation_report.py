@@ -305,8 +305,8 @@ def write_report(sweep_dir: Path, out: Path, command: str) -> Path:
     lines += ["## Layouts", "", *layout_table(point_records), ""]
     lines += [
         "Iteration: median wall time after the first iteration, without the two profiled "
-        "ones (of a point launched several times, the median over its launches, their "
-        "range in brackets). Memory: peak live tensor bytes of the profiled iteration, the "
+        "ones (of a point launched several times, the fastest launch's, the range of all "
+        "launches in brackets). Memory: peak live tensor bytes of the profiled iteration, the "
         "largest over each pipeline rank's tensor- and data-parallel peers. Comm: the "
         "longest any rank waited in collectives in the profiled iteration. Errors: "
         "predicted / measured − 1.",

@@ -8,9 +8,9 @@ references' with ``reference: true``), ``runs/<name>/`` (each point's metrics fi
 log) and ``sweep.json`` (the spec, the dropped points and the command). A record whose
 key equals the point's (the same command) is not run again, so an interrupted sweep
 continues where it stopped; a failed point runs again only with ``retry_failed``. The
-launches after a point's first write ``runs/<name>/launch<k>/``; a point's time is the
-median over its launches (a machine shared with other jobs has slow spells of minutes,
-and rounds spread them over every point alike).
+launches after a point's first write ``runs/<name>/launch<k>/``; a point's time is its
+fastest launch's (a machine shared with other jobs has slow spells of minutes, which only
+ever add time; rounds spread them over every point alike).
 """
 
 from __future__ import annotations

@@ -5,13 +5,16 @@
 none) for a few iterations under the layouts of :data:`LAYOUTS` with ``torchrun
 --nproc-per-node N pretrain_gpt.py --profile-iteration K``, at the process count the plans
 are for, one thread per process (``OMP_NUM_THREADS=1``). The times a prediction is held to
-are the median of each run's plain iterations (neither the first nor the profiled ones).
+are the median of each run's plain iterations (neither the first nor the profiled ones),
+of its fastest launch with ``--repeats``.
 
 Where the processes outnumber the machine's cores (8 on the 2-core development machine),
 they keep the cores busy between them, and
 :func:`~megapp.planning.calibration_shared.fit_shared_cores` fits the compute rate and the
-fixed costs per action, per layer pass and per tensor-parallel collective call to whole
-iterations; :data:`ALONE`, one process, then measures how much faster a process computes
+fixed costs per action, per layer pass and per tensor-parallel collective call to the CPU
+time every profiled action took (of every launch), prices the messages at the CPU time
+spent on them, and takes the step overhead from whole iterations; :data:`ALONE`, one
+process, then measures how much faster a process computes
 with a core to itself. The profile written records the cores, and the time model shares
 them among the processes as they compute (:mod:`~megapp.planning.core_sharing`).
 
@@ -95,12 +98,15 @@ LAYOUTS = (
     Run(Layout(tp=2, pp=4, dp=1, micro_batch_size=2)),
     Run(Layout(tp=1, pp=2, dp=4, micro_batch_size=4), global_batch=64),
     Run(Layout(tp=2, pp=2, dp=2, vpp=2, micro_batch_size=4)),
+    Run(Layout(tp=1, pp=4, dp=2, micro_batch_size=2, schedule="zb-h1")),
 )
 """8-process runs to fit: with and without tensor parallelism, one and two layers per
 stage, micro-batches of 2 to 8 (so FLOPs vary apart from the count of layer passes, and
 the tensor-parallel bytes apart from the collectives' count), data parallelism alone, a
-global batch of 64 (so the work of an iteration varies apart from what it costs once) and
-two chunks per rank (a gradient bucket per chunk: more reductions per iteration)."""
+global batch of 64 (so the work of an iteration varies apart from what it costs once),
+two chunks per rank (a gradient bucket per chunk: more reductions and pipeline messages
+per iteration) and backwards split into ``I`` and ``W`` (more actions for the same
+messages and layer passes)."""
 CHECKS = (
     Run(Layout(tp=2, pp=1, dp=4, micro_batch_size=2)),
     Run(Layout(tp=1, pp=1, dp=8, micro_batch_size=4, zero_stage=1)),
@@ -178,8 +184,9 @@ def calibrate(
     the processes outnumber the cores, :data:`ALONE` on one process measures how much
     faster a process computes with a core to itself. ``reuse``: fit the metrics earlier
     runs left beside ``out`` rather than run them again. ``repeats``: launches per run, in
-    rounds over the runs; a run's time is the median of its launches'."""
+    rounds over the runs; a run's time is its fastest launch's."""
     workdir = Path(out).parent
+    every: list[Measurement] = []  # every launch: their actions' CPU times are pooled
 
     def measure_all(todo: Sequence[Run], processes: int = nproc) -> list[Measurement]:
         todo = [_resize(run, processes) for run in todo]
@@ -187,7 +194,8 @@ def calibrate(
         for launch in range(1, repeats + 1):
             for run, done in zip(todo, launches, strict=True):
                 done.append(run_profile(run, processes, workdir, reuse=reuse, launch=launch))
-        return [_median_launch(done) for done in launches]
+        every.extend(m for done in launches for m in done)
+        return [_fastest_launch(done) for done in launches]
 
     measurements = measure_all(runs)
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / nproc
@@ -198,7 +206,7 @@ def calibrate(
     if cores >= nproc:  # a core each: every profiled action shows its own cost
         hardware = fit_hardware(measurements, name, memory, memory_bandwidth=bandwidth)
     else:
-        hardware = fit_shared_cores(measurements, cores, bandwidth, name, memory)
+        hardware = fit_shared_cores(measurements, cores, bandwidth, name, memory, every)
         (alone,) = measure_all([ALONE], 1)
         measurements.append(alone)
         speedup = fit_uncontended_speedup(alone, hardware)
@@ -213,9 +221,10 @@ def calibrate(
     return hardware
 
 
-def _median_launch(launches: Sequence[Measurement]) -> Measurement:
-    """The first launch's record, held to the median of every launch's time."""
-    seconds = statistics.median(m.seconds for m in launches)
+def _fastest_launch(launches: Sequence[Measurement]) -> Measurement:
+    """The first launch's record, held to the fastest launch's time (the machine's slow
+    spells only ever add time)."""
+    seconds = min(m.seconds for m in launches)
     return dataclasses.replace(launches[0], steady_seconds=seconds)
 
 

@@ -79,39 +79,56 @@ there count what that constant multiplies (FLOPs, ring steps, collective calls, 
 FEATURES = ("flops", "action", "layers", "tp_bytes", "tp_steps", "memory")
 
 
-def action_features(config: PretrainConfig, vocab_size: int) -> dict[tuple[str, int, int], list]:
+def action_features(
+    config: PretrainConfig, vocab_size: int, names: Sequence[str] = FEATURES
+) -> dict[tuple[str, int, int], list]:
     """For every kind of action (``"F"``, ``"B"``, ``"I"``, ``"W"``) on every ``[rank][chunk]``
-    its :data:`FEATURES`: the action's seconds on hardware where only that constant is 1."""
+    its features ``names`` (of :data:`PROBES`): the action's seconds on hardware where only
+    that constant is 1."""
     gpt, shape = config.gpt_config(vocab_size), shape_of(config)
     shape = dataclasses.replace(shape, dp=1, zero_stage=0)  # no ZeRO transfers in the actions
-    tables = {name: action_costs(gpt, shape, PROBES[name]) for name in FEATURES}
+    tables = {name: action_costs(gpt, shape, PROBES[name]) for name in names}
     out = {}
     p, v = len(shape.placement), len(shape.placement[0])
     for rank in range(p):
         for chunk in range(v):
             for kind in "FBIW":
                 row = []
-                for name in FEATURES:
+                for name in names:
                     costs = tables[name]
-                    f, i, w = (
-                        t[rank][chunk] for t in (costs.forward, costs.input_grad, costs.weight_grad)
+                    f, i, w, b = (
+                        t[rank][chunk]
+                        for t in (
+                            costs.forward,
+                            costs.input_grad,
+                            costs.weight_grad,
+                            costs.whole_backward,
+                        )
                     )
-                    row.append({"F": f, "I": i, "W": w, "B": i + w}[kind])
+                    row.append({"F": f, "I": i, "W": w, "B": b}[kind])
                 out[(kind, rank, chunk)] = row
     return out
 
 
-def samples(measurement: Measurement) -> tuple[list[list[float]], list[float]]:
-    """Features and measured seconds of every compute action of every rank in a record."""
-    features = action_features(measurement.config, measurement.vocab_size)
+def samples(
+    measurement: Measurement, names: Sequence[str] = FEATURES, cpu: bool = False
+) -> tuple[list[list[float]], list[float]]:
+    """Features ``names`` and measured seconds of every compute action of every rank in a
+    record: its wall time at the pace of the plain iterations, or (``cpu``) the CPU time
+    the action took, its work whatever else ran beside it."""
+    features = action_features(measurement.config, measurement.vocab_size, names)
     rows, seconds = [], []
     for rank in measurement.record["ranks"]:
-        for kind, name, start, end in rank["events"]:
+        computes = [e for e in rank["events"] if e[0] == "compute"]
+        if cpu and len(rank.get("action_cpu_seconds", ())) != len(computes):
+            raise ValueError("a profile record has no action_cpu_seconds: run it again")
+        for index, (_, name, start, end) in enumerate(computes):
             match = _ACTION.match(name)
-            if kind != "compute" or match is None:
+            if match is None:
                 continue
             rows.append(features[(match[1], rank["pp"], int(match[3] or 0))])
-            seconds.append((end - start) * measurement.pace)
+            took = rank["action_cpu_seconds"][index] if cpu else (end - start) * measurement.pace
+            seconds.append(took)
     return rows, seconds
 
 
@@ -130,28 +147,32 @@ def nonnegative_least_squares(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def fit_actions(
-    measurements: Sequence[Measurement], memory_bandwidth: float | None = None
+    measurements: Sequence[Measurement],
+    memory_bandwidth: float | None = None,
+    names: Sequence[str] = FEATURES,
+    cpu: bool = False,
 ) -> dict[str, float]:
-    """The coefficient of every feature in :data:`FEATURES`, fitted to every action of
-    every measurement. Features no measurement varies (no tensor parallelism: no
+    """The coefficient of every feature in ``names`` (``"memory"`` among them), fitted to
+    every action of every measurement (its wall time, or with ``cpu`` its CPU time: see
+    :func:`samples`). Features no measurement varies (no tensor parallelism: no
     ``tp_bytes``) come out 0. A known ``memory_bandwidth`` prices the loss's passes
     instead of fitting them."""
     rows, seconds = [], []
     for measurement in measurements:
-        r, s = samples(measurement)
+        r, s = samples(measurement, names, cpu)
         rows += r
         seconds += s
     if not rows:
         raise ValueError("the profile records hold no compute actions to fit")
     a, b = np.asarray(rows, dtype=float), np.asarray(seconds, dtype=float)
     if memory_bandwidth is not None:
-        column = FEATURES.index("memory")
+        column = list(names).index("memory")
         b = b - a[:, column] / memory_bandwidth
         a[:, column] = 0.0
     scale = np.abs(a).max(axis=0)
     scale[scale == 0] = 1.0  # a feature that is always 0 stays 0
     x = nonnegative_least_squares(a / scale, b) / scale
-    coef = dict(zip(FEATURES, (float(v) for v in x), strict=True))
+    coef = dict(zip(names, (float(v) for v in x), strict=True))
     if memory_bandwidth is not None:
         coef["memory"] = 1.0 / memory_bandwidth
     return coef

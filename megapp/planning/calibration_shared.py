@@ -2,25 +2,24 @@
 
 When a job's processes outnumber a machine's cores the cores stay busy: a process that
 waits, for a message or for a collective's peer, leaves its core to one that has work (the
-profiled timelines of the example sweep, 8 processes on 2 cores, leave a core idle for
-under 5% of their pipeline). An iteration then takes the CPU work of all its processes over
-the cores, whatever the schedule's bubble, and a profiled action's length says more about
-what else ran beside it than about its own work. So the constants are fitted to whole
-iterations, the median time of each run's plain iterations, by non-negative least squares::
+profiled iterations of the example sweep, 8 processes on 2 cores, keep both cores busy
+over 95% of their time). An iteration then takes the CPU work of all its processes over
+the cores, whatever the schedule's bubble. A profiled action's wall time says more about
+what else ran beside it than about its own work, but its CPU time (every thread of its
+process, gloo's included) is that work. So the constants are fitted to work:
 
-    seconds = (FLOPs / rate + actions · action_overhead + layer passes · layer_overhead
-               + collective calls · collective_overhead + ring steps · latency) / cores
-              + reduction ring steps · latency + step_overhead + known
-
-where each count is summed over the iteration's actions on every process, as
-:func:`~megapp.planning.timing.action_costs` prices them (an action's tensor-parallel
-collectives are its processes' CPU time: gloo copies, reduces and hands bytes to sockets on
-the calling process); the data-parallel reductions after the pipeline (one per gradient
-bucket, a bucket per model chunk) are steps every process waits through, not shared; and
-``known`` is the time of what a measured constant already prices: the loss's passes
-(memory bandwidth) and the optimizer step. The shared-cores simulation
-(:func:`~megapp.planning.core_sharing.simulate_shared`) of the fitted profile then gives
-those iterations back while their cores stay busy, and the bubble where they would not.
+- every profiled action's CPU time, by non-negative least squares over the time model's
+  own counts (:func:`~megapp.planning.calibration_fit.fit_actions` with :data:`WORK`):
+  FLOPs over a rate, a fixed cost per action and per layer pass, and per tensor-parallel
+  collective call its fixed cost and bytes; the loss's passes are priced at the measured
+  memory bandwidth;
+- the pipeline's messages at the CPU time the profiled iterations spent on them, per
+  message end (:func:`message_overhead`);
+- what no action or message does (the optimizer's and the engine's own work, the
+  data-parallel reductions beyond their steps), once per iteration: the step overhead,
+  the mean by which the measured iterations (the median of each run's plain ones) exceed
+  the shared-cores simulation (:func:`~megapp.planning.core_sharing.simulate_shared`) of
+  the rest.
 
 A job of no more processes than cores computes faster than its share of the fitted rates
 (no turns taken, caches of its own): :func:`fit_uncontended_speedup` measures by how much.
@@ -33,37 +32,39 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from megapp.planning.calibration_fit import (
-    PROBES,
-    Measurement,
-    nonnegative_least_squares,
-    unit_hardware,
-)
+from megapp.pipeline_parallel.plan import communication_plan
+from megapp.planning.calibration_fit import Measurement, fit_actions, unit_hardware
+from megapp.planning.core_sharing import message_ends
 from megapp.planning.hardware import Hardware
 from megapp.planning.timing import action_costs, predict_step_time, shape_of
 
-COUNTS = ("flops", "action", "layers", "collectives", "tp_steps")
-"""The per-iteration counts the fit weighs, in the order of its coefficients (names of
-:data:`~megapp.planning.calibration_fit.PROBES`; ``tp_steps``: every ring step, those of
-the data-parallel reductions included)."""
+WORK = ("flops", "action", "layers", "collectives", "tp_bytes", "memory")
+"""The constants an action's CPU time is fitted to (names of
+:data:`~megapp.planning.calibration_fit.PROBES`; ``memory``, the loss's passes, is priced
+by the measured bandwidth). Not the latency per ring step: every collective of a tensor-
+parallel size has the same steps, so their cost is the call's fixed cost."""
 
 
-def iteration_counts(measurement: Measurement, cores: int) -> list[float]:
-    """Every :data:`COUNTS` entry of one iteration of ``measurement``'s config: the
-    seconds it costs on hardware where only that constant is 1, its actions summed over all
-    processes over the ``cores`` they share, plus (ring steps) the data-parallel
-    reductions' steps after them, where every process waits on the others."""
-    config = measurement.config
-    gpt = config.gpt_config(measurement.vocab_size)
-    shape = dataclasses.replace(shape_of(config), zero_stage=0)
-    processes = config.world_size // config.schedule.num_stages
-    m, p = config.num_microbatches, config.schedule.num_stages
-    out = []
-    for name in COUNTS:
-        costs = action_costs(gpt, shape, PROBES[name])
-        work = processes * sum(costs.busy(rank, m) for rank in range(p)) / cores
-        out.append(work + (max(costs.tail) if name == "tp_steps" else 0.0))
-    return out
+def message_overhead(measurements: Sequence[Measurement], hardware: Hardware) -> float:
+    """CPU seconds per pipeline message end beyond what ``hardware`` prices a message at
+    (its latency and bytes): what the profiled iterations of ``measurements`` spent on
+    messages (``message_cpu_seconds`` of every process) less that price of their ends,
+    over their ends (0 where no run sends any)."""
+    unpriced = dataclasses.replace(hardware, message_overhead=0.0)
+    spent = ends = 0.0
+    for m in measurements:
+        schedule = m.config.schedule
+        count = sum(map(sum, message_ends(communication_plan(schedule))))
+        if count == 0:
+            continue
+        ranks = m.record["ranks"]
+        if any("message_cpu_seconds" not in r for r in ranks):
+            raise ValueError("a profile record has no message_cpu_seconds: run it again")
+        count *= m.config.world_size // schedule.num_stages  # every process of a stage
+        price = action_costs(m.config.gpt_config(m.vocab_size), shape_of(m.config), unpriced).p2p
+        spent += sum(r["message_cpu_seconds"] for r in ranks) - count * price
+        ends += count
+    return max(0.0, spent / ends) if ends else 0.0
 
 
 def fit_shared_cores(
@@ -72,41 +73,39 @@ def fit_shared_cores(
     memory_bandwidth: float,
     name: str = "calibrated",
     memory_bytes: float = 1.0,
+    profiles: Sequence[Measurement] | None = None,
 ) -> Hardware:
-    """A :class:`Hardware` whose processes share ``cores`` cores and whose predictions fit
+    """A :class:`Hardware` whose processes share ``cores`` cores, fitted to
     ``measurements`` (runs on one machine, each of more processes than ``cores``; gloo
     transport): see the module docstring. ``memory_bandwidth`` prices the loss's passes
-    and the optimizer step."""
-    if any(m.config.world_size <= cores for m in measurements):
+    and the optimizer step. ``profiles``: the profiled iterations whose actions and
+    messages are fitted, every launch of every run (default: ``measurements``')."""
+    profiles = measurements if profiles is None else profiles
+    if any(m.config.world_size <= cores for m in [*measurements, *profiles]):
         raise ValueError(f"every run fitted here has more processes than the {cores} cores")
     world = max(m.config.world_size for m in measurements)
-    known = dataclasses.replace(  # only what a measured constant prices costs anything
+    coef = fit_actions(profiles, memory_bandwidth, WORK, cpu=True)
+    bandwidth = 1.0 / coef["tp_bytes"] if coef["tp_bytes"] > 0 else 1e30
+    hardware = dataclasses.replace(
         unit_hardware(memory_bandwidth=memory_bandwidth, shared_cores=cores),
         name=name,
         memory_bytes=memory_bytes,
         gpus_per_node=world,
         overlap_communication=False,
         sends_finish_in_background=True,
+        gemm_flops=1.0 / coef["flops"] if coef["flops"] > 0 else 1e30,
+        action_overhead=coef["action"],
+        layer_overhead=coef["layers"],
+        collective_overhead=coef["collectives"],
+        intra_node_bandwidth=bandwidth,
+        inter_node_bandwidth=bandwidth,
     )
-    rows, seconds = [], []
-    for m in measurements:
-        rows.append([*iteration_counts(m, cores), 1.0])
-        seconds.append(m.seconds - predict_step_time(m.config, m.vocab_size, known).seconds)
-    a, b = np.asarray(rows), np.asarray(seconds)
-    scale = np.abs(a).max(axis=0)
-    scale[scale == 0] = 1.0  # a count no run has (no tensor parallelism) stays 0
-    x = nonnegative_least_squares(a / scale, b) / scale
-    flops, action, layers, collectives, latency, step = (float(v) for v in x)
-    return dataclasses.replace(
-        known,
-        gemm_flops=1.0 / flops if flops > 0 else 1e30,
-        action_overhead=action,
-        layer_overhead=layers,
-        collective_overhead=collectives,
-        intra_node_latency=latency,
-        inter_node_latency=latency,
-        step_overhead=step,
-    )
+    hardware = dataclasses.replace(hardware, message_overhead=message_overhead(profiles, hardware))
+    residuals = [
+        m.seconds - predict_step_time(m.config, m.vocab_size, hardware).seconds
+        for m in measurements
+    ]
+    return dataclasses.replace(hardware, step_overhead=max(0.0, float(np.mean(residuals))))
 
 
 def fit_uncontended_speedup(alone: Measurement, hardware: Hardware) -> float:
