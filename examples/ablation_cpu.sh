@@ -11,7 +11,7 @@
 # (REPORT_DIR). HARDWARE=<name or calibrated JSON profile> sets the profile of the
 # predicted step time. Measured on the 2-core development machine with the default
 # corpus built: 4 min 26 s end to end with no other job, 8 min 9 s to 8 min 51 s under a
-# load average of 10-20, 13 min 35 s with --repeats 3; a rerun that reuses every point
+# load average of 10-20, 13 min 52 s with --repeats 3; a rerun that reuses every point
 # takes 19 s to 1 min.
 set -euo pipefail
 cd "$(dirname "$0")/.."
