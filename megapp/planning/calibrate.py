@@ -14,9 +14,9 @@ they keep the cores busy between them, and
 fixed costs per action, per layer pass and per tensor-parallel collective call to the CPU
 time every profiled action took (of every launch), prices the messages at the CPU time
 spent on them, and takes the step overhead from whole iterations; :data:`ALONE`, one
-process, then measures how much faster a process computes
-with a core to itself. The profile written records the cores, and the time model shares
-them among the processes as they compute (:mod:`~megapp.planning.core_sharing`).
+process, then measures how much faster a process computes with a core to itself. The
+profile written records the cores, and the time model shares them among the processes as
+they compute (:mod:`~megapp.planning.core_sharing`).
 
 With a core per process, :func:`~megapp.planning.calibration_fit.fit_hardware` fits every
 profiled action's time instead, by non-negative least squares

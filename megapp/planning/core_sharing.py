@@ -11,11 +11,11 @@ the same actions in step), an action's cost is its work in seconds on a core of 
 (its tensor-parallel collectives included: gloo's collectives keep their processes busy
 copying, reducing and handing bytes to sockets, and a peer waiting for another leaves its
 core to the processes that have work), a pipeline message costs its seconds as work at
-both ends (its sender's and its receiver's copies through the socket, about 0.45 ms of CPU
-per end for the CPU demo's 128 KiB activations), and the rate of every running action
-changes whenever an action starts or ends. A pipeline's bubble therefore leaves its cores to the
-ranks that compute, when it happens and for as long as it lasts. With a core per process
-it gives the timeline of :func:`~megapp.pipeline_parallel.simulate.simulate`. The optimizer
+both ends (its sender's and its receiver's copies through the socket), and the rate of
+every running action changes whenever an action starts or ends. A pipeline's bubble
+therefore leaves its cores to the ranks that compute, when it happens and for as long as
+it lasts. With a core per process and free messages it gives the timeline of
+:func:`~megapp.pipeline_parallel.simulate.simulate`. The optimizer
 step, which every process runs at once, is :func:`core_slowdown` ``(cores, world, 1)``
 times slower.
 """
