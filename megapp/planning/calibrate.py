@@ -186,18 +186,18 @@ def calibrate(
     runs left beside ``out`` rather than run them again. ``repeats``: launches per run, in
     rounds over the runs; a run's time is its fastest launch's."""
     workdir = Path(out).parent
-    every: list[Measurement] = []  # every launch: their actions' CPU times are pooled
 
-    def measure_all(todo: Sequence[Run], processes: int = nproc) -> list[Measurement]:
+    def measure_all(todo: Sequence[Run], processes: int = nproc) -> list[list[Measurement]]:
+        """Every launch of every run of ``todo``, launched in rounds over the runs."""
         todo = [_resize(run, processes) for run in todo]
         launches: list[list[Measurement]] = [[] for _ in todo]
         for launch in range(1, repeats + 1):
             for run, done in zip(todo, launches, strict=True):
                 done.append(run_profile(run, processes, workdir, reuse=reuse, launch=launch))
-        every.extend(m for done in launches for m in done)
-        return [_fastest_launch(done) for done in launches]
+        return launches
 
-    measurements = measure_all(runs)
+    fitted = measure_all(runs)
+    measurements = [_fastest_launch(done) for done in fitted]
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / nproc
     # The loss's passes are too small a part of an action to pin the memory bandwidth down.
     bandwidth = memory_bandwidth(nproc)
@@ -206,8 +206,9 @@ def calibrate(
     if cores >= nproc:  # a core each: every profiled action shows its own cost
         hardware = fit_hardware(measurements, name, memory, memory_bandwidth=bandwidth)
     else:
+        every = [m for done in fitted for m in done]  # their actions' CPU times are pooled
         hardware = fit_shared_cores(measurements, cores, bandwidth, name, memory, every)
-        (alone,) = measure_all([ALONE], 1)
+        (alone,) = map(_fastest_launch, measure_all([ALONE], 1))
         measurements.append(alone)
         speedup = fit_uncontended_speedup(alone, hardware)
         hardware = dataclasses.replace(hardware, uncontended_speedup=speedup)
@@ -216,7 +217,7 @@ def calibrate(
         print(f"wrote {out}")
         for m in measurements:
             _report("fitted", m, hardware)
-        for m in measure_all(checks):
+        for m in map(_fastest_launch, measure_all(checks)):
             _report("checked", m, hardware)
     return hardware
 
