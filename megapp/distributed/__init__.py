@@ -1,7 +1,7 @@
 """Data-parallel gradients: contiguous buffers, overlapped bucket reduction, finalize."""
 
 from megapp.distributed.buffers import Bucket, ParamAndGradBuffer
-from megapp.distributed.ddp import DistributedDataParallel, needs_other_group_sum
+from megapp.distributed.ddp import DistributedDataParallel, full_weights, needs_other_group_sum
 from megapp.distributed.finalize import finalize_model_grads
 
 __all__ = [
@@ -9,5 +9,6 @@ __all__ = [
     "DistributedDataParallel",
     "ParamAndGradBuffer",
     "finalize_model_grads",
+    "full_weights",
     "needs_other_group_sum",
 ]

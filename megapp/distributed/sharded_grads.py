@@ -54,7 +54,7 @@ class ShardedGrads:
         self.scratch[id(bucket)] = scratch
         for p in bucket.params:
             lo, hi = self.buffer.ranges[id(p)]
-            p.main_grad = scratch[lo - bucket.start : hi - bucket.start].view_as(p)
+            p.main_grad = scratch[lo - bucket.start : hi - bucket.start].view(p.shape)
 
     def _free(self, bucket: Bucket) -> None:
         del self.scratch[id(bucket)]

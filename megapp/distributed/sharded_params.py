@@ -20,6 +20,12 @@ its backward; the end of backward (:meth:`reset`) frees such unused prefetches.
 
 Use counts make nested uses (a recomputed layer runs its forward inside backward;
 microbatches overlap in pipeline schedules) gather once and free after the last user.
+
+Between uses a parameter keeps its shape over a storage of zero bytes, so it is a
+:class:`~megapp.distributed.released.ReleasedParameter` then: its shape, dtype and
+gradient can be read, but any op on its values raises an error that names the chunk's
+``full_weights()`` (:meth:`ShardedParams.gathered`), where they are whole. Inside that
+block ``state_dict()`` returns copies, which outlive the gathered storage.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from torch import nn
 from megapp import comm
 from megapp.comm import Group
 from megapp.distributed.buffers import Bucket, ParamAndGradBuffer
+from megapp.distributed.released import label, mark_released, mark_whole
 
 # The unit of a chunk's parameters outside its layers (embedding, final norm, output layer).
 # Its forward is the whole chunk's, so it stays whole from forward to backward (as FSDP2
@@ -74,14 +81,31 @@ class ShardedParams:
         self.previous = {later: earlier for earlier, later in self.next.items()}
         self.arrived = dict.fromkeys(units, 0)
         self.unit_of_param = {id(p): unit_of(p) for p in buffer.params}
-        for bucket in buffer.buckets:
-            _free(bucket.param_data)
         self._hooks = []
+        self._name_params(units)
+        for bucket in buffer.buckets:
+            self._free(bucket)
         for key, module in units.items():
             self._hooks.append(module.register_forward_pre_hook(self._pre_forward(key)))
             self._hooks.append(module.register_forward_hook(self._post_forward(key)))
         for p in buffer.params:
             self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+
+    def _name_params(self, units: dict[object, nn.Module]) -> None:
+        """Name each parameter for the errors, and make ``state_dict()`` copy the weights
+        (views of them would outlive the gathered storage)."""
+        sharded = {id(p) for p in self.buffer.params}
+        seen: set[int] = set()
+        for root in units.values():
+            for module_name, module in root.named_modules():
+                if id(module) in seen:  # a layer is also inside the chunk's root
+                    continue
+                seen.add(id(module))
+                own = [n for n, p in module.named_parameters(recurse=False) if id(p) in sharded]
+                for n in own:
+                    label(getattr(module, n), f"{module_name}.{n}" if module_name else n)
+                if own:
+                    self._hooks.append(module.register_state_dict_post_hook(_copy_weights(own)))
 
     def _own(self, bucket: Bucket) -> torch.Tensor:
         lo, hi = bucket.shard(self.dp_rank, self.dp_size)
@@ -99,6 +123,9 @@ class ShardedParams:
             self.prefetch(key)
             for work in self.in_flight.pop(key):
                 work.wait()
+            for bucket in self.buckets_of[key]:
+                for p in bucket.params:
+                    mark_whole(p)
         self.users[key] += 1
         if prefetch is not None:
             self.prefetch(prefetch)
@@ -121,7 +148,12 @@ class ShardedParams:
         self.users[key] -= 1
         if self.users[key] == 0:
             for bucket in self.buckets_of[key]:
-                _free(bucket.param_data)
+                self._free(bucket)
+
+    def _free(self, bucket: Bucket) -> None:
+        bucket.param_data.untyped_storage().resize_(0)
+        for p in bucket.params:
+            mark_released(p)
 
     @contextlib.contextmanager
     def gathered(self) -> Iterator[None]:
@@ -185,7 +217,7 @@ class ShardedParams:
             for work in self.in_flight.pop(key):
                 work.wait()
             for bucket in self.buckets_of[key]:
-                _free(bucket.param_data)
+                self._free(bucket)
         for key in self.users:
             if self.users[key]:
                 self.users[key] = 1
@@ -200,8 +232,17 @@ class ShardedParams:
         return held
 
 
-def _free(tensor: torch.Tensor) -> None:
-    tensor.untyped_storage().resize_(0)
+def _copy_weights(names: list[str]):
+    """A ``state_dict`` post-hook: the entries of ``names`` become copies, unless they are
+    the parameters themselves (``keep_vars=True``)."""
+
+    def hook(module: nn.Module, state: dict, prefix: str, metadata) -> None:
+        for name in names:
+            key = prefix + name
+            if key in state and not isinstance(state[key], nn.Parameter):
+                state[key] = state[key].clone()
+
+    return hook
 
 
 def _allocate(tensor: torch.Tensor) -> None:

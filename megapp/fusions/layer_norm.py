@@ -198,9 +198,13 @@ class LayerNorm(FusedNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x ``[..., hidden_size]`` -> ``[..., hidden_size]`` in x's dtype."""
-        return layer_norm(
-            x, self.weight, self.bias, self.eps, self.memory_efficient, self.recompute_stats
-        )
+        return self.normalize(x, self.weight, self.bias)
+
+    def normalize(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """This norm with ``weight`` ``[h]`` and ``bias`` ``[h]`` in place of the module's."""
+        return layer_norm(x, weight, bias, self.eps, self.memory_efficient, self.recompute_stats)
 
 
 __all__ = [

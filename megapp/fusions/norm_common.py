@@ -137,6 +137,13 @@ class FusedNorm(nn.Module):
         for param in self.parameters():
             mark_sequence_parallel(param, sequence_parallel)
 
+    def normalize(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The norm of x ``[..., h]`` with these parameters ``[h]`` in place of the module's
+        own (a recompute in backward passes the ones its forward used)."""
+        raise NotImplementedError
+
     def reset_parameters(self) -> None:
         """weight = 1, bias = 0: the identity affine map."""
         nn.init.ones_(self.weight)

@@ -160,7 +160,15 @@ class RMSNorm(FusedNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x ``[..., hidden_size]`` -> ``[..., hidden_size]`` in x's dtype."""
-        return rms_norm(x, self.weight, self.eps, self.memory_efficient, self.recompute_stats)
+        return self.normalize(x, self.weight)
+
+    def normalize(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """This norm with ``weight`` ``[h]`` in place of the module's (``bias`` must be None)."""
+        if bias is not None:
+            raise ValueError("RMSNorm has no bias")
+        return rms_norm(x, weight, self.eps, self.memory_efficient, self.recompute_stats)
 
 
 __all__ = [

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch import nn
+from torch.func import functional_call
 
 from megapp.tensor_parallel.mappings import Group
 from megapp.tensor_parallel.random import checkpoint
@@ -19,6 +22,19 @@ def _build_layer(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(init_seed + number)
         return TransformerLayer(config, number, tp_group)
+
+
+def _tensors(module: nn.Module) -> dict[str, torch.Tensor]:
+    """``module``'s parameters and buffers by name, as its forward sees them now."""
+    named = itertools.chain(
+        module.named_parameters(remove_duplicate=False),
+        module.named_buffers(remove_duplicate=False),
+    )
+    return dict(named)
+
+
+def _holds(module: nn.Module, tensors: dict[str, torch.Tensor]) -> bool:
+    return all(t is tensors.get(name) for name, t in _tensors(module).items())
 
 
 class TransformerBlock(nn.Module):
@@ -72,10 +88,28 @@ class TransformerBlock(nn.Module):
             return set(range(n))
         return set(range(min(config.recompute_num_layers, n)))
 
-    def _run(self, start: int, end: int, x: torch.Tensor, rotary_freqs) -> torch.Tensor:
-        for layer in self.layers[start:end]:
-            x = layer(x, rotary_freqs)
+    def _run(
+        self,
+        start: int,
+        end: int,
+        x: torch.Tensor,
+        rotary_freqs,
+        weights: list[dict[str, torch.Tensor]] | None = None,
+    ) -> torch.Tensor:
+        """Layers ``start .. end - 1`` on x; ``weights``: each layer's tensors by name, used
+        where the layer no longer holds them (a recompute after torch.func.functional_call)."""
+        for i, layer in enumerate(self.layers[start:end]):
+            if weights is None or _holds(layer, weights[i]):
+                x = layer(x, rotary_freqs)
+            else:
+                x = functional_call(layer, weights[i], (x, rotary_freqs))
         return x
+
+    def _checkpoint(self, start: int, end: int, x: torch.Tensor, rotary_freqs) -> torch.Tensor:
+        """Layers ``start .. end - 1`` keeping only their input; backward recomputes them with
+        the tensors this forward used."""
+        weights = [_tensors(layer) for layer in self.layers[start:end]]
+        return checkpoint(self._run, start, end, x, rotary_freqs, weights)
 
     def forward(
         self, hidden_states: torch.Tensor, rotary_freqs: torch.Tensor | None = None
@@ -86,11 +120,11 @@ class TransformerBlock(nn.Module):
             step = config.recompute_num_layers
             if config.recompute_method == "uniform":
                 for start in range(0, n, step):
-                    x = checkpoint(self._run, start, min(start + step, n), x, rotary_freqs)
+                    x = self._checkpoint(start, min(start + step, n), x, rotary_freqs)
             else:
                 for i in range(n):
                     if i < step:
-                        x = checkpoint(self._run, i, i + 1, x, rotary_freqs)
+                        x = self._checkpoint(i, i + 1, x, rotary_freqs)
                     else:
                         x = self.layers[i](x, rotary_freqs)
         else:

@@ -63,7 +63,9 @@ class TransformerLayer(nn.Module):
     def _sublayer(self, norm, block, x, *extra):
         normed = norm(x)
         if self.recompute_saved_inputs:
-            with recompute_saved(normed, norm, x):
+            # The forward's own weight and bias: torch.func.functional_call swaps them back
+            # before backward rebuilds normed.
+            with recompute_saved(normed, norm.normalize, x, norm.weight, norm.bias):
                 out, bias = block(normed, *extra)
         else:
             out, bias = block(normed, *extra)

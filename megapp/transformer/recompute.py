@@ -64,7 +64,9 @@ def recompute_saved(
     """Within the block, ops that save ``target`` for backward keep ``fn(*inputs)`` instead.
 
     ``fn(*inputs)`` must return ``target``'s values; it runs under ``no_grad`` in
-    backward, once per saved use. ``inputs`` should be tensors kept anyway.
+    backward, once per saved use. ``inputs`` should be tensors kept anyway, weights
+    included: a module's attributes may hold other tensors by then (after
+    ``torch.func.functional_call``), so ``fn`` must not read them.
     """
 
     where = _Target(target)
