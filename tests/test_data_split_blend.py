@@ -1,4 +1,7 @@
-"""Train/valid/test splits over documents and weighted blending of datasets."""
+"""Train/valid/test splits over sequences, weighted blending of datasets, and datasets too
+small for their split."""
+
+import math
 
 import numpy as np
 import pytest
@@ -7,9 +10,10 @@ from megapp.data.blended_dataset import BlendedDataset, build_blending_indices
 from megapp.data.builder import build_train_valid_test_datasets, parse_data_path, parse_split
 from megapp.data.indexed_dataset import IndexedDatasetBuilder
 from megapp.data.split_rules import (
+    blend_shares,
     blend_sizes,
     core_sequence_ranges,
-    legacy_document_ranges,
+    legacy_sequence_ranges,
     split_sequence_ranges,
 )
 
@@ -45,41 +49,68 @@ def test_core_split_rounds_the_cumulative_bookends():
 
 
 def test_legacy_split_rounds_each_share_then_shifts():
-    assert legacy_document_ranges(parse_split("969,30,1"), 1000) == [
+    assert legacy_sequence_ranges(parse_split("969,30,1"), 1000) == [
         (0, 969),
         (969, 999),
         (999, 1000),
     ]
-    # Each share rounds down to 3 of 10; the missing document shifts every boundary by one.
-    assert legacy_document_ranges(parse_split("1,1,1"), 10) == [(0, 4), (4, 7), (7, 10)]
-    assert legacy_document_ranges(parse_split("1,1,1"), 301) == [(0, 101), (101, 201), (201, 301)]
-    assert legacy_document_ranges(parse_split("969,30,1"), 7) == [(0, 7), (7, 7), (7, 7)]
+    # Each share rounds down to 3 of 10; the missing sequence shifts every boundary by one.
+    assert legacy_sequence_ranges(parse_split("1,1,1"), 10) == [(0, 4), (4, 7), (7, 10)]
+    assert legacy_sequence_ranges(parse_split("1,1,1"), 301) == [(0, 101), (101, 201), (201, 301)]
+    assert legacy_sequence_ranges(parse_split("969,30,1"), 7) == [(0, 7), (7, 7), (7, 7)]
 
 
-def test_core_splits_sequences_and_legacy_splits_documents():
-    # Four documents of 3, 1, 4 and 2 sequences: 10 sequences.
-    document_indices = np.array([0, 3, 4, 8, 10])
-    fractions = parse_split("1,1")
-    assert split_sequence_ranges(fractions, document_indices, "core") == [(0, 5), (5, 10), None]
-    # Legacy: documents [0, 2) and [2, 4), i.e. sequences [0, 4) and [4, 10).
-    assert split_sequence_ranges(fractions, document_indices, "legacy") == [
-        (0, 4),
-        (4, 10),
-        None,
-    ]
+def test_both_rules_split_sequences_not_documents():
+    # Documents of 2, 3 and 5 sequences (boundaries 0, 2, 5, 10): both rules cut inside them.
+    fractions = parse_split("1,1,1")
+    assert split_sequence_ranges(fractions, 10, "core") == [(0, 3), (3, 7), (7, 10)]
+    assert split_sequence_ranges(fractions, 10, "legacy") == [(0, 4), (4, 7), (7, 10)]
+    assert split_sequence_ranges(parse_split("1,1"), 10, "legacy") == [(0, 5), (5, 10), None]
     with pytest.raises(ValueError, match="data rules 'newest' unknown"):
-        split_sequence_ranges(fractions, document_indices, "newest")
+        split_sequence_ranges(fractions, 10, "newest")
 
 
 def test_blend_sizes_core_and_legacy():
     # A 30/70 blend of 33 samples: core asks 10 -> 11 and 24 -> 25 and has 10 + 24 = 34.
     assert blend_sizes([30, 70], 33) == ([11, 25], 34)
-    assert blend_sizes([30, 70], 33, "legacy") == ([10, 24], 33)
-    assert blend_sizes([3, 1], 1000, "legacy") == ([754, 252], 1000)
+    # Legacy asks ceil(33 · 0.3 · 1.005) = 10 and ceil(33 · 0.7 · 1.005) = 24, and holds both.
+    assert blend_sizes([30, 70], 33, "legacy") == ([10, 24], 34)
+    assert blend_sizes([3, 1], 1000, "legacy") == ([754, 252], 1006)
+    # 0.6 + 0.3 + 0.1 is 0.9999999999999999: normalised once, 5 · 0.6000000000000001 > 3.
+    assert blend_shares([0.6, 0.3, 0.1]) == [
+        0.6000000000000001,
+        0.30000000000000004,
+        0.10000000000000002,
+    ]
+    assert blend_sizes([0.6, 0.3, 0.1], 5) == ([5, 3, 2], 7)
+    assert blend_sizes([0.6, 0.3, 0.1], 5, "legacy") == ([4, 2, 1], 7)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_legacy_blend_holds_the_sum_of_its_requests(seed):
+    rng = np.random.default_rng(seed)
+    weights = np.round(rng.uniform(0.05, 1.0, 2 + seed % 3), 2).tolist()
+    total = 0.0
+    for w in weights:  # legacy Megatron-LM sums the weights left to right
+        total += w
+    for n in [1, 2, 7, 99, 1000, 1999]:
+        asked = [math.ceil(n * (w / total) * 1.005) for w in weights]
+        assert blend_sizes(weights, n, "legacy") == (asked, sum(asked)), (weights, n)
+
+
+def test_legacy_normalises_left_to_right():
+    # numpy sums eight or more weights pairwise; legacy Megatron-LM left to right.
+    weights = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8]
+    total = 0.0
+    for w in weights:
+        total += w
+    assert total != float(np.sum(weights))
+    assert blend_shares(weights, "legacy") == [w / total for w in weights]
+    assert blend_shares(weights, "core") == (np.asarray(weights) / np.sum(weights)).tolist()
 
 
 def test_blending_order_by_hand():
-    dataset_index, sample_index = build_blending_indices([5, 3, 2], 10)
+    dataset_index, sample_index = build_blending_indices([0.5, 0.3, 0.2], 10)
     assert dataset_index.tolist() == [0, 1, 2, 0, 1, 0, 2, 0, 1, 0]
     assert sample_index.tolist() == [0, 0, 0, 1, 1, 2, 1, 3, 2, 4]
     assert dataset_index.dtype == np.int16 and sample_index.dtype == np.int64
@@ -88,8 +119,8 @@ def test_blending_order_by_hand():
 @pytest.mark.parametrize("weights", [[0.2, 0.8], [1, 1, 1], [0.5, 0.3, 0.15, 0.05]])
 def test_every_prefix_of_the_blend_follows_the_weights(weights):
     size = 3000
-    dataset_index, sample_index = build_blending_indices(weights, size)
     shares = np.asarray(weights) / np.sum(weights)
+    dataset_index, sample_index = build_blending_indices(shares, size)
     taken = np.zeros((size + 1, len(weights)))
     taken[1:] = np.cumsum(np.eye(len(weights))[dataset_index], axis=0)
     drift = np.abs(taken - np.outer(np.arange(size + 1), shares))
@@ -161,3 +192,49 @@ def test_blend_of_two_datasets_follows_the_weights(tmp_path):
     assert not again[0].built_anew
     with pytest.raises(ValueError, match="needs a sample count for every split"):
         build_train_valid_test_datasets(["1", low, "1", high], "9,1,0", [None, 4, 0], 4)
+
+
+def test_a_dataset_too_small_to_train_on_is_one_clear_error(tmp_path):
+    # One sequence in thirds: the bookends round to train [0, 0), valid [0, 1), test [1, 1).
+    prefix = write_numbered(tmp_path / "one", [40], start=0)
+    message = (
+        rf"^the train split gets no sequences: the 1 sequence of {prefix} split '1,1,1' as "
+        r"train 0, valid 1, test 0; give more data or a larger train share of the split$"
+    )
+    with pytest.raises(ValueError, match=message):
+        build_train_valid_test_datasets(prefix, "1,1,1", [10, 2, 2], 4, cache=False)
+    # In a blend, one member too small is enough.
+    big = write_numbered(tmp_path / "big", [8] * 30, start=100)
+    with pytest.raises(ValueError, match=rf"train split gets no sequences: .* of {prefix} split"):
+        build_train_valid_test_datasets(["1", big, "1", prefix], "1,1,1", [10, 2, 2], 4)
+    # Nothing asked of the train split (evaluation only, or one epoch): no error.
+    assert build_train_valid_test_datasets(prefix, "1,1,1", [0, 2, 2], 4, cache=False)[0] is None
+    one_epoch = build_train_valid_test_datasets(prefix, "1,1,1", [None] * 3, 4, cache=False)
+    assert one_epoch[0] is None and len(one_epoch[1]) == 9
+
+
+def test_empty_evaluation_splits_are_reported_once_each(tmp_path):
+    # Five sequences at 969,30,1: the valid and test bookends round to [5, 5).
+    prefix = write_numbered(tmp_path / "five", [8] * 5, start=0)
+    lines = []
+    train, valid, test = build_train_valid_test_datasets(
+        prefix, "969,30,1", [20, 4, 4], 4, cache=False, warn=lines.append
+    )
+    assert len(train) >= 20 and valid is None and test is None
+    sizes = f"the 5 sequences of {prefix} split '969,30,1' as train 5, valid 0, test 0"
+    assert lines == [
+        f"warning: no valid data: {sizes}; evaluation on valid data is skipped",
+        f"warning: no test data: {sizes}; evaluation on test data is skipped",
+    ]
+    # A split asked for nothing, or present, is not reported.
+    lines.clear()
+    build_train_valid_test_datasets(prefix, "3,2,0", [20, 4, 4], 4, cache=False, warn=lines.append)
+    assert lines == [
+        f"warning: no test data: the 5 sequences of {prefix} split '3,2,0' as train 3, "
+        "valid 2, test 0; evaluation on test data is skipped"
+    ]
+    lines.clear()
+    build_train_valid_test_datasets(
+        prefix, "969,30,1", [20, 0, 0], 4, cache=False, warn=lines.append
+    )
+    assert lines == []

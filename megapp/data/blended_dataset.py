@@ -17,6 +17,9 @@ import numpy as np
 
 from megapp.data.index_cache import load_or_build
 
+# Part of every cache key: bump it when the blending arithmetic changes.
+BLEND_FORMAT_VERSION = 2
+
 
 def normalize_weights(weights: Sequence[float]) -> np.ndarray:
     """Weights as float64 summing to 1; all must be non-negative with a positive sum."""
@@ -26,14 +29,21 @@ def normalize_weights(weights: Sequence[float]) -> np.ndarray:
     return array / array.sum()
 
 
-def build_blending_indices(weights: Sequence[float], size: int) -> tuple[np.ndarray, np.ndarray]:
+def build_blending_indices(shares: Sequence[float], size: int) -> tuple[np.ndarray, np.ndarray]:
     """Which dataset, and which of its samples, serves each of `size` blended samples.
+
+    Args:
+        shares: each dataset's share of the blend, used as given (BlendedDataset passes
+            its normalised weights; normalising again would change the order).
+        size: number of blended samples.
 
     Returns:
         dataset_index `[size] int16` and dataset_sample_index `[size] int64` (the
         running count of samples already taken from that dataset).
     """
-    shares = [float(w) for w in normalize_weights(weights)]
+    shares = [float(w) for w in shares]
+    if not shares or any(not w >= 0 for w in shares):
+        raise ValueError(f"blend shares must be non-negative, got {shares}")
     taken = [0] * len(shares)
     dataset_index = np.zeros(size, dtype=np.int16)
     dataset_sample_index = np.zeros(size, dtype=np.int64)
@@ -56,7 +66,8 @@ class BlendedDataset:
     Args:
         datasets: map-style datasets; dataset d must hold at least as many samples as
             the blend takes from it (about `weight_d · size`, see `split_rules.blend_sizes`).
-        weights: relative weights, normalised here.
+        weights: relative weights, normalised here once (the builder hands over the
+            `--data-path` weights already normalised once, as Megatron's builders do).
         size: number of blended samples.
         cache_dir: where to cache the blending indices (None: no cache). The key
             includes each dataset's `description` when it has one.
@@ -76,6 +87,7 @@ class BlendedDataset:
         self.size = int(size)
         self.description = {
             "class": type(self).__name__,
+            "format": BLEND_FORMAT_VERSION,
             "weights": self.weights.tolist(),
             "size": self.size,
             "datasets": [getattr(d, "description", len(d)) for d in self.datasets],

@@ -10,13 +10,20 @@ of each prefix.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from megapp.data.blended_dataset import BlendedDataset, default_blend_cache_dir
 from megapp.data.gpt_dataset import GPTDataset
 from megapp.data.indexed_dataset import IndexedDataset
-from megapp.data.split_rules import CORE, blend_sizes, check_rules, normalize, split_sequence_ranges
+from megapp.data.split_rules import (
+    CORE,
+    blend_shares,
+    blend_sizes,
+    check_rules,
+    normalize,
+    split_sequence_ranges,
+)
 
 SPLIT_NAMES = ("train", "valid", "test")
 
@@ -49,6 +56,18 @@ def parse_data_path(data_path: str | Sequence[str]) -> tuple[list[str], list[flo
     return words[1::2], weights
 
 
+def _describe_split(
+    prefix: str, num_sequences: int, split: str, ranges: Sequence[tuple[int, int] | None]
+) -> str:
+    """`"the 5 sequences of PREFIX split '1,1,1' as train 2, valid 1, test 2"`."""
+    counts = ", ".join(
+        f"{name} {0 if r is None else r[1] - r[0]}"
+        for name, r in zip(SPLIT_NAMES, ranges, strict=True)
+    )
+    noun = "sequence" if num_sequences == 1 else "sequences"
+    return f"the {num_sequences} {noun} of {prefix} split {split!r} as {counts}"
+
+
 def build_train_valid_test_datasets(
     data_path: str | Sequence[str],
     split: str,
@@ -58,6 +77,7 @@ def build_train_valid_test_datasets(
     cache: bool = True,
     cache_dir: str | None = None,
     rules: str = CORE,
+    warn: Callable[[str], None] | None = None,
 ) -> tuple[Any, Any, Any]:
     """Datasets for train, valid and test; None for a split that gets no sequences.
 
@@ -70,6 +90,12 @@ def build_train_valid_test_datasets(
         seed: shuffle seed.
         cache, cache_dir: index caching, see GPTDataset.
         rules: `core` (Megatron-Core) or `legacy` (legacy Megatron-LM), see split_rules.
+        warn: called with one line for each valid or test split that is asked for samples
+            but gets no sequences (evaluation on it is skipped); None stays silent.
+
+    Raises:
+        ValueError: for bad settings, and when samples are asked of a train split that
+            gets no sequences (a dataset too small for `split`).
     """
     check_rules(rules)
     prefixes, weights = parse_data_path(data_path)
@@ -78,27 +104,43 @@ def build_train_valid_test_datasets(
     blended = weights is not None
     if blended and any(n is None for n in num_samples):
         raise ValueError("a blend of datasets needs a sample count for every split")
-    # Megatron-Core normalises the weights here and the blend normalises them again.
-    shares = normalize(weights) if blended else None
-    sizes = [blend_sizes(shares, n, rules) if blended else None for n in num_samples]
+    # Sized from the weights normalised once; the blend normalises these once more.
+    shares = blend_shares(weights, rules) if blended else None
+    sizes = [blend_sizes(weights, n, rules) if blended else None for n in num_samples]
+    indexed = [IndexedDataset(prefix) for prefix in prefixes]
+    ranges = [split_sequence_ranges(fractions, len(d), rules) for d in indexed]
+    # Per split asked for samples: how the first prefix with no sequences for it splits.
+    empty: list[str | None] = [None] * len(SPLIT_NAMES)
+    for prefix, dataset, split_ranges in zip(prefixes, indexed, ranges, strict=True):
+        for s, sequence_range in enumerate(split_ranges):
+            if sequence_range is None and num_samples[s] and empty[s] is None:
+                empty[s] = _describe_split(prefix, len(dataset), split, split_ranges)
+    if empty[0] is not None:
+        raise ValueError(
+            f"the train split gets no sequences: {empty[0]}; "
+            "give more data or a larger train share of the split"
+        )
+    if warn is not None:
+        for s in (1, 2):
+            if empty[s] is not None and all(r[s] is None for r in ranges):
+                name = SPLIT_NAMES[s]
+                warn(f"warning: no {name} data: {empty[s]}; evaluation on {name} data is skipped")
     per_prefix = []
-    for i, prefix in enumerate(prefixes):
-        indexed = IndexedDataset(prefix)
-        ranges = split_sequence_ranges(fractions, indexed.document_indices, rules)
+    for i, (dataset, split_ranges) in enumerate(zip(indexed, ranges, strict=True)):
         splits = []
-        for s, (name, sequence_range) in enumerate(zip(SPLIT_NAMES, ranges, strict=True)):
+        for s, sequence_range in enumerate(split_ranges):
             if sequence_range is None:
                 splits.append(None)
                 continue
             wanted = sizes[s][0][i] if blended else num_samples[s]
             splits.append(
                 GPTDataset(
-                    indexed,
+                    dataset,
                     wanted,
                     sequence_length,
                     seed,
                     sequence_range,
-                    name,
+                    SPLIT_NAMES[s],
                     cache=cache,
                     cache_dir=cache_dir,
                 )
@@ -114,7 +156,7 @@ def build_train_valid_test_datasets(
             result.append(None)
             continue
         if any(m is None for m in members):
-            empty = [p for p, m in zip(prefixes, members, strict=True) if m is None]
-            raise ValueError(f"split {SPLIT_NAMES[s]!r} gets no sequences of {empty}")
+            empty_prefixes = [p for p, m in zip(prefixes, members, strict=True) if m is None]
+            raise ValueError(f"split {SPLIT_NAMES[s]!r} gets no sequences of {empty_prefixes}")
         result.append(BlendedDataset(members, shares, sizes[s][1], blend_dir if cache else None))
     return tuple(result)

@@ -1,22 +1,25 @@
 """How `--split` and `--data-path` weights become per-dataset ranges and sample counts.
 
-Two rule sets, chosen with `--data-rules`:
+Two rule sets, chosen with `--data-rules`; both split a dataset over its *sequences*
+(a document written with several sequences, e.g. sentences, can straddle two splits):
 
 - `core` (default): Megatron-Core's `BlendedMegatronDatasetBuilder`.
-  * The split is over *sequences* (a document written with several sequences, e.g.
-    sentences, can straddle two splits).
   * Split i is sequences `[round(c[i]·N), round(c[i+1]·N))` where `c` are the cumulative
     sums of the normalised weights (`c[0] = 0`); a split whose weight is 0 is absent.
   * A blend of `n` samples asks dataset d for `ceil(ceil(n·w_d)·1.005)` samples and has
     `Σ_d ceil(n·w_d)` samples itself.
-- `legacy`: the legacy Megatron-LM rule, to reproduce an older run.
-  * The split is over *documents*: boundary i advances by `round(w_i·D)`, then every
-    boundary shifts so the last equals the document count D.
-  * A blend of `n` samples asks dataset d for `ceil(n·w_d·1.005)` and has `n` samples.
+- `legacy`: legacy Megatron-LM's GPT path, to reproduce an older run.
+  * Boundary i advances by `round(w_i·N)`, then every boundary shifts so the last
+    equals the sequence count N.
+  * A blend of `n` samples asks dataset d for `ceil(n·w_d·1.005)` samples and has the
+    sum of those itself.
 
-All arithmetic is float64 in Megatron's order of operations (numpy normalisation, then a
-left-to-right cumulative sum, Python's round-half-to-even), so the boundaries agree to
-the last sequence.
+The blend weights `w_d` are the `--data-path` weights normalised once (numpy's sum for
+`core`, a left-to-right sum for `legacy`); the blend normalises them once more (numpy)
+before choosing its order. Normalising is not idempotent in floating point
+(`0.6, 0.3, 0.1` sums to 0.9999999999999999), so the count of normalisations matters.
+All arithmetic is float64 in Megatron's order of operations (Python's round-half-to-even
+included), so boundaries, sizes and order agree to the last sample.
 """
 
 from __future__ import annotations
@@ -24,8 +27,6 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Sequence
-
-import numpy as np
 
 from megapp.data.blended_dataset import normalize_weights
 
@@ -48,6 +49,22 @@ def normalize(weights: Sequence[float]) -> list[float]:
     return normalize_weights(weights).tolist()
 
 
+def blend_shares(weights: Sequence[float], rules: str = CORE) -> list[float]:
+    """`--data-path` weights normalised once, as the rule's builder does before it sizes
+    the blend and hands the weights to it.
+
+    `legacy` sums left to right in Python; numpy's sum groups eight or more weights
+    differently, so the two can differ in the last bit.
+    """
+    shares = normalize(weights)  # validates the weights
+    if check_rules(rules) == CORE:
+        return shares
+    total = 0.0
+    for weight in weights:
+        total += float(weight)
+    return [float(weight) / total for weight in weights]
+
+
 def split_bookends(fractions: Sequence[float]) -> list[tuple[float, float] | None]:
     """`[(c[i], c[i+1])]` from the cumulative sums of `fractions`; None for a zero share."""
     cumulative = [0.0]
@@ -67,46 +84,44 @@ def core_sequence_ranges(
     ]
 
 
-def legacy_document_ranges(fractions: Sequence[float], num_documents: int) -> list[tuple[int, int]]:
-    """Legacy Megatron-LM's split: document ranges, each advancing by `round(w·D)`, then
+def legacy_sequence_ranges(fractions: Sequence[float], num_sequences: int) -> list[tuple[int, int]]:
+    """Legacy Megatron-LM's split: sequence ranges, each advancing by `round(w·N)`, then
     shifted so the last boundary is exact."""
     bounds = [0]
     for fraction in fractions:
-        bounds.append(bounds[-1] + round(fraction * float(num_documents)))
-    overshoot = bounds[-1] - num_documents
+        bounds.append(bounds[-1] + round(fraction * float(num_sequences)))
+    overshoot = bounds[-1] - num_sequences
     bounds[1:] = [b - overshoot for b in bounds[1:]]
     return [(bounds[i], bounds[i + 1]) for i in range(len(fractions))]
 
 
 def split_sequence_ranges(
-    fractions: Sequence[float], document_indices: np.ndarray, rules: str = CORE
+    fractions: Sequence[float], num_sequences: int, rules: str = CORE
 ) -> list[tuple[int, int] | None]:
     """Per split, the `[start, stop)` sequences it holds, or None when it holds none.
 
     Args:
         fractions: normalised train/valid/test weights.
-        document_indices: the dataset's document index (`D + 1` entries, last = sequences).
+        num_sequences: the dataset's sequence count.
         rules: `core` or `legacy` (see the module docstring).
     """
-    num_sequences = int(document_indices[-1])
     if check_rules(rules) == CORE:
         ranges = core_sequence_ranges(fractions, num_sequences)
     else:
-        ranges = [
-            (int(document_indices[start]), int(document_indices[stop]))
-            for start, stop in legacy_document_ranges(fractions, len(document_indices) - 1)
-        ]
-    return [None if r is None or r[0] == r[1] else r for r in ranges]
+        ranges = legacy_sequence_ranges(fractions, num_sequences)
+    return [None if r is None or r[0] >= r[1] else r for r in ranges]
 
 
 def blend_sizes(weights: Sequence[float], size: int, rules: str = CORE) -> tuple[list[int], int]:
     """Samples to ask of each dataset of a blend of `size` samples, and the blend's length.
 
-    `weights` are normalised here. See the module docstring for the two rules.
+    `weights` are the `--data-path` weights, normalised here once (`blend_shares`). See
+    the module docstring for the two rules.
     """
-    shares = normalize(weights)
-    if check_rules(rules) == CORE:
+    shares = blend_shares(weights, rules)
+    if rules == CORE:
         targets = [math.ceil(size * w) for w in shares]
         asked = [math.ceil(t * (1 + BLEND_SURPLUS)) for t in targets]
         return asked, sum(targets)
-    return [math.ceil(size * w * (1 + BLEND_SURPLUS)) for w in shares], int(size)
+    asked = [math.ceil(size * w * (1 + BLEND_SURPLUS)) for w in shares]
+    return asked, sum(asked)

@@ -206,7 +206,7 @@ class DataArgs:
     data_rules: str = arg(
         CORE,
         "how --split and blend weights pick samples: Megatron-Core's rules, or legacy "
-        "Megatron-LM's (documents split by per-share rounding) to reproduce an old run",
+        "Megatron-LM's (per-share rounding of the split) to reproduce an old run",
         choices=DATA_RULES,
     )
     data_cache_path: str | None = arg(
