@@ -28,13 +28,11 @@ import pytest
 import torch
 
 from megapp import parallel_state as ps
-from megapp.pipeline_parallel.catalog import build_schedule
 from megapp.testing import distributed
 from megapp.training import train_step
 from megapp.training.flag_groups import OptimizerArgs
 from megapp.training.setup import build_training_setup
 from tests.gpt_support import (
-    MICROBATCHES,
     SEED,
     VOCAB,
     full_tensor,
@@ -75,10 +73,6 @@ def train_layout(
     """Train STEPS steps under the layout (and pipeline ``schedule``, a name; default 1F1B
     or interleaved); return (chunks, losses, grad norms, step-1 grads)."""
     ps.initialize_model_parallel(tp, pp, vpp)
-    stages = None
-    if schedule is not None:
-        built = build_schedule(schedule, pp, MICROBATCHES, vpp or 1)
-        stages = built.placement[ps.get_pipeline_model_parallel_rank()]
     setup = build_training_setup(
         gpt_config(tensor_model_parallel_size=tp, **config),
         OptimizerArgs(
@@ -88,7 +82,7 @@ def train_layout(
         use_distributed_optimizer=distributed_optimizer,
         zero_stage=zero_stage,
         seed=SEED,
-        stages=stages,
+        schedule=schedule,
     )
     chunks, optimizer, groups = setup.chunks, setup.optimizer, setup.groups
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()

@@ -3,14 +3,23 @@
 The same five clipped AdamW steps as ``test_gpt_layouts`` (whose tolerances and
 reasons apply), with the split-backward and V-shaped schedules, tensor and sequence
 parallelism, recompute and the distributed optimizer. A V puts the first and last
-stage on rank 0: the tied embedding's two copies are summed there.
+stage on rank 0: the tied embedding's two copies are summed there. The chunks are built
+for the schedule's placement, and uneven first/last pipeline stages (Megatron's
+``--decoder-first/last-pipeline-num-layers``) train the same model, with virtual stages
+too.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
+from megapp import parallel_state as ps
+from megapp.models import build_gpt_chunks
+from megapp.pipeline_parallel import build_schedule, forward_backward
 from megapp.testing import distributed
+from tests.gpt_support import SEED, gpt_config
 from tests.test_gpt_layouts import check_against_reference, train_layout
 
 FULL_RECOMPUTE = {
@@ -46,3 +55,81 @@ def test_schedule_matches_single_process(world_size, tp, pp, vpp, schedule, dist
         tp, pp, vpp, schedule=schedule, distributed_optimizer=distopt, **config
     )
     check_against_reference(chunks, losses, norms, first_grads, config)
+
+
+UNEVEN_FIRST_LAST = {
+    "num_layers_in_first_pipeline_stage": 1,
+    "num_layers_in_last_pipeline_stage": 3,
+}
+UNEVEN = [
+    # (world, tp, pp, vpp, schedule, config): layers per virtual stage in the comments
+    (4, 1, 4, None, "1f1b", UNEVEN_FIRST_LAST),  # 1 2 2 3
+    (
+        4,
+        1,
+        4,
+        2,
+        "interleaved-1f1b",
+        {
+            "num_layers": 12,
+            "num_layers_in_first_pipeline_stage": 2,
+            "num_layers_in_last_pipeline_stage": 2,
+        },
+    ),  # 1 2 2 1 1 2 2 1
+    (4, 1, 2, 2, "zb-v", {"num_layers_in_first_pipeline_stage": 2}),  # 1 3 3 1: rank 0 holds 2
+]
+
+
+@pytest.mark.parametrize("world_size, tp, pp, vpp, schedule, config", UNEVEN)
+@distributed(timeout=240)
+def test_uneven_first_and_last_stages_match_single_process(
+    world_size, tp, pp, vpp, schedule, config
+):
+    chunks, losses, norms, first_grads = train_layout(tp, pp, vpp, schedule=schedule, **config)
+    layers = [len(chunk.module.decoder.layers) for chunk in chunks]
+    first = config["num_layers_in_first_pipeline_stage"]
+    if ps.get_pipeline_model_parallel_rank() == 0:
+        assert layers == [first // (vpp or 1)] * len(chunks)
+    check_against_reference(chunks, losses, norms, first_grads, config)
+
+
+def _never_called(iterator, chunk, inputs):
+    raise AssertionError("no microbatch may run on chunks built for another placement")
+
+
+@distributed(world_size=3)
+def test_chunks_built_for_another_placement_fail_on_every_rank_before_sending():
+    """zb-v on chunks built for the looped placement: every rank refuses before a message
+    goes out, rank 1 too, whose chunks (virtual stages 1 and 4) sit where the V wants
+    them; built for the schedule, each chunk is the stage the V places there."""
+    ps.initialize_model_parallel(1, 3, 2)
+    rank, group = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_group()
+    config = gpt_config(num_layers=6)
+    looped = build_gpt_chunks(config, pp_rank=rank, pp_size=3, vpp_size=2, seed=SEED)
+    assert [c.pipeline_stage for c in looped] == [rank, 3 + rank]
+    with pytest.raises(ValueError, match="build the chunks for the schedule"):
+        forward_backward(_never_called, None, looped, 6, schedule="zb-v", pp_group=group)
+    v = build_gpt_chunks(config, pp_rank=rank, pp_size=3, vpp_size=2, seed=SEED, schedule="zb-v")
+    assert [c.pipeline_stage for c in v] == [rank, 5 - rank]
+    assert (v[0].pre_process, v[1].post_process) == (rank == 0, rank == 0)
+
+
+def test_build_gpt_chunks_takes_its_stages_from_the_schedule():
+    config = gpt_config()  # 8 layers
+    zb_v = build_schedule("zb-v", 2, 4, 2)
+    for schedule in ("zb-v", zb_v):
+        chunks = build_gpt_chunks(config, pp_rank=1, pp_size=2, vpp_size=2, schedule=schedule)
+        assert [c.pipeline_stage for c in chunks] == [1, 2]
+        assert chunks[0].pipeline_placement == zb_v.placement
+    with pytest.raises(ValueError, match="give schedule= or stages=, not both"):
+        build_gpt_chunks(config, pp_size=2, vpp_size=2, schedule="zb-v", stages=(0, 3))
+    with pytest.raises(ValueError, match="zb-v is for 2 pipeline stages × 2 chunks, the model"):
+        build_gpt_chunks(config, pp_size=4, vpp_size=2, schedule=zb_v)
+    with pytest.raises(ValueError, match="zb-v places two model chunks on every rank"):
+        build_gpt_chunks(config, pp_size=2, schedule="zb-v")
+    uneven = dataclasses.replace(config, num_layers_in_first_pipeline_stage=2)
+    with pytest.raises(ValueError, match=r"\(the whole placement\) instead of stages="):
+        build_gpt_chunks(uneven, pp_size=2, vpp_size=2, stages=(0, 3))
+    # one stage holds every layer: a first/last count does not apply
+    (whole,) = build_gpt_chunks(uneven)
+    assert len(whole.decoder.layers) == 8

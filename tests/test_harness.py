@@ -1,6 +1,7 @@
 """The distributed test harness itself: results, tracebacks, hangs and recovery."""
 
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -122,3 +123,26 @@ def test_a_driver_script_runs_a_world_and_leaves_no_files(tmp_path):
     assert os.path.isdir(logdir)
     world.close()
     assert not os.path.exists(logdir)
+
+
+def test_a_world_listens_on_the_port_or_range_it_is_given():
+    """Rank 0 listens on the first free port of the range; a range with none free, or one
+    that names no valid port, fails with a message saying so."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(RuntimeError, match=rf"no free port in {port}\.\.{port} "):
+            World(1, port=port).start()
+        world = World(2, port=range(port, port + 20))
+        try:
+            world.start()
+            assert port < world.port < port + 20  # the taken one is passed over
+            assert [r for r, _, _ in world.run(_rank_and_sum)] == [0, 1]
+        finally:
+            world.close()
+    for bad in (range(5, 5), 0, 70000, range(65530, 65540)):
+        with pytest.raises(ValueError, match=r"non-empty range of ports in 1\.\.65535"):
+            World(1, port=bad)
+    with pytest.raises(TypeError, match="an int, a range or None"):
+        World(1, port="29500")

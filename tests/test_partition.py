@@ -3,13 +3,17 @@
 import itertools
 
 import pytest
+import torch
 from torch import nn
 
 from megapp.pipeline_parallel.partition import (
+    check_layer_split,
     measured_times,
     parameter_counts,
     rank_chunks,
+    rank_layer_counts,
     split_layers,
+    stage_layer_ranges,
 )
 
 
@@ -53,8 +57,6 @@ def test_parameter_counts_and_times_feed_the_split():
     assert counts == [20.0, 320.0, 260.0, 20.0]
     assert _sizes(split_layers(4, 2, weights=counts)) == [2, 2]
     ticks = iter(range(100))
-    import torch
-
     times = measured_times(layers, torch.randn(2, 4), repeats=2, timer=lambda: next(ticks))
     assert times == [1.0] * 4  # the fake timer advances one tick per measurement
     assert all(p.grad is None for layer in layers for p in layer.parameters())
@@ -85,3 +87,73 @@ def test_impossible_splits_say_what_to_change(args, kwargs, message):
     with pytest.raises(ValueError) as info:
         split_layers(*args, **kwargs)
     assert message in str(info.value)
+
+
+UNEVEN = [  # (num_layers, pp, vpp, first, last)
+    (8, 4, None, 1, 3),
+    (9, 4, None, None, 3),
+    (10, 2, None, 4, 6),
+    (12, 2, 2, 4, None),
+    (16, 4, 2, 2, 2),
+    (14, 4, 2, None, 2),
+    (24, 3, 3, 3, 6),
+]
+
+
+@pytest.mark.parametrize("num_layers, pp, vpp, first, last", UNEVEN)
+@pytest.mark.filterwarnings("ignore:full scope is deprecated")  # Megatron-Core's own default
+def test_uneven_first_and_last_stages_split_as_megatron_core_does(num_layers, pp, vpp, first, last):
+    """Every chunk's layers (offset and count) equal Megatron-Core's own for the same
+    num_layers_in_first/last_pipeline_stage, with and without virtual stages."""
+    config_module = pytest.importorskip("megatron.core.transformer.transformer_config")
+    block = pytest.importorskip("megatron.core.transformer.transformer_block")
+    layer = pytest.importorskip("megatron.core.transformer.transformer_layer")
+    config = config_module.TransformerConfig(
+        num_layers=num_layers,
+        hidden_size=8,
+        num_attention_heads=2,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
+        num_layers_in_first_pipeline_stage=first,
+        num_layers_in_last_pipeline_stage=last,
+        pipeline_dtype=torch.float32,
+    )
+    ranges = stage_layer_ranges(num_layers, pp, vpp, first=first, last=last)
+    assert _covers(ranges, num_layers)
+    for rank, chunk in itertools.product(range(pp), range(vpp or 1)):
+        vp_stage = chunk if vpp else None
+        offset = layer.get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=rank)
+        count = block.get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=rank)
+        assert ranges[chunk * pp + rank] == range(offset, offset + count), (rank, chunk)
+    counts = rank_layer_counts(num_layers, pp, vpp, first=first, last=last)
+    assert counts == [sum(len(r) for r in rank_chunks(ranges, pp, rank)) for rank in range(pp)]
+
+
+def test_uneven_stages_follow_the_ranks_of_any_placement():
+    """A V puts virtual stages 0 and 2p - 1 on rank 0: both hold half the first rank's
+    count."""
+    v = ((0, 3), (1, 2))  # placement[rank][chunk]
+    assert _sizes(stage_layer_ranges(12, 2, 2, first=2, placement=v)) == [1, 5, 5, 1]
+    assert _sizes(stage_layer_ranges(12, 2, 2, first=2)) == [1, 5, 1, 5]
+    assert _sizes(stage_layer_ranges(8, 2, 2)) == [2, 2, 2, 2]
+
+
+@pytest.mark.parametrize(
+    "args, kwargs, message",
+    [
+        ((8, 4, None), {"first": 0}, "num_layers_in_first_pipeline_stage must be >= 1, got 0"),
+        ((8, 2, 2), {"first": 3}, "first_pipeline_stage (3) is not divisible by virtual"),
+        ((8, 1, None), {"last": 2}, "needs pipeline_model_parallel_size >= 2, got 1"),
+        ((8, 2, None), {"first": 3, "last": 3}, "(3 + 3) must add up to num_layers (8)"),
+        ((8, 4, None), {"first": 1, "last": 2}, "leave 5 of num_layers (8) to the other 2"),
+        ((8, 4, 2), {"last": 4}, "other 3 pipeline stages (2 chunks each), which must divide"),
+        ((8, 4, None), {"first": 8}, "leaves 0 of num_layers (8)"),
+        ((8, 3, None), {}, "num_layers (8) is not divisible by pipeline_model_parallel_size"),
+    ],
+)
+def test_impossible_uneven_stages_say_what_to_change(args, kwargs, message):
+    with pytest.raises(ValueError) as info:
+        stage_layer_ranges(*args, **kwargs)
+    assert message in str(info.value)
+    with pytest.raises(ValueError):
+        check_layer_split(*args, **kwargs)

@@ -27,7 +27,11 @@ from megapp.pipeline_parallel import (
 )
 from megapp.pipeline_parallel.partition import split_layers
 from megapp.testing import distributed
+from megapp.training.async_step import train_run
+from megapp.training.flag_groups import OptimizerArgs, PrecisionArgs
 from megapp.training.live_memory import LiveTensorMemory
+from megapp.training.setup import build_training_setup
+from tests.gpt_support import gpt_config
 from tests.test_pipeline_engine import Block, forward_step
 
 HIDDEN, BATCH, SEQ = 8, 3, 5
@@ -216,3 +220,53 @@ def test_stashed_versions_hold_their_bytes(kind):
     assert versions == (p - stage if kind == "pipedream" else 2)
     extra = peaks[kind] - peaks["1f1b"]
     assert abs(extra - copies * weights) <= 0.05 * weights, (extra, copies, weights)
+
+
+def _gpt_setup(clip_grad=0.0, per_stage_steps=True, precision=None, zero_stage=0, **config):
+    """This rank's GPT chunk and optimizer over the current layout, for per-stage steps."""
+    return build_training_setup(
+        gpt_config(num_layers=4, **config),
+        OptimizerArgs(lr=1e-3, clip_grad=clip_grad, lr_decay_iters=1),
+        precision=precision,
+        zero_stage=zero_stage,
+        per_stage_steps=per_stage_steps,
+    )
+
+
+@distributed(world_size=4)
+def test_per_stage_steps_refuse_on_every_rank_what_the_flags_refuse():
+    """Through the Python API as through pretrain_gpt.py's flags: every stage of the
+    pipeline, the middle ones too (which hold no tied copy), refuses before training."""
+    ps.initialize_model_parallel(1, 4)
+    untied = {"share_embeddings_and_output_weights": False}
+    refusals = [
+        ({"clip_grad": 1.0, **untied}, r"clipping by the global gradient norm \(clip_grad\)"),
+        ({}, r"tied .* \(share_embeddings_and_output_weights\)"),
+        ({"precision": PrecisionArgs(fp16=True), **untied}, "fp16 loss scaling"),
+    ]
+    for kwargs, refused in refusals:
+        with pytest.raises(ValueError, match=rf"Optimizer\(per_stage=True\) .*{refused}"):
+            _gpt_setup(**kwargs)
+    # the same settings step the whole model at once: accepted
+    _gpt_setup(clip_grad=1.0, per_stage_steps=False)
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(1, 2)  # dp 2: ZeRO shards over it
+    with pytest.raises(ValueError, match=r"sharded optimizer \(zero_stage"):
+        _gpt_setup(zero_stage=1, **untied)
+    # an asynchronous run needs an optimizer that steps each stage on its own
+    setup = _gpt_setup(per_stage_steps=False, **untied)
+    with pytest.raises(ValueError, match="build the optimizer with per_stage=True"):
+        train_run(
+            lambda iterator, chunk, inputs: None,
+            iter([]),
+            setup.chunks,
+            setup.optimizer,
+            schedule=build_schedule("pipedream-2bw", 2, 2),
+            iterations=1,
+            groups=setup.groups,
+            stash=WeightStash(),
+        )
+    # with one stage the stage's norm is the global one: clipping stays
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(1, 1)
+    _gpt_setup(clip_grad=1.0)

@@ -52,7 +52,7 @@ def test_pipedream_with_vertical_sync_is_a_schedule_of_its_own():
     assert config.schedule.asynchronous
     plain = pretrain_config(Layout(pp=2, dp=2, schedule="pipedream"), asynchronous, 8)
     assert not plain.parallel.vertical_sync and plain.schedule.name == "pipedream"
-    with pytest.raises(ArgumentsError, match="pass --clip-grad 0"):
+    with pytest.raises(ArgumentsError, match="set --clip-grad to 0"):
         pretrain_config(layout, MODEL, global_batch_size=8)
 
 

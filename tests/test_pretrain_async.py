@@ -103,12 +103,12 @@ def test_2bw_trains_as_one_process_does_and_memory_follows_the_model(corpus, tmp
 @pytest.mark.parametrize(
     "flags, refused",
     [
-        ("--pipeline-model-parallel-size 2", "pass --clip-grad 0"),
+        ("--pipeline-model-parallel-size 2", "set --clip-grad to 0"),
         ("--pipeline-model-parallel-size 2 --clip-grad 0", "--untie-embeddings"),
         (
             "--pipeline-model-parallel-size 2 --clip-grad 0 --untie-embeddings-and-output-weights "
             "--use-distributed-optimizer",
-            "use --zero-stage 0",
+            r"--zero-stage 0, no --use-distributed-optimizer",
         ),
         ("--fp16", "use --bf16"),
         (

@@ -5,7 +5,7 @@ from fractions import Fraction
 
 import pytest
 
-from megapp.pipeline_parallel.catalog import build_schedule
+from megapp.pipeline_parallel.catalog import build_schedule, schedule_placement
 from megapp.pipeline_parallel.plan import (
     ScheduleError,
     check_fifo,
@@ -199,3 +199,32 @@ def test_delivered_sends_are_proven_and_keep_memory_bounded(name, p, v):
         assert peaks[1] == peaks[2]
     if name == "1f1b":
         assert peaks[0] == [p - 1 - r for r in range(p)]
+
+
+@pytest.mark.parametrize(
+    "name, v",
+    [
+        ("gpipe", 1),
+        ("1f1b", 1),
+        ("interleaved-1f1b", 3),
+        ("looped-bfs", 2),
+        ("zb-h1", 1),
+        ("zb-h2", 1),
+        ("zb-v", 2),
+        ("dualpipev", 2),
+        ("pipedream", 1),
+        ("pipedream-2bw", 1),
+    ],
+)
+@pytest.mark.parametrize("p", [2, 3, 4])
+def test_a_schedule_names_its_placement_before_it_is_built(name, v, p):
+    """What the model is built for (before the microbatches are known) is where the
+    built schedule runs each stage."""
+    assert schedule_placement(name, p, v) == build_schedule(name, p, 2 * p, v).placement
+
+
+def test_placement_of_what_no_schedule_can_place_is_refused():
+    with pytest.raises(ValueError, match="zb-v places two model chunks on every rank"):
+        schedule_placement("zb-v", 2, 3)
+    with pytest.raises(ValueError, match="unknown schedule 'v-shape'"):
+        schedule_placement("v-shape", 2, 2)

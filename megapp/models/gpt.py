@@ -31,7 +31,10 @@ from megapp import comm
 from megapp.comm import Group
 from megapp.fusions.rope import rotary_freqs
 from megapp.param_attributes import mark_tied_embedding
-from megapp.pipeline_parallel.partition import check_layer_split, split_layers
+from megapp.pipeline_parallel.catalog import default_schedule, schedule_placement
+from megapp.pipeline_parallel.chunk_stages import mark_chunk_stage
+from megapp.pipeline_parallel.partition import stage_layer_ranges
+from megapp.pipeline_parallel.schedules import Schedule
 from megapp.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megapp.tensor_parallel.layers import (
     VocabParallelEmbedding,
@@ -62,6 +65,13 @@ class GPTConfig(TransformerConfig):
     """Longest sequence the learned absolute positions cover."""
     share_embeddings_and_output_weights: bool = True
     """Tie the output layer to the word embedding (Megatron's default)."""
+    num_layers_in_first_pipeline_stage: int | None = None
+    """Layers of the first pipeline rank, split evenly over its chunks; the ranks without
+    a count given split the rest evenly (Megatron-Core's uneven split; checked where the
+    model is split, :func:`~megapp.pipeline_parallel.partition.rank_layer_counts`). A
+    layout, like the tensor-parallel size: with one pipeline stage it does not apply."""
+    num_layers_in_last_pipeline_stage: int | None = None
+    """Layers of the last pipeline rank, as ``num_layers_in_first_pipeline_stage``."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -284,50 +294,77 @@ def build_gpt_chunks(
     seed: int = 1234,
     first_stage_layers: int | None = None,
     last_stage_layers: int | None = None,
+    schedule: str | Schedule | None = None,
     stages: Sequence[int] | None = None,
 ) -> list[GPTModel]:
-    """This pipeline rank's model chunks: chunk ``c`` is virtual stage ``stages[c]``
-    (default ``c·pp + pp_rank``, the looped placement; a V-shaped schedule's
-    ``placement[pp_rank]`` puts the first and last stage on rank 0).
+    """This pipeline rank's model chunks: chunk ``c`` is the virtual stage ``schedule``
+    (a name or a :class:`~megapp.pipeline_parallel.schedules.Schedule`) places there,
+    ``c·pp + pp_rank`` for the looped schedules (the default); a V puts the first and
+    last stage on rank 0. ``stages``: this rank's virtual stages given directly instead.
+    Each chunk records its stage, and the whole placement where it is known, for the
+    engine to check (:mod:`~megapp.pipeline_parallel.chunk_stages`).
 
     Layers split evenly over the ``pp × vpp`` virtual stages, which must divide
-    ``num_layers`` (Megatron's rule) unless the first and/or last stage's count is
-    given, in which case the rest split evenly.
+    ``num_layers`` (Megatron's rule), unless the first and/or last pipeline rank's count
+    is given (``config.num_layers_in_first_pipeline_stage`` / ``..._last_...``, or
+    ``first_stage_layers`` / ``last_stage_layers`` here, which win): then the other
+    ranks split the rest evenly, and every rank's layers split evenly over its chunks
+    (:func:`~megapp.pipeline_parallel.partition.stage_layer_ranges`).
     """
     v = vpp_size or 1
     if pp_size < 1 or v < 1 or not 0 <= pp_rank < pp_size:
         raise ValueError(f"bad pipeline position: rank {pp_rank} of {pp_size}, vpp {vpp_size}")
-    uneven = first_stage_layers is not None or last_stage_layers is not None
-    if uneven and v > 1:
-        raise ValueError("uneven first/last stages are not supported with virtual pipeline stages")
-    if not uneven:
-        check_layer_split(config.num_layers, pp_size, vpp_size)
-    ranges = split_layers(
-        config.num_layers,
-        pp_size * v,
-        first_stage_layers=first_stage_layers,
-        last_stage_layers=last_stage_layers,
-    )
+    placement = _placement(schedule, stages, pp_size, v)
     if stages is None:
-        stages_of_rank = [c * pp_size + pp_rank for c in range(v)]
-    else:
-        stages_of_rank = list(stages)
-        if len(stages_of_rank) != v or not all(0 <= s < pp_size * v for s in stages_of_rank):
-            raise ValueError(
-                f"stages must name {v} virtual stages below {pp_size * v}, got {stages_of_rank}"
-            )
-    chunks = []
-    for stage in stages_of_rank:
-        layers = ranges[stage]
-        chunks.append(
-            GPTModel(
-                config,
-                pre_process=stage == 0,
-                post_process=stage == pp_size * v - 1,
-                first_layer=layers.start,
-                num_layers=len(layers),
-                tp_group=tp_group,
-                seed=seed,
-            )
+        stages = placement[pp_rank]
+    elif len(stages) != v or not all(0 <= s < pp_size * v for s in stages):
+        raise ValueError(f"stages must name {v} virtual stages below {pp_size * v}, got {stages}")
+    first = config.num_layers_in_first_pipeline_stage
+    last = config.num_layers_in_last_pipeline_stage
+    first = first if first_stage_layers is None else first_stage_layers
+    last = last if last_stage_layers is None else last_stage_layers
+    if pp_size == 1:  # one stage holds every layer: there is no first or last to size
+        first = last = None
+    uneven = first is not None or last is not None
+    if uneven and placement is None and list(stages) != [c * pp_size + pp_rank for c in range(v)]:
+        raise ValueError(
+            "uneven first/last stages size the stages by the rank that runs them: give "
+            "schedule= (the whole placement) instead of stages="
         )
+    ranges = stage_layer_ranges(
+        config.num_layers, pp_size, vpp_size, first=first, last=last, placement=placement
+    )
+    chunks = []
+    for stage in stages:
+        layers = ranges[stage]
+        chunk = GPTModel(
+            config,
+            pre_process=stage == 0,
+            post_process=stage == pp_size * v - 1,
+            first_layer=layers.start,
+            num_layers=len(layers),
+            tp_group=tp_group,
+            seed=seed,
+        )
+        mark_chunk_stage(chunk, stage, placement)
+        chunks.append(chunk)
     return chunks
+
+
+def _placement(
+    schedule: str | Schedule | None, stages: Sequence[int] | None, pp: int, v: int
+) -> tuple[tuple[int, ...], ...] | None:
+    """The whole pipeline's placement: the schedule's, the looped one by default, None
+    when only this rank's ``stages`` are given."""
+    if schedule is not None and stages is not None:
+        raise ValueError("give schedule= or stages=, not both: the schedule places the stages")
+    if stages is not None:
+        return None
+    if isinstance(schedule, Schedule):
+        if (schedule.num_stages, schedule.num_chunks) != (pp, v):
+            raise ValueError(
+                f"{schedule.name} is for {schedule.num_stages} pipeline stages × "
+                f"{schedule.num_chunks} chunks, the model for {pp} × {v}"
+            )
+        return schedule.placement
+    return schedule_placement(schedule or default_schedule(v), pp, v)

@@ -12,7 +12,7 @@ from megapp.optimizer.clip_grads import (
 )
 from megapp.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler, found_inf_in
 from megapp.optimizer.lr_scheduler import LRScheduler, ScheduleMismatchError
-from megapp.optimizer.optimizer import Optimizer, StepResult
+from megapp.optimizer.optimizer import Optimizer, StepResult, check_per_stage_steps
 from megapp.optimizer.param_groups import default_no_decay, get_param_groups
 
 __all__ = [
@@ -23,6 +23,7 @@ __all__ = [
     "ScheduleMismatchError",
     "StepResult",
     "build_adamw",
+    "check_per_stage_steps",
     "choose_adamw",
     "clip_grad_by_total_norm_",
     "clip_grad_norm_",

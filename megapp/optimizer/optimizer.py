@@ -15,6 +15,8 @@ chunks from their fp32 ``main_grad`` buffers.
   slices summed when sharded) and is the same on every rank.
 - fp16 uses a loss scaler: gradients are unscaled, a step with inf/nan anywhere
   is skipped on every rank and reported.
+- With ``per_stage`` each pipeline stage steps on its own, at its own time (PipeDream,
+  2BW); :func:`check_per_stage_steps` says what that cannot run with.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from megapp.optimizer.clip_grads import (
 )
 from megapp.optimizer.grad_scaler import found_inf_in
 from megapp.optimizer.param_groups import default_no_decay
+from megapp.param_attributes import is_tied_embedding
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -69,17 +72,56 @@ class _Slice:
         return self.chunk.owned_weights(self.param, self.lo, self.hi)
 
 
+def check_per_stage_steps(
+    who: str,
+    *,
+    pipeline_stages: int,
+    clip_grad: float | None,
+    tied_embedding: bool,
+    sharded: bool,
+    loss_scaling: bool,
+) -> None:
+    """Refuse what an optimizer that steps each of ``pipeline_stages`` stages on its own,
+    at its own time (PipeDream, 2BW), cannot run with: a sharded optimizer, fp16 loss
+    scaling, and over several stages clipping by the global norm or a word embedding
+    tied across stages. ``who`` names the caller in the message; the message names the
+    settings to change (``clip_grad``, ``zero_stage``, ...)."""
+    several = pipeline_stages > 1
+    refusals = [
+        (
+            sharded,
+            "a sharded optimizer (zero_stage, use_distributed_optimizer), whose gradient "
+            "norm and weight gathers span data-parallel ranks that step at other times; "
+            "turn it off (zero_stage 0, no use_distributed_optimizer)",
+        ),
+        (
+            loss_scaling,
+            "fp16 loss scaling, whose skipped steps every stage must skip at once; use bf16",
+        ),
+        (
+            several and bool(clip_grad),
+            f"clipping by the global gradient norm (clip_grad) over {pipeline_stages} "
+            "pipeline stages, which needs every stage's gradients of a step at once; set "
+            "clip_grad to 0",
+        ),
+        (
+            several and tied_embedding,
+            "a word embedding tied across the first and last stage, whose two copies would "
+            "step at different times; untie them (share_embeddings_and_output_weights)",
+        ),
+    ]
+    for refused, why in refusals:
+        if refused:
+            raise ValueError(
+                f"{who} steps each pipeline stage on its own and cannot run with {why}"
+            )
+
+
 def _norm_groups(
     distributed: bool, tp_group: Group, norm_group: Group, per_stage: bool
 ) -> tuple[Group, Group]:
     """The (tp_group, norm_group) to use: the layout's, given ones checked against it."""
     if per_stage:
-        if distributed:
-            raise ValueError(
-                "a pipeline stage that steps on its own needs the whole optimizer on each "
-                "data-parallel rank: its norm group would be the stage's tensor- and "
-                "data-parallel ranks, which no group holds; turn the distributed optimizer off"
-            )
         if tp_group is None and ps.model_parallel_is_initialized():
             tp_group = ps.get_tensor_model_parallel_group()
         return tp_group, tp_group
@@ -136,6 +178,8 @@ class Optimizer:
         would drift apart silently.
         per_stage: each pipeline stage steps on its own, at its own time (PipeDream,
             2BW): the norm is of this stage's gradients, over the tensor-parallel group.
+            What cannot run so (:func:`check_per_stage_steps`) is refused here, on every
+            rank of the pipeline (a collective over its group).
     """
 
     def __init__(
@@ -157,6 +201,9 @@ class Optimizer:
         if len(modes) != 1:
             raise ValueError("all chunks must agree on use_distributed_optimizer")
         (self.distributed,) = modes
+        self.per_stage = per_stage
+        if per_stage:
+            self._check_per_stage(clip_grad, grad_scaler)
         tp_group, norm_group = _norm_groups(self.distributed, tp_group, norm_group, per_stage)
         self.clip_grad, self.grad_scaler, self.norm_group = clip_grad, grad_scaler, norm_group
         tp_rank = comm.rank(tp_group)
@@ -184,6 +231,34 @@ class Optimizer:
         groups = [g for g in groups if g["params"]]
         self.optimizer = build_adamw(groups, lr=lr, betas=betas, eps=eps)
         self._slice_of = {id(s.param): s for s in self.slices}
+
+    def _check_per_stage(self, clip_grad: float | None, grad_scaler) -> None:
+        if ps.model_parallel_is_initialized():
+            pp_group = ps.get_pipeline_model_parallel_group()
+        elif dist.is_initialized() and dist.get_world_size() > 1:
+            raise ValueError(
+                f"Optimizer(per_stage=True) in a job of {dist.get_world_size()} ranks needs "
+                "megapp.parallel_state's layout (its pipeline stages); call "
+                "initialize_model_parallel() first"
+            )
+        else:
+            pp_group = None
+        stages = comm.world_size(pp_group)
+        params = [p for chunk in self.chunks for p in chunk.buffer.params]
+        tied = any(is_tied_embedding(p) for p in params)
+        if stages > 1:  # only the end stages hold the tied copies: every stage must refuse
+            device = params[0].device if params else torch.device("cpu")
+            flag = torch.tensor([float(tied)], device=device)
+            comm.all_reduce(flag, pp_group, dist.ReduceOp.MAX)
+            tied = bool(flag.item())
+        check_per_stage_steps(
+            "Optimizer(per_stage=True)",
+            pipeline_stages=stages,
+            clip_grad=clip_grad,
+            tied_embedding=tied,
+            sharded=self.distributed,
+            loss_scaling=grad_scaler is not None,
+        )
 
     @property
     def param_groups(self) -> list[dict]:

@@ -6,7 +6,12 @@ from megapp.pipeline_parallel.asynchronous import (
     pipedream_2bw,
     stash_profile,
 )
-from megapp.pipeline_parallel.catalog import ASYNC_SCHEDULES, SCHEDULES, build_schedule
+from megapp.pipeline_parallel.catalog import (
+    ASYNC_SCHEDULES,
+    SCHEDULES,
+    build_schedule,
+    schedule_placement,
+)
 from megapp.pipeline_parallel.engine import (
     PipelineHooks,
     PipelineResult,
@@ -53,6 +58,7 @@ __all__ = [
     "one_f_one_b",
     "pipedream",
     "pipedream_2bw",
+    "schedule_placement",
     "simulate",
     "stash_profile",
     "zb_h1",

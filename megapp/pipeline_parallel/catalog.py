@@ -10,9 +10,11 @@ from megapp.pipeline_parallel.schedules import (
     gpipe,
     interleaved_1f1b,
     looped_bfs,
+    looped_placement,
     one_f_one_b,
+    v_placement,
 )
-from megapp.pipeline_parallel.zero_bubble import dualpipev, zb_h1, zb_h2, zb_v
+from megapp.pipeline_parallel.zero_bubble import check_v_chunks, dualpipev, zb_h1, zb_h2, zb_v
 
 SCHEDULES: dict[str, Callable[[int, int, int], Schedule]] = {
     "gpipe": gpipe,
@@ -63,9 +65,7 @@ def build_schedule(
         return ASYNC_SCHEDULES[name](
             num_stages, num_microbatches, num_chunks, iterations=iterations, **extra
         )
-    if name not in SCHEDULES:
-        known = ", ".join([*SCHEDULES, *ASYNC_SCHEDULES])
-        raise ValueError(f"unknown schedule {name!r}; choose one of {known}")
+    _check_known(name)
     if iterations != 1 or vertical_sync:
         raise ValueError(
             f"{name} flushes after every iteration; iterations and vertical sync apply to "
@@ -76,6 +76,25 @@ def build_schedule(
             raise ValueError(f"a microbatch group size applies to interleaved-1f1b, not {name}")
         return interleaved_1f1b(num_stages, num_microbatches, num_chunks, group_size)
     return SCHEDULES[name](num_stages, num_microbatches, num_chunks)
+
+
+def _check_known(name: str) -> None:
+    if name not in SCHEDULES and name not in ASYNC_SCHEDULES:
+        known = ", ".join([*SCHEDULES, *ASYNC_SCHEDULES])
+        raise ValueError(f"unknown schedule {name!r}; choose one of {known}")
+
+
+def schedule_placement(
+    name: str, num_stages: int, num_chunks: int = 1
+) -> tuple[tuple[int, ...], ...]:
+    """``placement[rank][chunk]``: the virtual stage each chunk runs under the schedule
+    called ``name``, as its builder places it; known before the number of microbatches
+    is, so the model can be built for it."""
+    _check_known(name)
+    if name in V_SHAPED:
+        check_v_chunks(name, num_chunks)
+        return v_placement(num_stages)
+    return looped_placement(num_stages, num_chunks)
 
 
 def default_schedule(num_chunks: int) -> str:

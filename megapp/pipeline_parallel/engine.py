@@ -29,6 +29,7 @@ from torch import nn
 
 from megapp import comm
 from megapp.pipeline_parallel.catalog import build_schedule
+from megapp.pipeline_parallel.chunk_stages import check_chunk_stages
 from megapp.pipeline_parallel.compute import ForwardStepFunc, PipelineHooks
 from megapp.pipeline_parallel.p2p import TensorSpec, Transport
 from megapp.pipeline_parallel.plan import (
@@ -111,7 +112,9 @@ def forward_backward(
         forward_step_func: ``(data_iterator, model_chunk, inputs) -> (output, loss_func)``.
         data_iterator: one iterator, or one per model chunk.
         model_chunks: this rank's model chunk(s); chunk ``c`` runs the virtual stage the
-            schedule places there (``c·p + rank`` for the schedules built here).
+            schedule places there (``c·p + rank`` for the looped schedules); a chunk that
+            records another stage (:mod:`~megapp.pipeline_parallel.chunk_stages`) is
+            refused before anything is sent.
         num_microbatches: microbatches per iteration.
         schedule: a name from :data:`~megapp.pipeline_parallel.catalog.SCHEDULES` or a
             :class:`Schedule`; default 1f1b, or interleaved-1f1b with several chunks.
@@ -159,6 +162,7 @@ def forward_backward(
     else:
         name = schedule or ("interleaved-1f1b" if len(chunks) > 1 else "1f1b")
         sched = build_schedule(name, p, num_microbatches, len(chunks))
+    check_chunk_stages(sched, pp_rank, chunks)  # before any message, so no peer waits
     if forward_only:
         sched = sched.without_backward()
     if device is None:

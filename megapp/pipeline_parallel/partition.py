@@ -2,8 +2,14 @@
 
 Stages are virtual stages: with ``p`` ranks and ``v`` chunks per rank there
 are ``p·v`` of them, and virtual stage ``s`` lives on rank ``s % p`` as chunk
-``s // p``. Every split covers every layer exactly once; one that cannot
-raises ``ValueError`` saying what to change.
+``s // p`` (the looped placement; a schedule may place them otherwise). Every
+split covers every layer exactly once; one that cannot raises ``ValueError``
+saying what to change.
+
+A model's split (:func:`stage_layer_ranges`) is Megatron's: even over the ``p·v``
+virtual stages, or with the first and/or last pipeline rank's layer count given
+(``num_layers_in_first_pipeline_stage``, ``num_layers_in_last_pipeline_stage``) and
+the rest even over the other ranks; each rank's layers split evenly over its chunks.
 """
 
 from __future__ import annotations
@@ -14,6 +20,10 @@ from itertools import accumulate, pairwise
 
 import torch
 from torch import nn
+
+from megapp.pipeline_parallel.schedules import looped_placement
+
+FIRST, LAST = "num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage"
 
 
 def split_layers(
@@ -73,9 +83,20 @@ def nearest_multiples(value: int, step: int) -> str:
     return f"{upper}" if lower == 0 else f"{lower} or {upper}"
 
 
-def check_layer_split(num_layers: int, pp: int, vpp: int | None = None) -> None:
-    """Megatron's rule for an even split: ``num_layers`` divides by the ``pp × vpp``
-    virtual stages (an uneven first or last stage is asked for explicitly)."""
+def check_layer_split(
+    num_layers: int,
+    pp: int,
+    vpp: int | None = None,
+    *,
+    first: int | None = None,
+    last: int | None = None,
+) -> None:
+    """Megatron's rules for a model's split (:func:`rank_layer_counts`): without a
+    ``first`` or ``last`` pipeline rank's count, ``num_layers`` divides by the ``pp × vpp``
+    virtual stages."""
+    if first is not None or last is not None:
+        rank_layer_counts(num_layers, pp, vpp, first=first, last=last)
+        return
     stages = pp * (vpp or 1)
     if num_layers % stages == 0:
         return
@@ -90,6 +111,88 @@ def check_layer_split(num_layers: int, pp: int, vpp: int | None = None) -> None:
         f"num_layers ({num_layers}) is not divisible by {layout}; use "
         f"{nearest_multiples(num_layers, stages)} layers or another layout"
     )
+
+
+def rank_layer_counts(
+    num_layers: int,
+    pp: int,
+    vpp: int | None = None,
+    *,
+    first: int | None = None,
+    last: int | None = None,
+) -> list[int]:
+    """The layers each pipeline rank holds over its ``vpp`` chunks (Megatron-Core's
+    uneven split): ``first`` on rank 0 and ``last`` on rank ``pp - 1`` where given, the
+    rest evenly over the other ranks; every rank's count divides by ``vpp``, so each of
+    its chunks holds the same number, at least one. Raises ``ValueError`` naming the
+    fields to change."""
+    v = vpp or 1
+    if first is None and last is None:
+        check_layer_split(num_layers, pp, vpp)
+        return [num_layers // pp] * pp
+    given = {name: n for name, n in ((FIRST, first), (LAST, last)) if n is not None}
+    for name, n in given.items():
+        if n < 1:
+            raise ValueError(f"{name} must be >= 1, got {n}")
+        if n % v:
+            raise ValueError(
+                f"{name} ({n}) is not divisible by virtual_pipeline_model_parallel_size ({v}): "
+                f"the rank's {v} chunks hold equal shares; use {nearest_multiples(n, v)}"
+            )
+    names = " and ".join(given)
+    if pp < 2:
+        raise ValueError(
+            f"{names} {'need' if len(given) > 1 else 'needs'} pipeline_model_parallel_size "
+            f">= 2, got {pp}; drop {'them' if len(given) > 1 else 'it'} or use more pipeline "
+            "stages"
+        )
+    middle_ranks = pp - len(given)
+    middle_layers = num_layers - sum(given.values())
+    if middle_ranks == 0 and middle_layers != 0:
+        raise ValueError(
+            f"with {pp} pipeline stages, {names} ({' + '.join(map(str, given.values()))}) "
+            f"must add up to num_layers ({num_layers})"
+        )
+    group = middle_ranks * v
+    if middle_ranks and (middle_layers < group or middle_layers % group):
+        chunks = f" ({v} chunks each)" if v > 1 else ""
+        leave = "leave" if len(given) > 1 else "leaves"
+        raise ValueError(
+            f"{names} {leave} {middle_layers} of num_layers ({num_layers}) to the other "
+            f"{middle_ranks} pipeline stages{chunks}, which must divide them evenly with at "
+            "least one layer per chunk"
+        )
+    counts = [middle_layers // middle_ranks if middle_ranks else 0] * pp
+    if first is not None:
+        counts[0] = first
+    if last is not None:
+        counts[-1] = last
+    return counts
+
+
+def stage_layer_ranges(
+    num_layers: int,
+    pp: int,
+    vpp: int | None = None,
+    *,
+    first: int | None = None,
+    last: int | None = None,
+    placement: Sequence[Sequence[int]] | None = None,
+) -> list[range]:
+    """The layers of every virtual stage, in stage order: the stage that runs as one of
+    rank ``r``'s chunks under ``placement`` (``placement[rank][chunk]``, default looped)
+    holds ``1/vpp`` of rank ``r``'s layers (:func:`rank_layer_counts`)."""
+    v = vpp or 1
+    if first is None and last is None:
+        check_layer_split(num_layers, pp, vpp)
+        return split_layers(num_layers, pp * v)
+    counts = rank_layer_counts(num_layers, pp, vpp, first=first, last=last)
+    rank_of = {
+        stage: rank
+        for rank, row in enumerate(placement or looped_placement(pp, v))
+        for stage in row
+    }
+    return split_layers(num_layers, pp * v, sizes=[counts[rank_of[s]] // v for s in range(pp * v)])
 
 
 def virtual_stages(num_layers: int, pp: int, layers_per_virtual_stage: int) -> int | None:

@@ -226,7 +226,8 @@ class _Counter:
             self.actions.append(self.weights.popleft())
 
 
-def _two_chunks(name: str, num_chunks: int) -> None:
+def check_v_chunks(name: str, num_chunks: int) -> None:
+    """A V places two model chunks on every rank."""
     if num_chunks != 2:
         raise ValueError(
             f"{name} places two model chunks on every rank in a V; got num_chunks={num_chunks}"
@@ -244,7 +245,7 @@ def zb_v(num_stages: int, num_microbatches: int, num_chunks: int = 2) -> Schedul
     ``max(m, 2p - 1)`` microbatches, the ones beyond ``m`` left out.
     """
     check_sizes(num_stages, num_microbatches, num_chunks)
-    _two_chunks("zb-v", num_chunks)
+    check_v_chunks("zb-v", num_chunks)
     p, m = num_stages, num_microbatches
     n = max(m, 2 * p - 1)
     per_rank = []
@@ -291,7 +292,7 @@ def dualpipev(num_stages: int, num_microbatches: int, num_chunks: int = 2) -> Sc
     and ``W`` to fill the drain. Needs ``m >= 2p``.
     """
     check_sizes(num_stages, num_microbatches, num_chunks)
-    _two_chunks("dualpipev", num_chunks)
+    check_v_chunks("dualpipev", num_chunks)
     p, m = num_stages, num_microbatches
     if m < 2 * p:
         raise ValueError(

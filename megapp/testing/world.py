@@ -114,10 +114,34 @@ def _worker_main(
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _free_port(ports: range | None) -> int:
+    """A port on 127.0.0.1 nothing listens on: any (None), or the first free one of
+    ``ports``."""
+    for port in ports if ports is not None else [0]:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise RuntimeError(
+        f"no free port in {ports[0]}..{ports[-1]} for the world's rendezvous: every one "
+        "is in use; give World a wider or another port range"
+    )
+
+
+def _port_range(port: int | range | None) -> range | None:
+    """``port`` as a range of candidate ports (None: any free port)."""
+    if port is None:
+        return None
+    ports = range(port, port + 1) if isinstance(port, int) else port
+    if not isinstance(ports, range) or isinstance(port, bool):
+        raise TypeError(f"port must be an int, a range or None, got {port!r}")
+    if len(ports) == 0 or not all(1 <= p <= 65535 for p in (ports[0], ports[-1])):
+        raise ValueError(
+            f"port must be one port or a non-empty range of ports in 1..65535, got {port!r}"
+        )
+    return ports
 
 
 def _megapp_on_pythonpath() -> None:
@@ -138,11 +162,25 @@ def _context() -> mp.context.BaseContext:
 
 
 class World:
-    """``world_size`` processes with an initialized gloo default group."""
+    """``world_size`` processes with an initialized gloo default group.
 
-    def __init__(self, world_size: int, *, num_threads: int = 1, start_timeout: float = 120.0):
+    ``port``: where rank 0 listens for the others to join, one port or a ``range`` of
+    them (the first free one is taken when the world starts); default any free port.
+    :attr:`port` is the one in use once started.
+    """
+
+    def __init__(
+        self,
+        world_size: int,
+        *,
+        num_threads: int = 1,
+        start_timeout: float = 120.0,
+        port: int | range | None = None,
+    ):
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
+        self.ports = _port_range(port)
+        self.port: int | None = None
         self.world_size = world_size
         self.num_threads = num_threads
         self.start_timeout = start_timeout
@@ -155,9 +193,9 @@ class World:
         return bool(self._procs) and all(p.is_alive() for p in self._procs)
 
     def start(self) -> None:
+        port = self.port = _free_port(self.ports)
         ctx = _context()
         self._logdir = tempfile.mkdtemp(prefix=f"megapp-world{self.world_size}-")
-        port = _free_port()
         for rank in range(self.world_size):
             parent, child = ctx.Pipe()
             proc = ctx.Process(

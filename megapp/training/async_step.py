@@ -66,9 +66,13 @@ def train_run(
     form, as the config builds it) without a flush; return each iteration's result and
     the learning rate its last step applied, identical on every rank. ``loss`` is the
     mean over the iteration's microbatches and data-parallel replicas; ``grad_norm`` the
-    norm, over every stage, of the gradients its last step applied."""
-    if optimizer.grad_scaler is not None:
-        raise ValueError(f"{schedule.name} steps each stage on its own; it runs without fp16")
+    norm, over every stage, of the gradients its last step applied. ``optimizer`` steps
+    each stage on its own (``per_stage``), which refuses what cannot run so."""
+    if not optimizer.per_stage:  # a per-stage optimizer refuses clipping, ZeRO, fp16, ties
+        raise ValueError(
+            f"{schedule.name} steps each pipeline stage on its own: build the optimizer with "
+            "per_stage=True (build_training_setup(..., per_stage_steps=True))"
+        )
     run = asynchronous_run(schedule, iterations)
     m = run.num_microbatches // iterations
     steps_per_iteration = m // run.update_interval

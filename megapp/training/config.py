@@ -62,6 +62,8 @@ _OTHER_NAMES = {
     "share_embeddings_and_output_weights": "--untie-embeddings-and-output-weights",
     "virtual_pipeline_model_parallel_size": "virtual pipeline size",
     "num_microbatches": "the number of microbatches",
+    "num_layers_in_first_pipeline_stage": "--decoder-first-pipeline-num-layers",
+    "num_layers_in_last_pipeline_stage": "--decoder-last-pipeline-num-layers",
 }
 _FLAGS = {
     f.name: flag_name(f) for group in GROUPS.values() for f in dataclasses.fields(group)
@@ -167,34 +169,25 @@ class PretrainConfig:
             ) from error
 
     def _check_asynchronous(self, name: str, pp: int, vpp: int | None) -> None:
-        """What PipeDream and 2BW, whose stages step on their own, cannot run with."""
+        """What PipeDream and 2BW, whose stages step on their own, cannot run with: the
+        optimizer's rule (:func:`~megapp.optimizer.optimizer.check_per_stage_steps`), in
+        flag names."""
+        from megapp.optimizer.optimizer import check_per_stage_steps
+
+        if vpp is not None:
+            raise ArgumentsError(
+                f"--pipeline-schedule {name} cannot run with virtual pipeline stages: it runs "
+                "one model chunk per rank"
+            )
         par = self.parallel
-        refusals = [
-            (vpp is not None, "virtual pipeline stages: it runs one model chunk per rank"),
-            (
-                par.zero_stage > 0 or par.use_distributed_optimizer,
-                "ZeRO (--zero-stage, --use-distributed-optimizer): the sharded optimizer's "
-                "gradient norm and weight gathers span ranks that step at other times; "
-                "use --zero-stage 0",
-            ),
-            (
-                self.precision.fp16,
-                "--fp16: a skipped step must be skipped by every stage at once; use --bf16",
-            ),
-            (
-                pp > 1 and self.optimizer.clip_grad > 0,
-                "clipping by the global gradient norm, which needs every stage's gradients "
-                "of a step at once; pass --clip-grad 0",
-            ),
-            (
-                pp > 1 and not self.model.untie_embeddings_and_output_weights,
-                "a word embedding tied across stages, whose two copies would step at "
-                "different times; pass --untie-embeddings-and-output-weights",
-            ),
-        ]
-        for refused, why in refusals:
-            if refused:
-                raise ArgumentsError(f"--pipeline-schedule {name} cannot run with {why}")
+        check_per_stage_steps(
+            f"--pipeline-schedule {name}",
+            pipeline_stages=pp,
+            clip_grad=self.optimizer.clip_grad,
+            tied_embedding=not self.model.untie_embeddings_and_output_weights,
+            sharded=par.zero_stage > 0 or par.use_distributed_optimizer,
+            loss_scaling=self.precision.fp16,
+        )
 
     def _derive(self) -> None:
         from megapp.optimizer.lr_scheduler import check_schedule
@@ -203,13 +196,20 @@ class PretrainConfig:
 
         par, model, training = self.parallel, self.model, self.training
         tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
-        vpp = None
+        vpp = par.num_virtual_stages_per_pipeline_rank
         if par.num_layers_per_virtual_pipeline_stage is not None:
             vpp = virtual_stages(model.num_layers, pp, par.num_layers_per_virtual_pipeline_stage)
+        vpp = vpp if vpp != 1 else None  # one chunk per rank: no virtual stages
         grid = ProcessGrid(self.world_size, tp, pp, vpp)
         self._set("virtual_pipeline_model_parallel_size", vpp)
         self._set("data_parallel_size", grid.dp)
-        check_layer_split(model.num_layers, pp, vpp)
+        check_layer_split(
+            model.num_layers,
+            pp,
+            vpp,
+            first=par.decoder_first_pipeline_num_layers,
+            last=par.decoder_last_pipeline_num_layers,
+        )
         # The model's own rules (sizes, heads, widths, recompute, positions, padding); the
         # vocabulary comes from the tokenizer later and no rule but its own depends on it.
         self.gpt_config(vocab_size=1)
@@ -280,6 +280,8 @@ class PretrainConfig:
             make_vocab_size_divisible_by=model.make_vocab_size_divisible_by,
             max_position_embeddings=model.positions,
             share_embeddings_and_output_weights=not model.untie_embeddings_and_output_weights,
+            num_layers_in_first_pipeline_stage=parallel.decoder_first_pipeline_num_layers,
+            num_layers_in_last_pipeline_stage=parallel.decoder_last_pipeline_num_layers,
         )
 
     def to_dict(self) -> dict[str, Any]:

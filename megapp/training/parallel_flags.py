@@ -17,6 +17,21 @@ class ParallelArgs:
     num_layers_per_virtual_pipeline_stage: int | None = arg(
         None, "layers per virtual stage; interleaves the pipeline schedule", kind=int
     )
+    num_virtual_stages_per_pipeline_rank: int | None = arg(
+        None,
+        "model chunks per pipeline rank: virtual stages asked for by count (the way that "
+        "works with --decoder-first/last-pipeline-num-layers)",
+        kind=int,
+    )
+    decoder_first_pipeline_num_layers: int | None = arg(
+        None,
+        "layers on the first pipeline rank (split evenly over its chunks); the ranks without "
+        "a count split the rest evenly",
+        kind=int,
+    )
+    decoder_last_pipeline_num_layers: int | None = arg(
+        None, "layers on the last pipeline rank, as --decoder-first-pipeline-num-layers", kind=int
+    )
     pipeline_schedule: str | None = arg(
         None,
         "default 1f1b, interleaved-1f1b with virtual stages; zb-v and dualpipev place two "
@@ -57,11 +72,25 @@ class ParallelArgs:
             self,
             (
                 "num_layers_per_virtual_pipeline_stage",
+                "num_virtual_stages_per_pipeline_rank",
                 "microbatch_group_size_per_virtual_pipeline_stage",
                 "ddp_bucket_size",
                 "pipeline_flush_interval",
             ),
         )
+        by_layers = self.num_layers_per_virtual_pipeline_stage is not None
+        if by_layers and self.num_virtual_stages_per_pipeline_rank is not None:
+            raise ArgumentsError(
+                "--num-layers-per-virtual-pipeline-stage and "
+                "--num-virtual-stages-per-pipeline-rank both ask for virtual stages; give one"
+            )
+        uneven = (self.decoder_first_pipeline_num_layers, self.decoder_last_pipeline_num_layers)
+        if by_layers and uneven != (None, None):
+            raise ArgumentsError(
+                "--num-layers-per-virtual-pipeline-stage assumes even stages; with "
+                "--decoder-first/last-pipeline-num-layers give "
+                "--num-virtual-stages-per-pipeline-rank instead"
+            )
         if not self.distributed_timeout_minutes > 0:
             raise ArgumentsError(
                 f"--distributed-timeout-minutes must be > 0, got {self.distributed_timeout_minutes}"

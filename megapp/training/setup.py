@@ -15,6 +15,7 @@ from megapp.distributed import DistributedDataParallel
 from megapp.models import GPTConfig, build_gpt_chunks
 from megapp.optimizer import ConstantGradScaler, DynamicGradScaler, LRScheduler, Optimizer
 from megapp.parallel_state import TrainGroups
+from megapp.pipeline_parallel.schedules import Schedule
 from megapp.training.flag_groups import OptimizerArgs, PrecisionArgs
 
 ChunkBuilder = Callable[[TrainGroups], list[nn.Module]]
@@ -60,6 +61,7 @@ def build_training_setup(
     zero_stage: int = 0,
     seed: int = 1234,
     device: torch.device | str = "cpu",
+    schedule: str | Schedule | None = None,
     stages: Sequence[int] | None = None,
     per_stage_steps: bool = False,
 ) -> TrainingSetup:
@@ -72,9 +74,12 @@ def build_training_setup(
     built from flags sets it). The optimizer's groups come from the layout.
     ``zero_stage``: 1 shards the optimizer states over data-parallel ranks (what
     ``use_distributed_optimizer`` asks too), 2 also the gradients, 3 also the weights.
-    ``stages``: the virtual stage of each GPT chunk on this rank (a schedule's
-    ``placement[pp_rank]``; default the looped placement). ``per_stage_steps``: each
-    pipeline stage steps its optimizer on its own (the asynchronous schedules).
+    ``schedule``: the pipeline schedule (a name or a
+    :class:`~megapp.pipeline_parallel.schedules.Schedule`) whose placement the GPT chunks
+    are built for (default the looped one); ``stages``: this rank's virtual stages given
+    directly instead. ``per_stage_steps``: each pipeline stage steps its optimizer on its
+    own (the asynchronous schedules), which refuses what cannot run so
+    (:func:`~megapp.optimizer.optimizer.check_per_stage_steps`).
     """
     if zero_stage not in ZERO_STAGES:
         raise ValueError(f"zero_stage must be one of {ZERO_STAGES}, got {zero_stage}")
@@ -100,6 +105,7 @@ def build_training_setup(
             vpp_size=vpp,
             tp_group=groups.tp,
             seed=seed,
+            schedule=schedule,
             stages=stages,
         )
     else:
