@@ -6,6 +6,7 @@ vary instead of repeating one token, and greedy agreement means something.
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -140,3 +141,44 @@ def test_tool_prints_the_same_tokens(models):
     run = subprocess.run(command, capture_output=True, text=True, env=ENV, timeout=120)
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == str(reference["greedy"][0].tolist())
+
+
+def generate_tool(capsys, *args):
+    """tools/generate.py run in this process: (exit status, stdout, stderr lines)."""
+    from tools import generate as tool
+
+    capsys.readouterr()  # what ran before is not the tool's
+    try:
+        status = tool.main([str(a) for a in args])
+    except SystemExit as stop:
+        status = stop.code
+    out, err = capsys.readouterr()
+    return status, out, err.strip().splitlines()
+
+
+def test_tool_takes_token_ids(models, capsys):
+    reference = torch.load(models / "gpt2" / "greedy.pt")
+    ids = [",".join(map(str, row)) for row in reference["prompt"].tolist()]
+    # the folder has no tokenizer: the ids are all it needs
+    status, out, err = generate_tool(
+        capsys, "--hf", models / "gpt2", "--prompt-ids", ids[0], "--prompt-ids", ids[1],
+        "--max-new-tokens", NEW,
+    )  # fmt: skip
+    assert status == 0, err
+    assert out.splitlines() == [str(row) for row in reference["greedy"].tolist()]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--prompt", "", "--tokenizer-type", "ByteTokenizer"], "--prompt '' has no tokens"),
+        (["--prompt-ids", "1,300"], r"--prompt-ids: ids \[300\] are outside the model's vocab"),
+        (["--prompt", "abc"], "no tokenizer: give --tokenizer-type"),
+        (["--prompt-ids", "1", "--max-new-tokens", "-1"], "max_new_tokens must be >= 0"),
+    ],
+)
+def test_tool_bad_inputs_end_in_one_line(models, capsys, args, message):
+    status, _, err = generate_tool(capsys, "--hf", models / "gpt2", *args)
+    assert status == 2
+    assert len(err) == 1 and err[0].startswith("generate.py: error: "), err
+    assert re.search(message, err[0]), err

@@ -137,3 +137,79 @@ def test_missing_safetensors_is_one_line(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "safetensors", None)
     with pytest.raises(ImportError, match="needs the `safetensors` package: pip install"):
         SafetensorsFolder(str(tmp_path))
+
+
+LLAMA = {
+    "model_type": "llama",
+    "hidden_size": 32,
+    "intermediate_size": 40,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "vocab_size": 50,
+}
+
+
+def test_a_missing_field_is_named_in_one_line():
+    hf = {k: v for k, v in LLAMA.items() if k != "vocab_size"}
+    with pytest.raises(ValueError, match=r"^llama config.json has no 'vocab_size'$"):
+        gpt_config_from_hf(hf)
+
+
+def test_a_sliding_window_model_runs_within_one_window():
+    hf = dict(LLAMA, model_type="mistral", sliding_window=16, max_position_embeddings=64)
+    with pytest.raises(ValueError, match=r"run it within one window: --max-position-embeddings 16"):
+        gpt_config_from_hf(hf)
+    # the suggested context is taken: the model imports and runs over 16 positions
+    assert gpt_config_from_hf(hf, max_position_embeddings=16).max_position_embeddings == 16
+    with pytest.raises(ValueError, match="over a 17-token context"):
+        gpt_config_from_hf(hf, max_position_embeddings=17)
+
+
+@pytest.mark.parametrize(
+    ("hf", "dropout"),
+    [
+        (dict(LLAMA, attention_dropout=0.0), (0.0, 0.0)),
+        (dict(LLAMA, model_type="qwen2", attention_dropout=0.25), (0.0, 0.25)),
+        (
+            {"model_type": "gpt2", "n_embd": 32, "n_layer": 2, "n_head": 4, "vocab_size": 50,
+             "n_positions": 64, "resid_pdrop": 0.05, "attn_pdrop": 0.0},
+            (0.05, 0.0),
+        ),
+    ],
+)  # fmt: skip
+def test_flags_build_the_model_with_its_dropout(hf, dropout):
+    from megapp.training.arguments import config_from_flags
+    from megapp.training.hf_start import pretrain_flags
+
+    model = gpt_config_from_hf(hf)
+    flags = pretrain_flags(model)
+    run = ["--seq-length", "16", "--micro-batch-size", "1", "--train-iters", "1", "--lr", "0"]
+    config = config_from_flags([*flags, *run, "--use-default-corpus"], world_size=1)
+    built = config.gpt_config(model.vocab_size)
+    assert (built.hidden_dropout, built.attention_dropout) == dropout
+    from megapp.models.hf_config import model_differences
+
+    assert model_differences(hf, built)[1] == []
+
+
+def test_export_of_a_model_trained_from_scratch_names_its_token_ids():
+    from megapp.models.hf_config import exported_config, generation_config
+
+    config = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=300)
+    hf = exported_config(config, "gpt2", eod=256)
+    assert (hf["bos_token_id"], hf["eos_token_id"]) == (256, 256)
+    assert generation_config(hf) == {"bos_token_id": 256, "eos_token_id": 256}
+    # transformers takes them as they are, not its GPT-2 default of 50256
+    assert transformers.AutoConfig.for_model(**hf).eos_token_id == 256
+
+
+def test_export_refuses_a_type_the_model_is_not():
+    from megapp.models.hf_config import exported_config
+
+    llama = gpt_config_from_hf(LLAMA)
+    with pytest.raises(ValueError, match="gpt2 needs normalization='LayerNorm'"):
+        exported_config(llama, "gpt2")
+    with pytest.raises(ValueError, match=r"the model is a llama model .* export it as llama"):
+        exported_config(llama, "mistral", original=LLAMA)
+    with pytest.raises(ValueError, match="describes another model: num_layers 3"):
+        exported_config(gpt_config_from_hf(dict(LLAMA, num_hidden_layers=3)), "llama", LLAMA)

@@ -13,6 +13,7 @@ ulps: 1e-5 absolute, 1e-5 relative. The exported weights are copies: bitwise equ
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -235,3 +236,121 @@ def test_layouts_import_match_transformers_and_export_bitwise(
         assert sorted(exported) == sorted(original)
         for name, tensor in original.items():
             assert torch.equal(exported[name], tensor), name
+
+
+def _odd_configs():
+    """One model per architecture whose config.json differs from transformers' defaults in
+    what describes it: token ids, dropout, a context longer than any run's, RoPE settings."""
+    t = transformers
+    ids = dict(bos_token_id=3, eos_token_id=5, pad_token_id=0)
+    rope = dict(
+        ids,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        attention_dropout=0.125,
+        rms_norm_eps=1e-5,
+    )
+    return {
+        "gpt2": (
+            t.GPT2LMHeadModel,
+            t.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=48,
+                         resid_pdrop=0.0, embd_pdrop=0.25, attn_pdrop=0.0625, **ids),
+        ),
+        "gpt_neox": (
+            t.GPTNeoXForCausalLM,
+            t.GPTNeoXConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+                            num_attention_heads=4, intermediate_size=64,
+                            max_position_embeddings=2048, use_parallel_residual=False,
+                            rotary_pct=0.5, hidden_dropout=0.0625, attention_dropout=0.125,
+                            **ids),
+        ),
+        "llama31": (
+            t.LlamaForCausalLM,
+            t.LlamaConfig(**rope, rope_theta=500000.0, rope_scaling={
+                "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 16}),
+        ),
+        # a window shorter than the context: megapp runs it within one window
+        "mistral": (t.MistralForCausalLM, t.MistralConfig(**rope, sliding_window=64)),
+        "qwen2": (t.Qwen2ForCausalLM, t.Qwen2Config(**rope, rope_theta=1e6)),
+    }  # fmt: skip
+
+
+@pytest.fixture
+def usual_umask():
+    old = os.umask(0o022)
+    yield 0o644
+    os.umask(old)
+
+
+@pytest.mark.parametrize("arch", sorted(_odd_configs()))
+def test_export_writes_back_the_imported_config(tmp_path, arch, usual_umask):
+    cls, hf_config = _odd_configs()[arch]
+    torch.manual_seed(0)
+    cls(hf_config).save_pretrained(tmp_path / "hf")
+    # A run's own settings: its dropout, and (RoPE) the context it trains at.
+    run = dict(hidden_dropout=0.1, attention_dropout=0.1, make_vocab_size_divisible_by=128)
+    if arch != "gpt2":
+        run["max_position_embeddings"] = 32
+    config, model_type = hf_gpt_config(str(tmp_path / "hf"), **run)
+    (chunk,) = build_gpt_chunks(config)
+    load_hf([chunk], str(tmp_path / "hf"), model_type)
+    out = tmp_path / "export"
+    save_hf([chunk], str(out), model_type, source_dir=str(tmp_path / "hf"))
+
+    for name in ("config.json", "generation_config.json"):
+        original = json.loads((tmp_path / "hf" / name).read_text())
+        assert json.loads((out / name).read_text()) == original, name
+    # transformers reads the same model, token ids and all
+    ours, theirs = (
+        transformers.AutoConfig.from_pretrained(d).to_dict() for d in (out, tmp_path / "hf")
+    )
+    ours.pop("_name_or_path"), theirs.pop("_name_or_path")
+    assert ours == theirs and ours["eos_token_id"] == 5
+    for path in out.iterdir():
+        assert path.stat().st_mode & 0o777 == usual_umask, path.name
+    original, exported = hf_tensors(tmp_path / "hf"), hf_tensors(out)
+    assert sorted(exported) == sorted(original)
+    assert all(torch.equal(exported[k], v) for k, v in original.items())
+
+
+def test_export_of_a_model_from_scratch_writes_its_token_ids(tmp_path, usual_umask):
+    config, _ = hf_gpt_config(str(_save_tiny_llama(tmp_path)))
+    (chunk,) = build_gpt_chunks(config)
+    save_hf([chunk], str(tmp_path / "export"), "llama", eod=7, max_shard_bytes=10_000)
+    written = transformers.GenerationConfig.from_pretrained(tmp_path / "export")
+    assert (written.bos_token_id, written.eos_token_id) == (7, 7)
+    assert transformers.AutoConfig.from_pretrained(tmp_path / "export").eos_token_id == 7
+    files = sorted(p.name for p in (tmp_path / "export").iterdir())
+    assert "model.safetensors.index.json" in files and len(files) > 4  # several shards
+    assert {(tmp_path / "export" / f).stat().st_mode & 0o777 for f in files} == {usual_umask}
+
+
+def test_export_as_a_type_the_model_is_not_writes_nothing(tmp_path):
+    source = _save_tiny_llama(tmp_path)
+    config, _ = hf_gpt_config(str(source))
+    (chunk,) = build_gpt_chunks(config)
+    for model_type, message in (("gpt2", "gpt2 needs normalization"), ("qwen2", "add_qkv_bias")):
+        with pytest.raises(ValueError, match=message):
+            save_hf([chunk], str(tmp_path / model_type), model_type)
+        with pytest.raises(ValueError, match="the model is a llama model"):
+            save_hf([chunk], str(tmp_path / model_type), model_type, source_dir=str(source))
+        assert not (tmp_path / model_type).exists()
+
+
+def _save_tiny_llama(tmp_path):
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=64,
+    )
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "tiny")
+    return tmp_path / "tiny"

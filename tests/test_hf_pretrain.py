@@ -3,11 +3,15 @@
 HF folder -> `pretrain_gpt.py --load-hf` under tp 2 x pp 2 (one step at learning rate 0,
 so the weights stay what they were) -> `--save-hf` from that layout, and a megapp
 checkpoint -> resumed in one process (tp 1) with `--save-hf`, and exported by
-`tools/convert_hf.py export`: all three folders hold the original tensors bit for bit.
+`tools/convert_hf.py export`: all three folders hold the original tensors bit for bit,
+and the original `config.json` and `generation_config.json`.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -23,7 +27,8 @@ transformers = pytest.importorskip("transformers")
 RUN = [
     *("--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "4"),
     *("--lr", "0", "--min-lr", "0", "--train-iters", "1", "--eval-iters", "0"),
-    *("--log-interval", "1", "--hidden-dropout", "0", "--attention-dropout", "0"),
+    "--log-interval",
+    "1",
 ]
 
 
@@ -47,17 +52,43 @@ def tool(*args):
     )
 
 
-def assert_same_tensors(exported, original):
+def assert_same_model(exported, original):
+    """The same tensors, bitwise, the same config files, and the usual file mode."""
     ours, theirs = hf_tensors(exported), hf_tensors(original)
     assert sorted(ours) == sorted(theirs)
     for name, tensor in theirs.items():
         assert torch.equal(ours[name], tensor), name
+    for name in ("config.json", "generation_config.json"):
+        assert read_json(exported / name) == read_json(original / name), name
+    mask = os.umask(0)
+    os.umask(mask)
+    for path in exported.iterdir():
+        assert path.stat().st_mode & 0o777 == 0o666 & ~mask, path.name
 
 
-def test_hf_to_tp2_pp2_to_checkpoint_to_one_process_to_hf_is_bitwise(corpus, tmp_path):
+def read_json(path):
+    return json.loads(path.read_text())
+
+
+def convert_tool(capsys, *args):
+    """tools/convert_hf.py run in this process: (exit status, stderr lines)."""
+    from tools import convert_hf
+
+    capsys.readouterr()  # what ran before is not the tool's
+    try:
+        status = convert_hf.main([str(a) for a in args])
+    except SystemExit as stop:
+        status = stop.code
+    return status, capsys.readouterr().err.strip().splitlines()
+
+
+def test_hf_to_tp2_pp2_to_checkpoint_to_one_process_to_hf_is_bitwise(corpus, tmp_path, capsys):
     torch.manual_seed(3)
     config = transformers.LlamaConfig(
         vocab_size=300,  # the byte tokenizer's 257 ids fit
+        bos_token_id=11,
+        eos_token_id=12,
+        max_position_embeddings=16384,  # longer than the runs' sequences
         hidden_size=64,
         intermediate_size=96,
         num_hidden_layers=4,
@@ -85,6 +116,8 @@ def test_hf_to_tp2_pp2_to_checkpoint_to_one_process_to_hf_is_bitwise(corpus, tmp
         assert flags.returncode == 0, flags.stderr
         model_flags = flags.stdout.split()
         assert "--use-rope-scaling" in model_flags and "--swiglu" in model_flags
+        # Llama's dropout (none), not pretrain_gpt.py's default of 0.1
+        assert "--hidden-dropout 0.0 --attention-dropout 0.0" in flags.stdout
         data = ["--data-path", str(corpus / "stdlib"), "--data-cache-path", str(tmp_path / "cache")]
 
         layout = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
@@ -111,18 +144,47 @@ def test_hf_to_tp2_pp2_to_checkpoint_to_one_process_to_hf_is_bitwise(corpus, tmp
             *("--load", tmp_path / "ckpt", "--load-hf", source, "--save-hf", tmp_path / "from_tp1"),
             cwd=tmp_path,
         )
-        export = ("export", tmp_path / "ckpt", "--output", tmp_path / "tool")
-        exported = pool.submit(tool, *export, "--model-type", "llama")
+        # the checkpoint knows its model's type and config
+        exported = pool.submit(tool, "export", tmp_path / "ckpt", "--output", tmp_path / "tool")
         checkpoint_text = pool.submit(generate_tool, "--load", tmp_path / "ckpt", *args)
-        assert_same_tensors(tmp_path / "from_tp2pp2", source)
+        assert_same_model(tmp_path / "from_tp2pp2", source)
+        saved = read_json(tmp_path / "ckpt" / "iter_0000001" / "common.json")["model_config"]
+        assert (saved["hidden_dropout"], saved["attention_dropout"]) == (0.0, 0.0)
+
+        # The wrong type for a checkpoint ends in one line and writes nothing, whether the
+        # checkpoint keeps its model's config or (a copy without it) was trained from scratch.
+        scratch = tmp_path / "scratch_ckpt"
+        shutil.copytree(tmp_path / "ckpt", scratch, ignore=shutil.ignore_patterns("hf_config"))
+        for checkpoint, model_type, message in (
+            (tmp_path / "ckpt", "gpt2", "the model is a llama model"),
+            (scratch, "gpt2", "gpt2 needs normalization='LayerNorm'"),
+            (scratch, None, "keeps no Hugging Face config"),
+        ):
+            chosen = [] if model_type is None else ["--model-type", model_type]
+            status, err = convert_tool(
+                capsys, "export", checkpoint, "--output", tmp_path / "wrong", *chosen
+            )
+            assert status == 2 and len(err) == 1, err
+            assert err[0].startswith("convert_hf.py: error: ") and message in err[0], err
+            assert not (tmp_path / "wrong").exists()
+        # trained from scratch: the token ids are the run's tokenizer's end of document
+        status, err = convert_tool(
+            capsys, "export", scratch, "--output", tmp_path / "scratch", "--model-type", "llama"
+        )
+        assert status == 0, err
+        byte_eod = 256
+        assert read_json(tmp_path / "scratch" / "generation_config.json") == {
+            "bos_token_id": byte_eod,
+            "eos_token_id": byte_eod,
+        }
 
     second = second.result()
     assert second.returncode == 0, second.stderr[-4000:]
-    assert_same_tensors(tmp_path / "from_tp1", source)
+    assert_same_model(tmp_path / "from_tp1", source)
 
     exported = exported.result()
     assert exported.returncode == 0, exported.stderr
-    assert_same_tensors(tmp_path / "tool", source)
+    assert_same_model(tmp_path / "tool", source)
 
     # The checkpoint and the original folder generate the same text (the run's byte
     # tokenizer comes from the checkpoint's settings).
@@ -142,3 +204,18 @@ def test_load_hf_refuses_flags_that_describe_another_model(corpus, tmp_path):
     assert run.returncode != 0
     assert "--load-hf" in run.stderr and "num_layers 3 (the model: 2)" in run.stderr
     assert "its flags are: --num-layers 2 --hidden-size 32" in run.stderr
+
+
+def test_load_hf_of_a_config_without_a_field_is_one_line(tmp_path, capsys):
+    import pretrain_gpt
+
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text('{"model_type": "llama", "hidden_size": 32}')
+    model = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"]
+    with pytest.raises(SystemExit) as stop:
+        pretrain_gpt.main([*model, *RUN, "--use-default-corpus", "--load-hf", str(tmp_path / "hf")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert stop.value.code == 2 and len(err) == 1, err
+    assert err[0].endswith(
+        f"error: --load-hf {tmp_path / 'hf'}: its config.json has no 'vocab_size'"
+    )

@@ -3,9 +3,13 @@ Qwen2, and GPT-NeoX with sequential residuals (partial rotary, erf GeLU).
 
 ``gpt_config_from_hf(config.json's dict)`` builds the megapp model that computes what the
 Hugging Face model computes; ``hf_config_from_gpt(config, model_type)`` writes the
-``config.json`` of the model megapp exports. Both refuse, with one line, what the other
+``config.json`` of a model megapp exports. Both refuse, with one line, what the other
 side cannot express (GPT-2's per-layer attention scaling, Mistral's sliding window over a
 longer context, a Llama MLP with biases, ...).
+
+A model that came from Hugging Face goes back with its own ``config.json``
+(:func:`exported_config`): megapp's config fixes the computation, not the token ids, the
+context length the model was made for or its dropout, so those are the original's.
 """
 
 from __future__ import annotations
@@ -24,6 +28,31 @@ _HF_ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
 }
+# The fields that make a model what it is; the others (layout, dropout, recompute, dtype,
+# initialization, and RoPE models' max_position_embeddings) are a run's own.
+MODEL_FIELDS = (
+    "num_layers",
+    "hidden_size",
+    "ffn_hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "kv_channels",
+    "activation",
+    "add_bias_linear",
+    "add_qkv_bias",
+    "normalization",
+    "layernorm_epsilon",
+    "position_embedding_type",
+    "rotary_base",
+    "rotary_percent",
+    "rope_scaling_factor",
+    "rope_low_freq_factor",
+    "rope_high_freq_factor",
+    "rope_original_max_position_embeddings",
+    "vocab_size",
+    "share_embeddings_and_output_weights",
+)
+TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
 def _rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any]]:
@@ -40,14 +69,22 @@ def _rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any]]:
 
 def gpt_config_from_hf(hf: dict[str, Any], **overrides: Any) -> GPTConfig:
     """The :class:`GPTConfig` of a Hugging Face ``config.json``; ``overrides`` set layout and
-    training fields (tensor_model_parallel_size, sequence_parallel, dropouts, ...)."""
+    training fields (tensor_model_parallel_size, sequence_parallel, dropouts, ...), and
+    for RoPE models ``max_position_embeddings``, how far megapp runs the model."""
     model_type = hf.get("model_type")
     if model_type not in MODEL_TYPES:
         raise ValueError(
             f"model_type {model_type!r} is not supported; megapp imports {', '.join(MODEL_TYPES)}"
         )
-    readers = {"gpt2": _gpt2_fields, "gpt_neox": _neox_fields}
-    fields = readers[model_type](hf) if model_type in readers else _llama_fields(hf, model_type)
+    try:
+        if model_type == "gpt2":
+            fields = _gpt2_fields(hf)
+        elif model_type == "gpt_neox":
+            fields = _neox_fields(hf)
+        else:
+            fields = _llama_fields(hf, model_type, overrides.get("max_position_embeddings"))
+    except KeyError as error:
+        raise ValueError(f"{model_type} config.json has no {error.args[0]!r}") from None
     fields.update(overrides)
     return GPTConfig(**fields)
 
@@ -117,7 +154,7 @@ def _neox_fields(hf: dict[str, Any]) -> dict[str, Any]:
     )
 
 
-def _llama_fields(hf: dict[str, Any], model_type: str) -> dict[str, Any]:
+def _llama_fields(hf: dict[str, Any], model_type: str, context: int | None) -> dict[str, Any]:
     act = hf.get("hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"{model_type} activation {act!r} is not supported (silu only)")
@@ -127,11 +164,12 @@ def _llama_fields(hf: dict[str, Any], model_type: str) -> dict[str, Any]:
     hidden = hf["hidden_size"]
     positions = hf.get("max_position_embeddings", 2048)
     window = hf.get("sliding_window") if hf.get("use_sliding_window", True) else None
-    if window is not None and window < positions:
+    if window is not None and window < (context or positions):
+        # Within one window, full causal attention is the same computation.
         raise ValueError(
             f"{model_type}: sliding-window attention ({window} tokens) over a "
-            f"{positions}-token context is not implemented; import with "
-            f"max_position_embeddings <= {window} (an override) to use it within one window"
+            f"{context or positions}-token context is not implemented; run it within one "
+            f"window: --max-position-embeddings {window} (or less)"
         )
     theta, rope = _rope(hf)
     fields: dict[str, Any] = dict(
@@ -168,6 +206,64 @@ def _llama_fields(hf: dict[str, Any], model_type: str) -> dict[str, Any]:
     elif rope["rope_type"] != "default":
         raise ValueError(f"{model_type} rope_type {rope['rope_type']!r} is not supported")
     return fields
+
+
+def model_differences(hf: dict[str, Any], config: GPTConfig) -> tuple[GPTConfig, list[str]]:
+    """The model ``hf`` describes (run over ``config``'s context when its positions are not
+    weights) and each model field where ``config`` differs from it, as
+    ``"name mine (the model: theirs)"``."""
+    context = {}
+    if hf.get("model_type") != "gpt2":  # only GPT-2's positions are weights
+        context["max_position_embeddings"] = config.max_position_embeddings
+    theirs = gpt_config_from_hf(hf, **context)
+    fields = list(MODEL_FIELDS)
+    if theirs.position_embedding_type == "learned_absolute":
+        fields.append("max_position_embeddings")
+    differ = [
+        f"{f} {getattr(config, f)!r} (the model: {getattr(theirs, f)!r})"
+        for f in fields
+        if getattr(config, f) != getattr(theirs, f)
+    ]
+    return theirs, differ
+
+
+def exported_config(
+    config: GPTConfig,
+    model_type: str,
+    original: dict[str, Any] | None = None,
+    eod: int | None = None,
+) -> dict[str, Any]:
+    """The ``config.json`` megapp exports ``config``'s weights with.
+
+    With the ``original`` config.json of the model (the one it was imported from): that
+    config, whole, with the dtype of the written tensors; it must describe ``config``'s
+    model as a ``model_type``. Without: :func:`hf_config_from_gpt`, and ``eod`` (the
+    run's end-of-document id) as both its first and its last token.
+    """
+    if original is None:
+        hf = hf_config_from_gpt(config, model_type)
+        hf.update(bos_token_id=eod, eos_token_id=eod)
+        return hf
+    if original.get("model_type") != model_type:
+        raise ValueError(
+            f"the model is a {original.get('model_type')} model (its original config.json "
+            f"says so), not a {model_type} one; export it as {original.get('model_type')}"
+        )
+    _, differ = model_differences(original, config)
+    if differ:
+        raise ValueError(f"the original config.json describes another model: {'; '.join(differ)}")
+    hf = dict(original)
+    dtype = str(config.params_dtype).removeprefix("torch.")
+    for key in ("dtype", "torch_dtype"):  # transformers 5's name, and the older one
+        if key in hf:
+            hf[key] = dtype
+    return hf
+
+
+def generation_config(hf: dict[str, Any]) -> dict[str, Any]:
+    """The ``generation_config.json`` of a model whose ``config.json`` is ``hf``: its token
+    ids (transformers stops generating at ``eos_token_id``)."""
+    return {key: hf[key] for key in TOKEN_IDS if hf.get(key) is not None}
 
 
 def hf_config_from_gpt(config: GPTConfig, model_type: str) -> dict[str, Any]:

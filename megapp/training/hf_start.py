@@ -4,6 +4,8 @@
 checkpoint is resumed; the model flags must describe ``DIR/config.json``, and
 ``tools/convert_hf.py flags DIR`` prints them. ``--save-hf DIR`` writes the trained model
 as a Hugging Face folder at the end (as ``--load-hf``'s type, or ``--hf-model-type``).
+The imported ``config.json`` travels with the run's checkpoints (:func:`prepare`), so
+that every export of the model writes it back.
 """
 
 from __future__ import annotations
@@ -11,35 +13,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import torch.distributed as dist
+
 from megapp import parallel_state as ps
 from megapp.models.gpt import GPTConfig
+from megapp.models.hf_config import model_differences
 from megapp.training.flag_groups import ArgumentsError
 from megapp.training.initialize import print_rank_0
 
-# The fields that make a model what it is; the others (layout, dropout, recompute, dtype,
-# initialization) are the run's own.
-ARCHITECTURE = (
-    "num_layers",
-    "hidden_size",
-    "ffn_hidden_size",
-    "num_attention_heads",
-    "num_query_groups",
-    "kv_channels",
-    "activation",
-    "add_bias_linear",
-    "add_qkv_bias",
-    "normalization",
-    "layernorm_epsilon",
-    "position_embedding_type",
-    "rotary_base",
-    "rotary_percent",
-    "rope_scaling_factor",
-    "rope_low_freq_factor",
-    "rope_high_freq_factor",
-    "rope_original_max_position_embeddings",
-    "vocab_size",
-    "share_embeddings_and_output_weights",
-)
 # Llama 3.1's scaling constants, which megapp (like Megatron) has no flags for.
 LLAMA31_SCALING = {
     "rope_low_freq_factor": 1.0,
@@ -93,48 +74,43 @@ def pretrain_flags(model: GPTConfig) -> list[str]:
         flags += ["--use-rope-scaling", "--rope-scaling-factor", repr(model.rope_scaling_factor)]
     if not model.share_embeddings_and_output_weights:
         flags.append("--untie-embeddings-and-output-weights")
+    # the model's own dropout, not pretrain_gpt.py's default of 0.1
+    flags += ["--hidden-dropout", repr(float(model.hidden_dropout))]
+    flags += ["--attention-dropout", repr(float(model.attention_dropout))]
     return flags
+
+
+def _config_field(directory: str, name: str) -> Any:
+    try:
+        hf = _hf().read_hf_config(directory)
+    except (OSError, ValueError) as error:
+        raise ArgumentsError(f"--load-hf {directory}: {error}") from error
+    if name not in hf:
+        raise ArgumentsError(f"--load-hf {directory}: its config.json has no {name!r}")
+    return hf[name]
 
 
 def model_type(directory: str) -> str:
     """The ``model_type`` of the model in ``directory``."""
-    try:
-        return str(_hf().read_hf_config(directory)["model_type"])
-    except (OSError, KeyError, ValueError) as error:
-        raise ArgumentsError(f"--load-hf {directory}: {error}") from error
+    return str(_config_field(directory, "model_type"))
 
 
 def hf_vocab_size(directory: str) -> int:
     """The vocabulary rows of the model in ``directory``."""
-    try:
-        return int(_hf().read_hf_config(directory)["vocab_size"])
-    except (OSError, KeyError, ValueError) as error:
-        raise ArgumentsError(f"--load-hf {directory}: {error}") from error
+    rows = _config_field(directory, "vocab_size")
+    if not isinstance(rows, int):
+        raise ArgumentsError(f"--load-hf {directory}: its vocab_size {rows!r} is not a number")
+    return rows
 
 
 def check_model_flags(config: Any, vocab_size: int) -> str:
     """Raise unless the run's model is the one in ``--load-hf``; returns its model_type."""
     directory = config.checkpoint.load_hf
-    mine = config.gpt_config(vocab_size)
     try:
-        theirs, model_type = _hf().hf_gpt_config(
-            directory,
-            **{
-                f.name: getattr(mine, f.name)
-                for f in dataclasses.fields(mine)
-                if f.name not in ARCHITECTURE and f.name != "max_position_embeddings"
-            },
-        )
+        hf = _hf().read_hf_config(directory)
+        theirs, differ = model_differences(hf, config.gpt_config(vocab_size))
     except (OSError, ValueError, ImportError) as error:
         raise ArgumentsError(f"--load-hf {directory}: {error}") from error
-    fields = list(ARCHITECTURE)
-    if theirs.position_embedding_type == "learned_absolute":
-        fields.append("max_position_embeddings")
-    differ = [
-        f"{f} {getattr(mine, f)!r} (the model: {getattr(theirs, f)!r})"
-        for f in fields
-        if getattr(mine, f) != getattr(theirs, f)
-    ]
     if differ:
         try:
             hint = " ".join(pretrain_flags(theirs))
@@ -144,7 +120,46 @@ def check_model_flags(config: Any, vocab_size: int) -> str:
             f"--load-hf {directory}: the model flags differ from its config.json in "
             f"{'; '.join(differ)}; its flags are: {hint}"
         )
-    return model_type
+    return hf["model_type"]
+
+
+def source_dir(config: Any) -> str | None:
+    """The folder with the ``config.json`` the run's model came with: ``--load-hf``, or the
+    one kept with the ``--load`` checkpoints; None for a model trained from scratch."""
+    ckpt = config.checkpoint
+    if ckpt.load_hf is not None:
+        return ckpt.load_hf
+    return None if ckpt.load is None else _hf().kept_hf_config(ckpt.load)
+
+
+def prepare(config: Any) -> None:
+    """At the start of a run: check that ``--save-hf`` can write the model it came with, and
+    keep that model's Hugging Face config with the ``--save`` checkpoints (global rank 0),
+    so that ``tools/convert_hf.py export`` writes it back."""
+    ckpt = config.checkpoint
+    source = source_dir(config)
+    if source is None:
+        return
+    if ckpt.save_hf is not None and ckpt.hf_model_type is not None:
+        kind = _kept_model_type(source)
+        if kind != ckpt.hf_model_type:
+            raise ArgumentsError(
+                f"--hf-model-type {ckpt.hf_model_type}: the model came from a {kind} folder "
+                f"({source}); export it as {kind}"
+            )
+    if ckpt.save is None or (dist.is_initialized() and dist.get_rank() != 0):
+        return
+    try:
+        _hf().keep_hf_config(source, ckpt.save)
+    except (OSError, ValueError) as error:
+        raise ArgumentsError(f"--save {ckpt.save}: {error}") from error
+
+
+def _kept_model_type(directory: str) -> str:
+    try:
+        return str(_hf().read_hf_config(directory).get("model_type"))
+    except (OSError, ValueError) as error:
+        raise ArgumentsError(f"{directory}: {error}") from error
 
 
 def load(config: Any, setup: Any, model_type: str) -> None:
@@ -165,6 +180,7 @@ def save(config: Any, setup: Any, model_type: str) -> None:
     if ps.get_data_parallel_rank() == 0:
         tp_rank, tp = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
         tokenizer_dir = config.checkpoint.load_hf or config.data.tokenizer_model
+        source = source_dir(config)
         _hf().save_hf(
             setup.chunks,
             directory,
@@ -173,5 +189,26 @@ def save(config: Any, setup: Any, model_type: str) -> None:
             tp,
             ps.get_model_parallel_group(),
             tokenizer_dir=tokenizer_dir,
+            source_dir=source,
+            eod=None if source is not None else _eod(config),
         )
     print_rank_0(f" > saved the model as a Hugging Face {model_type} folder in {directory}")
+
+
+def run_eod(settings: dict[str, Any]) -> int:
+    """The end-of-document id of a run's tokenizer (``settings``: its data flags, as saved),
+    the first and last token of a model trained from scratch."""
+    from megapp.data.tokenizers import build_tokenizer
+
+    names = ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model")
+    try:
+        return build_tokenizer(*(settings.get(name) for name in names)).eod
+    except (OSError, ValueError, ImportError) as error:
+        raise ValueError(f"the token ids are its tokenizer's, which fails: {error}") from error
+
+
+def _eod(config: Any) -> int:
+    try:
+        return run_eod(dataclasses.asdict(config.data))
+    except ValueError as error:
+        raise ArgumentsError(f"--save-hf: {error}") from error
