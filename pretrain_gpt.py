@@ -13,9 +13,15 @@ forward step with its loss, and the datasets provider; the loop itself is
 
 from __future__ import annotations
 
-import functools
 import os
 import sys
+
+from megapp.launcher_watch import exit_with_launcher
+
+if __name__ == "__main__":  # before torch's import, which takes seconds
+    exit_with_launcher(os.path.basename(sys.argv[0]))
+
+import functools
 
 import torch
 import torch.distributed as dist
@@ -42,6 +48,7 @@ from megapp.training.arguments import (
 )
 from megapp.training.config import PretrainConfig
 from megapp.training.flops import gpt_config_training_flops
+from megapp.training.initialize import check_memory
 from megapp.training.pretrain import pretrain
 
 
@@ -56,7 +63,7 @@ def model_provider(
         vpp_size=config.virtual_pipeline_model_parallel_size,
         tp_group=groups.tp,
         seed=config.training.seed,
-        stages=config.schedule.placement[ps.get_pipeline_model_parallel_rank()],
+        schedule=config.schedule,
     )
 
 
@@ -120,6 +127,9 @@ def datasets_provider(config: PretrainConfig, num_samples, *, tokenizer):
                     f"--data-path {prefix}: {prefix}.bin / {prefix}.idx not found; write them "
                     "with tools/preprocess_data.py or train on --use-default-corpus"
                 )
+    # Evaluation reads the valid and test splits: rank 0 says when one of them is empty.
+    on_rank_0 = not dist.is_initialized() or dist.get_rank() == 0
+    warn = functools.partial(print, flush=True) if config.logging.eval_iters and on_rank_0 else None
     try:
         check_token_ids(parse_data_path(data_path)[0], tokenizer.vocab_size, data.data_cache_path)
         return build_train_valid_test_datasets(
@@ -130,6 +140,7 @@ def datasets_provider(config: PretrainConfig, num_samples, *, tokenizer):
             config.training.seed,
             cache_dir=data.data_cache_path,
             rules=data.data_rules,
+            warn=warn,
         )
     except (ValueError, OSError) as error:
         raise ArgumentsError(f"--data-path: {error}") from error
@@ -164,6 +175,7 @@ def main(argv: list[str] | None = None) -> None:
         except (ValueError, OSError) as error:
             raise ArgumentsError(f"--tokenizer-type {data.tokenizer_type}: {error}") from error
         vocab_size = model_vocab_size(config, tokenizer.vocab_size)
+        check_memory(config, vocab_size)
         pretrain(
             config,
             functools.partial(datasets_provider, tokenizer=tokenizer),

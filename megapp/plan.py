@@ -31,7 +31,7 @@ from megapp.pipeline_parallel.simulate import simulate
 from megapp.planning import step_time, timing
 from megapp.planning.hardware import Hardware, load_hardware
 from megapp.planning.layout import Layout, pretrain_config
-from megapp.planning.layout_space import Space, layouts
+from megapp.planning.layout_space import Space, layouts, why_empty
 from megapp.planning.model_state import chunk_parameters, model_state
 from megapp.planning.models import BYTE_VOCAB, ModelPreset, load_model
 from megapp.training.config import PretrainConfig
@@ -353,8 +353,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{result.invalid} refused, {result.deadlocks} deadlock on this transport, "
         f"{result.timed} simulated in {result.seconds:.1f} s"
     )
+    if not result.enumerated:  # the arithmetic left nothing to check or fit
+        why = why_empty(planner.base, args.gpus, gpn, args.global_batch_size, space)
+        print(f"python -m megapp.plan: error: no layout: {why}", file=sys.stderr)
+        return 2
     if not result.best:
-        print("python -m megapp.plan: error: no layout fits in memory", file=sys.stderr)
+        why = "no layout fits in memory"
+        if result.invalid or result.deadlocks:
+            why = (
+                f"no layout can run: {result.over_memory} over memory, {result.invalid} "
+                f"refused by pretrain_gpt.py's checks, {result.deadlocks} deadlock on this "
+                "transport"
+            )
+        print(f"python -m megapp.plan: error: {why}", file=sys.stderr)
         return 1
     run_flags = shlex.split(args.run_flags)
     print(format_table(result, model, args.gpus, gpn, args.global_batch_size, run_flags))

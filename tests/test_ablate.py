@@ -138,6 +138,46 @@ def test_toml_spec(tmp_path):
         spec_from_mapping({"model_flags": list(MODEL), "tensor_parallel": [2]})
 
 
+def test_a_bad_sweep_file_is_one_line_naming_it(tmp_path, capsys):
+    """A syntax error, a missing file, a setting of the wrong kind and an unknown one each
+    end the command with status 2 and one line that names the file."""
+    model = 'model_flags = ["--num-layers", "4", "--hidden-size", "64"]\n'
+    files = {
+        "syntax.toml": (model + "tp = [1\n", "syntax.toml: Unclosed array"),
+        "words.toml": (model + 'tp = ["two"]\n', "words.toml: tp = ['two']: 'two' is not an "),
+        "float.toml": (model + "micro_batch_size = [1.5]\n", "float.toml: micro_batch_size"),
+        "switch.toml": (model + 'sequence_parallel = ["on"]\n', "switch.toml: sequence_par"),
+        "unknown.toml": (model + "tensor_parallel = [2]\n", "unknown.toml: unknown sweep "),
+        "missing.toml": (None, "missing.toml: No such file or directory"),
+    }
+    for name, (text, message) in files.items():
+        if text is not None:
+            (tmp_path / name).write_text(text)
+        code = ablate.main(["--config", str(tmp_path / name), "--out", str(tmp_path / "out")])
+        err = capsys.readouterr().err
+        assert code == 2 and err.count("\n") == 1, (name, err)
+        assert err.startswith(f"ablate.py: error: {tmp_path / message}"), (name, err)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_sweep_whose_every_point_is_refused_runs_nothing(tmp_path, capsys, monkeypatch):
+    """Only the single-process references would run, with nothing to compare them with:
+    status 2, every refused point listed with its reason, no launch, no records."""
+    launches = []
+    monkeypatch.setattr(ablate, "run_sweep", lambda *args, **kwargs: launches.append(args))
+    flags = ["--out", str(tmp_path / "out"), "--model-flags", " ".join(MODEL), "--nproc", "4"]
+    flags += ["--global-batch-size", "8", "--tp", "3", "--pp", "3"]
+    for mode in ([], ["--dry-run"], ["--slurm"]):
+        assert ablate.main([*flags, *mode]) == 2
+        captured = capsys.readouterr()
+        assert "0 points, 1 dropped\n  drop  tp3 pp3 vpp1 default mb1" in captured.out
+        assert captured.err == (
+            "ablate.py: error: every point of the sweep is refused (1; the first, tp3 pp3 "
+            "vpp1 default mb1 norecompute z0: world size 4 is not divisible by tp × pp = 9)\n"
+        )
+    assert not launches and not (tmp_path / "out").exists()
+
+
 def test_measure_reads_median_tokens_memory_and_bubble(tmp_path):
     path = tmp_path / "metrics.jsonl"
     write_metrics(path, LOSSES, world=4, ms=200.0)

@@ -232,6 +232,30 @@ def test_nothing_fits_says_so(tmp_path, capsys):
     )
 
 
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["--gpus", "1024", "--global-batch-size", "1531"],
+            "global batch 1531 is not divisible by any data-parallel size that 1024 GPUs leave "
+            "(64, 128, 256, 512, 1024: GPUs / (tp × pp), tp dividing a node's 8 GPUs and the "
+            "model's 4 heads, pp up to its 4 layers); use a multiple of 64",
+        ),
+        (
+            ["--gpus", "8", "--global-batch-size", "1", "--schedules", "zb-v", "--max-chunks", "1"],
+            "the schedules zb-v run two chunks per pipeline rank, and no pipeline size that "
+            "global batch 1 allows gives two (the model's 4 layers, at most 1 chunks per rank)",
+        ),
+    ],
+)
+def test_an_empty_space_says_which_rule_left_nothing(argv, message, capsys):
+    """Not "no layout fits in memory": no layout was there to fit."""
+    assert main(["--model", "tiny", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"python -m megapp.plan: error: no layout: {message}")
+    assert err.count("\n") == 1
+
+
 def test_tensor_parallel_groups_stay_within_a_node():
     """tp 6 divides 48 GPUs and 48 heads, but on 8-GPU nodes a group of 6 would straddle
     two nodes: only sizes that divide the node are laid out."""

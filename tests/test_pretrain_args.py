@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from megapp.models import build_gpt_chunks
 from megapp.training import arguments
 from megapp.training.arguments import ArgumentsError, config_from_flags, parse_args
 from megapp.training.config import PretrainConfig, as_flags
@@ -222,3 +223,124 @@ def test_readme_runs_the_cpu_demo_script():
     parallel = config.parallel
     assert (parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size) == (2, 2)
     assert config.data_parallel_size == 2
+
+
+def test_uneven_first_and_last_stages_reach_the_model_chunks():
+    """Megatron's --decoder-first/last-pipeline-num-layers, with or without virtual stages
+    (asked for by count, Megatron's way with uneven stages), split the model as they say."""
+    uneven = "--decoder-first-pipeline-num-layers 1 --decoder-last-pipeline-num-layers 3"
+    config = args_for(f"--num-layers 8 --pipeline-model-parallel-size 4 {uneven}", 4)
+    gpt = config.gpt_config(vocab_size=257)
+    assert (gpt.num_layers_in_first_pipeline_stage, gpt.num_layers_in_last_pipeline_stage) == (
+        1,
+        3,
+    )
+    assert config.to_dict()["parallel"]["decoder_last_pipeline_num_layers"] == 3
+    interleaved = args_for(
+        "--num-layers 12 --pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2 "
+        "--decoder-first-pipeline-num-layers 4 --global-batch-size 8",
+        2,
+    )
+    assert interleaved.virtual_pipeline_model_parallel_size == 2
+    assert interleaved.schedule.name == "interleaved-1f1b"
+    for built, want in ((config, [[1], [2], [2], [3]]), (interleaved, [[2, 2], [4, 4]])):
+        pp = built.parallel.pipeline_model_parallel_size
+        layers = [
+            [
+                len(chunk.decoder.layers)
+                for chunk in build_gpt_chunks(
+                    built.gpt_config(vocab_size=257),
+                    pp_rank=rank,
+                    pp_size=pp,
+                    vpp_size=built.virtual_pipeline_model_parallel_size,
+                    schedule=built.schedule,
+                )
+            ]
+            for rank in range(pp)
+        ]
+        assert layers == want
+
+
+UNEVEN_ERRORS = [
+    # (extra flags, world size, what the message must say)
+    (
+        "--decoder-first-pipeline-num-layers 2",
+        1,
+        r"^--decoder-first-pipeline-num-layers needs --pipeline-model-parallel-size >= 2, "
+        r"got 1; drop it or use more pipeline stages$",
+    ),
+    (
+        "--pipeline-model-parallel-size 2 --decoder-first-pipeline-num-layers 0",
+        2,
+        r"^--decoder-first-pipeline-num-layers must be >= 1, got 0$",
+    ),
+    (
+        "--pipeline-model-parallel-size 2 --decoder-first-pipeline-num-layers 1 "
+        "--decoder-last-pipeline-num-layers 2",
+        2,
+        r"^with 2 pipeline stages, --decoder-first-pipeline-num-layers and "
+        r"--decoder-last-pipeline-num-layers \(1 \+ 2\) must add up to --num-layers \(4\)$",
+    ),
+    (
+        "--num-layers 8 --pipeline-model-parallel-size 4 --decoder-last-pipeline-num-layers 3",
+        4,
+        r"^--decoder-last-pipeline-num-layers leaves 5 of --num-layers \(8\) to the other 3 "
+        r"pipeline stages, which must divide them evenly with at least one layer per chunk$",
+    ),
+    (
+        "--num-layers 8 --pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2 "
+        "--decoder-first-pipeline-num-layers 3",
+        2,
+        r"^--decoder-first-pipeline-num-layers \(3\) is not divisible by virtual pipeline "
+        r"size \(2\): the rank's 2 chunks hold equal shares; use 2 or 4$",
+    ),
+    (
+        "--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1 "
+        "--decoder-first-pipeline-num-layers 2",
+        2,
+        r"^--num-layers-per-virtual-pipeline-stage assumes even stages; with "
+        r"--decoder-first/last-pipeline-num-layers give --num-virtual-stages-per-pipeline-rank "
+        r"instead$",
+    ),
+    (
+        "--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1 "
+        "--num-virtual-stages-per-pipeline-rank 2",
+        2,
+        r"^--num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank "
+        r"both ask for virtual stages; give one$",
+    ),
+    (
+        "--num-virtual-stages-per-pipeline-rank 2",
+        1,
+        r"^virtual pipeline size 2 needs pipeline parallelism, but "
+        r"--pipeline-model-parallel-size is 1",
+    ),
+    (
+        "--pipeline-model-parallel-size 2 --decoder-last-pipeline-num-layers -1",
+        2,
+        r"^--decoder-last-pipeline-num-layers must be >= 1, got -1$",
+    ),
+]
+
+
+@pytest.mark.parametrize("extra, world_size, message", UNEVEN_ERRORS)
+def test_bad_uneven_stages_fail_in_one_line_naming_the_flags(extra, world_size, message):
+    with pytest.raises(ArgumentsError, match=message) as info:
+        args_for(extra, world_size)
+    assert "\n" not in str(info.value)
+
+
+def test_the_command_line_checks_its_outputs(tmp_path, capsys, monkeypatch):
+    """parse_args (what pretrain_gpt.py runs) refuses an output it could not write; the
+    config alone (what the planner checks, for paths of another machine) does not look."""
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    (tmp_path / "metrics").mkdir()
+    flags = shlex.split(f"{BASE} --metrics-path {tmp_path / 'metrics'}")
+    with pytest.raises(SystemExit) as stop:
+        parse_args(flags, world_size=1)
+    assert stop.value.code == 2
+    assert capsys.readouterr().err.endswith(  # the program's name is pytest's here
+        f": error: --metrics-path {tmp_path / 'metrics'}: is a directory; --metrics-path "
+        "names a file\n"
+    )
+    assert config_from_flags(flags, 1).logging.metrics_path == str(tmp_path / "metrics")

@@ -1,15 +1,20 @@
-"""The loop's data iterators: resuming from a consumed-sample count reads exactly what an
-uninterrupted run reads next, evaluation data wraps around, only data chunks read."""
+"""The loop's data: resuming from a consumed-sample count reads exactly what an
+uninterrupted run reads next, evaluation data wraps around, only data chunks read, and a
+corpus too small for its split is named before training starts."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
+import pretrain_gpt
+from megapp.data import ByteTokenizer, IndexedDatasetBuilder
 from megapp.training.arguments import ArgumentsError
 from megapp.training.data_iterators import chunk_iterators, rank0_first
+from tests.test_pretrain_args import args_for
 
 DATASET = [{"tokens": torch.tensor([i])} for i in range(10)]
 
@@ -72,3 +77,43 @@ def test_too_small_evaluation_split_and_build_errors_are_clear():
 
     with pytest.raises(ArgumentsError, match=r"corpus\.idx: truncated index"):
         rank0_first(broken)
+
+
+def _write_corpus(prefix, documents):
+    builder = IndexedDatasetBuilder(f"{prefix}.bin", np.uint16)
+    for _ in range(documents):
+        builder.add_document(np.arange(1, 41))
+    builder.finalize(f"{prefix}.idx")
+    return str(prefix)
+
+
+def test_a_corpus_too_small_for_the_split_says_so(tmp_path, capsys):
+    """A train split without sequences stops the job with one line; empty valid and test
+    splits, with evaluation on, are one warning line each and training goes on."""
+    base = (
+        "--num-layers 1 --hidden-size 16 --num-attention-heads 2 --seq-length 8 "
+        "--micro-batch-size 1 --lr 1e-3 --train-iters 4"
+    )
+    one = _write_corpus(tmp_path / "one", 1)
+    config = args_for(f"--data-path {one} --split 1,1,1", 1, base)
+    with pytest.raises(ArgumentsError) as error:
+        pretrain_gpt.datasets_provider(config, [4, 10, 2], tokenizer=ByteTokenizer())
+    assert str(error.value) == (
+        f"--data-path: the train split gets no sequences: the 1 sequence of {one} split "
+        "'1,1,1' as train 0, valid 1, test 0; give more data or a larger train share of the split"
+    )
+
+    five = _write_corpus(tmp_path / "five", 5)
+    config = args_for(f"--data-path {five} --split 969,30,1 --eval-iters 2", 1, base)
+    train, valid, test = pretrain_gpt.datasets_provider(
+        config, [4, 10, 2], tokenizer=ByteTokenizer()
+    )
+    assert len(train) >= 4 and valid is None and test is None
+    sizes = f"the 5 sequences of {five} split '969,30,1' as train 5, valid 0, test 0"
+    assert capsys.readouterr().out.splitlines() == [
+        f"warning: no valid data: {sizes}; evaluation on valid data is skipped",
+        f"warning: no test data: {sizes}; evaluation on test data is skipped",
+    ]
+    config = args_for(f"--data-path {five} --split 969,30,1 --eval-iters 0", 1, base)
+    pretrain_gpt.datasets_provider(config, [4, 10, 2], tokenizer=ByteTokenizer())
+    assert capsys.readouterr().out == ""

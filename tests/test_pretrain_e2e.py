@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -176,6 +177,23 @@ def _finish(running: dict[str, subprocess.Popen]) -> dict[str, tuple[int, str]]:
     return outcomes
 
 
+FRAME = re.compile(r'File "([^"]+)", line \d+')
+
+
+def worker_traceback(stderr: str) -> str | None:
+    """The first sign of a traceback from a worker in a launch's stderr, or None: a frame
+    in this repository's files, or a traceback other than torchrun's own report that a
+    worker failed (which ends in ChildFailedError and names only torch's files)."""
+    for match in FRAME.finditer(stderr):
+        path = Path(match.group(1))  # "<frozen runpy>" and the like are no files
+        if path.is_absolute() and path.resolve().is_relative_to(ROOT):
+            return match.group(0)
+    tracebacks = stderr.count("Traceback (most recent call last)")
+    if tracebacks > stderr.count("errors.ChildFailedError"):
+        return f"{tracebacks} tracebacks"
+    return None
+
+
 def _check_side_by_side(cases: dict, outcomes: dict[str, tuple[int, str]]) -> None:
     """Every case exited nonzero with exactly one ``error:`` line, its ``message``, and
     no worker traceback."""
@@ -187,8 +205,8 @@ def _check_side_by_side(cases: dict, outcomes: dict[str, tuple[int, str]]) -> No
         assert errors[0].startswith(f"pretrain_gpt.py: error: {message}"), (
             f"{name}: {message!r} does not start the error line:\n{errors[0]}"
         )
-        assert "megapp/" not in stderr and 'pretrain_gpt.py", line' not in stderr, (
-            f"{name}: a worker printed a traceback:\n{stderr[-3000:]}"
+        assert worker_traceback(stderr) is None, (
+            f"{name}: a worker printed a traceback ({worker_traceback(stderr)}):\n{stderr[-3000:]}"
         )
 
 
@@ -204,9 +222,15 @@ SMALL = (
 )
 
 
-def test_bad_settings_and_data_fail_with_one_clear_error(corpus, tmp_path):
-    """Broken launches, run side by side: each exits nonzero with one line naming the
-    problem, before any training."""
+BAD_DATA = ("missing", "corrupt", "token ids", "flag", "load typo")
+
+
+@pytest.fixture(scope="module")
+def bad_starts(corpus, tmp_path_factory):
+    """Broken launches, run side by side: bad settings and data, outputs that cannot be
+    written, a model larger than the memory, a timeout shorter than start-up. Each case's
+    ``(nproc, flags, message)`` and each launch's exit status and stderr."""
+    tmp_path = tmp_path_factory.mktemp("bad_starts")
     broken = tmp_path / "broken"
     broken.mkdir()
     for suffix in (".bin", ".idx"):
@@ -220,8 +244,11 @@ def test_bad_settings_and_data_fail_with_one_clear_error(corpus, tmp_path):
         tokens[17] = 3999 if doc == 10 else tokens[17]
         builder.add_document(tokens)
     builder.finalize(str(tmp_path / "other.idx"))
+    (tmp_path / "a_file").write_text("not a directory")
+    (tmp_path / "a_directory").mkdir()
     small = SMALL.split()
     cache = ["--data-cache-path", str(tmp_path / "cache")]
+    good = [*small, "--data-path", str(corpus / "stdlib"), *cache]
     cases = {
         "missing": (
             2,
@@ -249,8 +276,71 @@ def test_bad_settings_and_data_fail_with_one_clear_error(corpus, tmp_path):
             [*small, "--use-default-corpus", *cache, "--load", str(tmp_path / "chekpoints")],
             f"--load {tmp_path / 'chekpoints'}: the directory does not exist",
         ),
+        "save in /proc": (
+            2,
+            [*good, "--save", "/proc/nope"],
+            "--save /proc/nope: cannot create it in /proc (",
+        ),
+        "save names a file": (
+            2,
+            [*good, "--save", str(tmp_path / "a_file")],
+            f"--save {tmp_path / 'a_file'}: is a file; --save names a directory",
+        ),
+        "metrics names a directory": (
+            2,
+            [*good, "--metrics-path", str(tmp_path / "a_directory")],
+            f"--metrics-path {tmp_path / 'a_directory'}: is a directory; --metrics-path names "
+            "a file",
+        ),
+        "model too large": (
+            2,
+            [*good, "--hidden-size", "65536", "--num-layers", "48"],
+            "the model does not fit in memory: 2 ranks' weights, gradients and optimizer "
+            "states need 36",
+        ),
+        "timeout too short": (
+            2,
+            [*good, "--distributed-timeout-minutes", "0.001"],
+            "--distributed-timeout-minutes 0.001 (0.1 s) is too short for start-up: rank ",
+        ),
     }
-    _run_side_by_side(cases, tmp_path)
+    return cases, _finish(_start_side_by_side(cases, tmp_path))
+
+
+def _check_case(bad_starts, *names: str) -> None:
+    cases, outcomes = bad_starts
+    _check_side_by_side({n: cases[n] for n in names}, {n: outcomes[n] for n in names})
+
+
+def test_bad_settings_and_data_fail_with_one_clear_error(bad_starts):
+    """Each exits nonzero with one line naming the problem, before any training."""
+    _check_case(bad_starts, *BAD_DATA)
+
+
+def test_a_save_directory_that_cannot_be_made_fails_at_start(bad_starts):
+    _check_case(bad_starts, "save in /proc")
+
+
+def test_a_save_directory_that_is_a_file_fails_at_start(bad_starts):
+    _check_case(bad_starts, "save names a file")
+
+
+def test_a_metrics_file_that_is_a_directory_fails_at_start(bad_starts):
+    _check_case(bad_starts, "metrics names a directory")
+
+
+def test_a_model_larger_than_the_memory_fails_at_start(bad_starts):
+    """Its weights, gradients and Adam states are counted before anything is allocated."""
+    _check_case(bad_starts, "model too large")
+    _, outcomes = bad_starts
+    line = next(x for x in outcomes["model too large"][1].splitlines() if "error:" in x)
+    assert re.search(r"need 3\d{4}\.\d GiB but this machine has \d+\.\d GiB free", line), line
+
+
+def test_a_timeout_shorter_than_start_up_says_which_flag_to_raise(bad_starts):
+    _check_case(bad_starts, "timeout too short")
+    _, outcomes = bad_starts
+    assert "raise --distributed-timeout-minutes" in outcomes["timeout too short"][1]
 
 
 def _broken_checkpoint_cases(checkpoints: Path, corpus: Path, tmp_path: Path):

@@ -134,8 +134,10 @@ class ProgressBar(Progress):
 
 
 def print_points(expansion: ablation_points.Expansion, dropped: bool = True) -> None:
-    """The runnable points and (with ``dropped``) every refused one with its reason."""
-    print(f"{len(expansion.points)} points, {len(expansion.dropped)} dropped (see sweep.json)")
+    """The runnable points and (with ``dropped``, else see sweep.json) every refused one
+    with its reason."""
+    where = "" if dropped else " (see sweep.json)"
+    print(f"{len(expansion.points)} points, {len(expansion.dropped)} dropped{where}")
     for point in expansion.points:
         print(f"  run   {point.name}")
     for drop in expansion.dropped if dropped else []:
@@ -209,8 +211,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ablate.py: error: {error}", file=sys.stderr)
         return 2
     out = Path(args.out).resolve()  # the array jobs and the launcher run elsewhere
+    expansion = ablation_points.expand(spec)
+    if not expansion.points:  # only the references would run: nothing to compare
+        print_points(expansion)
+        first = expansion.dropped[0]
+        print(
+            f"ablate.py: error: every point of the sweep is refused ({len(expansion.dropped)}; "
+            f"the first, {first.description}: {first.reason.splitlines()[0]})",
+            file=sys.stderr,
+        )
+        return 2
     if args.dry_run:
-        print_points(ablation_points.expand(spec))
+        print_points(expansion)
         return 0
     if (args.slurm or args.collect) and spec.repeats > 1:
         print("ablate.py: error: --repeats runs here only; an array job launches each point once")
@@ -224,7 +236,6 @@ def main(argv: list[str] | None = None) -> int:
         if spec.nnodes != 1:
             print("ablate.py: error: nnodes > 1 runs under --slurm only", file=sys.stderr)
             return 2
-        expansion = ablation_points.expand(spec)
         print_points(expansion, dropped=False)
         todo = [*reference_points(spec, expansion), *expansion.points]
         done = [finished(out, p, args.retry_failed) for p in todo]

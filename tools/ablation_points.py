@@ -263,13 +263,46 @@ def _as_tuple(name: str, value: Any) -> tuple:
     return items
 
 
-def spec_from_mapping(values: Mapping[str, Any]) -> SweepSpec:
-    """A spec from plain values (a parsed TOML table or flags): lists become tuples,
-    ``"none"``/``"default"`` become None for schedules and recompute, unknown keys fail."""
-    known = {f.name: f for f in fields(SweepSpec)}
-    unknown = sorted(set(values) - set(known))
+_INTEGERS = ("global_batch_size", "train_iters", "nproc", "nnodes", "seed", "repeats")
+_INTEGERS += ("profile_iteration", "tp", "pp", "vpp", "micro_batch_size", "zero_stage")
+_WORDS = ("model", "hardware", "schedule", "recompute")
+
+
+def _kind_error(name: str, item: Any) -> str | None:
+    """What is wrong with ``item`` as a value of setting ``name``, or None."""
+    if name in _INTEGERS and (isinstance(item, bool) or not isinstance(item, int)):
+        return "is not an integer"
+    if name == "timeout_s" and (isinstance(item, bool) or not isinstance(item, int | float)):
+        return "is not a number of seconds"
+    if name in _WORDS and not isinstance(item, str):
+        return "is not a string"
+    if name == "sequence_parallel" and not isinstance(item, bool):
+        return "is not true or false"
+    return None
+
+
+def check_settings(values: Mapping[str, Any]) -> None:
+    """Raise ValueError naming the first unknown setting or value of the wrong kind."""
+    known = {f.name for f in fields(SweepSpec)}
+    unknown = sorted(set(values) - known)
     if unknown:
         raise ValueError(f"unknown sweep settings {unknown}; known: {sorted(known)}")
+    for name, value in values.items():
+        items = value if isinstance(value, list | tuple) else [value]
+        for item in items if value is not None else []:
+            wrong = _kind_error(name, item)
+            if wrong is not None:
+                raise ValueError(f"{name} = {value!r}: {item!r} {wrong}")
+    if values.get("repeats", 1) < 1:
+        raise ValueError(f"repeats must be >= 1, got {values['repeats']}")
+
+
+def spec_from_mapping(values: Mapping[str, Any]) -> SweepSpec:
+    """A spec from plain values (a parsed TOML table or flags): lists become tuples,
+    ``"none"``/``"default"`` become None for schedules and recompute; unknown keys and
+    values of the wrong kind fail (:func:`check_settings`)."""
+    check_settings(values)
+    known = {f.name: f for f in fields(SweepSpec)}
     kwargs: dict[str, Any] = {}
     for name, value in values.items():
         if value is None:
@@ -283,12 +316,18 @@ def spec_from_mapping(values: Mapping[str, Any]) -> SweepSpec:
         kwargs["model_flags"] = (*preset.flags, *kwargs.get("model_flags", ()))
     if "model_flags" not in kwargs:
         raise ValueError('a sweep needs model_flags or a model preset (model = "tiny")')
-    if kwargs.get("repeats", 1) < 1:
-        raise ValueError(f"repeats must be >= 1, got {kwargs['repeats']}")
     return SweepSpec(**kwargs)
 
 
 def load_spec(path: str | Path) -> dict[str, Any]:
-    """The settings of a TOML sweep file (top-level keys are :class:`SweepSpec` fields)."""
-    with open(path, "rb") as handle:
-        return tomllib.load(handle)
+    """The settings of a TOML sweep file (top-level keys are :class:`SweepSpec` fields),
+    checked by :func:`check_settings`; every failure is a ValueError naming the file."""
+    try:
+        with open(path, "rb") as handle:
+            values = tomllib.load(handle)
+        check_settings(values)
+    except OSError as error:
+        raise ValueError(f"{path}: {error.strerror}") from None
+    except ValueError as error:  # tomllib's syntax errors are ValueErrors too
+        raise ValueError(f"{path}: {error}") from None
+    return values

@@ -14,6 +14,7 @@ import argparse
 import dataclasses
 import os
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from typing import NoReturn
@@ -24,40 +25,72 @@ from megapp.training.flag_groups import ArgumentsError, flag_name
 __all__ = [
     "ArgumentsError",
     "build_parser",
+    "check_outputs",
     "config_from_flags",
     "exit_after_failure",
     "exit_with_error",
+    "metrics_path",
     "parse_args",
     "world_size_from_env",
 ]
 
 
-# How long a process other than its node's first waits before reporting an error itself.
+# How long a process that cannot tell whether another reported first waits before it does.
 ERROR_GRACE_S = 10.0
+
+
+def _report_marker() -> str | None:
+    """A path this torchrun attempt's processes on this node share (in torchrun's own
+    per-attempt directory, removed with it); None outside torchrun."""
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE", "")
+    rank_dir = os.path.dirname(error_file)
+    if not error_file or os.path.basename(rank_dir) != os.environ.get("LOCAL_RANK"):
+        return None
+    return os.path.join(os.path.dirname(rank_dir), "megapp-error-reported")
+
+
+def _claim_report() -> bool | None:
+    """Whether this process is its node's first to report an error (None: cannot tell)."""
+    marker = _report_marker()
+    if marker is None:
+        return None
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    except OSError:
+        return None
+    return True
 
 
 def exit_with_error(prog: str, error: Exception) -> NoReturn:
     """Print ``prog: error: <error>`` to stderr and exit with status 2, once per node.
 
-    torchrun stops every process of a node as soon as one of them exits, so the node's
-    other processes wait (up to ``ERROR_GRACE_S``) for its first one, which reaches the
-    same error, prints it and exits, which ends them. Only a process still running after
-    the grace (its first process failed otherwise, or is slow to start) prints the error
-    itself, so no message is lost to a process that exited first.
+    torchrun stops every process of a node as soon as one of them exits. Under torchrun
+    the node's first process to reach an error says it and exits at once, which ends the
+    others; a later one stays silent (its error is the same, or a consequence). Where
+    that cannot be told, the node's processes other than its first wait (up to
+    ``ERROR_GRACE_S``) for the first one, which reaches the same error; only one still
+    running after the grace prints the error itself, so no message is lost.
     """
-    if int(os.environ.get("LOCAL_RANK", "0")) != 0:
+    first = _claim_report()
+    if first is False or (first is None and int(os.environ.get("LOCAL_RANK", "0")) != 0):
         time.sleep(ERROR_GRACE_S)
-    print(f"{prog}: error: {error}", file=sys.stderr, flush=True)
+    if first is not False:
+        print(f"{prog}: error: {error}", file=sys.stderr, flush=True)
     sys.exit(2)
 
 
 def exit_after_failure(prog: str, error: Exception) -> NoReturn:
     """Print ``prog: error: <error>`` and leave at once with status 1.
 
-    For a failed collective: each rank says what it waited on, and the process groups are
-    not torn down, since that would wait on the failed peer again.
+    For a failed collective: each rank says what it waited on (unless its node already
+    reported the error that stopped a peer), and the process groups are not torn down,
+    since that would wait on the failed peer again.
     """
-    print(f"{prog}: error: {error}", file=sys.stderr, flush=True)
+    marker = _report_marker()
+    if marker is None or not os.path.exists(marker):
+        print(f"{prog}: error: {error}", file=sys.stderr, flush=True)
     sys.stdout.flush()
     os._exit(1)
 
@@ -114,10 +147,72 @@ def config_from_flags(
     return PretrainConfig.from_flags(vars(namespace), world)
 
 
-def parse_args(argv: Sequence[str] | None = None, world_size: int | None = None) -> PretrainConfig:
-    """:func:`config_from_flags`; on an invalid setting print ``error: ...`` and exit with
-    status 2 (once per node, see :func:`exit_with_error`)."""
+def _writable_place(flag: str, path: str) -> None:
+    """Whether ``path`` (absent) could be created: its nearest existing ancestor must be a
+    directory in which a directory can be made (tried, and removed again)."""
+    ancestor = os.path.dirname(os.path.abspath(path))
+    while not os.path.lexists(ancestor):
+        ancestor = os.path.dirname(ancestor)
+    if not os.path.isdir(ancestor):
+        raise ArgumentsError(f"{flag} {path}: {ancestor} is a file, not a directory")
     try:
-        return config_from_flags(argv, world_size)
+        os.rmdir(tempfile.mkdtemp(prefix=".megapp-probe-", dir=ancestor))
+    except OSError as error:
+        raise ArgumentsError(
+            f"{flag} {path}: cannot create it in {ancestor} ({error.strerror})"
+        ) from None
+
+
+def _check_directory(flag: str, path: str) -> None:
+    if not os.path.lexists(path):
+        _writable_place(flag, path)
+    elif not os.path.isdir(path):
+        raise ArgumentsError(f"{flag} {path}: is a file; {flag} names a directory")
+    else:
+        try:
+            os.rmdir(tempfile.mkdtemp(prefix=".megapp-probe-", dir=path))
+        except OSError as error:
+            raise ArgumentsError(f"{flag} {path}: cannot write there ({error.strerror})") from None
+
+
+def _check_file(flag: str, path: str) -> None:
+    if not os.path.lexists(path):
+        _writable_place(flag, path)
+    elif os.path.isdir(path):
+        raise ArgumentsError(f"{flag} {path}: is a directory; {flag} names a file")
+    elif not os.access(path, os.W_OK):
+        raise ArgumentsError(f"{flag} {path}: cannot append to it (no write permission)")
+
+
+def metrics_path(config: PretrainConfig) -> str:
+    """The metrics file: ``--metrics-path``, else metrics.jsonl in ``--save`` or here."""
+    given = config.logging.metrics_path
+    return given or os.path.join(config.checkpoint.save or ".", "metrics.jsonl")
+
+
+def check_outputs(config: PretrainConfig) -> None:
+    """Every place the run writes (checkpoints, metrics, TensorBoard, the Hugging Face
+    export, the data caches) can be written, before any rank starts; raises
+    :class:`ArgumentsError` naming the flag. Nothing is left behind."""
+    ckpt, logging = config.checkpoint, config.logging
+    directories = (
+        ("--save", ckpt.save),
+        ("--save-hf", ckpt.save_hf),
+        ("--tensorboard-dir", logging.tensorboard_dir),
+        ("--data-cache-path", config.data.data_cache_path),
+    )
+    for flag, path in directories:
+        if path is not None:
+            _check_directory(flag, path)
+    _check_file("--metrics-path", metrics_path(config))
+
+
+def parse_args(argv: Sequence[str] | None = None, world_size: int | None = None) -> PretrainConfig:
+    """:func:`config_from_flags` and :func:`check_outputs`; on an invalid setting print
+    ``error: ...`` and exit with status 2 (once per node, see :func:`exit_with_error`)."""
+    try:
+        config = config_from_flags(argv, world_size)
+        check_outputs(config)
     except ArgumentsError as error:
         exit_with_error(build_parser().prog, error)
+    return config

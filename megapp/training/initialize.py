@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Iterator, Sequence
 from datetime import timedelta
 
 import torch
@@ -13,17 +15,91 @@ import torch.distributed as dist
 from megapp import comm
 from megapp import parallel_state as ps
 from megapp.distributed import DistributedDataParallel
+from megapp.launcher_watch import exit_with_launcher
 from megapp.optimizer.clip_grads import counts_in_norm
 from megapp.parallel_state import TrainGroups
 from megapp.tensor_parallel.random import model_parallel_manual_seed
 from megapp.training.config import PretrainConfig
 from megapp.training.flag_groups import ArgumentsError
-from megapp.training.launcher_watch import exit_with_launcher
+from megapp.training.live_memory import available_bytes
 
 
 def print_rank_0(message: str) -> None:
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(message, flush=True)
+
+
+def backend_of(config: PretrainConfig) -> str:
+    """``--distributed-backend``, else NCCL with CUDA and gloo without."""
+    chosen = config.parallel.distributed_backend
+    return chosen or ("nccl" if torch.cuda.is_available() else "gloo")
+
+
+def rank_device(config: PretrainConfig) -> torch.device:
+    """This rank's device: its node's GPU number ``LOCAL_RANK`` under NCCL, else the CPU."""
+    if backend_of(config) == "nccl":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def check_memory(config: PretrainConfig, vocab_size: int) -> None:
+    """Refuse, before any rank starts, a model whose weights, gradients and optimizer states
+    alone (the planner's count) exceed what this rank's device has free; on CPU, this
+    node's ranks together against the machine's available memory."""
+    from megapp.planning.memory import predict_memory
+    from megapp.process_grid import ProcessGrid
+
+    device = rank_device(config)
+    available = available_bytes(device)
+    if available is None:
+        return
+    parallel = config.parallel
+    grid = ProcessGrid(
+        config.world_size,
+        parallel.tensor_model_parallel_size,
+        parallel.pipeline_model_parallel_size,
+        config.virtual_pipeline_model_parallel_size,
+    )
+    rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    sharing = [rank]
+    if device.type == "cpu":
+        first = rank - local
+        last = first + int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        sharing = range(first, min(last, config.world_size))
+    state = [r.state for r in predict_memory(config, vocab_size)]
+    needed = sum(state[grid.pipeline_stage(r)] for r in sharing)
+    if needed <= available:
+        return
+    where = f"GPU {device.index}" if device.type == "cuda" else "this machine"
+    ranks = f"{len(sharing)} ranks' " if len(sharing) > 1 else ""
+    raise ArgumentsError(
+        f"the model does not fit in memory: {ranks}weights, gradients and optimizer states "
+        f"need {needed / 2**30:.1f} GiB but {where} has {available / 2**30:.1f} GiB free; "
+        "split it over more ranks (--tensor-model-parallel-size, "
+        "--pipeline-model-parallel-size), shard its optimizer states (--zero-stage) or "
+        "shrink the model"
+    )
+
+
+@contextlib.contextmanager
+def start_up_timeout(config: PretrainConfig, waiting_for: str) -> Iterator[None]:
+    """Turn the job's timeout running out in a start-up wait (``waiting_for`` says on
+    what: every rank still imports, joins or builds its caches there, often for longer than
+    a collective of a running job should wait) into an :class:`ArgumentsError` naming the
+    flag to raise."""
+    started = time.monotonic()
+    try:
+        yield
+    except RuntimeError as error:  # the store's, gloo's and NCCL's timeouts, CollectiveError
+        if "timeout" not in str(error).lower() and "timed out" not in str(error).lower():
+            raise
+        minutes = config.parallel.distributed_timeout_minutes
+        raise ArgumentsError(
+            f"--distributed-timeout-minutes {minutes:g} ({60 * minutes:.1f} s) is too short "
+            f"for start-up: rank {os.environ.get('RANK', '0')} gave up after "
+            f"{time.monotonic() - started:.1f} s waiting for {waiting_for}; raise "
+            "--distributed-timeout-minutes"
+        ) from None
 
 
 def initialize_distributed(config: PretrainConfig) -> torch.device:
@@ -33,30 +109,30 @@ def initialize_distributed(config: PretrainConfig) -> torch.device:
     Returns this rank's device."""
     exit_with_launcher(os.path.basename(sys.argv[0]) or "pretrain_gpt.py")
     parallel = config.parallel
-    backend = parallel.distributed_backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    device = torch.device("cpu")
-    if backend == "nccl":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    backend = backend_of(config)
+    device = rank_device(config)
+    if device.type == "cuda":
         torch.cuda.set_device(device)
     timeout = timedelta(minutes=parallel.distributed_timeout_minutes)
-    if not dist.is_initialized():
-        if "RANK" in os.environ:
-            dist.init_process_group(backend, timeout=timeout)
-        else:
-            dist.init_process_group(
-                backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+    with start_up_timeout(config, "the other ranks to join"):
+        if not dist.is_initialized():
+            if "RANK" in os.environ:
+                dist.init_process_group(backend, timeout=timeout)
+            else:
+                dist.init_process_group(
+                    backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+                )
+        if dist.get_world_size() != config.world_size:
+            raise ArgumentsError(
+                f"the settings were checked for {config.world_size} ranks but the job has "
+                f"{dist.get_world_size()}"
             )
-    if dist.get_world_size() != config.world_size:
-        raise ArgumentsError(
-            f"the settings were checked for {config.world_size} ranks but the job has "
-            f"{dist.get_world_size()}"
+        ps.initialize_model_parallel(
+            parallel.tensor_model_parallel_size,
+            parallel.pipeline_model_parallel_size,
+            config.virtual_pipeline_model_parallel_size,
+            timeout=timeout,
         )
-    ps.initialize_model_parallel(
-        parallel.tensor_model_parallel_size,
-        parallel.pipeline_model_parallel_size,
-        config.virtual_pipeline_model_parallel_size,
-        timeout=timeout,
-    )
     model_parallel_manual_seed(config.training.seed)
     return device
 

@@ -11,17 +11,25 @@ current size after every operator.
 
 The count is of tensor bytes, as ``max_memory_allocated`` counts allocations: allocator
 rounding, the Python heap and buffers a communication library keeps to itself are not in it.
+
+:func:`available_bytes` says how much a device has left to allocate, for the start-up check
+that a model fits; :func:`refusing_out_of_memory` turns an allocation that fails anyway into
+one line.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+
+from megapp.comm import one_line
+from megapp.training.flag_groups import ArgumentsError
 
 _SWEEP_EVERY = 512  # registrations between sweeps of freed storages, bounding the bookkeeping
 
@@ -91,3 +99,38 @@ class LiveTensorMemory(TorchDispatchMode):
             self.sweep()  # the upper bound passed the peak: make it exact before it counts
             self.peak = max(self.peak, self.current())
         return out
+
+
+def available_bytes(device: torch.device) -> int | None:
+    """Bytes a new allocation on ``device`` can still get: the GPU's free memory, or on CPU
+    the machine's ``MemAvailable`` (shared by every process on it); None where unknown."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # the file counts KiB
+    except OSError:
+        pass
+    return None
+
+
+@contextlib.contextmanager
+def refusing_out_of_memory(device: torch.device, doing: str) -> Iterator[None]:
+    """Turn an allocation that fails on ``device`` while ``doing`` into an
+    :class:`ArgumentsError` saying what was asked and what is free."""
+    try:
+        yield
+    except RuntimeError as error:
+        text = str(error)
+        if not isinstance(error, torch.OutOfMemoryError) and "can't allocate memory" not in text:
+            raise
+        free = available_bytes(device)
+        where = "this machine" if device.type == "cpu" else f"GPU {device.index}"
+        has = f"{where} has {free / 2**30:.1f} GiB free" if free is not None else where
+        raise ArgumentsError(
+            f"out of memory {doing} ({one_line(error, 200)}); {has}; split the model over "
+            "more ranks (--tensor-model-parallel-size, --pipeline-model-parallel-size), "
+            "shard its optimizer states (--zero-stage) or shrink it"
+        ) from None

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ from megapp.pipeline_parallel.compute import ForwardStepFunc
 from megapp.pipeline_parallel.p2p import TensorSpec
 from megapp.pipeline_parallel.weight_stash import WeightStash
 from megapp.training import checkpoints, hf_start
+from megapp.training.arguments import metrics_path
 from megapp.training.async_step import run_length, train_run
 from megapp.training.auto_schedule import choose_schedule
 from megapp.training.checkpoints import TrainState
@@ -38,13 +38,19 @@ from megapp.training.config import PretrainConfig
 from megapp.training.data_iterators import chunk_iterators, rank0_first
 from megapp.training.evaluate import evaluate
 from megapp.training.flag_groups import ArgumentsError
-from megapp.training.initialize import count_parameters, initialize_distributed, print_rank_0
+from megapp.training.initialize import (
+    count_parameters,
+    initialize_distributed,
+    print_rank_0,
+    start_up_timeout,
+)
 from megapp.training.iteration_profile import (
     MemoryIteration,
     RankProfile,
     TimedIteration,
     profile_record,
 )
+from megapp.training.live_memory import refusing_out_of_memory
 from megapp.training.metrics import (
     MetricsWriter,
     format_eval_lines,
@@ -318,16 +324,17 @@ def pretrain(
     """
     started = time.perf_counter()
     device = initialize_distributed(config)
-    setup = build_training_setup(
-        lambda groups: model_provider(config, groups),
-        config.optimizer,
-        precision=config.precision,
-        bucket_size=config.parallel.ddp_bucket_size,
-        use_distributed_optimizer=config.parallel.use_distributed_optimizer,
-        zero_stage=config.parallel.zero_stage,
-        device=device,
-        per_stage_steps=config.schedule.asynchronous,
-    )
+    with refusing_out_of_memory(device, "building the model and its optimizer"):
+        setup = build_training_setup(
+            lambda groups: model_provider(config, groups),
+            config.optimizer,
+            precision=config.precision,
+            bucket_size=config.parallel.ddp_bucket_size,
+            use_distributed_optimizer=config.parallel.use_distributed_optimizer,
+            zero_stage=config.parallel.zero_stage,
+            device=device,
+            per_stage_steps=config.schedule.asynchronous,
+        )
     print_rank_0(_describe_layout(config, setup))
     trainer = Trainer(config, forward_step_func, setup, device, flops_per_iteration)
     if config.checkpoint.load:
@@ -339,6 +346,7 @@ def pretrain(
         hf_type = hf_type or hf_start.model_type(ckpt.load_hf)
         if state.iteration == 0:  # nothing resumed: start from the Hugging Face weights
             hf_start.load(config, setup, hf_type)
+    hf_start.prepare(config)  # the model's Hugging Face config travels with its checkpoints
 
     training, logging = config.training, config.logging
     gbs = training.global_batch_size
@@ -348,7 +356,8 @@ def pretrain(
         max(1, evaluations * logging.eval_iters) * gbs,
         max(1, logging.eval_iters) * gbs,
     ]
-    train_ds, valid_ds, test_ds = rank0_first(lambda: datasets_provider(config, num_samples))
+    with start_up_timeout(config, "the datasets (rank 0 builds their indexes first)"):
+        train_ds, valid_ds, test_ds = rank0_first(lambda: datasets_provider(config, num_samples))
     loader = dict(
         micro_batch_size=training.micro_batch_size,
         dp_rank=ps.get_data_parallel_rank(),
@@ -372,8 +381,7 @@ def pretrain(
         )
 
     if _is_last_rank():
-        path = logging.metrics_path or os.path.join(config.checkpoint.save or ".", "metrics.jsonl")
-        trainer.writer = MetricsWriter(path, logging.tensorboard_dir)
+        trainer.writer = MetricsWriter(metrics_path(config), logging.tensorboard_dir)
         trainer.writer.write(
             {"kind": "run", "iteration": state.iteration, "config": config.to_dict()}
         )
