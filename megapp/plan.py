@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 from megapp.models.gpt import GPTConfig
 from megapp.pipeline_parallel.catalog import SCHEDULES, V_SHAPED, build_schedule, default_schedule
+from megapp.pipeline_parallel.messages import ScheduleError
 from megapp.pipeline_parallel.partition import split_layers
-from megapp.pipeline_parallel.plan import ScheduleError
 from megapp.pipeline_parallel.schedules import Schedule, looped_placement, v_placement
 from megapp.pipeline_parallel.simulate import simulate
 from megapp.planning import step_time, timing

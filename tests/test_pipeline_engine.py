@@ -324,7 +324,7 @@ def test_sibling_outputs_keep_what_the_other_backward_needs():
 def test_gloo_posts_receives_one_step_ahead(declared):
     """Every receive whose shapes are known a step early goes out a step early; activations
     with negotiated shapes wait for their headers."""
-    from megapp.pipeline_parallel.plan import Op
+    from megapp.pipeline_parallel.messages import Op
     from megapp.pipeline_parallel.runner import StageRunner
 
     seen = []  # (kinds of the step's receives, whether they were already posted)
@@ -359,7 +359,7 @@ def test_sent_activations_are_freed_during_the_iteration(schedule, v, m):
     """A sent activation's storage goes once the plan proves it delivered, not at the end of
     the iteration: the outputs a rank holds stay within its in-flight microbatches, whatever
     m (gloo's sends cannot be polled, so this rests on the plan's proofs)."""
-    from megapp.pipeline_parallel.plan import communication_plan, delivered_sends
+    from megapp.pipeline_parallel.messages import communication_plan, delivered_sends
     from megapp.pipeline_parallel.runner import StageRunner
 
     held = []  # after every forward: sent outputs whose storage is still there

@@ -9,7 +9,7 @@ import shlex
 import pytest
 
 from megapp.pipeline_parallel.catalog import V_SHAPED
-from megapp.pipeline_parallel.plan import ScheduleError
+from megapp.pipeline_parallel.messages import ScheduleError
 from megapp.plan import SPLIT_BACKWARD, Planner, Space, command_line, layouts, main
 from megapp.planning.hardware import load_hardware
 from megapp.planning.layout import pretrain_config

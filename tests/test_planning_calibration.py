@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from test_planning_timing import GLOO
 
-from megapp.pipeline_parallel.plan import communication_plan
+from megapp.pipeline_parallel.messages import communication_plan
 from megapp.planning import calibrate
 from megapp.planning.core_sharing import message_ends
 from megapp.planning.hardware import load_hardware

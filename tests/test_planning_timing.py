@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from megapp.pipeline_parallel.plan import ScheduleError
+from megapp.pipeline_parallel.messages import ScheduleError
 from megapp.planning.hardware import PROFILES, Hardware, Link, load_hardware
 from megapp.planning.layout import Layout, pretrain_config
 from megapp.planning.model_state import rank_parameters

@@ -4,7 +4,7 @@ built-in schedules and better where their assumptions or memory needs do not fit
 import pytest
 
 from megapp.pipeline_parallel.catalog import SCHEDULES, V_SHAPED
-from megapp.pipeline_parallel.plan import communication_plan
+from megapp.pipeline_parallel.messages import communication_plan
 from megapp.pipeline_parallel.schedule_search import costs_from_events, search_schedule
 from megapp.pipeline_parallel.simulate import CostModel, simulate
 

@@ -6,7 +6,7 @@ from fractions import Fraction
 import pytest
 
 from megapp.pipeline_parallel.catalog import build_schedule, schedule_placement
-from megapp.pipeline_parallel.plan import (
+from megapp.pipeline_parallel.messages import (
     ScheduleError,
     check_fifo,
     communication_plan,

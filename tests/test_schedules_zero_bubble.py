@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import pytest
 
 from megapp.pipeline_parallel.catalog import SCHEDULES, build_schedule
-from megapp.pipeline_parallel.plan import ScheduleError
+from megapp.pipeline_parallel.messages import ScheduleError
 from megapp.pipeline_parallel.schedules import Action, Op, interleaved_1f1b, looped_placement
 from megapp.pipeline_parallel.simulate import CostModel, simulate
 from megapp.pipeline_parallel.zero_bubble import greedy

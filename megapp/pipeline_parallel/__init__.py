@@ -18,8 +18,8 @@ from megapp.pipeline_parallel.engine import (
     forward_backward,
     get_forward_backward_func,
 )
+from megapp.pipeline_parallel.messages import ScheduleError, communication_plan
 from megapp.pipeline_parallel.p2p import TensorSpec
-from megapp.pipeline_parallel.plan import ScheduleError, communication_plan
 from megapp.pipeline_parallel.schedules import (
     Action,
     Op,

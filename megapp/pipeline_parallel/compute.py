@@ -6,8 +6,8 @@ from :attr:`StageCompute.inbox` and leaves what the action sends in
 action is looked up by the action's op in :attr:`StageCompute.handlers`, so a
 new kind of action is one method and one entry there. Which virtual stage a
 chunk is, and where its messages come from and go, is asked of the schedule
-(:func:`~megapp.pipeline_parallel.plan.incoming`,
-:func:`~megapp.pipeline_parallel.plan.outgoing`), never derived from a placement.
+(:func:`~megapp.pipeline_parallel.messages.incoming`,
+:func:`~megapp.pipeline_parallel.messages.outgoing`), never derived from a placement.
 
 A split backward (``I`` then ``W``) defers the weight gradients through
 :mod:`~megapp.pipeline_parallel.weight_grads`: every action of a schedule that splits
@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from megapp.pipeline_parallel.activation_storage import SavedStorages, run_backward
-from megapp.pipeline_parallel.plan import Message, incoming, outgoing
+from megapp.pipeline_parallel.messages import Message, incoming, outgoing
 from megapp.pipeline_parallel.schedules import Action, Op, Schedule
 from megapp.pipeline_parallel.shapes import ActivationShapes
 from megapp.pipeline_parallel.weight_grads import (

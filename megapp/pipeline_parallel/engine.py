@@ -1,7 +1,7 @@
 """Run any pipeline schedule on real processes.
 
 The engine walks this rank's steps of the communication plan
-(:mod:`megapp.pipeline_parallel.plan`) through a
+(:mod:`megapp.pipeline_parallel.messages`) through a
 :class:`~megapp.pipeline_parallel.runner.StageRunner`: post the step's sends
 and receives, wait for the receives, run the step's action; sends finish in
 the background. Which tensors go where follows from the schedule; the engine
@@ -31,14 +31,14 @@ from megapp import comm
 from megapp.pipeline_parallel.catalog import build_schedule
 from megapp.pipeline_parallel.chunk_stages import check_chunk_stages
 from megapp.pipeline_parallel.compute import ForwardStepFunc, PipelineHooks
-from megapp.pipeline_parallel.p2p import TensorSpec, Transport
-from megapp.pipeline_parallel.plan import (
+from megapp.pipeline_parallel.messages import (
     Message,
     ScheduleError,
     Step,
     communication_plan,
     delivered_sends,
 )
+from megapp.pipeline_parallel.p2p import TensorSpec, Transport
 from megapp.pipeline_parallel.runner import StageRunner
 from megapp.pipeline_parallel.schedules import Schedule
 from megapp.pipeline_parallel.simulate import CostModel, Event, simulate

@@ -188,7 +188,7 @@ class Transport:
 
         A gloo send reports completion only once waited for, so there the runner learns
         that a send is done from the plan
-        (:func:`~megapp.pipeline_parallel.plan.delivered_sends`), not by polling it.
+        (:func:`~megapp.pipeline_parallel.messages.delivered_sends`), not by polling it.
         """
         return self.backend != "gloo"
 

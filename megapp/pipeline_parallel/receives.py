@@ -10,8 +10,8 @@ shapes are declared; negotiated activations wait for their headers.
 
 from __future__ import annotations
 
+from megapp.pipeline_parallel.messages import Step
 from megapp.pipeline_parallel.p2p import Posted, Transport
-from megapp.pipeline_parallel.plan import Step
 from megapp.pipeline_parallel.shapes import ActivationShapes, peer_of
 
 

@@ -31,8 +31,8 @@ from torch import nn
 from megapp import comm
 from megapp.comm import CollectiveError
 from megapp.pipeline_parallel.compute import ForwardStepFunc, PipelineHooks, StageCompute
+from megapp.pipeline_parallel.messages import Message, Step
 from megapp.pipeline_parallel.p2p import TensorSpec, Transport
-from megapp.pipeline_parallel.plan import Message, Step
 from megapp.pipeline_parallel.receives import EarlyReceives
 from megapp.pipeline_parallel.schedules import Action, Schedule
 from megapp.pipeline_parallel.sends import InFlightSends

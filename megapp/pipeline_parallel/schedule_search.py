@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from megapp.pipeline_parallel.catalog import SCHEDULES, V_SHAPED
-from megapp.pipeline_parallel.plan import ScheduleError, communication_plan
+from megapp.pipeline_parallel.messages import ScheduleError, communication_plan
 from megapp.pipeline_parallel.schedules import (
     Action,
     Op,

@@ -1,7 +1,7 @@
 """Sends in flight, and the freeing of their activations' storage once they are done.
 
 A send is known to be done when the plan proves it delivered
-(:func:`~megapp.pipeline_parallel.plan.delivered_sends`) or, where the transport's
+(:func:`~megapp.pipeline_parallel.messages.delivered_sends`) or, where the transport's
 sends report completion (NCCL, not gloo), as soon as it says so. Its requests are
 then waited for (which returns at once) and the sent activations no backward
 needs lose their storage
@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 
 from megapp.pipeline_parallel.activation_storage import drop_storage
+from megapp.pipeline_parallel.messages import Message
 from megapp.pipeline_parallel.p2p import Transport
-from megapp.pipeline_parallel.plan import Message
 
 
 class InFlightSends:

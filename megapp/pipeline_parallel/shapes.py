@@ -13,8 +13,8 @@ from collections.abc import Sequence
 
 import torch
 
+from megapp.pipeline_parallel.messages import Message, Step
 from megapp.pipeline_parallel.p2p import TensorSpec, Transport, specs_of
-from megapp.pipeline_parallel.plan import Message, Step
 from megapp.pipeline_parallel.schedules import Op
 
 Specs = tuple[TensorSpec, ...]

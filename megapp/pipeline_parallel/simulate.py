@@ -1,6 +1,6 @@
 """Run a schedule's communication plan against a cost model, without processes.
 
-The simulator walks every rank's plan (:mod:`megapp.pipeline_parallel.plan`):
+The simulator walks every rank's plan (:mod:`megapp.pipeline_parallel.messages`):
 a rank posts a step's sends and receives when it reaches the step, and the
 step's action starts once every receive of the step has met its send, plus
 ``p2p_latency`` from the later of the two postings. With
@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from megapp.pipeline_parallel.plan import Message, ScheduleError, communication_plan
+from megapp.pipeline_parallel.messages import Message, ScheduleError, communication_plan
 from megapp.pipeline_parallel.schedules import Action, Op, Schedule
 
 

@@ -32,7 +32,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from megapp.pipeline_parallel.plan import communication_plan
+from megapp.pipeline_parallel.messages import communication_plan
 from megapp.planning.calibration_fit import Measurement, fit_actions, unit_hardware
 from megapp.planning.core_sharing import message_ends
 from megapp.planning.hardware import Hardware

@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from megapp.pipeline_parallel.plan import ScheduleError, Step, communication_plan
+from megapp.pipeline_parallel.messages import ScheduleError, Step, communication_plan
 from megapp.pipeline_parallel.schedules import Schedule
 from megapp.pipeline_parallel.simulate import CostModel, Event, Timeline
 
@@ -93,7 +93,7 @@ def simulate_shared(
     a process's when more processes take turns on the cores (a larger job keeps that rate
     even where few of its processes run at once: the others have just left their caches
     and memory traffic behind). Raises
-    :class:`~megapp.pipeline_parallel.plan.ScheduleError` on a deadlock."""
+    :class:`~megapp.pipeline_parallel.messages.ScheduleError` on a deadlock."""
     plan = communication_plan(schedule)
     p = schedule.num_stages
     messages = message_ends(plan)

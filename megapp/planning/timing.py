@@ -348,7 +348,7 @@ def simulated_run(config: PretrainConfig) -> tuple[Schedule, int]:
 
 def predict_step_time(config: PretrainConfig, vocab_size: int, hardware: Hardware) -> StepTime:
     """The predicted iteration of ``config`` for a tokenizer of ``vocab_size`` ids on
-    ``hardware``. Raises :class:`~megapp.pipeline_parallel.plan.ScheduleError` when the
+    ``hardware``. Raises :class:`~megapp.pipeline_parallel.messages.ScheduleError` when the
     schedule cannot complete on the hardware's transport (NCCL: sends complete in batches)."""
     gpt = config.gpt_config(vocab_size)
     costs = action_costs(gpt, shape_of(config), hardware)
