@@ -16,6 +16,7 @@ import json
 import math
 import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -131,3 +132,33 @@ class MetricsWriter:
         self._file.close()
         if self._tensorboard is not None:
             self._tensorboard.close()
+
+
+def read_records(
+    path: str | os.PathLike, kind: str | None = None, *, last_run: bool = False
+) -> list[dict[str, Any]]:
+    """The records of a JSON-lines metrics file, in order.
+
+    Args:
+        path: the file :class:`MetricsWriter` appended to.
+        kind: keep only records of this ``"kind"`` (``"train"``, ``"eval"``, ``"run"``,
+            ``"profile"``); None keeps all.
+        last_run: keep only what the last run wrote (from its ``"run"`` record on), for a
+            file that several launches appended to.
+
+    A torn last line (a run killed while writing) is skipped; a bad line elsewhere raises
+    ``ValueError`` naming the file and the line.
+    """
+    lines = Path(path).read_text(encoding="utf-8").splitlines()
+    records = []
+    for number, line in enumerate(lines, 1):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as error:
+            if number == len(lines):
+                break
+            raise ValueError(f"{path}:{number}: not a metrics record ({error})") from None
+    if last_run:
+        starts = [i for i, r in enumerate(records) if r.get("kind") == "run"]
+        records = records[starts[-1] :] if starts else records
+    return records if kind is None else [r for r in records if r.get("kind") == kind]
