@@ -125,7 +125,7 @@ def datasets_provider(config: PretrainConfig, num_samples, *, tokenizer):
             if not IndexedDataset.exists(prefix):
                 raise ArgumentsError(
                     f"--data-path {prefix}: {prefix}.bin / {prefix}.idx not found; write them "
-                    "with tools/preprocess_data.py or train on --use-default-corpus"
+                    "with tools/data/preprocess_data.py or train on --use-default-corpus"
                 )
     # Evaluation reads the valid and test splits: rank 0 says when one of them is empty.
     on_rank_0 = not dist.is_initialized() or dist.get_rank() == 0

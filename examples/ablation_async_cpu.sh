@@ -24,5 +24,6 @@ python tools/ablate.py --out "$SWEEP_DIR" --model tiny --nproc 4 \
     --global-batch-size 32 --train-iters 80 --timeout 600 \
     --pp 4 --schedule 1f1b pipedream-2bw pipedream pipedream-vsync --micro-batch-size 2 \
     "${HARDWARE_FLAGS[@]}" "$@" || status=$?
+case " $* " in *" --dry-run "*) exit "$status" ;; esac  # the points only: no report
 python tools/ablation_report.py "$SWEEP_DIR" --out "$REPORT_DIR" || status=$?
 exit "$status"

@@ -5,6 +5,7 @@
 # the report with its plots.
 #
 #   bash examples/ablation_cpu.sh [more tools/ablate.py flags, e.g. --repeats 3]
+#   bash examples/ablation_cpu.sh --dry-run   # the points and the refused ones, nothing run
 #
 # Sweep records land in runs/ablation_cpu (SWEEP_DIR; run it again: finished points are
 # reused, and a larger --repeats only adds launches), the report in docs/ablation/
@@ -26,6 +27,7 @@ python tools/ablate.py --out "$SWEEP_DIR" --model tiny --nproc 8 \
     --tp 1 2 --pp 2 --vpp 1 2 --schedule 1f1b interleaved-1f1b zb-v \
     --micro-batch-size 2 --recompute none full \
     "${HARDWARE_FLAGS[@]}" "$@" || status=$?
+case " $* " in *" --dry-run "*) exit "$status" ;; esac  # the points only: no report
 # The report is written even when a layout failed parity (status 1), so the alarm is seen.
 python tools/ablation_report.py "$SWEEP_DIR" --out "$REPORT_DIR" || status=$?
 exit "$status"

@@ -11,7 +11,7 @@
 # the nodes in the order they arrive). Layout:
 # tensor parallel TP inside a node (NVLink), pipeline parallel PP across nodes, data
 # parallel over the rest (world / (TP × PP)). Set DATA_PATH to a prefix written by
-# tools/preprocess_data.py (or weight/prefix pairs in quotes). Extra arguments go to
+# tools/data/preprocess_data.py (or weight/prefix pairs in quotes). Extra arguments go to
 # pretrain_gpt.py, after the ones below (a repeated flag takes the last value).
 #
 # Every setting below is an environment variable with the 1.3B run as its default; the
@@ -36,7 +36,7 @@ RDZV_ID=${RDZV_ID:-megapp-gpt}
 TP=${TP:-2}
 PP=${PP:-2}
 TIMEOUT_MINUTES=${TIMEOUT_MINUTES:-10}
-DATA_PATH=${DATA_PATH:?set DATA_PATH to a dataset prefix (tools/preprocess_data.py writes one)}
+DATA_PATH=${DATA_PATH:?set DATA_PATH to a dataset prefix (tools/data/preprocess_data.py writes one)}
 CHECKPOINT_DIR=${CHECKPOINT_DIR:-checkpoints/gpt-1.3b}
 TENSORBOARD_DIR=${TENSORBOARD_DIR-$CHECKPOINT_DIR/tensorboard}
 MODEL_ARGS=${MODEL_ARGS:-"--num-layers 24 --hidden-size 2048 --num-attention-heads 16 \

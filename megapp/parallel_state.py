@@ -155,12 +155,14 @@ def layout_group(name: str, needs: str) -> dist.ProcessGroup | None:
 @dataclass
 class TrainGroups:
     """The process groups a training step talks to, by purpose (``None``: that dimension
-    is 1, or this rank is in no such group)."""
+    is 1, or this rank is in no such group). ``mp``: the model-parallel group, the ranks
+    that together hold one copy of the model (tp × pp)."""
 
     tp: comm.Group = None
     pp: comm.Group = None
     dp: comm.Group = None
     embedding: comm.Group = None
+    mp: comm.Group = None
 
     @classmethod
     def from_parallel_state(cls) -> TrainGroups:
@@ -172,6 +174,7 @@ class TrainGroups:
             pp=state.groups["pp"],
             dp=state.groups["dp"],
             embedding=state.groups.get("embedding"),
+            mp=state.groups["mp"],
         )
 
 

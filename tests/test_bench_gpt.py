@@ -1,7 +1,7 @@
-"""tools/bench_gpt.py: the correctness guard (the plain-PyTorch GPT it times megapp against
-computes the same loss and gradients as GPTModel from the same weights, and the guard notices
-when it does not), a run of the tool end to end with a toy model, and its MFU measurement on
-the CPU."""
+"""tools/benchmarks/bench_gpt.py: the correctness guard (the plain-PyTorch GPT it times megapp
+against computes the same loss and gradients as GPTModel from the same weights, and the guard
+notices when it does not), a run of the tool end to end with a toy model, and its MFU
+measurement on the CPU."""
 
 from __future__ import annotations
 
@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from megapp.benchmarks.gpt_mfu import throughput
 from megapp.models import GPTConfig, GPTModel
-from tools.plain_gpt import PlainGPT, compare, megapp_qkv_to_plain, plain_qkv_to_megapp
+from megapp.testing.plain_gpt import PlainGPT, compare, megapp_qkv_to_plain, plain_qkv_to_megapp
 
 ROOT = Path(__file__).resolve().parents[1]
 # l 2, h 32, 4 heads, s 16, V 64: per token 2·(6144 + 2048 + 2048 + 16384) + 4096 = 57344
@@ -85,10 +86,11 @@ def test_qkv_reordering_round_trips_and_unsupported_configs_fail():
         PlainGPT.from_megapp(GPTModel(_config(torch.float32, activation="swiglu")))
 
 
+@pytest.mark.slow
 def test_the_tool_runs_overhead_and_layouts_end_to_end(tmp_path):
     out = tmp_path / "bench_gpt.json"
     command = [
-        sys.executable, str(ROOT / "tools" / "bench_gpt.py"),
+        sys.executable, str(ROOT / "tools" / "benchmarks" / "bench_gpt.py"),
         *(x for k, v in TOY.items() for x in (f"--{k}", str(v))),
         *("--batch", "4", "--repeats", "2", "--warmup", "1", "--target", "1e9"),
         *("--no-reference-tier", "--no-ablation", "--layouts", "1,1,2,-"),
@@ -111,9 +113,6 @@ def test_the_tool_runs_overhead_and_layouts_end_to_end(tmp_path):
 
 
 def test_mfu_measurement_on_the_cpu():
-    sys.path.insert(0, str(ROOT / "tools"))
-    from gpt_mfu import throughput  # a sibling of bench_gpt.py, as the tool imports it
-
     args = argparse.Namespace(
         **TOY, batch=2, global_batch=4, micro_batch=2, iters=2, warmup_iters=1
     )

@@ -1,5 +1,6 @@
-"""tools/bench_kernels.py runs end to end on the CPU for one op with two rounds, compares megapp
-with its reference before timing, and reports bandwidth from the op's minimal byte count."""
+"""tools/benchmarks/bench_kernels.py runs end to end on the CPU for one op with two rounds,
+compares megapp with its reference before timing, and reports bandwidth from the op's minimal
+byte count."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow  # one subprocess run of the benchmark
 
 
 @pytest.fixture(scope="module")
@@ -19,7 +21,7 @@ def run(tmp_path_factory) -> tuple[str, dict]:
     out = tmp_path_factory.mktemp("bench") / "kernels.json"
     command = [
         sys.executable,
-        str(ROOT / "tools" / "bench_kernels.py"),
+        str(ROOT / "tools" / "benchmarks" / "bench_kernels.py"),
         *("--device", "cpu", "--ops", "bias_gelu", "--dtypes", "fp32", "--passes", "fwd"),
         *("--budget-s", "0.05", "--min-repeats", "2", "--repeats", "2", "--warmup", "1"),
         *("--retries", "0", "--json", str(out)),

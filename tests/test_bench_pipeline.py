@@ -1,6 +1,6 @@
-"""tools/bench_pipeline.py runs end to end on two gloo ranks and its figures hang together:
-the formula is the bubble formula, no iteration beats the ideal it describes, every action
-sleeps at least its share, and torch.distributed.pipelining ran the same configurations
+"""tools/benchmarks/bench_pipeline.py runs end to end on two gloo ranks and its figures hang
+together: the formula is the bubble formula, no iteration beats the ideal it describes, every
+action sleeps at least its share, and torch.distributed.pipelining ran the same configurations
 (PipeDream-2BW, which has no peer there, runs three iterations per call)."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow  # one subprocess run of the benchmark
 P, M, TF, TB = 2, 4, 0.004, 0.008
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-v", "auto", "pipedream-2bw")
 K = 3  # iterations per call of pipedream-2bw, without a flush
@@ -23,7 +24,7 @@ def report(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("bench") / "bench.json"
     command = [
         sys.executable,
-        str(ROOT / "tools" / "bench_pipeline.py"),
+        str(ROOT / "tools" / "benchmarks" / "bench_pipeline.py"),
         *("--nproc", str(P), "--microbatches", str(M), "--chunks", "2"),
         *("--schedules", *SCHEDULES, "--iterations", str(K)),
         *("--forward-ms", str(TF * 1e3), "--backward-ms", str(TB * 1e3)),

@@ -1,6 +1,6 @@
-"""tools/bench_tensor_parallel.py runs end to end on tp = 1 and 2 with a small layer, and what
-it counted is what the analysis says one layer issues: four all-reduces of s·b·h fp32 without
-sequence parallelism, six all-gathers and four reduce-scatters with it, on every rank."""
+"""tools/benchmarks/bench_tensor_parallel.py runs end to end on tp = 1 and 2 with a small layer,
+and what it counted is what the analysis says one layer issues: four all-reduces of s·b·h fp32
+without sequence parallelism, six all-gathers and four reduce-scatters with it, on every rank."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def report(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("bench") / "tp.json"
     command = [
         sys.executable,
-        str(ROOT / "tools" / "bench_tensor_parallel.py"),
+        str(ROOT / "tools" / "benchmarks" / "bench_tensor_parallel.py"),
         *("--tp", "1", "2", "--seq", str(S), "--batch", str(B), "--hidden", str(H)),
         *("--heads", "4", "--iters", "2", "--warmup", "1", "--json", str(out)),
     ]

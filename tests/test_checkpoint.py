@@ -1,6 +1,6 @@
 """Checkpoints: reshardable across layouts, exact on resume, atomic, safe to load, clear errors.
 
-The distributed cases train the tiny GPT of tests/gpt_support.py a few steps under one
+The distributed cases train the tiny GPT of tests/support.py a few steps under one
 layout, save, and load under another. Loaded weights must equal the saved ones exactly
 (they are the same numbers, only cut differently); the next step's loss under the new
 layout matches the old layout's next step to the layout tests' tolerance (layouts sum
@@ -41,8 +41,16 @@ from megapp.training import checkpoints as training_checkpoints
 from megapp.training.arguments import ArgumentsError, config_from_flags
 from megapp.training.flag_groups import OptimizerArgs
 from megapp.training.setup import TrainingSetup, build_training_setup
-from tests.gpt_support import SEED, VOCAB, full_tensor, global_batch, gpt_config, reference_name
-from tests.test_gpt_layouts import TOL, forward_step
+from tests.support import (
+    GPT_TOL,
+    SEED,
+    VOCAB,
+    full_tensor,
+    global_batch,
+    gpt_config,
+    gpt_forward_step,
+    reference_name,
+)
 
 # --- pieces of whole tensors (no processes) ---------------------------------------------
 
@@ -117,8 +125,7 @@ def _build(tp, pp, vpp=None, *, distributed_optimizer=False, zero_stage=0, seed=
         config,
         OPTIMIZER,
         bucket_size=1500,
-        use_distributed_optimizer=distributed_optimizer,
-        zero_stage=zero_stage,
+        zero_stage=max(zero_stage, int(distributed_optimizer)),
         seed=seed,
     )
     model_parallel_manual_seed(seed)
@@ -132,7 +139,7 @@ def _train(chunks, optimizer, scheduler, groups, steps) -> list[float]:
         batch = global_batch(step, 1)  # the same global batch whatever dp (up to 4) is
         mine = batch[dp_rank * len(batch) // dp : (dp_rank + 1) * len(batch) // dp]
         result = train_step(
-            forward_step,
+            gpt_forward_step,
             [iter(mine) for _ in chunks],
             chunks,
             optimizer,
@@ -203,7 +210,7 @@ def test_a_checkpoint_loads_under_any_layout(config):
             assert torch.equal(loaded[name], value), (layout, name)
         assert scheduler.num_steps == 2
         losses = _train(chunks, optimizer, scheduler, groups, [2, 3])
-        torch.testing.assert_close(losses, expected, **TOL, msg=f"{layout}")
+        torch.testing.assert_close(losses, expected, **GPT_TOL, msg=f"{layout}")
         ps.destroy_model_parallel()
 
 
@@ -250,7 +257,7 @@ def test_zero_checkpoint_loads_under_zero1_and_plain_data_parallel(stage):
         chunks, optimizer, scheduler, groups = _build(**layout, seed=SEED + 1)
         load_checkpoint(path, chunks, optimizer, groups=groups, lr_scheduler=scheduler)
         losses = _train(chunks, optimizer, scheduler, groups, [2, 3])
-        torch.testing.assert_close(losses, expected, **TOL, msg=f"{layout}")
+        torch.testing.assert_close(losses, expected, **GPT_TOL, msg=f"{layout}")
         ps.destroy_model_parallel()
 
 

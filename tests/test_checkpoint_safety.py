@@ -24,7 +24,15 @@ from megapp.distributed import DistributedDataParallel
 from megapp.models import build_gpt_chunks
 from megapp.optimizer import Optimizer
 from megapp.training import TrainGroups
-from tests.gpt_support import SEED, gpt_config
+from tests.support import (
+    SEED,
+    dotted_system_payload,
+    gpt_config,
+    pickle_call,
+    pickle_global,
+    pickle_of,
+    pickle_text,
+)
 
 PROTOCOLS = range(pickle.HIGHEST_PROTOCOL + 1)
 
@@ -32,54 +40,31 @@ PROTOCOLS = range(pickle.HIGHEST_PROTOCOL + 1)
 # --- hand-made pickles: globals by any name, in any protocol --------------------------------
 
 
-def _text(value: str, protocol: int) -> bytes:
-    if protocol >= 4:
-        data = value.encode()
-        return pickle.SHORT_BINUNICODE + bytes([len(data)]) + data
-    return pickle.UNICODE + value.encode("raw-unicode-escape") + b"\n"
-
-
-def _global(module: str, name: str, protocol: int) -> bytes:
-    if protocol >= 4:  # protocol 4 resolves dotted names through STACK_GLOBAL
-        return _text(module, protocol) + _text(name, protocol) + pickle.STACK_GLOBAL
-    return pickle.GLOBAL + f"{module}\n{name}\n".encode()
-
-
-def _call(func: bytes, args: list[bytes]) -> bytes:
-    return func + pickle.MARK + b"".join(args) + pickle.TUPLE + pickle.REDUCE
-
-
-def _pickle(body: bytes, protocol: int) -> bytes:
-    head = pickle.PROTO + bytes([protocol]) if protocol >= 2 else b""
-    return head + body + pickle.STOP
-
-
-def dotted_system_payload(marker: Path, protocol: int) -> bytes:
-    # torch.distributed.checkpoint.metadata imports os: "os.system" is reachable through it
-    system = _global("torch.distributed.checkpoint.metadata", "os.system", protocol)
-    return _pickle(_call(system, [_text(f"touch {marker}", protocol)]), protocol)
-
-
 def _dotted_open(marker: Path, protocol: int) -> bytes:
-    opener = _global("torch.distributed.checkpoint.planner", "io.open", protocol)
-    return _pickle(_call(opener, [_text(str(marker), protocol), _text("w", protocol)]), protocol)
+    opener = pickle_global("torch.distributed.checkpoint.planner", "io.open", protocol)
+    return pickle_of(
+        pickle_call(opener, [pickle_text(str(marker), protocol), pickle_text("w", protocol)]),
+        protocol,
+    )
 
 
 def _attrgetter_chain(marker: Path, protocol: int) -> bytes:
     """attrgetter("os.system")(<the metadata module>)("touch marker"): no dotted global."""
-    getter = _call(_global("operator", "attrgetter", protocol), [_text("os.system", protocol)])
-    module = _global("torch.distributed.checkpoint", "metadata", protocol)
+    getter = pickle_call(
+        pickle_global("operator", "attrgetter", protocol), [pickle_text("os.system", protocol)]
+    )
+    module = pickle_global("torch.distributed.checkpoint", "metadata", protocol)
     system = getter + pickle.MARK + module + pickle.TUPLE + pickle.REDUCE
-    return _pickle(_call(system, [_text(f"touch {marker}", protocol)]), protocol)
+    return pickle_of(pickle_call(system, [pickle_text(f"touch {marker}", protocol)]), protocol)
 
 
 def _getattr_chain(marker: Path, protocol: int) -> bytes:
-    module = _global("torch.distributed.checkpoint", "metadata", protocol)
-    os_module = _global("builtins", "getattr", protocol) + pickle.MARK + module
-    os_module += _text("os", protocol) + pickle.TUPLE + pickle.REDUCE
-    system = _global("builtins", "getattr", protocol) + pickle.MARK + os_module
-    system += _text("system", protocol) + pickle.TUPLE + pickle.REDUCE
-    return _pickle(_call(system, [_text(f"touch {marker}", protocol)]), protocol)
+    module = pickle_global("torch.distributed.checkpoint", "metadata", protocol)
+    os_module = pickle_global("builtins", "getattr", protocol) + pickle.MARK + module
+    os_module += pickle_text("os", protocol) + pickle.TUPLE + pickle.REDUCE
+    system = pickle_global("builtins", "getattr", protocol) + pickle.MARK + os_module
+    system += pickle_text("system", protocol) + pickle.TUPLE + pickle.REDUCE
+    return pickle_of(pickle_call(system, [pickle_text(f"touch {marker}", protocol)]), protocol)
 
 
 class _Reduce:
@@ -156,11 +141,11 @@ def test_dotted_names_are_refused_even_at_old_protocols(tmp_path, protocol):
 @pytest.mark.parametrize("protocol", range(2, pickle.HIGHEST_PROTOCOL + 1))
 def test_state_is_never_set_on_a_class(tmp_path, protocol):
     """BUILD on an allowed class would rewrite it for the whole process."""
-    klass = _global(Metadata.__module__, "Metadata", protocol)
-    state = pickle.NONE + pickle.EMPTY_DICT + _text("__repr__", protocol)
-    state += _global("torch", "Size", protocol) + pickle.SETITEM + pickle.TUPLE2
+    klass = pickle_global(Metadata.__module__, "Metadata", protocol)
+    state = pickle.NONE + pickle.EMPTY_DICT + pickle_text("__repr__", protocol)
+    state += pickle_global("torch", "Size", protocol) + pickle.SETITEM + pickle.TUPLE2
     file = tmp_path / ".metadata"
-    file.write_bytes(_pickle(klass + state + pickle.BUILD, protocol))
+    file.write_bytes(pickle_of(klass + state + pickle.BUILD, protocol))
     before = dict(vars(Metadata))
     with pytest.raises(CheckpointError, match="sets the state of a type"):
         read_metadata_file(file)

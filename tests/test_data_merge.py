@@ -1,4 +1,4 @@
-"""tools/merge_datasets.py and IndexedDatasetBuilder.add_index, against megatron-core's."""
+"""tools/data/merge_datasets.py and IndexedDatasetBuilder.add_index, against megatron-core's."""
 
 import subprocess
 import sys
@@ -11,7 +11,7 @@ import torch
 from megapp.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 
 ROOT = Path(__file__).resolve().parents[1]
-TOOL = ROOT / "tools" / "merge_datasets.py"
+TOOL = ROOT / "tools" / "data" / "merge_datasets.py"
 
 
 def write_pair(prefix, documents, dtype=np.uint16):

@@ -1,4 +1,4 @@
-"""tools/preprocess_data.py end to end: jsonl and text inputs, workers, and its error lines."""
+"""tools/data/preprocess_data.py end to end: jsonl and text inputs, workers, and its error lines."""
 
 import json
 import os
@@ -13,7 +13,7 @@ from megapp.data.indexed_dataset import IndexedDataset
 from megapp.data.tokenizers import ByteTokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
-TOOL = ROOT / "tools" / "preprocess_data.py"
+TOOL = ROOT / "tools" / "data" / "preprocess_data.py"
 RECORDS = [
     {"text": "first document", "title": "one"},
     {"text": "", "title": "empty text"},

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megapp.models.gpt import GPTConfig
 from megapp.training import metrics
 from megapp.training.flops import gpt_training_flops, gpu_peak, hbm_peak_tbps, peak_16bit_tflops
 
@@ -15,10 +16,11 @@ def test_standard_gpt_by_hand_and_by_the_closed_form():
     # QKV 2·8·(2 + 4)·4 = 384, q·kᵀ and p·v 4·4·2·4 = 128, projection 2·2·4·8 = 128,
     # MLP 4·8·32 = 1024: 1664; two layers 3328, logits 2·8·10 = 160: 3488 per token;
     # × 8 tokens × 3 = 83712.
-    flops = gpt_training_flops(
+    gpt = GPTConfig(
         num_layers=2, hidden_size=8, ffn_hidden_size=32, num_attention_heads=2,
-        num_query_groups=2, kv_channels=4, swiglu=False, seq_length=4, vocab_size=10, tokens=8,
+        num_query_groups=2, kv_channels=4, vocab_size=10,
     )  # fmt: skip
+    flops = gpt_training_flops(gpt, seq_length=4, tokens=8)
     assert flops == 83712
     b, s, l, h, v = 2, 4, 2, 8, 10
     assert flops == pytest.approx(72 * b * s * l * h * h * (1 + s / (6 * h) + v / (12 * l * h)))
@@ -28,21 +30,30 @@ def test_grouped_query_attention_and_swiglu_by_hand():
     # l 1, h 8, 4 heads of 2 sharing 1 key/value group, MLP 12 with SwiGLU, s 3, V 5, 6 tokens:
     # QKV 2·8·(4 + 2)·2 = 192, attention 4·3·4·2 = 96, projection 2·4·2·8 = 128,
     # MLP 6·8·12 = 576, logits 2·8·5 = 80: 1072 per token; × 6 × 3 = 19296.
-    flops = gpt_training_flops(
+    gpt = GPTConfig(
         num_layers=1, hidden_size=8, ffn_hidden_size=12, num_attention_heads=4,
-        num_query_groups=1, kv_channels=2, swiglu=True, seq_length=3, vocab_size=5, tokens=6,
+        num_query_groups=1, kv_channels=2, activation="swiglu", vocab_size=5,
     )  # fmt: skip
-    assert flops == 19296
+    assert gpt_training_flops(gpt, seq_length=3, tokens=6) == 19296
 
 
 def test_gpt2_small_iteration():
     # 12 layers, h 768, V 50304, s 1024, 32 sequences: 6·N·T + 12·l·s·h·T ≈ 28.0 TFLOP.
-    flops = gpt_training_flops(
+    gpt = GPTConfig(
         num_layers=12, hidden_size=768, ffn_hidden_size=3072, num_attention_heads=12,
-        num_query_groups=12, kv_channels=64, swiglu=False, seq_length=1024, vocab_size=50304,
-        tokens=32 * 1024,
+        num_query_groups=12, kv_channels=64, vocab_size=50304,
     )  # fmt: skip
-    assert flops == 28_005_334_253_568
+    assert gpt_training_flops(gpt, seq_length=1024, tokens=32 * 1024) == 28_005_334_253_568
+
+
+def test_the_vocabulary_is_padded_as_the_model_pads_it():
+    """V 10 padded to a multiple of 4 × tp 2: 16 rows, 2·8·(16 − 10) more FLOPs per token
+    (× 8 tokens × 3) than the unpadded vocabulary of the first case."""
+    gpt = GPTConfig(
+        num_layers=2, hidden_size=8, ffn_hidden_size=32, num_attention_heads=2,
+        vocab_size=10, make_vocab_size_divisible_by=4, tensor_model_parallel_size=2,
+    )  # fmt: skip
+    assert gpt_training_flops(gpt, seq_length=4, tokens=8) == 83712 + 2 * 8 * 6 * 8 * 3
 
 
 @pytest.mark.parametrize(

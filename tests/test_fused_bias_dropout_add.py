@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import os
 
-import fused_support
 import pytest
 import torch
-from fused_support import requires_cpu_ext
 
 from megapp.fusions.bias_dropout_add import (
     BiasDropoutAddFunction,
@@ -20,10 +18,12 @@ from megapp.fusions.bias_dropout_add import (
 )
 from megapp.fusions.extension import cuda_ops_available, select_tier
 from megapp.tensor_parallel.random import RNGStatesTracker, checkpoint
+from tests import support
+from tests.support import requires_cpu_ext
 
 # Shared fixtures (pytest finds them as module attributes).
-ops = fused_support.ops
-_fused_enabled = fused_support._fused_enabled
+ops = support.ops
+fused_unset = support.fused_unset
 
 SHAPES = [(1, 8), (4, 7), (3, 5, 13), (2, 3, 4, 1), (257, 300), (16, 2, 1000)]
 SEED = 0x1234_5678_9ABC_DEF  # exercises both 32-bit halves of the key

@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import os
 
-import fused_support
 import pytest
 import torch
 import torch.nn.functional as F
-from fused_support import grad_bias_tol, requires_cpu_ext
 
 from megapp.fusions.bias_swiglu import (
     BiasSwiGLUFunction,
@@ -21,10 +19,12 @@ from megapp.fusions.extension import (
     cuda_ops_available,
     select_tier,
 )
+from tests import support
+from tests.support import grad_bias_tol, requires_cpu_ext
 
 # Shared fixtures (pytest finds them as module attributes).
-ops = fused_support.ops
-_fused_enabled = fused_support._fused_enabled
+ops = support.ops
+fused_unset = support.fused_unset
 
 # Last dim is 2f: [gate | up].
 SHAPES = [(1, 8), (4, 14), (3, 5, 26), (2, 3, 4, 2), (257, 300), (16, 2, 1000)]

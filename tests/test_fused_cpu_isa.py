@@ -17,19 +17,19 @@ import subprocess
 import sys
 from pathlib import Path
 
-import fused_support
 import pytest
 import torch
-from fused_support import requires_cpu_ext
 
 from megapp.fusions.bias_gelu import bias_gelu_reference
 from megapp.fusions.bias_swiglu import bias_swiglu_reference
 from megapp.fusions.norm import layer_norm_reference, rms_norm_reference
 from megapp.fusions.rope import rope_reference, rotary_freqs
 from megapp.fusions.softmax import scaled_masked_softmax_reference
+from tests import support
+from tests.support import requires_cpu_ext
 
-ops = fused_support.ops
-_fused_enabled = fused_support._fused_enabled
+ops = support.ops
+fused_unset = support.fused_unset
 
 REPO = Path(__file__).resolve().parents[1]
 KERNEL_TESTS = [

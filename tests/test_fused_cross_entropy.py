@@ -6,11 +6,9 @@ from __future__ import annotations
 import contextlib
 import os
 
-import fused_support
 import pytest
 import torch
 import torch.nn.functional as F
-from fused_support import requires_cpu_ext
 
 from megapp.fusions import choose_tier, cuda_ops_available
 from megapp.fusions.cross_entropy import (
@@ -19,10 +17,12 @@ from megapp.fusions.cross_entropy import (
     cross_entropy_fwd_sums_reference,
 )
 from megapp.tensor_parallel import vocab_parallel_cross_entropy
+from tests import support
+from tests.support import requires_cpu_ext
 
 # Shared fixtures (pytest finds them as module attributes).
-ops = fused_support.ops
-_fused_enabled = fused_support._fused_enabled
+ops = support.ops
+fused_unset = support.fused_unset
 
 LOW_PRECISION = [torch.bfloat16, torch.float16]
 

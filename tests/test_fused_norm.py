@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import os
 
-import fused_support
 import pytest
 import torch
 import torch.nn.functional as F
-from fused_support import requires_cpu_ext
 
 from megapp.fusions.extension import (
     choose_tier,
@@ -31,10 +29,12 @@ from megapp.fusions.norm import (
     rms_norm_reference_forward,
     rms_norm_reference_stats,
 )
+from tests import support
+from tests.support import requires_cpu_ext
 
 # Shared fixtures (pytest finds them as module attributes).
-ops = fused_support.ops
-_fused_enabled = fused_support._fused_enabled
+ops = support.ops
+fused_unset = support.fused_unset
 
 EPS = 1e-5
 SHAPES = [(1, 8), (4, 7), (3, 5, 13), (2, 3, 1), (257, 300), (16, 2, 1000)]

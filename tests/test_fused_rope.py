@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import os
 
-import fused_support
 import pytest
 import torch
-from fused_support import requires_cpu_ext
 
 from megapp.fusions import choose_tier, cuda_ops_available, select_tier
 from megapp.fusions.rope import (
@@ -17,10 +15,12 @@ from megapp.fusions.rope import (
     rope_reference_backward,
     rotary_freqs,
 )
+from tests import support
+from tests.support import requires_cpu_ext
 
 # Shared fixtures (pytest finds them as module attributes).
-ops = fused_support.ops
-_fused_enabled = fused_support._fused_enabled
+ops = support.ops
+fused_unset = support.fused_unset
 
 # (x shape [s, b, heads, d], rot_dim): full rotation, partial rotation with pass-through channels,
 # odd head counts and an odd head dim, a single position.

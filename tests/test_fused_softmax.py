@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import os
 
-import fused_support
 import pytest
 import torch
-from fused_support import requires_cpu_ext
 
 from megapp.fusions import choose_tier, cuda_ops_available, select_tier
 from megapp.fusions.softmax import (
@@ -17,10 +15,12 @@ from megapp.fusions.softmax import (
     scaled_masked_softmax_reference,
     scaled_masked_softmax_reference_backward,
 )
+from tests import support
+from tests.support import requires_cpu_ext
 
 # Shared fixtures (pytest finds them as module attributes).
-ops = fused_support.ops
-_fused_enabled = fused_support._fused_enabled
+ops = support.ops
+fused_unset = support.fused_unset
 
 # (shape [b, heads, sq, sk], mask shape or None, causal). Odd row lengths, sq < sk, a single key,
 # a row longer than the usual tile, and the mask broadcasts the kernels index by stride.

@@ -18,7 +18,7 @@ from megapp.models.generation import KVCache, Sampling, generate
 from megapp.models.gpt import build_gpt_chunks
 from megapp.models.hf_checkpoint import hf_gpt_config, load_hf
 from megapp.testing import distributed
-from tests.test_pretrain_e2e import ENV, ROOT
+from megapp.training.launch import REPOSITORY, launch_env
 
 transformers = pytest.importorskip("transformers")
 VOCAB, NEW = 300, 24
@@ -135,17 +135,18 @@ def test_tensor_parallel_greedy_equals_transformers(models, tp):
 def test_tool_prints_the_same_tokens(models):
     reference = torch.load(models / "gpt2" / "greedy.pt")
     text = bytes(reference["prompt"][0].tolist()).decode("ascii")
-    command = [sys.executable, str(ROOT / "tools" / "generate.py"), "--hf", str(models / "gpt2")]
+    tool = REPOSITORY / "tools" / "checkpoint" / "generate.py"
+    command = [sys.executable, str(tool), "--hf", str(models / "gpt2")]
     command += ["--tokenizer-type", "ByteTokenizer", "--prompt", text, "--ids"]
     command += ["--max-new-tokens", str(NEW)]
-    run = subprocess.run(command, capture_output=True, text=True, env=ENV, timeout=120)
+    run = subprocess.run(command, capture_output=True, text=True, env=launch_env(), timeout=120)
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == str(reference["greedy"][0].tolist())
 
 
 def generate_tool(capsys, *args):
-    """tools/generate.py run in this process: (exit status, stdout, stderr lines)."""
-    from tools import generate as tool
+    """tools/checkpoint/generate.py run in this process: (exit status, stdout, stderr lines)."""
+    from tools.checkpoint import generate as tool
 
     capsys.readouterr()  # what ran before is not the tool's
     try:

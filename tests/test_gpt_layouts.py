@@ -32,7 +32,7 @@ from megapp.testing import distributed
 from megapp.training import train_step
 from megapp.training.flag_groups import OptimizerArgs
 from megapp.training.setup import build_training_setup
-from tests.gpt_support import (
+from tests.support import (
     SEED,
     VOCAB,
     full_tensor,
@@ -79,8 +79,7 @@ def train_layout(
             lr=LR, weight_decay=WD, clip_grad=CLIP, lr_decay_style="constant", lr_decay_iters=STEPS
         ),
         bucket_size=bucket_size,
-        use_distributed_optimizer=distributed_optimizer,
-        zero_stage=zero_stage,
+        zero_stage=max(zero_stage, int(distributed_optimizer)),
         seed=SEED,
         schedule=schedule,
     )

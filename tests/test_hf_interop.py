@@ -25,6 +25,7 @@ from megapp.models.gpt import build_gpt_chunks
 from megapp.models.hf_checkpoint import hf_gpt_config, load_hf, save_hf
 from megapp.pipeline_parallel.engine import forward_backward
 from megapp.testing import distributed
+from tests.support import hf_tensors
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -126,14 +127,6 @@ def hf_models(tmp_path_factory):
             )
         torch.save({"tokens": tokens, "logits": logits, "loss": loss}, root / arch / "reference.pt")
     return root
-
-
-def hf_tensors(directory):
-    out = {}
-    for name in sorted(os.listdir(directory)):
-        if name.endswith(".safetensors"):
-            out.update(safetensors_torch.load_file(os.path.join(directory, name)))
-    return out
 
 
 @pytest.mark.parametrize("arch", ARCHS)

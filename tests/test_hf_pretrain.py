@@ -3,24 +3,23 @@
 HF folder -> `pretrain_gpt.py --load-hf` under tp 2 x pp 2 (one step at learning rate 0,
 so the weights stay what they were) -> `--save-hf` from that layout, and a megapp
 checkpoint -> resumed in one process (tp 1) with `--save-hf`, and exported by
-`tools/convert_hf.py export`: all three folders hold the original tensors bit for bit,
-and the original `config.json` and `generation_config.json`.
+`tools/checkpoint/convert_hf.py export`: all three folders hold the original tensors bit for bit,
+and the original `config.json` and `generation_config.json`. The runs are pretrain_gpt.py's
+main on the ranks of a reused gloo world (:mod:`megapp.testing.pretrain_world`).
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import shutil
-import subprocess
-import sys
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
-from tests.test_hf_interop import hf_tensors
-from tests.test_pretrain_e2e import ENV, ROOT, launch
+from megapp.testing.pretrain_world import run_pretrain_in_world
+from tests.support import hf_tensors
 
 transformers = pytest.importorskip("transformers")
 
@@ -32,24 +31,17 @@ RUN = [
 ]
 
 
-def generate_tool(*args):
-    return subprocess.run(
-        [sys.executable, str(ROOT / "tools" / "generate.py"), *map(str, args)],
-        capture_output=True,
-        text=True,
-        env=ENV,
-        timeout=120,
-    )
-
-
-def tool(*args):
-    return subprocess.run(
-        [sys.executable, str(ROOT / "tools" / "convert_hf.py"), *map(str, args)],
-        capture_output=True,
-        text=True,
-        env=ENV,
-        timeout=120,
-    )
+def tool_main(capsys, tool: str, *args) -> tuple[int, str, list[str]]:
+    """``tools/checkpoint/<tool>.py args`` run in this process: (exit status, stdout,
+    stderr lines)."""
+    module = importlib.import_module(f"tools.checkpoint.{tool}")
+    capsys.readouterr()  # what ran before is not the tool's
+    try:
+        status = module.main([str(a) for a in args])
+    except SystemExit as stop:
+        status = stop.code
+    out, err = capsys.readouterr()
+    return status, out, err.strip().splitlines()
 
 
 def assert_same_model(exported, original):
@@ -71,15 +63,9 @@ def read_json(path):
 
 
 def convert_tool(capsys, *args):
-    """tools/convert_hf.py run in this process: (exit status, stderr lines)."""
-    from tools import convert_hf
-
-    capsys.readouterr()  # what ran before is not the tool's
-    try:
-        status = convert_hf.main([str(a) for a in args])
-    except SystemExit as stop:
-        status = stop.code
-    return status, capsys.readouterr().err.strip().splitlines()
+    """tools/checkpoint/convert_hf.py run in this process: (exit status, stderr lines)."""
+    status, _, err = tool_main(capsys, "convert_hf", *args)
+    return status, err
 
 
 def test_hf_to_tp2_pp2_to_checkpoint_to_one_process_to_hf_is_bitwise(corpus, tmp_path, capsys):
@@ -105,94 +91,91 @@ def test_hf_to_tp2_pp2_to_checkpoint_to_one_process_to_hf_is_bitwise(corpus, tmp
     )
     source = tmp_path / "hf"
     transformers.LlamaForCausalLM(config).save_pretrained(source)
-    # Runs that need only the folder, or only the checkpoint, go side by side: each is
-    # one process, and the machine has two cores.
-    with ThreadPoolExecutor(max_workers=3) as pool:
-        args = ["--prompt", "def main(", "--max-new-tokens", "12", "--ids"]
-        hf_text = pool.submit(
-            generate_tool, "--hf", source, "--tokenizer-type", "ByteTokenizer", *args
-        )
-        flags = tool("flags", source)
-        assert flags.returncode == 0, flags.stderr
-        model_flags = flags.stdout.split()
-        assert "--use-rope-scaling" in model_flags and "--swiglu" in model_flags
-        # Llama's dropout (none), not pretrain_gpt.py's default of 0.1
-        assert "--hidden-dropout 0.0 --attention-dropout 0.0" in flags.stdout
-        data = ["--data-path", str(corpus / "stdlib"), "--data-cache-path", str(tmp_path / "cache")]
+    args = ["--prompt", "def main(", "--max-new-tokens", "12", "--ids"]
+    hf_text = tool_main(
+        capsys, "generate", "--hf", source, "--tokenizer-type", "ByteTokenizer", *args
+    )
+    status, flags, err = tool_main(capsys, "convert_hf", "flags", source)
+    assert status == 0, err
+    model_flags = flags.split()
+    assert "--use-rope-scaling" in model_flags and "--swiglu" in model_flags
+    # Llama's dropout (none), not pretrain_gpt.py's default of 0.1
+    assert "--hidden-dropout 0.0 --attention-dropout 0.0" in flags
+    data = ["--data-path", str(corpus / "stdlib"), "--data-cache-path", str(tmp_path / "cache")]
 
-        layout = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
-        first = launch(
-            4,
+    layout = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
+    first = run_pretrain_in_world(
+        4,
+        [
             *layout,
             *model_flags,
             *RUN,
             *data,
             *("--load-hf", source, "--save", tmp_path / "ckpt"),
             *("--save-hf", tmp_path / "from_tp2pp2"),
-            cwd=tmp_path,
-        )
-        assert first.returncode == 0, first.stderr[-4000:]
+        ],
+        cwd=tmp_path,
+    )
+    assert first.returncode == 0, first.stderr[-4000:]
+    assert_same_model(tmp_path / "from_tp2pp2", source)
+    saved = read_json(tmp_path / "ckpt" / "iter_0000001" / "common.json")["model_config"]
+    assert (saved["hidden_dropout"], saved["attention_dropout"]) == (0.0, 0.0)
 
-        # The checkpoint, read three ways at once: resumed in one process, exported, generating.
-        second = pool.submit(
-            launch,
-            1,
+    # The checkpoint, read three ways: resumed in one process, exported, generating.
+    second = run_pretrain_in_world(
+        1,
+        [
             *model_flags,
             *RUN,
             *data,
             # The same flags resume: --load's checkpoint wins over --load-hf's weights.
-            *("--load", tmp_path / "ckpt", "--load-hf", source, "--save-hf", tmp_path / "from_tp1"),
-            cwd=tmp_path,
-        )
-        # the checkpoint knows its model's type and config
-        exported = pool.submit(tool, "export", tmp_path / "ckpt", "--output", tmp_path / "tool")
-        checkpoint_text = pool.submit(generate_tool, "--load", tmp_path / "ckpt", *args)
-        assert_same_model(tmp_path / "from_tp2pp2", source)
-        saved = read_json(tmp_path / "ckpt" / "iter_0000001" / "common.json")["model_config"]
-        assert (saved["hidden_dropout"], saved["attention_dropout"]) == (0.0, 0.0)
-
-        # The wrong type for a checkpoint ends in one line and writes nothing, whether the
-        # checkpoint keeps its model's config or (a copy without it) was trained from scratch.
-        scratch = tmp_path / "scratch_ckpt"
-        shutil.copytree(tmp_path / "ckpt", scratch, ignore=shutil.ignore_patterns("hf_config"))
-        for checkpoint, model_type, message in (
-            (tmp_path / "ckpt", "gpt2", "the model is a llama model"),
-            (scratch, "gpt2", "gpt2 needs normalization='LayerNorm'"),
-            (scratch, None, "keeps no Hugging Face config"),
-        ):
-            chosen = [] if model_type is None else ["--model-type", model_type]
-            status, err = convert_tool(
-                capsys, "export", checkpoint, "--output", tmp_path / "wrong", *chosen
-            )
-            assert status == 2 and len(err) == 1, err
-            assert err[0].startswith("convert_hf.py: error: ") and message in err[0], err
-            assert not (tmp_path / "wrong").exists()
-        # trained from scratch: the token ids are the run's tokenizer's end of document
-        status, err = convert_tool(
-            capsys, "export", scratch, "--output", tmp_path / "scratch", "--model-type", "llama"
-        )
-        assert status == 0, err
-        byte_eod = 256
-        assert read_json(tmp_path / "scratch" / "generation_config.json") == {
-            "bos_token_id": byte_eod,
-            "eos_token_id": byte_eod,
-        }
-
-    second = second.result()
+            *("--load", tmp_path / "ckpt", "--load-hf", source),
+            *("--save-hf", tmp_path / "from_tp1"),
+        ],
+        cwd=tmp_path,
+    )
     assert second.returncode == 0, second.stderr[-4000:]
     assert_same_model(tmp_path / "from_tp1", source)
 
-    exported = exported.result()
-    assert exported.returncode == 0, exported.stderr
+    # the checkpoint knows its model's type and config
+    status, err = convert_tool(capsys, "export", tmp_path / "ckpt", "--output", tmp_path / "tool")
+    assert status == 0, err
     assert_same_model(tmp_path / "tool", source)
 
     # The checkpoint and the original folder generate the same text (the run's byte
     # tokenizer comes from the checkpoint's settings).
-    from_checkpoint, from_hf = checkpoint_text.result(), hf_text.result()
-    assert from_checkpoint.returncode == 0, from_checkpoint.stderr
-    assert from_hf.returncode == 0, from_hf.stderr
-    assert from_checkpoint.stdout == from_hf.stdout
-    assert from_checkpoint.stdout.startswith(str(list(b"def main("))[:-1])
+    from_checkpoint = tool_main(capsys, "generate", "--load", tmp_path / "ckpt", *args)
+    assert from_checkpoint[0] == 0, from_checkpoint[2]
+    assert hf_text[0] == 0, hf_text[2]
+    assert from_checkpoint[1] == hf_text[1]
+    assert from_checkpoint[1].startswith(str(list(b"def main("))[:-1])
+
+    # The wrong type for a checkpoint ends in one line and writes nothing, whether the
+    # checkpoint keeps its model's config or (a copy without it) was trained from scratch.
+    scratch = tmp_path / "scratch_ckpt"
+    shutil.copytree(tmp_path / "ckpt", scratch, ignore=shutil.ignore_patterns("hf_config"))
+    for checkpoint, model_type, message in (
+        (tmp_path / "ckpt", "gpt2", "the model is a llama model"),
+        (scratch, "gpt2", "gpt2 needs normalization='LayerNorm'"),
+        (scratch, None, "keeps no Hugging Face config"),
+    ):
+        chosen = [] if model_type is None else ["--model-type", model_type]
+        status, err = convert_tool(
+            capsys, "export", checkpoint, "--output", tmp_path / "wrong", *chosen
+        )
+        assert status == 2 and len(err) == 1, err
+        assert err[0].startswith("convert_hf.py: error: ") and message in err[0], err
+        assert not (tmp_path / "wrong").exists()
+    # trained from scratch: the token ids are the run's tokenizer's end of document
+    status, err = convert_tool(
+        capsys, "export", scratch, "--output", tmp_path / "scratch", "--model-type", "llama"
+    )
+    assert status == 0, err
+    byte_eod = 256
+    assert read_json(tmp_path / "scratch" / "generation_config.json") == {
+        "bos_token_id": byte_eod,
+        "eos_token_id": byte_eod,
+    }
 
 
 def test_load_hf_refuses_flags_that_describe_another_model(corpus, tmp_path):
@@ -200,7 +183,9 @@ def test_load_hf_refuses_flags_that_describe_another_model(corpus, tmp_path):
     transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path / "hf")
     data = ["--data-path", str(corpus / "stdlib"), "--data-cache-path", str(tmp_path / "cache")]
     wrong = ["--num-layers", "3", "--hidden-size", "32", "--num-attention-heads", "4"]
-    run = launch(1, *wrong, *RUN, *data, "--load-hf", tmp_path / "hf", cwd=tmp_path)
+    run = run_pretrain_in_world(
+        1, [*wrong, *RUN, *data, "--load-hf", tmp_path / "hf"], cwd=tmp_path
+    )
     assert run.returncode != 0
     assert "--load-hf" in run.stderr and "num_layers 3 (the model: 2)" in run.stderr
     assert "its flags are: --num-layers 2 --hidden-size 32" in run.stderr

@@ -17,8 +17,8 @@ from megapp.models import build_gpt_chunks
 from megapp.optimizer import Optimizer
 from megapp.testing import distributed
 from megapp.training import TrainGroups, train_step
-from tests.gpt_support import SEED, global_batch, gpt_config
-from tests.test_gpt_layouts import forward_step
+from tests.support import SEED, global_batch, gpt_config
+from tests.support import gpt_forward_step as forward_step
 
 
 def _chunks(tp, pp, **config):

@@ -31,8 +31,8 @@ from megapp.training.async_step import train_run
 from megapp.training.flag_groups import OptimizerArgs, PrecisionArgs
 from megapp.training.live_memory import LiveTensorMemory
 from megapp.training.setup import build_training_setup
-from tests.gpt_support import gpt_config
-from tests.test_pipeline_engine import Block, forward_step
+from tests.support import Block, gpt_config
+from tests.support import block_forward_step as forward_step
 
 HIDDEN, BATCH, SEQ = 8, 3, 5
 TOL = {"rtol": 1e-12, "atol": 1e-12}

@@ -272,7 +272,7 @@ def test_recorded_timeline_follows_the_schedule():
 
 
 def test_sent_activation_storage_is_dropped_only_when_backward_does_not_need_it():
-    from megapp.pipeline_parallel.activation_storage import SavedStorages
+    from megapp.autograd.saved import SavedStorages
 
     w = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
     x = torch.randn(3, 4, dtype=torch.float64)

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megapp import parallel_state as ps
+from megapp.autograd.deferred import weight_grad_memory
 from megapp.distributed.ddp import DistributedDataParallel
 from megapp.param_attributes import shard
 from megapp.pipeline_parallel import (
@@ -26,10 +27,9 @@ from megapp.pipeline_parallel import (
 )
 from megapp.pipeline_parallel.compute import StageCompute, sync_actions
 from megapp.pipeline_parallel.partition import split_layers
-from megapp.pipeline_parallel.weight_grads import weight_grad_memory
 from megapp.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megapp.testing import distributed
-from tests.test_pipeline_engine import reference_loss
+from tests.support import block_reference_loss as reference_loss
 
 HIDDEN, BATCH, SEQ = 8, 3, 4
 # Declared: negotiated headers deadlock under some split schedules (see the report).
@@ -230,8 +230,7 @@ def test_data_parallel_reduces_each_gradient_once(kind, zero):
             c,
             dp_group=dp_group,
             bucket_size=2 * HIDDEN * HIDDEN,
-            use_distributed_optimizer=zero > 0,
-            shard_grads=zero > 1,
+            zero_stage=zero,
         )
         for c in chunks
     ]
@@ -284,7 +283,7 @@ def test_weight_grad_memory_of_a_gpt_layer():
     """What a deferred W keeps of a transformer layer's activations: the inputs of its four
     linears and their output gradients."""
     from megapp.transformer.layer import TransformerLayer
-    from tests.gpt_support import gpt_config
+    from tests.support import gpt_config
 
     config = gpt_config(num_layers=1, params_dtype=F64, hidden_size=32, ffn_hidden_size=128)
     layer = TransformerLayer(config, layer_number=1)

@@ -8,13 +8,16 @@ import shlex
 
 import pytest
 
-from megapp.pipeline_parallel.catalog import V_SHAPED
+from megapp.pipeline_parallel.catalog import SCHEDULE_KINDS
 from megapp.pipeline_parallel.messages import ScheduleError
-from megapp.plan import SPLIT_BACKWARD, Planner, Space, command_line, layouts, main
+from megapp.plan import command_line, main
 from megapp.planning.hardware import load_hardware
 from megapp.planning.layout import pretrain_config
+from megapp.planning.layout_space import Space, layouts
 from megapp.planning.memory import predict_memory
-from megapp.planning.models import ModelPreset
+from megapp.planning.models import MODELS, ModelPreset
+from megapp.planning.search import Planner
+from megapp.planning.shared_cores import CpuProfile, SharedCores
 from megapp.planning.timing import predict_step_time
 from megapp.training.arguments import config_from_flags
 from megapp.training.flag_groups import ArgumentsError
@@ -32,6 +35,7 @@ FLAGS = (
 )
 MODEL = ModelPreset(FLAGS, 32000, "a small GPT")
 H100 = load_hardware("h100")
+MODEL_TINY = MODELS["tiny"]
 
 
 @pytest.fixture
@@ -48,7 +52,7 @@ def test_the_space_follows_the_rules():
     for layout in space:
         assert layout.world_size == 8 and layout.tp <= 4 and 8 % layout.tp == 0
         assert 16 % (layout.micro_batch_size * layout.dp) == 0 and layout.micro_batch_size <= 4
-        assert layout.vpp == 2 or layout.schedule not in V_SHAPED
+        assert layout.vpp == 2 or not (layout.schedule and SCHEDULE_KINDS[layout.schedule].v_shaped)
         assert layout.zero_stage == 0 or layout.dp > 1
         assert not layout.sequence_parallel or layout.tp > 1
         assert layout.pp > 1 or layout.schedule is None
@@ -65,7 +69,7 @@ def test_split_backward_names_the_schedules_with_input_gradients():
     for name in SCHEDULES:
         schedule = build_schedule(name, 2, 4, 2 if name != "1f1b" and name != "gpipe" else 1)
         splits = any(a.op is Op.INPUT_GRAD for row in schedule.actions for a in row)
-        assert splits == (name in SPLIT_BACKWARD), name
+        assert splits == SCHEDULE_KINDS[name].split_backward, name
 
 
 def brute_force(hardware, gbs, gpus):
@@ -264,3 +268,27 @@ def test_tensor_parallel_groups_stay_within_a_node():
     base = GPTConfig(num_layers=4, hidden_size=96 * 48, num_attention_heads=48, vocab_size=128)
     sizes = {layout.tp for layout in layouts(base, 48, 8, 96, Space(max_micro_batch_size=1))}
     assert sizes == {1, 2, 4, 8}
+
+
+def test_a_cpu_machine_profile_plans_its_shared_cores(tmp_path, capsys):
+    """A calibrated CPU machine's file plans through its own time model: 8 processes on 2
+    cores, each layout's time the shared-cores simulation's."""
+    hardware = dataclasses.replace(
+        load_hardware("h100"),
+        name="cpu-8proc",
+        gemm_flops=3e9,
+        peak_flops=None,
+        overlap_communication=False,
+        sends_finish_in_background=True,
+    )
+    machine = CpuProfile(hardware, SharedCores(cores=2, message_overhead=1e-4))
+    machine.save(tmp_path / "cpu.json")
+    argv = ["--model", "tiny", "--gpus", "8", "--global-batch-size", "16", "--top-k", "2"]
+    assert main([*argv, "--gpu", str(tmp_path / "cpu.json")]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("tiny on 8 × cpu-8proc (8 per node)")
+    best = Planner(MODEL_TINY, machine, 16, 8).plan(8, 1).best[0]
+    config = pretrain_config(best.layout, MODEL_TINY.flags, 16)
+    alone = predict_step_time(config, MODEL_TINY.vocab_size, hardware).seconds
+    assert best.step.seconds > alone  # eight processes take turns on two cores
+    assert best.layout.name in out

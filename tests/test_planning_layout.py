@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from megapp.planning.layout import PIPEDREAM_VSYNC, Layout, pretrain_config
+from megapp.planning.layout import PIPEDREAM_VSYNC, Layout, apply_layout, pretrain_config
+from megapp.training.arguments import config_from_flags
 from megapp.training.flag_groups import ArgumentsError
 
 MODEL = ["--num-layers", "8", "--hidden-size", "64", "--num-attention-heads", "4"]
@@ -61,7 +62,7 @@ def test_pipedream_with_vertical_sync_is_a_schedule_of_its_own():
     [
         (Layout(pp=3), 6, "--num-layers"),
         (Layout(dp=2, micro_batch_size=2), 6, "--global-batch-size"),
-        (Layout(pp=2, schedule="zb-v"), 4, "--num-layers-per-virtual-pipeline-stage"),
+        (Layout(pp=2, vpp=2, schedule="1f1b"), 4, "--num-layers-per-virtual-pipeline-stage"),
         (Layout(tp=3), 4, "heads"),
     ],
 )
@@ -79,3 +80,29 @@ def test_bad_layout_values_fail_at_once():
         Layout(pp=2, vpp=3).flags(8)
     with pytest.raises(ValueError, match="--num-layers"):
         pretrain_config(Layout(), ["--hidden-size", "64"], 1)
+
+
+RUN = ["--lr", "1e-4", "--train-iters", "1", "--use-default-corpus"]
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        Layout(),
+        Layout(tp=2, pp=2, dp=2, vpp=2, sequence_parallel=True, recompute="full", zero_stage=1),
+        Layout(pp=2, dp=2, vpp=2, schedule="zb-v", micro_batch_size=2, recompute="selective"),
+        Layout(pp=4, schedule="zb-h1", zero_stage=3, dp=2),
+        Layout(pp=2, dp=2, schedule=PIPEDREAM_VSYNC),
+    ],
+    ids=lambda layout: layout.name,
+)
+def test_the_printed_flags_parse_to_the_config_the_layout_applies(layout):
+    """``pretrain_config`` applies the layout to the model's parsed groups; parsing the
+    flags it prints for ``pretrain_gpt.py`` gives the same config, every group and every
+    derived value; applied to another layout's config it gives this one's."""
+    model = [*MODEL, "--clip-grad", "0", "--untie-embeddings-and-output-weights"]
+    flags = [*model, *layout.flags(8), "--global-batch-size", "16", *RUN]
+    parsed = config_from_flags(flags, world_size=layout.world_size)
+    applied = pretrain_config(layout, model, global_batch_size=16)
+    assert applied == parsed
+    assert apply_layout(pretrain_config(Layout(tp=4), model, 4), layout, 16) == parsed

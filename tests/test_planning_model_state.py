@@ -1,5 +1,5 @@
 """The planner's parameter count per rank equals the chunks megapp builds, for every
-model option and pipeline placement; tools/zero_memory.py (tests/test_zero_memory.py)
+model option and pipeline placement; tools/benchmarks/zero_memory.py (tests/test_zero_memory.py)
 holds its model-state bytes to the measured buffers and optimizer states."""
 
 from __future__ import annotations

@@ -14,17 +14,11 @@ import torch
 from megapp.models import build_gpt_chunks
 from megapp.training import arguments
 from megapp.training.arguments import ArgumentsError, config_from_flags, parse_args
-from megapp.training.config import PretrainConfig, as_flags
+from megapp.training.config import as_flags
+from tests.support import PRETRAIN_BASE, args_for
 
 ROOT = Path(__file__).resolve().parents[1]
-BASE = (
-    "--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
-    "--micro-batch-size 2 --lr 1e-3 --train-iters 10 --use-default-corpus"
-)
-
-
-def args_for(extra: str = "", world_size: int = 8, base: str = BASE) -> PretrainConfig:
-    return config_from_flags(shlex.split(f"{base} {extra}"), world_size)
+BASE = PRETRAIN_BASE
 
 
 def test_layout_and_microbatches_are_derived():
@@ -105,10 +99,12 @@ ERRORS = [
         r"microbatches as pipeline stages \(2\), got 1",
     ),
     (
-        "--pipeline-model-parallel-size 2 --pipeline-schedule zb-v --global-batch-size 8",
+        "--num-layers 6 --pipeline-model-parallel-size 2 --pipeline-schedule zb-v "
+        "--global-batch-size 8",
         2,
-        r"--pipeline-schedule zb-v runs two model chunks per pipeline rank, placed in a V; "
-        r"add --num-layers-per-virtual-pipeline-stage 1",
+        r"--pipeline-schedule zb-v places two model chunks on every rank in a V, so "
+        r"--num-layers \(6\) must split into 2 × --pipeline-model-parallel-size \(2\) = 4 "
+        r"virtual stages; use 4 or 8 layers",
     ),
     (
         "--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1 "
@@ -344,3 +340,89 @@ def test_the_command_line_checks_its_outputs(tmp_path, capsys, monkeypatch):
         "names a file\n"
     )
     assert config_from_flags(flags, 1).logging.metrics_path == str(tmp_path / "metrics")
+
+
+@pytest.mark.parametrize("name", ["zb-v", "dualpipev"])
+def test_v_schedules_derive_their_two_chunks_per_rank(name):
+    """A V runs exactly two chunks per rank: with no virtual-stage flag the layers per
+    virtual stage follow (4 layers over 2 ranks × 2 chunks: one each), even and uneven."""
+    config = args_for(
+        f"--pipeline-model-parallel-size 2 --pipeline-schedule {name} --global-batch-size 8", 2
+    )
+    assert config.virtual_pipeline_model_parallel_size == 2
+    assert config.schedule.name == name and config.schedule.placement == ((0, 3), (1, 2))
+    uneven = args_for(
+        f"--num-layers 8 --pipeline-model-parallel-size 2 --pipeline-schedule {name} "
+        "--decoder-first-pipeline-num-layers 2 --global-batch-size 8",
+        2,
+    )
+    assert uneven.virtual_pipeline_model_parallel_size == 2
+    for built, want in ((config, [[1, 1], [1, 1]]), (uneven, [[1, 1], [3, 3]])):
+        layers = [
+            [
+                len(chunk.decoder.layers)
+                for chunk in build_gpt_chunks(
+                    built.gpt_config(vocab_size=257),
+                    pp_rank=rank,
+                    pp_size=2,
+                    vpp_size=built.virtual_pipeline_model_parallel_size,
+                    schedule=built.schedule,
+                )
+            ]
+            for rank in range(2)
+        ]
+        assert layers == want
+    # the same two chunks asked for explicitly are the same run
+    explicit = args_for(
+        f"--pipeline-model-parallel-size 2 --pipeline-schedule {name} --global-batch-size 8 "
+        "--num-layers-per-virtual-pipeline-stage 1",
+        2,
+    )
+    assert explicit.schedule == config.schedule
+
+
+SCHEDULE_ERRORS = [
+    # (extra flags, what the message must say): the schedule's own rule, not the batch size
+    (
+        "--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1 "
+        "--pipeline-schedule 1f1b --global-batch-size 8",
+        r"^--pipeline-schedule 1f1b runs one model chunk per rank, but "
+        r"--num-layers-per-virtual-pipeline-stage 1 gives 2; use interleaved-1f1b for 2, or "
+        r"drop the virtual stages$",
+    ),
+    (
+        "--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2 "
+        "--pipeline-schedule gpipe --global-batch-size 8",
+        r"^--pipeline-schedule gpipe runs one model chunk per rank, but "
+        r"--num-virtual-stages-per-pipeline-rank 2 gives 2",
+    ),
+    (
+        "--num-layers 8 --pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1 "
+        "--pipeline-schedule zb-v --global-batch-size 8",
+        r"^--pipeline-schedule zb-v places two model chunks on every rank in a V, but "
+        r"--num-layers-per-virtual-pipeline-stage 1 gives 4; leave the flag out",
+    ),
+    (
+        "--pipeline-model-parallel-size 2 --pipeline-schedule interleaved-1f1b "
+        "--global-batch-size 8",
+        r"^--pipeline-schedule interleaved-1f1b runs at least 2 model chunks per rank; give "
+        r"--num-layers-per-virtual-pipeline-stage or --num-virtual-stages-per-pipeline-rank$",
+    ),
+    (
+        "--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1 "
+        "--microbatch-group-size-per-virtual-pipeline-stage 8 --global-batch-size 8",
+        r"^the interleaved-1f1b schedule cannot run this layout: the microbatch group size of "
+        r"interleaved-1f1b must lie between the pipeline size 2 and the number of "
+        r"microbatches 4, got 8$",
+    ),
+]
+
+
+@pytest.mark.parametrize("extra, message", SCHEDULE_ERRORS)
+def test_a_schedule_error_names_the_schedule_rule_not_the_batch_size(extra, message):
+    """The global batch of these runs is fine (4 microbatches); the message says so by not
+    blaming it."""
+    with pytest.raises(ArgumentsError, match=message) as info:
+        args_for(extra, world_size=2)
+    assert "microbatches, which" not in str(info.value)
+    assert "--global-batch-size" not in str(info.value)

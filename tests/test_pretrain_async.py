@@ -8,22 +8,22 @@ Resumed from a checkpoint (which holds the current weights, not the stashed ones
 starts its delay afresh on any layout, as one process does. Profiled, 2BW and PipeDream
 with vertical sync peak within 5% of the planner's memory model, stashed copies
 included (PipeDream's with tensor parallelism and sequence parallelism). Dropout is off,
-as in every parity test.
+as in every parity test. The runs are pretrain_gpt.py's main on the ranks of a reused gloo
+world (:mod:`megapp.testing.pretrain_world`).
 """
 
 from __future__ import annotations
 
-import json
 import shlex
-import subprocess
 
 import pytest
 
 from megapp.data import ByteTokenizer
 from megapp.planning.memory import predict_memory
+from megapp.testing.pretrain_world import run_pretrain_in_world
 from megapp.training.arguments import config_from_flags
 from megapp.training.flag_groups import ArgumentsError
-from tests.test_pretrain_e2e import ENV, torchrun
+from megapp.training.metrics import read_records
 
 MODEL = shlex.split(
     "--num-layers 4 --hidden-size 32 --num-attention-heads 2 --seq-length 32 "
@@ -52,21 +52,17 @@ RESUMED = {
 }
 
 
-def _launch_all(runs, data, tmp_path) -> dict[str, list[dict]]:
-    processes = {}
+def _run_all(runs, data, tmp_path) -> dict[str, list[dict]]:
+    """Run every ``name: (processes, flags)`` job in the world; each one's records."""
+    records = {}
     for name, (nproc, flags) in runs.items():
         metrics = ["--metrics-path", str(tmp_path / f"{name}.jsonl")]
-        command = torchrun(nproc, *MODEL, *data, *shlex.split(flags), *metrics)
-        processes[name] = subprocess.Popen(
-            command, cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            text=True,
-        )  # fmt: skip
-    records = {}
-    for name, process in processes.items():
-        _, err = process.communicate(timeout=300)
-        assert process.returncode == 0, f"{name}:\n{err[-3000:]}"
-        lines = (tmp_path / f"{name}.jsonl").read_text().splitlines()
-        records[name] = [json.loads(line) for line in lines]
+        flags = [*MODEL, *data, *shlex.split(flags), *metrics]
+        # a profiled run measures every live tensor of its processes: new ones, as launched
+        fresh = "--profile-iteration" in flags
+        done = run_pretrain_in_world(nproc, flags, cwd=tmp_path, fresh=fresh)
+        assert done.returncode == 0, f"{name}:\n{done.stderr[-3000:]}"
+        records[name] = read_records(tmp_path / f"{name}.jsonl")
     return records
 
 
@@ -76,7 +72,7 @@ def _losses(records: list[dict]) -> list[float]:
 
 def test_2bw_trains_as_one_process_does_and_memory_follows_the_model(corpus, tmp_path):
     data = ["--data-path", str(corpus / "stdlib"), "--data-cache-path", str(tmp_path / "cache")]
-    records = _launch_all(RUNS, data, tmp_path)
+    records = _run_all(RUNS, data, tmp_path)
     one = _losses(records["one"])
     assert len(one) == 4
     assert _losses(records["layout"]) == pytest.approx(one, rel=1e-5)
@@ -92,7 +88,7 @@ def test_2bw_trains_as_one_process_does_and_memory_follows_the_model(corpus, tmp
             want = predicted[rank["pp"]].total
             assert rank["peak_bytes"] == pytest.approx(want, rel=0.05), (name, rank["pp"])
 
-    resumed = _launch_all(RESUMED, data, tmp_path)
+    resumed = _run_all(RESUMED, data, tmp_path)
     restarted = _losses(resumed["resumed-one"])
     assert len(restarted) == 2
     assert _losses(resumed["resumed-layout"]) == pytest.approx(restarted, rel=1e-5)

@@ -14,7 +14,7 @@ import pretrain_gpt
 from megapp.data import ByteTokenizer, IndexedDatasetBuilder
 from megapp.training.arguments import ArgumentsError
 from megapp.training.data_iterators import chunk_iterators, rank0_first
-from tests.test_pretrain_args import args_for
+from tests.support import args_for
 
 DATASET = [{"tokens": torch.tensor([i])} for i in range(10)]
 

@@ -1,30 +1,34 @@
-"""pretrain_gpt.py end to end under torchrun: 4 ranks (tp 2 × pp 2) train, evaluate, save;
-a second launch resumes from the middle checkpoint and continues with exactly the losses
-of the uninterrupted run; bad settings, bad data and a hostile or corrupt checkpoint stop
-the job with one clear error line.
+"""pretrain_gpt.py end to end: 4 ranks (tp 2 × pp 2) train, evaluate, save; a second run
+resumes from the middle checkpoint and continues with exactly the losses of the
+uninterrupted run; bad settings, bad data and a hostile or corrupt checkpoint stop the job
+with one clear error line.
+
+The runs are pretrain_gpt.py's ``main`` on the ranks of a reused gloo world
+(:mod:`megapp.testing.pretrain_world`): every rank of a bad start meets the same error
+there and the first to report says it. Under torchrun (marked slow, but for the timeout
+too short for start-up, which only a launch reaches) the same bad starts also show that
+the launch prints that one line and no worker traceback.
 
 Dropout stays on (Megatron's 0.1), so exact equality also needs the RNG streams restored
 and nothing outside the iterations drawing from them. Everything runs in fp32 on CPU with
-the same reduction order in both launches, so the comparison is bitwise.
+the same reduction order in both runs, so the comparison is bitwise.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from megapp.data import IndexedDatasetBuilder
-from tests.test_checkpoint_safety import dotted_system_payload
+from megapp.testing.pretrain_world import run_pretrain_in_world
+from megapp.training.launch import REPOSITORY, finish, start_pretrain
+from megapp.training.metrics import read_records
+from tests.support import dotted_system_payload
 
-ROOT = Path(__file__).resolve().parents[1]
 ITERS, SAVE_AT, PROFILE_AT = 6, 3, 4
 MODEL = (
     "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --num-layers 2 "
@@ -33,43 +37,21 @@ MODEL = (
     f"--train-iters {ITERS} --log-interval 1 --eval-interval {SAVE_AT} --eval-iters 2"
 ).split()
 
-ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-
-
-def torchrun(nproc: int, *flags: str) -> list[str]:
-    """``torchrun --standalone`` (a free port, so launches can run side by side)."""
-    run = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    return [*run, "--nproc-per-node", str(nproc), str(ROOT / "pretrain_gpt.py"), *flags]
-
-
-def launch(nproc: int, *flags: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        torchrun(nproc, *flags),
-        cwd=cwd,
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-
-
-def records(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
-
 
 @pytest.fixture(scope="module")
 def full_run(corpus, tmp_path_factory):
     """The uninterrupted run: trains ITERS iterations and saves after SAVE_AT and at the end."""
     root = tmp_path_factory.mktemp("full_run")
     data = ["--data-path", str(corpus / "stdlib"), "--data-cache-path", str(root / "cache")]
-    full = launch(
+    full = run_pretrain_in_world(
         4,
-        *MODEL,
-        *data,
-        *("--save", str(root / "checkpoints"), "--save-interval", str(SAVE_AT)),
-        *("--metrics-path", str(root / "full.jsonl")),
-        *("--profile-iteration", str(PROFILE_AT)),
+        [
+            *MODEL,
+            *data,
+            *("--save", str(root / "checkpoints"), "--save-interval", str(SAVE_AT)),
+            *("--metrics-path", str(root / "full.jsonl")),
+            *("--profile-iteration", str(PROFILE_AT)),
+        ],
         cwd=root,
     )
     assert full.returncode == 0, full.stderr[-4000:]
@@ -77,38 +59,32 @@ def full_run(corpus, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def from_checkpoint(corpus, full_run, tmp_path_factory):
-    """The jobs that start from the full run's checkpoints, launched side by side: the run
-    resumed from the middle one (its directory and finished process), and the hostile and
-    corrupt copies' cases with each one's exit status and stderr, and the file the hostile
-    one's command would write."""
+def resumed_run(corpus, full_run, tmp_path_factory):
+    """The run resumed from the full run's middle checkpoint: its directory and outcome."""
     root, _ = full_run
-    broken_dir = tmp_path_factory.mktemp("broken_checkpoints")
-    cases, marker = _broken_checkpoint_cases(root / "checkpoints", corpus, broken_dir)
-    running = _start_side_by_side(cases, broken_dir)
     resumed_dir = tmp_path_factory.mktemp("resumed")
     data = ["--data-path", str(corpus / "stdlib"), "--data-cache-path", str(resumed_dir / "cache")]
-    resumed = launch(
+    resumed = run_pretrain_in_world(
         4,
-        *MODEL,
-        *data,
-        *("--load", str(root / "checkpoints"), "--ckpt-step", str(SAVE_AT)),
-        *("--save", str(resumed_dir / "resumed")),
-        *("--metrics-path", str(resumed_dir / "resumed.jsonl")),
+        [
+            *MODEL,
+            *data,
+            *("--load", str(root / "checkpoints"), "--ckpt-step", str(SAVE_AT)),
+            *("--save", str(resumed_dir / "resumed")),
+            *("--metrics-path", str(resumed_dir / "resumed.jsonl")),
+        ],
         cwd=resumed_dir,
     )
-    return (resumed_dir, resumed), (cases, _finish(running), marker)
+    return resumed_dir, resumed
 
 
-def test_train_save_resume_continues_exactly(full_run, from_checkpoint):
+def test_train_save_resume_continues_exactly(full_run, resumed_run):
     root, full = full_run
-    (resumed_dir, resumed), _ = from_checkpoint
+    resumed_dir, resumed = resumed_run
     assert resumed.returncode == 0, resumed.stderr[-4000:]
 
-    full_records, resumed_records = (
-        records(root / "full.jsonl"),
-        records(resumed_dir / "resumed.jsonl"),
-    )
+    full_records = read_records(root / "full.jsonl")
+    resumed_records = read_records(resumed_dir / "resumed.jsonl")
     train = {r["iteration"]: r for r in full_records if r["kind"] == "train"}
     assert sorted(train) == list(range(1, ITERS + 1))
     assert [train[i]["consumed_samples"] for i in train] == [8 * i for i in train]
@@ -153,27 +129,29 @@ def test_train_save_resume_continues_exactly(full_run, from_checkpoint):
     assert "loaded checkpoint" in resumed.stdout
 
 
-def _start_side_by_side(cases: dict, cwd: Path) -> dict[str, subprocess.Popen]:
-    """Launch every ``name: (nproc, flags, message)`` case at once."""
-    return {
-        name: subprocess.Popen(
-            torchrun(n, *flags),
-            cwd=cwd,
-            env=ENV,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for name, (n, flags, _) in cases.items()
-    }
+# --- bad starts: one error line ---------------------------------------------------------------
+
+Case = tuple[int, list[str], str]  # (processes, flags, what the error line starts with)
+Outcome = tuple[int, str]  # (exit status, stderr)
 
 
-def _finish(running: dict[str, subprocess.Popen]) -> dict[str, tuple[int, str]]:
-    """Each launch's exit status and stderr, once it has ended."""
+def _launch_side_by_side(cases: dict[str, Case], cwd: Path) -> dict[str, Outcome]:
+    """Launch every case under torchrun at once; each one's exit status and stderr."""
+    running = {name: start_pretrain(n, flags, cwd=cwd) for name, (n, flags, _) in cases.items()}
     outcomes = {}
     for name, process in running.items():
-        _, stderr = process.communicate(timeout=300)
-        outcomes[name] = (process.returncode, stderr)
+        done = finish(process, timeout_s=300)
+        assert not done.timed_out, f"{name}: still running after 300 s:\n{done.stderr[-3000:]}"
+        outcomes[name] = (done.returncode, done.stderr)
+    return outcomes
+
+
+def _run_in_world(cases: dict[str, Case], cwd: Path) -> dict[str, Outcome]:
+    """Run every case in the reused world, one after the other."""
+    outcomes = {}
+    for name, (n, flags, _) in cases.items():
+        done = run_pretrain_in_world(n, flags, cwd=cwd)
+        outcomes[name] = (done.returncode, done.stderr)
     return outcomes
 
 
@@ -186,7 +164,7 @@ def worker_traceback(stderr: str) -> str | None:
     worker failed (which ends in ChildFailedError and names only torch's files)."""
     for match in FRAME.finditer(stderr):
         path = Path(match.group(1))  # "<frozen runpy>" and the like are no files
-        if path.is_absolute() and path.resolve().is_relative_to(ROOT):
+        if path.is_absolute() and path.resolve().is_relative_to(REPOSITORY):
             return match.group(0)
     tracebacks = stderr.count("Traceback (most recent call last)")
     if tracebacks > stderr.count("errors.ChildFailedError"):
@@ -194,7 +172,7 @@ def worker_traceback(stderr: str) -> str | None:
     return None
 
 
-def _check_side_by_side(cases: dict, outcomes: dict[str, tuple[int, str]]) -> None:
+def _check_side_by_side(cases: dict[str, Case], outcomes: dict[str, Outcome]) -> None:
     """Every case exited nonzero with exactly one ``error:`` line, its ``message``, and
     no worker traceback."""
     for name, (returncode, stderr) in outcomes.items():
@@ -210,12 +188,6 @@ def _check_side_by_side(cases: dict, outcomes: dict[str, tuple[int, str]]) -> No
         )
 
 
-def _run_side_by_side(cases: dict, cwd: Path) -> None:
-    """Launch every ``name: (nproc, flags, message)`` case at once; each must exit with
-    status 2 and exactly one ``error:`` line, ``message``, with no worker traceback."""
-    _check_side_by_side(cases, _finish(_start_side_by_side(cases, cwd)))
-
-
 SMALL = (
     "--tensor-model-parallel-size 2 --num-layers 2 --hidden-size 32 --num-attention-heads 2 "
     "--seq-length 16 --micro-batch-size 2 --lr 1e-3 --train-iters 2"
@@ -223,14 +195,12 @@ SMALL = (
 
 
 BAD_DATA = ("missing", "corrupt", "token ids", "flag", "load typo")
+TIMEOUT = "timeout too short"  # only a launch waits for ranks to join
 
 
-@pytest.fixture(scope="module")
-def bad_starts(corpus, tmp_path_factory):
-    """Broken launches, run side by side: bad settings and data, outputs that cannot be
-    written, a model larger than the memory, a timeout shorter than start-up. Each case's
-    ``(nproc, flags, message)`` and each launch's exit status and stderr."""
-    tmp_path = tmp_path_factory.mktemp("bad_starts")
+def _bad_start_cases(corpus: Path, tmp_path: Path) -> dict[str, Case]:
+    """Bad settings and data, outputs that cannot be written, a model larger than the
+    memory, a timeout shorter than start-up: each case's ``(nproc, flags, message)``."""
     broken = tmp_path / "broken"
     broken.mkdir()
     for suffix in (".bin", ".idx"):
@@ -249,7 +219,7 @@ def bad_starts(corpus, tmp_path_factory):
     small = SMALL.split()
     cache = ["--data-cache-path", str(tmp_path / "cache")]
     good = [*small, "--data-path", str(corpus / "stdlib"), *cache]
-    cases = {
+    return {
         "missing": (
             2,
             [*small, "--data-path", str(tmp_path / "nowhere"), *cache],
@@ -298,13 +268,26 @@ def bad_starts(corpus, tmp_path_factory):
             "the model does not fit in memory: 2 ranks' weights, gradients and optimizer "
             "states need 36",
         ),
-        "timeout too short": (
+        TIMEOUT: (
             2,
             [*good, "--distributed-timeout-minutes", "0.001"],
             "--distributed-timeout-minutes 0.001 (0.1 s) is too short for start-up: rank ",
         ),
     }
-    return cases, _finish(_start_side_by_side(cases, tmp_path))
+
+
+@pytest.fixture(scope="module")
+def bad_start_cases(corpus, tmp_path_factory) -> tuple[dict[str, Case], Path]:
+    tmp_path = tmp_path_factory.mktemp("bad_starts")
+    return _bad_start_cases(corpus, tmp_path), tmp_path
+
+
+@pytest.fixture(scope="module")
+def bad_starts(bad_start_cases):
+    """Every case but the timeout run in the world: the cases and each one's outcome."""
+    cases, cwd = bad_start_cases
+    in_world = {name: case for name, case in cases.items() if name != TIMEOUT}
+    return cases, _run_in_world(in_world, cwd)
 
 
 def _check_case(bad_starts, *names: str) -> None:
@@ -337,15 +320,26 @@ def test_a_model_larger_than_the_memory_fails_at_start(bad_starts):
     assert re.search(r"need 3\d{4}\.\d GiB but this machine has \d+\.\d GiB free", line), line
 
 
-def test_a_timeout_shorter_than_start_up_says_which_flag_to_raise(bad_starts):
-    _check_case(bad_starts, "timeout too short")
-    _, outcomes = bad_starts
-    assert "raise --distributed-timeout-minutes" in outcomes["timeout too short"][1]
+def test_a_timeout_shorter_than_start_up_says_which_flag_to_raise(bad_start_cases):
+    """Under torchrun: the ranks wait for each other to join, and give up naming the flag."""
+    cases, cwd = bad_start_cases
+    outcomes = _launch_side_by_side({TIMEOUT: cases[TIMEOUT]}, cwd)
+    _check_side_by_side({TIMEOUT: cases[TIMEOUT]}, outcomes)
+    assert "raise --distributed-timeout-minutes" in outcomes[TIMEOUT][1]
+
+
+@pytest.mark.slow
+def test_under_torchrun_every_bad_start_is_one_line_and_no_traceback(bad_start_cases):
+    """The launches of the cases above, side by side: torchrun stops the other workers
+    once the first has reported; what the job prints is that one line."""
+    cases, cwd = bad_start_cases
+    launched = {name: case for name, case in cases.items() if name != TIMEOUT}
+    _check_side_by_side(launched, _launch_side_by_side(launched, cwd))
 
 
 def _broken_checkpoint_cases(checkpoints: Path, corpus: Path, tmp_path: Path):
-    """Launch cases loading two copies of ``checkpoints``: one whose .metadata file would
-    run a command, one with a truncated tensor shard; and the file the command writes."""
+    """Cases loading two copies of ``checkpoints``: one whose .metadata file would run a
+    command, one with a truncated tensor shard; and the file the command writes."""
     marker = tmp_path / "ran"
     hostile, truncated = tmp_path / "hostile", tmp_path / "truncated"
     for copy in (hostile, truncated):
@@ -372,10 +366,24 @@ def _broken_checkpoint_cases(checkpoints: Path, corpus: Path, tmp_path: Path):
     return cases, marker
 
 
-def test_a_hostile_or_corrupt_checkpoint_ends_the_job_with_one_error(from_checkpoint):
+@pytest.fixture(scope="module")
+def broken_checkpoints(corpus, full_run, tmp_path_factory):
+    root, _ = full_run
+    cwd = tmp_path_factory.mktemp("broken_checkpoints")
+    cases, marker = _broken_checkpoint_cases(root / "checkpoints", corpus, cwd)
+    return cases, marker, cwd
+
+
+def test_a_hostile_or_corrupt_checkpoint_ends_the_job_with_one_error(broken_checkpoints):
     """A .metadata file that would run a command, and a truncated tensor shard: the job
-    stops before training with one line naming the file, and the command never ran. (They
-    ran beside the resumed run, in ``from_checkpoint``.)"""
-    _, (cases, outcomes, marker) = from_checkpoint
-    _check_side_by_side(cases, outcomes)
+    stops before training with one line naming the file, and the command never ran."""
+    cases, marker, cwd = broken_checkpoints
+    _check_side_by_side(cases, _run_in_world(cases, cwd))
+    assert not marker.exists()
+
+
+@pytest.mark.slow
+def test_under_torchrun_a_hostile_or_corrupt_checkpoint_is_one_line(broken_checkpoints):
+    cases, marker, cwd = broken_checkpoints
+    _check_side_by_side(cases, _launch_side_by_side(cases, cwd))
     assert not marker.exists()

@@ -20,7 +20,7 @@ from megapp.training.metrics import (
     peak_tflops,
     perplexity,
 )
-from tests.test_pretrain_args import args_for
+from tests.support import args_for
 
 
 @pytest.mark.parametrize("swiglu", [False, True])
@@ -47,7 +47,24 @@ def test_flops_match_a_count_of_the_model_forward(swiglu):
     assert pretrain_gpt.flops_per_iteration(config, vocab) == 3 * counter.get_total_flops()
 
 
-def test_log_line_has_megatrons_layout():
+def _fields(line: str) -> dict[str, str]:
+    """The ``name: value`` fields of a log line as Megatron's log readers split it (on
+    ``|``), and its ``iteration N/M`` field as ``"iteration": "N/M"``; padding ignored."""
+    fields = {}
+    for part in line.split("|"):
+        part = " ".join(part.split())
+        if ": " in part:
+            name, value = part.split(": ", 1)
+            fields[name] = value
+        elif part.startswith("iteration "):
+            fields["iteration"] = part.removeprefix("iteration ").replace(" ", "")
+        elif part:
+            fields[part] = ""  # a heading such as "validation loss at iteration 10"
+    return fields
+
+
+def test_log_line_has_megatrons_fields():
+    """The fields Megatron's log line has, in its order, names and number formats."""
     record = {
         "iteration": 10,
         "consumed_samples": 640,
@@ -63,23 +80,36 @@ def test_log_line_has_megatrons_layout():
         "skipped_iterations": 0,
         "nan_iterations": 0,
     }
-    assert format_train_line(record, 100) == (
-        " iteration       10/     100 | consumed samples:          640 |"
-        " elapsed time per iteration (ms): 123.5 | throughput per GPU (TFLOP/s/GPU): 412.3 |"
-        " MFU: 41.7% | tokens per second: 2345.6 | learning rate: 1.000000E-04 |"
-        " global batch size:    64 | lm loss: 5.123456E+00 | loss scale: 1.0 |"
-        " grad norm: 1.234 | number of skipped iterations:   0 | number of nan iterations:   0 |"
-    )
-    cpu = format_train_line({**record, "mfu": None, "tflops_per_device": 0.00123}, 100)
-    assert "MFU" not in cpu and "(TFLOP/s/GPU): 0.0012 |" in cpu
+    line = format_train_line(record, 100)
+    assert "\n" not in line
+    fields = _fields(line)
+    assert list(fields.items()) == [
+        ("iteration", "10/100"),
+        ("consumed samples", "640"),
+        ("elapsed time per iteration (ms)", "123.5"),
+        ("throughput per GPU (TFLOP/s/GPU)", "412.3"),
+        ("MFU", "41.7%"),
+        ("tokens per second", "2345.6"),
+        ("learning rate", "1.000000E-04"),
+        ("global batch size", "64"),
+        ("lm loss", "5.123456E+00"),
+        ("loss scale", "1.0"),
+        ("grad norm", "1.234"),
+        ("number of skipped iterations", "0"),
+        ("number of nan iterations", "0"),
+    ]
+    cpu = _fields(format_train_line({**record, "mfu": None, "tflops_per_device": 0.00123}, 100))
+    assert "MFU" not in cpu and cpu["throughput per GPU (TFLOP/s/GPU)"] == "0.0012"
     block = format_eval_lines(
         {"split": "valid", "where": "iteration 10", "lm_loss": 2.0, "lm_loss_ppl": 7.389056}
     ).splitlines()
-    assert block[1] == (
-        " validation loss at iteration 10 | lm loss value: 2.000000E+00 |"
-        " lm loss PPL: 7.389056E+00 | "
-    )
-    assert block[0] == block[2] == "-" * (len(block[1]) + 1)
+    # the values between two rules of dashes, as Megatron prints them
+    assert len(block) == 3 and set(block[0]) == set(block[2]) == {"-"}
+    assert list(_fields(block[1]).items()) == [
+        ("validation loss at iteration 10", ""),
+        ("lm loss value", "2.000000E+00"),
+        ("lm loss PPL", "7.389056E+00"),
+    ]
     assert peak_tflops(torch.device("cpu"), torch.bfloat16) is None
 
 

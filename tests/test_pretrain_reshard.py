@@ -5,14 +5,16 @@ checkpoint and train iterations 3 and 4. Their losses and gradient norms equal t
 uninterrupted job's to fp32 round-off: the layouts sum in different orders, so the
 comparison is the layout tests' tolerance, not bitwise. Dropout is off: the RNG streams
 belong to a rank's place in the grid and are restored only under the same layout (a
-resharded run draws its dropout masks from its own seeds).
+resharded run draws its dropout masks from its own seeds). The jobs are pretrain_gpt.py's
+main on the ranks of a reused gloo world (:mod:`megapp.testing.pretrain_world`).
 """
 
 from __future__ import annotations
 
 import pytest
 
-from tests.test_pretrain_e2e import launch, records
+from megapp.testing.pretrain_world import run_pretrain_in_world
+from megapp.training.metrics import read_records
 
 ITERS, SAVE_AT = 4, 2
 MODEL = (
@@ -41,7 +43,7 @@ KEYS = ("iteration", "consumed_samples", "lm_loss", "grad_norm", "learning_rate"
 
 
 def _train_records(path) -> dict[int, dict]:
-    return {r["iteration"]: r for r in records(path) if r["kind"] == "train"}
+    return {r["iteration"]: r for r in read_records(path, "train")}
 
 
 @pytest.fixture(scope="module")
@@ -50,13 +52,15 @@ def sources(corpus, tmp_path_factory):
     out = {}
     for name, (nproc, layout) in SOURCES.items():
         root = tmp_path_factory.mktemp(name.replace(" ", "_"))
-        job = launch(
+        job = run_pretrain_in_world(
             nproc,
-            *MODEL,
-            *layout.split(),
-            *("--data-path", str(corpus / "stdlib"), "--data-cache-path", str(root / "cache")),
-            *("--save", str(root / "ckpt"), "--save-interval", str(SAVE_AT)),
-            *("--metrics-path", str(root / "metrics.jsonl")),
+            [
+                *MODEL,
+                *layout.split(),
+                *("--data-path", str(corpus / "stdlib"), "--data-cache-path", str(root / "cache")),
+                *("--save", str(root / "ckpt"), "--save-interval", str(SAVE_AT)),
+                *("--metrics-path", str(root / "metrics.jsonl")),
+            ],
             cwd=root,
         )
         assert job.returncode == 0, job.stderr[-4000:]
@@ -75,13 +79,15 @@ def test_a_checkpoint_resumes_under_another_layout(
     layout,
 ):
     root, full = sources[source]
-    job = launch(
+    job = run_pretrain_in_world(
         nproc,
-        *MODEL,
-        *layout.split(),
-        *("--data-path", str(corpus / "stdlib"), "--data-cache-path", str(tmp_path / "cache")),
-        *("--load", str(root / "ckpt"), "--ckpt-step", str(SAVE_AT)),
-        *("--metrics-path", str(tmp_path / "metrics.jsonl")),
+        [
+            *MODEL,
+            *layout.split(),
+            *("--data-path", str(corpus / "stdlib"), "--data-cache-path", str(tmp_path / "cache")),
+            *("--load", str(root / "ckpt"), "--ckpt-step", str(SAVE_AT)),
+            *("--metrics-path", str(tmp_path / "metrics.jsonl")),
+        ],
         cwd=tmp_path,
     )
     assert job.returncode == 0, job.stderr[-4000:]

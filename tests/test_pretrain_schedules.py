@@ -5,20 +5,20 @@ then the searched schedule) give the same losses, iteration by iteration. Profil
 
 Dropout is off: a schedule changes the order in which microbatches run, and with it
 which dropout masks each draws. Everything else (data, initialisation, the optimizer)
-is the same, so the losses agree to fp32 round-off of the reordered sums.
+is the same, so the losses agree to fp32 round-off of the reordered sums. The runs are
+pretrain_gpt.py's main on the ranks of a reused gloo world
+(:mod:`megapp.testing.pretrain_world`).
 """
 
 from __future__ import annotations
-
-import json
-import subprocess
 
 import pytest
 
 from megapp.data import ByteTokenizer
 from megapp.planning.memory import predict_memory
+from megapp.testing.pretrain_world import run_pretrain_in_world
 from megapp.training.arguments import config_from_flags
-from tests.test_pretrain_e2e import ENV, torchrun
+from megapp.training.metrics import read_records
 
 ITERS = 3
 MODEL = (
@@ -43,29 +43,20 @@ SCHEDULES = {
 
 def test_schedules_train_the_same_model(corpus, tmp_path):
     data = ["--data-path", str(corpus / "stdlib"), "--data-cache-path", str(tmp_path / "cache")]
-    # one launch first builds the data cache the others then read
-    runs = {}
-    for name, flags in SCHEDULES.items():
-        metrics = tmp_path / f"{name}.jsonl"
-        command = torchrun(2, *MODEL, *data, *flags, "--metrics-path", str(metrics))
-        runs[name] = subprocess.Popen(
-            command, cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            text=True,
-        )  # fmt: skip
-        if name == "1f1b":
-            out, err = runs[name].communicate(timeout=300)
-            assert runs[name].returncode == 0, err[-3000:]
-            runs[name] = (out, err)
-    outputs = {"1f1b": runs.pop("1f1b")}
-    for name, process in runs.items():
-        out, err = process.communicate(timeout=300)
-        assert process.returncode == 0, f"{name}:\n{err[-3000:]}"
-        outputs[name] = (out, err)
+    outputs = {}
+    for name, flags in SCHEDULES.items():  # the first run builds the data cache
+        metrics = ["--metrics-path", str(tmp_path / f"{name}.jsonl")]
+        # a profiled run measures every live tensor of its processes: new ones, as launched
+        fresh = PROFILE[0] in flags
+        done = run_pretrain_in_world(
+            2, [*MODEL, *data, *flags, *metrics], cwd=tmp_path, fresh=fresh
+        )
+        assert done.returncode == 0, f"{name}:\n{done.stderr[-3000:]}"
+        outputs[name] = (done.stdout, done.stderr)
     losses = {}
     for name, flags in SCHEDULES.items():
-        lines = (tmp_path / f"{name}.jsonl").read_text().splitlines()
-        train = [r for r in map(json.loads, lines) if r["kind"] == "train"]
-        profiles = [r for r in map(json.loads, lines) if r["kind"] == "profile"]
+        train = read_records(tmp_path / f"{name}.jsonl", "train")
+        profiles = read_records(tmp_path / f"{name}.jsonl", "profile")
         if PROFILE[0] in flags:  # the memory model predicts every rank's measured peak
             config = config_from_flags([*MODEL, *flags, "--use-default-corpus"], world_size=2)
             predicted = predict_memory(config, ByteTokenizer().vocab_size)

@@ -3,9 +3,6 @@ numbers that tie to each other in a source agree."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
 from megapp.planning.layout import Layout, pretrain_config
@@ -13,7 +10,7 @@ from megapp.planning.models import MODELS
 from megapp.planning.published_runs import RUNS, PublishedRun
 from megapp.tensor_parallel.utils import pad_vocab_size
 from megapp.training.flag_groups import ArgumentsError
-from megapp.training.flops import gpt_config_training_flops
+from megapp.training.flops import gpt_training_flops
 
 PEAK = {"a100": 312.0, "h100": 989.0}  # dense 16-bit TFLOP/s of the SXM parts
 
@@ -53,7 +50,7 @@ def test_mt_nlg_throughput_counts_one_recomputed_forward():
         config = pretrain_config(layout, preset.flags, run.global_batch_size)
         gpt = config.gpt_config(preset.vocab_size)
         tokens = run.global_batch_size * run.seq_length
-        model = gpt_config_training_flops(gpt, run.seq_length, tokens)
+        model = gpt_training_flops(gpt, run.seq_length, tokens)
         vocab = pad_vocab_size(gpt.vocab_size, run.tp, multiple=gpt.make_vocab_size_divisible_by)
         logits = 6.0 * gpt.hidden_size * vocab * tokens
         hardware = model + (model - logits) / 3
@@ -90,10 +87,9 @@ def test_published_layout_builds_or_is_refused_for_its_layer_split(run: Publishe
 
 
 def _compare_tool():
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-    import compare_published
+    from megapp.ablation import published
 
-    return compare_published
+    return published
 
 
 def test_compare_fills_what_a_source_leaves_open_and_says_what_it_cannot_model():

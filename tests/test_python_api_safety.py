@@ -18,7 +18,7 @@ from megapp.tensor_parallel.random import model_parallel_manual_seed
 from megapp.testing import distributed
 from megapp.training import TrainGroups
 from megapp.transformer import TransformerBlock, TransformerConfig, TransformerLayer
-from tests.gpt_support import SEED, global_batch, gpt_config, masked_mean
+from tests.support import SEED, global_batch, gpt_config, masked_mean
 
 RELEASED = r"releases between its layer's uses.*full_weights\(\)"
 
@@ -37,9 +37,7 @@ def _zero3_model() -> tuple[DistributedDataParallel, GPTModel, GPTModel]:
         model,
         dp_group=groups.dp,
         bucket_size=300,  # several buckets per layer
-        use_distributed_optimizer=True,
-        shard_grads=True,
-        shard_params=True,
+        zero_stage=3,
     )
     return ddp, model, reference
 

@@ -3,7 +3,7 @@ built-in schedules and better where their assumptions or memory needs do not fit
 
 import pytest
 
-from megapp.pipeline_parallel.catalog import SCHEDULES, V_SHAPED
+from megapp.pipeline_parallel.catalog import SCHEDULE_KINDS, SCHEDULES
 from megapp.pipeline_parallel.messages import communication_plan
 from megapp.pipeline_parallel.schedule_search import costs_from_events, search_schedule
 from megapp.pipeline_parallel.simulate import CostModel, simulate
@@ -32,7 +32,7 @@ def _builtin_fitting(costs: CostModel, limit: float) -> tuple[float, float]:
     eager = CostModel(**{**costs.__dict__, "blocking_sends": False})
     found = []
     for name, build in SCHEDULES.items():
-        if name in V_SHAPED or name in ("interleaved-1f1b",):
+        if SCHEDULE_KINDS[name].min_chunks > 1:  # a one-chunk placement only
             continue
         timeline = simulate(build(P, M, 1), eager)
         if max(timeline.peak_in_flight) <= limit:

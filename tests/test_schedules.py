@@ -5,7 +5,13 @@ from fractions import Fraction
 
 import pytest
 
-from megapp.pipeline_parallel.catalog import build_schedule, schedule_placement
+from megapp.pipeline_parallel.catalog import (
+    SCHEDULE_KINDS,
+    build_schedule,
+    default_schedule,
+    schedule_kind,
+    schedule_placement,
+)
 from megapp.pipeline_parallel.messages import (
     ScheduleError,
     check_fifo,
@@ -228,3 +234,36 @@ def test_placement_of_what_no_schedule_can_place_is_refused():
         schedule_placement("zb-v", 2, 3)
     with pytest.raises(ValueError, match="unknown schedule 'v-shape'"):
         schedule_placement("v-shape", 2, 2)
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULE_KINDS))
+def test_a_catalog_entry_says_what_its_built_schedules_do(name):
+    """The traits asked of a name before anything is built (V, split backward, steps among
+    its actions, chunks per rank) are what every schedule its builder makes does."""
+    kind = SCHEDULE_KINDS[name]
+    chunk_counts = [v for v in (1, 2, 3) if kind.min_chunks <= v <= (kind.max_chunks or 3)]
+    assert chunk_counts
+    for p in (2, 4):
+        for v in chunk_counts:
+            schedule = build_schedule(name, p, 4 * p, v)
+            ops = {a.op for row in schedule.actions for a in row}
+            assert (Op.WEIGHT_GRAD in ops) == kind.split_backward == schedule.splits_backward
+            assert (Op.UPDATE in ops) == kind.asynchronous == schedule.asynchronous
+            assert schedule.ends_on_one_rank == kind.v_shaped
+            assert schedule.placement == schedule_placement(name, p, v)
+        for v in {1, 2, 3} - set(chunk_counts):
+            with pytest.raises(ValueError, match=f"^{name} .* not {v}"):
+                schedule_kind(name).check_chunks(v)
+
+
+def test_the_default_schedule_is_one_catalog_entry_per_chunk_count():
+    assert (default_schedule(1), default_schedule(2), default_schedule(4)) == (
+        "1f1b",
+        "interleaved-1f1b",
+        "interleaved-1f1b",
+    )
+    defaults = {k.default_for: k.name for k in SCHEDULE_KINDS.values() if k.default_for}
+    assert defaults == {"one": "1f1b", "several": "interleaved-1f1b"}
+    assert schedule_kind("pipedream-vsync") is SCHEDULE_KINDS["pipedream"]  # as built
+    with pytest.raises(ValueError, match="unknown schedule 'zb-w'; choose one of gpipe, 1f1b"):
+        schedule_kind("zb-w")

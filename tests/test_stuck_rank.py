@@ -3,12 +3,12 @@ line naming the group and the operation it waited on.
 
 Four ranks (pipeline 2 × data parallel 2) are started by hand, not by torchrun, so each
 rank's own exit and message can be observed (torchrun would stop the rest once the first
-one fails). Rank 0 gets stuck in the middle of iteration 2.
+one fails). Rank 0 gets stuck in the middle of iteration 2. The jobs are whole launches:
+marked slow.
 """
 
 from __future__ import annotations
 
-import os
 import re
 import signal
 import socket
@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from megapp.training.launch import REPOSITORY, finish, launch_env, start_command
+
 TIMEOUT_S = 15.0  # --distributed-timeout-minutes 0.25
-MARGIN_S = 10.0  # exit and teardown on a shared two-core machine
 MODES = ("stop", "sleep", "kill")
 FLAGS = [
     "--pipeline-model-parallel-size",
@@ -61,25 +61,13 @@ def _free_port() -> int:
 
 def _launch(mode: str, root: Path, cache: Path) -> tuple[list[subprocess.Popen], Path]:
     marker = root / "stuck_at"
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(ROOT),
-        "OMP_NUM_THREADS": "1",
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(_free_port()),
-        "WORLD_SIZE": "4",
-    }
+    env = launch_env({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())})
+    env["WORLD_SIZE"] = "4"
     flags = [*FLAGS, "--data-cache-path", str(cache)]
-    job = [sys.executable, str(ROOT / "tests" / "stuck_rank_job.py"), mode, "0", "3", str(marker)]
+    script = REPOSITORY / "tests" / "stuck_rank_job.py"
+    job = [sys.executable, str(script), mode, "0", "3", str(marker), "--", *flags]
     procs = [
-        subprocess.Popen(
-            [*job, "--", *flags],
-            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-            cwd=root,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+        start_command(job, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, cwd=root)
         for r in range(4)
     ]
     return procs, marker
@@ -89,7 +77,7 @@ def _launch(mode: str, root: Path, cache: Path) -> tuple[list[subprocess.Popen],
 class Job:
     procs: list[subprocess.Popen]
     marker: Path
-    exits: dict[int, float] = field(default_factory=dict)  # rank -> when it was seen gone
+    exits: set[int] = field(default_factory=set)  # the ranks seen gone
     outputs: list[tuple[str, str]] = field(default_factory=list)
 
 
@@ -102,8 +90,8 @@ def jobs(tmp_path_factory) -> dict[str, Job]:
     cache = roots["stop"] / "cache"  # "kill" reuses the corpus "stop" built before it got stuck
     running = {mode: Job(*_launch(mode, roots[mode], roots[mode] / "cache")) for mode in MODES[:2]}
     try:
-        deadline = time.time() + 240
-        while time.time() < deadline and (
+        deadline = time.monotonic() + 240  # a hang guard: the jobs end by themselves
+        while time.monotonic() < deadline and (
             len(running) < len(MODES) or any(len(job.exits) < 3 for job in running.values())
         ):
             stuck = all(job.marker.exists() or job.exits for job in running.values())
@@ -112,32 +100,42 @@ def jobs(tmp_path_factory) -> dict[str, Job]:
             for job in running.values():
                 for r in (1, 2, 3):
                     if r not in job.exits and job.procs[r].poll() is not None:
-                        job.exits[r] = time.time()
+                        job.exits.add(r)
             time.sleep(0.1)
     finally:
         for job in running.values():
             for p in job.procs:
                 if p.poll() is None:
                     p.send_signal(signal.SIGKILL)
-            job.outputs = [p.communicate(timeout=60) for p in job.procs]
+            job.outputs = [(done.stdout, done.stderr) for done in map(_finished, job.procs)]
     return running
 
 
+def _finished(process: subprocess.Popen):
+    return finish(process, timeout_s=60)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
 def test_every_other_rank_exits_within_the_timeout(mode, jobs):
+    """Each other rank exits with one line naming what it waited on: on a stuck rank once
+    the job's timeout has run out (gloo says how long it waited: the job's 15 s, not
+    torch's default of 30 minutes), on a dead one as soon as its connection closes."""
     assert mode in jobs, f"the {mode} job never started"
     job = jobs[mode]
     procs, exits, outputs = job.procs, job.exits, job.outputs
     assert len(exits) == 3, f"ranks {sorted({1, 2, 3} - set(exits))} still running"
-    stuck_at = float(job.marker.read_text())
-    limit = 0.0 if mode == "kill" else TIMEOUT_S  # a dead peer closes its connections
+    assert job.marker.exists(), "rank 0 never got stuck"
     for r in (1, 2, 3):
         stderr = outputs[r][1]
         assert procs[r].returncode == 1, f"rank {r} exited {procs[r].returncode}:\n{stderr[-3000:]}"
-        took = exits[r] - stuck_at
-        assert took <= limit + MARGIN_S, f"rank {r} took {took:.1f} s:\n{stderr[-2000:]}"
         lines = [line for line in stderr.splitlines() if "error:" in line]
         assert len(lines) == 1 and "Traceback" not in stderr, stderr[-3000:]
+        if mode == "kill":  # a dead peer closes its connections: no timeout to wait out
+            assert re.search(r"Connection (reset|closed) by peer", lines[0]), lines[0]
+            assert "Timed out" not in lines[0], lines[0]
+        else:
+            assert f"Timed out waiting {TIMEOUT_S * 1000:.0f}ms" in lines[0], lines[0]
         assert re.search(
             rf"stuck_rank_job.py: error: rank {r}: .*"
             r"(all-reduce|all-gather|reduce-scatter|barrier|receive|send).*"

@@ -8,8 +8,6 @@ absolute is far above round-off and far below any real mistake.
 
 import pytest
 import torch
-from tests_support import full_grad as _full_grad
-from tests_support import gather as _gather
 
 from megapp import parallel_state as ps
 from megapp.tensor_parallel.layers import (
@@ -30,6 +28,8 @@ from megapp.testing import distributed
 from megapp.transformer.attention import ParallelAttention
 from megapp.transformer.config import TransformerConfig
 from megapp.transformer.mlp import ParallelMLP
+from tests.support import full_grad as _full_grad
+from tests.support import gather as _gather
 
 TOL = {"rtol": 1e-10, "atol": 1e-12}
 F64 = torch.float64

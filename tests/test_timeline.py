@@ -2,6 +2,8 @@
 
 import json
 
+import numpy as np
+
 from megapp.pipeline_parallel import build_schedule, simulate
 from megapp.pipeline_parallel.simulate import Event
 from megapp.pipeline_parallel.timeline import chrome_trace, plot_timelines, write_chrome_trace
@@ -27,4 +29,19 @@ def test_gantt_png_of_predicted_and_measured(tmp_path):
     path = tmp_path / "timeline.png"
     plot_timelines([("predicted", predicted), ("measured", measured)], path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert path.stat().st_size > 10_000
+    # The charts are stacked in the given order: the predicted one (top) has forward (blue)
+    # and backward (orange) bars, the measured one (bottom) a forward bar and no backward.
+    from matplotlib import image as png  # a dev extra, as plotting itself
+
+    image = png.imread(path)[..., :3]
+    top, bottom = np.array_split(image, 2, axis=0)
+    assert _pixels(top, FORWARD) > 100 and _pixels(top, BACKWARD) > 100
+    assert _pixels(bottom, FORWARD) > 100 and _pixels(bottom, BACKWARD) == 0
+
+
+FORWARD, BACKWARD = (0x4C, 0x78, 0xA8), (0xF5, 0x85, 0x18)
+
+
+def _pixels(image: np.ndarray, rgb: tuple[int, int, int]) -> int:
+    """How many pixels of ``image`` (floats in [0, 1]) have the colour ``rgb``."""
+    return int((np.abs(image - np.array(rgb) / 255).max(axis=-1) < 2 / 255).sum())

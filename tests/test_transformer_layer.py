@@ -11,14 +11,14 @@ Recompute is compared bit for bit: it must replay exactly the same ops.
 
 import pytest
 import torch
-from plain_transformer import plain_layer
-from tests_support import full_grad, gather
 
 from megapp import parallel_state as ps
 from megapp.fusions.rope import rotary_freqs
 from megapp.tensor_parallel.random import model_parallel_manual_seed
 from megapp.testing import distributed
+from megapp.testing.plain_gpt import plain_layer
 from megapp.transformer import TransformerBlock, TransformerConfig, TransformerLayer
+from tests.support import full_grad, gather
 
 TOL = {"rtol": 1e-9, "atol": 1e-10}
 S, B, H = 8, 2, 16

@@ -1,4 +1,4 @@
-"""tools/zero_memory.py on a tiny model: measured model-state bytes per rank equal the
+"""tools/benchmarks/zero_memory.py on a tiny model: measured model-state bytes per rank equal the
 ZeRO formula (buckets here need no padding); stage 2 sends one reduce-scatter per
 microbatch where stage 1 sends one per step, and stage 3 gathers the weights for every
 forward (and the layers' again for backward) instead of once after the step."""
@@ -13,12 +13,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_zero_memory_matches_the_formula(tmp_path):
     out = tmp_path / "zero.json"
-    command = [sys.executable, "tools/zero_memory.py", "--dp", "2", "--stages", "0", "1", "2", "3"]
+    command = [sys.executable, "tools/benchmarks/zero_memory.py", "--dp", "2"]
+    command += ["--stages", "0", "1", "2", "3"]
     command += ["--layers", "1", "--hidden", "64", "--vocab", "256", "--seq", "16"]
     command += ["--microbatches", "2", "--steps", "1", "--json", str(out)]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    assert done.stdout.startswith("$ python tools/zero_memory.py")
+    assert done.stdout.startswith("$ python tools/benchmarks/zero_memory.py")
     results = {r["stage"]: r for r in json.loads(out.read_text())["results"]}
     for stage, result in results.items():
         for rank in result["ranks"]:

@@ -6,4 +6,4 @@
 # $TMPDIR/megapp_gpu_check/ unless --markdown/--json say where. Options: --help.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-exec "${PYTHON:-python3}" tools/gpu_check.py "$@"
+exec "${PYTHON:-python3}" -m megapp.benchmarks.gpu_check "$@"

@@ -1,10 +1,16 @@
 """Data-parallel gradients: contiguous buffers, overlapped bucket reduction, finalize."""
 
 from megapp.distributed.buffers import Bucket, ParamAndGradBuffer
-from megapp.distributed.ddp import DistributedDataParallel, full_weights, needs_other_group_sum
-from megapp.distributed.finalize import finalize_model_grads
+from megapp.distributed.ddp import (
+    ZERO_STAGES,
+    DistributedDataParallel,
+    finalize_model_grads,
+    full_weights,
+    needs_other_group_sum,
+)
 
 __all__ = [
+    "ZERO_STAGES",
     "Bucket",
     "DistributedDataParallel",
     "ParamAndGradBuffer",

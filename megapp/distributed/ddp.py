@@ -12,15 +12,20 @@ the distributed optimizer a reduce-scatter that leaves each rank the summed
 slice it owns. Buckets marked late (parameters that must first be summed over
 another group) are reduced by :meth:`sync_late_grads` after that sum.
 
-ZeRO stages: 0 all-reduces whole gradients; 1 (the distributed optimizer)
-reduce-scatters them once per step; 2 also keeps only this rank's slice of the
-gradients, reduce-scattering every microbatch (:mod:`~megapp.distributed.sharded_grads`).
+ZeRO stages (one value, :data:`ZERO_STAGES`): 0 all-reduces whole gradients; 1 (the
+distributed optimizer) reduce-scatters them once per step; 2 also keeps only this rank's
+slice of the gradients, reduce-scattering every microbatch
+(:mod:`~megapp.distributed.sharded_grads`); 3 also keeps only this rank's slice of the
+weights (:mod:`~megapp.distributed.sharded_params`).
+
+:func:`finalize_model_grads` is the one post-backward step over every chunk: these
+reductions, and the sums over other groups that some parameters need first.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -33,6 +38,10 @@ from megapp.distributed.sharded_grads import ShardedGrads
 from megapp.distributed.sharded_params import ShardedParams, layer_units
 from megapp.parallel_state import layout_group
 from megapp.param_attributes import is_sequence_parallel, is_tied_embedding
+
+ZERO_STAGES = (0, 1, 2, 3)
+"""0: plain data parallelism; 1: optimizer states sharded over data-parallel ranks (the
+distributed optimizer); 2: and the gradients; 3: and the weights."""
 
 
 def needs_other_group_sum(param: nn.Parameter) -> bool:
@@ -50,11 +59,10 @@ class DistributedDataParallel(nn.Module):
             :mod:`megapp.parallel_state`'s layout, or one replica (nothing to reduce) in a
             job of one rank; in a larger job without a layout it must be given.
         bucket_size: elements per bucket (``None``: one bucket per chunk).
-        use_distributed_optimizer: reduce-scatter instead of all-reduce (ZeRO-1).
-        shard_grads: keep only this rank's slice of the reduced gradients (ZeRO-2; needs
-            the distributed optimizer).
-        shard_params: also keep only this rank's slice of the weights, gathering a layer's
-            when it runs (ZeRO-3; needs ``shard_grads``).
+        zero_stage: one of :data:`ZERO_STAGES`: from 1, reduce-scatter instead of
+            all-reduce (the distributed optimizer); from 2, keep only this rank's slice of
+            the reduced gradients; 3, also only this rank's slice of the weights, gathering
+            a layer's when it runs.
         overlap_grad_reduce: start a bucket's reduction as soon as it is ready; False
             reduces everything in :meth:`finish_grad_sync`.
         is_late: which parameters are reduced last (default :func:`needs_other_group_sum`).
@@ -66,17 +74,13 @@ class DistributedDataParallel(nn.Module):
         *,
         dp_group: Group = None,
         bucket_size: int | None = 40_000_000,
-        use_distributed_optimizer: bool = False,
-        shard_grads: bool = False,
-        shard_params: bool = False,
+        zero_stage: int = 0,
         overlap_grad_reduce: bool = True,
         is_late: Callable[[nn.Parameter], bool] = needs_other_group_sum,
     ):
         super().__init__()
-        if shard_grads and not use_distributed_optimizer:
-            raise ValueError("sharded gradients (ZeRO-2) need the distributed optimizer")
-        if shard_params and not shard_grads:
-            raise ValueError("sharded weights (ZeRO-3) need sharded gradients (ZeRO-2)")
+        if zero_stage not in ZERO_STAGES:
+            raise ValueError(f"zero_stage must be one of {ZERO_STAGES}, got {zero_stage}")
         if dp_group is None:
             dp_group = layout_group(
                 "dp", "DistributedDataParallel needs dp_group (the ranks that hold replicas)"
@@ -84,11 +88,11 @@ class DistributedDataParallel(nn.Module):
         self.module = module
         self.dp_group = dp_group
         self.dp_size, self.dp_rank = comm.world_size(dp_group), comm.rank(dp_group)
-        self.use_distributed_optimizer = use_distributed_optimizer
+        self.zero_stage = zero_stage
         self.overlap_grad_reduce = overlap_grad_reduce
         params = [p for p in module.parameters() if p.requires_grad][::-1]
-        sharded = shard_grads and self.dp_size > 1
-        stage3 = shard_params and sharded
+        sharded = zero_stage >= 2 and self.dp_size > 1
+        stage3 = zero_stage == 3 and sharded
         units, unit_of = layer_units(module) if stage3 else ({}, None)
         self.buffer = ParamAndGradBuffer(
             params,
@@ -148,7 +152,7 @@ class DistributedDataParallel(nn.Module):
             return
         grads = self.buffer.grad_data[bucket.start : bucket.end]
         grads.div_(self.dp_size)  # sum of 1/dp-scaled gradients: the data-parallel mean
-        if self.use_distributed_optimizer:
+        if self.zero_stage >= 1:
             lo, hi = bucket.shard(self.dp_rank, self.dp_size)
             out = self.buffer.grad_data[lo:hi]
             bucket.work = comm.reduce_scatter_into(out, grads, self.dp_group, async_op=True)
@@ -182,12 +186,12 @@ class DistributedDataParallel(nn.Module):
         """``param``'s data-parallel mean gradient, whole and shaped like ``param``, after
         :meth:`finish_grad_sync` (and :meth:`sync_late_grads` for late parameters).
 
-        With the distributed optimizer each rank holds only its reduce-scattered slice of
-        every bucket: the slices of ``param``'s bucket are all-gathered over the
-        data-parallel group, so every rank of it must call this for the same parameters in
-        the same order. Otherwise ``param.main_grad`` itself.
+        From ZeRO stage 1 on each rank holds only its reduce-scattered slice of every
+        bucket: the slices of ``param``'s bucket are all-gathered over the data-parallel
+        group, so every rank of it must call this for the same parameters in the same
+        order. Otherwise ``param.main_grad`` itself.
         """
-        if not self.use_distributed_optimizer or self.dp_size == 1:
+        if self.zero_stage == 0 or self.dp_size == 1:
             return param.main_grad
         bucket = self.buffer.bucket_of[id(param)]
         own = self._owned(bucket)
@@ -267,3 +271,58 @@ def full_weights(chunks) -> Iterator[None]:
             if isinstance(chunk, DistributedDataParallel):
                 stack.enter_context(chunk.full_weights())
         yield
+
+
+def _all_reduce_coalesced(grads: list[torch.Tensor], group: Group) -> None:
+    if not grads or comm.world_size(group) == 1:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    comm.all_reduce(flat, group)
+    torch._foreach_copy_(
+        grads,
+        [v.view_as(g) for v, g in zip(flat.split([g.numel() for g in grads]), grads, strict=True)],
+    )
+
+
+def finalize_model_grads(
+    chunks: Sequence[DistributedDataParallel],
+    *,
+    tp_group: Group = None,
+    embedding_group: Group = None,
+) -> None:
+    """After the last backward of an iteration:
+
+    1. wait for the data-parallel reduction of every regular bucket;
+    2. sum the gradients of sequence-parallel replicated parameters (norm weights,
+       row-parallel biases) over the tensor-parallel group, each rank having seen
+       only its part of the sequence;
+    3. sum the tied word-embedding gradient over the embedding group (first and
+       last pipeline stage), so both copies take the same step; when both stages
+       live on this rank (a V-shaped placement) the two copies are summed here;
+    4. reduce the late buckets holding those parameters over data-parallel ranks.
+    """
+    for chunk in chunks:
+        chunk.finish_grad_sync()
+    params = [p for chunk in chunks for p in chunk.buffer.params]
+    sequence_parallel = [p.main_grad for p in params if is_sequence_parallel(p)]
+    if sequence_parallel and tp_group is None:
+        raise ValueError(
+            "the model is sequence parallel but no tp_group was given: its norm and bias "
+            "gradients would miss the other tensor-parallel ranks' tokens"
+        )
+    _all_reduce_coalesced(sequence_parallel, tp_group)
+    embedding = [p.main_grad for p in params if is_tied_embedding(p)]
+    if len(embedding) > 2:
+        raise ValueError("a rank holds the tied embedding at most twice (first and last stage)")
+    if len(embedding) == 2:  # a V-shaped placement: first and last stage on this rank
+        embedding[0].add_(embedding[1])
+        embedding[1].copy_(embedding[0])
+        embedding = []
+    if embedding and embedding_group is None:
+        raise ValueError(
+            "the word embedding is tied across pipeline stages but no embedding_group was "
+            "given: its two copies would take different steps"
+        )
+    _all_reduce_coalesced(embedding, embedding_group)
+    for chunk in chunks:
+        chunk.sync_late_grads()

@@ -6,7 +6,7 @@ chunks from their fp32 ``main_grad`` buffers.
 - Master weights are fp32. For an fp32 model they are the model's parameters
   themselves (views into its buffer, no copy); for bf16/fp16 they are fp32
   copies, and the step writes the rounded result back.
-- With ``use_distributed_optimizer`` each data-parallel rank keeps master weights
+- From ZeRO stage 1 on (the distributed optimizer) each data-parallel rank keeps master weights
   and optimizer states only for its slice of every bucket (1/dp of them, ZeRO-1):
   gradients arrive reduce-scattered, the rank updates its slice, and an
   all-gather over the data-parallel group gives every rank the whole model.
@@ -123,7 +123,7 @@ def _norm_groups(
     """The (tp_group, norm_group) to use: the layout's, given ones checked against it."""
     if per_stage:
         if tp_group is None and ps.model_parallel_is_initialized():
-            tp_group = ps.get_tensor_model_parallel_group()
+            tp_group = ps.layout_group("tp", "Optimizer needs tp_group")
         return tp_group, tp_group
     if not ps.model_parallel_is_initialized():
         if not dist.is_initialized() or dist.get_world_size() == 1:
@@ -138,17 +138,17 @@ def _norm_groups(
                 "pass tp_group and norm_group"
             )
         return tp_group, norm_group
-    grid = ps.get_grid()
     want = {
-        "tp_group": (ps.get_tensor_model_parallel_group(), grid.tp, "tensor-parallel group"),
+        "tp_group": (ps.layout_group("tp", "Optimizer needs tp_group"), "tensor-parallel group"),
         "norm_group": (
-            (dist.group.WORLD, grid.world_size, "every rank (distributed optimizer)")
+            (dist.group.WORLD, "every rank (distributed optimizer)")
             if distributed
-            else (ps.get_model_parallel_group(), grid.tp * grid.pp, "model-parallel group")
+            else (ps.layout_group("mp", "Optimizer needs norm_group"), "model-parallel group")
         ),
     }
     given = {"tp_group": tp_group, "norm_group": norm_group}
-    for name, (group, size, what) in want.items():
+    for name, (group, what) in want.items():
+        size = comm.world_size(group)
         if given[name] is None:
             given[name] = group
         elif comm.world_size(given[name]) != size:
@@ -164,7 +164,7 @@ class Optimizer:
 
     Args:
         chunks: this rank's model chunks, each wrapped in DistributedDataParallel
-            (all with the same ``use_distributed_optimizer``).
+            (all sharding the optimizer, ZeRO stage 1 and up, or none).
         lr, weight_decay, betas, eps: AdamW settings (no decay on biases and 1-D params).
         clip_grad: clip the global gradient norm to this (0 or None: no clipping).
         grad_scaler: a loss scaler (fp16), or None.
@@ -179,7 +179,7 @@ class Optimizer:
         per_stage: each pipeline stage steps on its own, at its own time (PipeDream,
             2BW): the norm is of this stage's gradients, over the tensor-parallel group.
             What cannot run so (:func:`check_per_stage_steps`) is refused here, on every
-            rank of the pipeline (a collective over its group).
+            rank of ``pp_group`` (a collective over it; default the layout's pipeline group).
     """
 
     def __init__(
@@ -195,15 +195,16 @@ class Optimizer:
         tp_group: Group = None,
         norm_group: Group = None,
         per_stage: bool = False,
+        pp_group: Group = None,
     ):
         self.chunks = list(chunks)
-        modes = {c.use_distributed_optimizer for c in self.chunks}
-        if len(modes) != 1:
-            raise ValueError("all chunks must agree on use_distributed_optimizer")
-        (self.distributed,) = modes
+        stages = {c.zero_stage for c in self.chunks}
+        if len(stages) != 1:
+            raise ValueError(f"all chunks must have the same ZeRO stage, got {sorted(stages)}")
+        (self.zero_stage,) = stages
         self.per_stage = per_stage
         if per_stage:
-            self._check_per_stage(clip_grad, grad_scaler)
+            self._check_per_stage(clip_grad, grad_scaler, pp_group)
         tp_group, norm_group = _norm_groups(self.distributed, tp_group, norm_group, per_stage)
         self.clip_grad, self.grad_scaler, self.norm_group = clip_grad, grad_scaler, norm_group
         tp_rank = comm.rank(tp_group)
@@ -232,17 +233,16 @@ class Optimizer:
         self.optimizer = build_adamw(groups, lr=lr, betas=betas, eps=eps)
         self._slice_of = {id(s.param): s for s in self.slices}
 
-    def _check_per_stage(self, clip_grad: float | None, grad_scaler) -> None:
-        if ps.model_parallel_is_initialized():
-            pp_group = ps.get_pipeline_model_parallel_group()
-        elif dist.is_initialized() and dist.get_world_size() > 1:
-            raise ValueError(
-                f"Optimizer(per_stage=True) in a job of {dist.get_world_size()} ranks needs "
-                "megapp.parallel_state's layout (its pipeline stages); call "
-                "initialize_model_parallel() first"
+    @property
+    def distributed(self) -> bool:
+        """Whether this rank keeps only its slice of the optimizer states (ZeRO stage 1 on)."""
+        return self.zero_stage >= 1
+
+    def _check_per_stage(self, clip_grad: float | None, grad_scaler, pp_group: Group) -> None:
+        if pp_group is None:
+            pp_group = ps.layout_group(
+                "pp", "Optimizer(per_stage=True) needs pp_group (its pipeline stages)"
             )
-        else:
-            pp_group = None
         stages = comm.world_size(pp_group)
         params = [p for chunk in self.chunks for p in chunk.buffer.params]
         tied = any(is_tied_embedding(p) for p in params)

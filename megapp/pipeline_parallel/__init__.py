@@ -8,8 +8,12 @@ from megapp.pipeline_parallel.asynchronous import (
 )
 from megapp.pipeline_parallel.catalog import (
     ASYNC_SCHEDULES,
+    SCHEDULE_KINDS,
     SCHEDULES,
+    ScheduleKind,
     build_schedule,
+    default_schedule,
+    schedule_kind,
     schedule_placement,
 )
 from megapp.pipeline_parallel.engine import (
@@ -36,6 +40,7 @@ from megapp.pipeline_parallel.zero_bubble import dualpipev, zb_h1, zb_h2, zb_v
 __all__ = [
     "ASYNC_SCHEDULES",
     "SCHEDULES",
+    "SCHEDULE_KINDS",
     "Action",
     "CostModel",
     "Op",
@@ -43,11 +48,13 @@ __all__ = [
     "PipelineResult",
     "Schedule",
     "ScheduleError",
+    "ScheduleKind",
     "TensorSpec",
     "Timeline",
     "WeightStash",
     "build_schedule",
     "communication_plan",
+    "default_schedule",
     "dualpipev",
     "forward_backward",
     "get_forward_backward_func",
@@ -58,6 +65,7 @@ __all__ = [
     "one_f_one_b",
     "pipedream",
     "pipedream_2bw",
+    "schedule_kind",
     "schedule_placement",
     "simulate",
     "stash_profile",

@@ -32,7 +32,13 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 
-from megapp.pipeline_parallel.schedules import Action, Op, Schedule, check_sizes
+from megapp.pipeline_parallel.schedules import (
+    Action,
+    MicrobatchCountError,
+    Op,
+    Schedule,
+    check_sizes,
+)
 
 
 def _one_chunk(name: str, num_chunks: int) -> None:
@@ -110,7 +116,7 @@ def pipedream_2bw(
     _one_chunk("pipedream-2bw", num_chunks)
     p, m = num_stages, num_microbatches
     if m < p - 1:
-        raise ValueError(
+        raise MicrobatchCountError(
             f"pipedream-2bw needs at least p - 1 = {p - 1} microbatches per iteration, got "
             f"{m}: iteration t's first forward would need the weights of step t - 1 before "
             "the first stage has made them"

@@ -1,4 +1,4 @@
-"""The compute of one pipeline rank's actions, given what it received.
+"""The compute of one pipeline rank's forwards and whole backwards, given what it received.
 
 :class:`StageCompute` runs one action at a time: it takes the action's input
 from :attr:`StageCompute.inbox` and leaves what the action sends in
@@ -9,17 +9,11 @@ chunk is, and where its messages come from and go, is asked of the schedule
 (:func:`~megapp.pipeline_parallel.messages.incoming`,
 :func:`~megapp.pipeline_parallel.messages.outgoing`), never derived from a placement.
 
-A split backward (``I`` then ``W``) defers the weight gradients through
-:mod:`~megapp.pipeline_parallel.weight_grads`: every action of a schedule that splits
-runs under :func:`~megapp.pipeline_parallel.weight_grads.split_forward`, so megapp's
-linears build deferrable nodes; a microbatch whose forward built some uses the store
-(``I`` computes all but their weight gradients), one whose forward built none (any
-other module) the graph split (``I`` computes the input gradients only). A
-microbatch-chunk counts as held from its forward until its ``W``.
-
-An asynchronous schedule also steps the optimizer among its actions (``U``, through
-:attr:`PipelineHooks.update`) and runs each microbatch on the weights version the
-schedule gives it, kept by a :class:`~megapp.pipeline_parallel.weight_stash.WeightStash`.
+This is all a flushed schedule with whole backwards (GPipe, 1F1B, interleaved) runs.
+The others extend it: a split backward (``I``, ``W``) in
+:mod:`~megapp.pipeline_parallel.split_backward`, the weight versions and optimizer
+steps (``U``) of an asynchronous schedule in :mod:`~megapp.pipeline_parallel.weight_stash`;
+the engine picks the one a schedule needs.
 """
 
 from __future__ import annotations
@@ -32,18 +26,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from megapp.pipeline_parallel.activation_storage import SavedStorages, run_backward
+from megapp.autograd.saved import SavedStorages, run_backward
 from megapp.pipeline_parallel.messages import Message, incoming, outgoing
 from megapp.pipeline_parallel.schedules import Action, Op, Schedule
 from megapp.pipeline_parallel.shapes import ActivationShapes
-from megapp.pipeline_parallel.weight_grads import (
-    DeferredWeightGrads,
-    ForwardRecord,
-    GraphSplit,
-    collect_weight_grads,
-    split_forward,
-)
-from megapp.pipeline_parallel.weight_stash import WeightStash
 
 LossFunc = Callable[[Any], torch.Tensor]
 ForwardStepFunc = Callable[
@@ -144,10 +130,11 @@ class StageCompute:
         chunks: this rank's model chunks, by chunk index.
         shapes: records what each forward sends (and checks it against declared shapes).
         hooks: see :class:`PipelineHooks`.
-        stash: the weight versions of an asynchronous schedule (a fresh one if None).
 
-    After the iteration, :attr:`losses` holds the last stage's per-microbatch losses and
-    :attr:`peak` the most microbatches whose activations this rank held at once.
+    After the iteration, :attr:`losses` holds the last stage's per-microbatch losses,
+    :attr:`peak` the most microbatches whose activations this rank held at once, and
+    :attr:`weight_versions` / :attr:`weight_copies` the weights it held (one version, no
+    copy, but for the asynchronous schedules).
     """
 
     def __init__(
@@ -160,7 +147,6 @@ class StageCompute:
         chunks: Sequence[nn.Module],
         shapes: ActivationShapes,
         hooks: PipelineHooks,
-        stash: WeightStash | None = None,
     ) -> None:
         self.schedule = schedule
         self.pp_rank = pp_rank
@@ -179,48 +165,20 @@ class StageCompute:
             schedule.num_chunks,
             schedule.num_virtual_stages == 1,
         )
-        self.splits = schedule.splits_backward and not schedule.forward_only
-        # Per (microbatch, chunk): whether its forward built deferrable matmuls, then,
-        # between its I and its W, the weight-gradient work left.
-        self.uses_store: dict[tuple[int, int], bool] = {}
-        self.deferred: dict[tuple[int, int], DeferredWeightGrads | GraphSplit] = {}
-        self.record: ForwardRecord | None = None
         self.in_flight = self.peak = 0
-        self.stash = None
-        if schedule.asynchronous:
-            if schedule.splits_backward:
-                raise ValueError(f"{schedule.name}: weight stashing needs whole backwards (B)")
-            if hooks.update is None:
-                raise ValueError(
-                    f"{schedule.name} steps the optimizer among its actions: pass "
-                    "PipelineHooks(update=...)"
-                )
-            self.stash = stash if stash is not None else WeightStash()
-            self.stash.begin(schedule, pp_rank, chunks)
+        self.weight_versions, self.weight_copies = 1, 0
         self.handlers: dict[Op, Callable[[Action], None]] = {
             Op.FORWARD: self.forward,
             Op.BACKWARD: self.backward,
-            Op.INPUT_GRAD: self.input_grad,
-            Op.WEIGHT_GRAD: self.weight_grad,
-            Op.UPDATE: self.update,
         }
 
     def run(self, action: Action) -> None:
         """Run ``action``: what it receives must be in :attr:`inbox`; what it sends is left
         in :attr:`outbox`."""
-        if self.stash is not None and action.op is not Op.UPDATE:
-            if action.op is Op.FORWARD:
-                self.stash.forward_weights(action.microbatch, action.chunk)
-            with self.stash.using(action.microbatch, action.chunk):
-                self.handlers[action.op](action)
-            return
-        if not self.splits:
-            self.handlers[action.op](action)
-            return
-        # Every action, not only forwards: a recomputation inside backward must build
-        # the same nodes, and save the same tensors, as the forward did.
-        with split_forward() as self.record:
-            self.handlers[action.op](action)
+        self.handlers[action.op](action)
+
+    def finish(self) -> None:
+        """The iteration's last action has run."""
 
     def forward(self, action: Action) -> None:
         """Forward of one microbatch through one chunk; the last stage computes its loss."""
@@ -251,8 +209,6 @@ class StageCompute:
             self._deliver(outgoing(schedule, self.pp_rank, action), Outgoing(outputs, droppable))
         if not schedule.forward_only:
             self.saved[(microbatch, chunk)] = (inputs or (), outputs)
-            if self.splits:
-                self.uses_store[(microbatch, chunk)] = self.record.deferrable > 0
             self.in_flight += 1
             self.peak = max(self.peak, self.in_flight)
 
@@ -269,18 +225,23 @@ class StageCompute:
         # The one place the loss is averaged over the microbatches of one optimizer step.
         return loss / self.schedule.microbatches_per_update
 
-    def _gradients_in(self, action: Action):
+    def gradients_in(self, action: Action):
         """Run the hook; return the forward's inputs, its outputs needing a gradient and
         their gradients (received, or on the last stage the scaled loss's ones)."""
-        if self.hooks.before_backward is not None:
-            self.hooks.before_backward(action.chunk, action in self.sync)
+        self.before_backward(action)
         inputs, outputs = self.saved.pop((action.microbatch, action.chunk))
         recv = incoming(self.schedule, self.pp_rank, action)
         if recv is None:  # last stage: start from the scaled loss
             return inputs, outputs, [torch.ones_like(outputs[0])]
         return inputs, [o for o in outputs if o.is_floating_point()], self.inbox.pop(recv)
 
-    def _send_input_grads(self, action: Action, inputs: Sequence[torch.Tensor]) -> None:
+    def before_backward(self, action: Action) -> None:
+        """The hook that enables data-parallel reduction before the chunk's last gradients."""
+        if self.hooks.before_backward is not None:
+            self.hooks.before_backward(action.chunk, action in self.sync)
+
+    def send_input_grads(self, action: Action, inputs: Sequence[torch.Tensor]) -> None:
+        """Leave the gradients of the forward's ``inputs`` for the previous stage."""
         send = outgoing(self.schedule, self.pp_rank, action)
         if send is not None:
             grads = tuple(
@@ -302,39 +263,7 @@ class StageCompute:
     def backward(self, action: Action) -> None:
         """Backward of one microbatch through one chunk, from the received gradient (or, on
         the last stage, from the scaled loss); sends the inputs' gradients back."""
-        inputs, outputs, grads = self._gradients_in(action)
-        self.uses_store.pop((action.microbatch, action.chunk), None)
+        inputs, outputs, grads = self.gradients_in(action)
         run_backward(outputs, grads)
-        self._send_input_grads(action, inputs)
-        self.in_flight -= 1
-        if self.stash is not None:
-            self.stash.after_backward(action.microbatch, action.chunk)
-
-    def update(self, action: Action) -> None:
-        """``U``: the optimizer step the schedule puts here, keeping the weights that
-        microbatches in flight still need."""
-        self.stash.before_update()
-        self.hooks.update(action.microbatch)
-        self.stash.after_update()
-
-    def input_grad(self, action: Action) -> None:
-        """``I``: the inputs' gradients, sent back at once, and every parameter gradient
-        that is not left to ``W`` (see the module docstring)."""
-        key = (action.microbatch, action.chunk)
-        inputs, outputs, grads = self._gradients_in(action)
-        if self.uses_store.pop(key):
-            store = DeferredWeightGrads()
-            with collect_weight_grads(store):
-                run_backward(outputs, grads)
-            self.deferred[key] = store
-        else:
-            floating = [t for t in inputs if t.is_floating_point()]
-            self.deferred[key] = GraphSplit.input_half(outputs, grads, floating)
-        self._send_input_grads(action, inputs)
-
-    def weight_grad(self, action: Action) -> None:
-        """``W``: the weight gradients ``I`` left, accumulated through autograd."""
-        if self.hooks.before_backward is not None:
-            self.hooks.before_backward(action.chunk, action in self.sync)
-        self.deferred.pop((action.microbatch, action.chunk)).run()
+        self.send_input_grads(action, inputs)
         self.in_flight -= 1

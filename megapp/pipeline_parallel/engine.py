@@ -28,9 +28,9 @@ import torch.distributed as dist
 from torch import nn
 
 from megapp import comm
-from megapp.pipeline_parallel.catalog import build_schedule
+from megapp.pipeline_parallel.catalog import build_schedule, default_schedule
 from megapp.pipeline_parallel.chunk_stages import check_chunk_stages
-from megapp.pipeline_parallel.compute import ForwardStepFunc, PipelineHooks
+from megapp.pipeline_parallel.compute import ForwardStepFunc, PipelineHooks, StageCompute
 from megapp.pipeline_parallel.messages import (
     Message,
     ScheduleError,
@@ -41,8 +41,10 @@ from megapp.pipeline_parallel.messages import (
 from megapp.pipeline_parallel.p2p import TensorSpec, Transport
 from megapp.pipeline_parallel.runner import StageRunner
 from megapp.pipeline_parallel.schedules import Schedule
+from megapp.pipeline_parallel.shapes import ActivationShapes
 from megapp.pipeline_parallel.simulate import CostModel, Event, simulate
-from megapp.pipeline_parallel.weight_stash import WeightStash
+from megapp.pipeline_parallel.split_backward import SplitBackwardCompute
+from megapp.pipeline_parallel.weight_stash import StashingCompute, WeightStash
 
 __all__ = ["PipelineHooks", "PipelineResult", "forward_backward", "get_forward_backward_func"]
 
@@ -59,6 +61,7 @@ class PipelineResult:
     weight_versions: most weight versions this rank held at once, the current ones
         included (1 but for the asynchronous schedules).
     weight_copies: most frozen copies of its weights this rank kept beside the live ones.
+    schedule: the schedule that ran (built from its name when a name was given).
     """
 
     loss: torch.Tensor
@@ -67,6 +70,7 @@ class PipelineResult:
     events: list[Event] = field(default_factory=list)
     weight_versions: int = 1
     weight_copies: int = 0
+    schedule: Schedule | None = None
 
 
 @functools.lru_cache(maxsize=64)
@@ -116,8 +120,9 @@ def forward_backward(
             records another stage (:mod:`~megapp.pipeline_parallel.chunk_stages`) is
             refused before anything is sent.
         num_microbatches: microbatches per iteration.
-        schedule: a name from :data:`~megapp.pipeline_parallel.catalog.SCHEDULES` or a
-            :class:`Schedule`; default 1f1b, or interleaved-1f1b with several chunks.
+        schedule: a name from :data:`~megapp.pipeline_parallel.catalog.SCHEDULE_KINDS` or
+            a :class:`Schedule`; default the catalog's for the number of chunks (1f1b, or
+            interleaved-1f1b with several).
         pp_group: the pipeline group (default: the whole world; ``None`` without
             torch.distributed means one stage).
         tensor_shapes: the shapes and dtypes every stage sends, if fixed; ``None``
@@ -147,20 +152,11 @@ def forward_backward(
     distributed = dist.is_available() and dist.is_initialized()
     p = dist.get_world_size(pp_group) if distributed else 1
     pp_rank = dist.get_rank(pp_group) if distributed else 0
-    if isinstance(schedule, Schedule):
+    if isinstance(schedule, Schedule):  # built once, by its caller
+        schedule.check_sizes(p, num_microbatches, len(chunks))
         sched = schedule
-        if (sched.num_stages, sched.num_microbatches, sched.num_chunks) != (
-            p,
-            num_microbatches,
-            len(chunks),
-        ):
-            raise ValueError(
-                f"schedule is for p={sched.num_stages}, m={sched.num_microbatches}, "
-                f"v={sched.num_chunks} but this call has p={p}, m={num_microbatches}, "
-                f"v={len(chunks)}"
-            )
     else:
-        name = schedule or ("interleaved-1f1b" if len(chunks) > 1 else "1f1b")
+        name = schedule or default_schedule(len(chunks))
         sched = build_schedule(name, p, num_microbatches, len(chunks))
     check_chunk_stages(sched, pp_rank, chunks)  # before any message, so no peer waits
     if forward_only:
@@ -193,23 +189,30 @@ def forward_backward(
     if distributed and p > 1 and tensor_shapes is None:
         transport.prepare()
     hooks = hooks or PipelineHooks()
-    runner = StageRunner(
+    shapes = ActivationShapes(transport, pp_rank, tensor_shapes)
+    compute_class, extra = _compute_for(sched, weight_stash)
+    compute = compute_class(
         schedule=sched,
         pp_rank=pp_rank,
-        transport=transport,
         forward_step_func=forward_step_func,
         iterators=iterators,
         chunks=chunks,
-        tensor_shapes=tensor_shapes,
+        shapes=shapes,
         hooks=hooks,
+        **extra,
+    )
+    runner = StageRunner(
+        pp_rank=pp_rank,
+        transport=transport,
+        shapes=shapes,
+        compute=compute,
         clock=clock,
-        stash=weight_stash,
+        record=record,
     )
     if distributed and p > 1 and transport.posts_batches:
         _check_blocking(sched)
     plan, delivered = _plan(sched)
     runner.run(plan[pp_rank], delivered[pp_rank])
-    stash = runner.compute.stash
     if not forward_only and hooks.post_backward is not None:
         hooks.post_backward()
 
@@ -217,27 +220,39 @@ def forward_backward(
     holds_loss = pp_rank == sched.rank_of(sched.num_virtual_stages - 1)
     loss = torch.zeros((), dtype=torch.float32, device=device)
     if holds_loss:
-        loss += torch.stack(runner.compute.losses).float().mean()
+        loss += torch.stack(compute.losses).float().mean()
     if distributed and p > 1:
         comm.all_reduce(loss, pp_group)
     return PipelineResult(
         loss=loss,
-        microbatch_losses=runner.compute.losses,
-        peak_in_flight=runner.compute.peak,
-        weight_versions=stash.peak_versions if stash else 1,
-        weight_copies=stash.peak_copies if stash else 0,
+        microbatch_losses=compute.losses,
+        peak_in_flight=compute.peak,
+        weight_versions=compute.weight_versions,
+        weight_copies=compute.weight_copies,
         events=runner.events if record else [],
+        schedule=sched,
     )
 
 
+def _compute_for(
+    schedule: Schedule, weight_stash: WeightStash | None
+) -> tuple[type[StageCompute], dict]:
+    """The compute a schedule's actions need, decided once from its traits: whole
+    backwards; split ones (``I``, ``W``); or the weight versions and optimizer steps of an
+    asynchronous schedule."""
+    if schedule.asynchronous:
+        return StashingCompute, {"stash": weight_stash}
+    if schedule.splits_backward:
+        return SplitBackwardCompute, {}
+    return StageCompute, {}
+
+
 def get_forward_backward_func(schedule: str | None = None) -> Callable[..., PipelineResult]:
-    """Megatron-style accessor: :func:`forward_backward` bound to the current layout's
-    pipeline group and schedule (interleaved when virtual stages are set)."""
+    """Megatron-style accessor for scripts: :func:`forward_backward` bound to the current
+    layout's pipeline group and schedule (the default for its chunks per rank)."""
     from megapp import parallel_state as ps
 
     pp_group = ps.get_pipeline_model_parallel_group()
     if schedule is None:
-        schedule = (
-            "interleaved-1f1b" if ps.get_virtual_pipeline_model_parallel_world_size() else "1f1b"
-        )
+        schedule = default_schedule(ps.get_virtual_pipeline_model_parallel_world_size() or 1)
     return functools.partial(forward_backward, schedule=schedule, pp_group=pp_group)

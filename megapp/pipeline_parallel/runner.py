@@ -2,16 +2,18 @@
 
 :class:`StageRunner` walks this rank's steps of the communication plan; which
 tensors travel where follows from the schedule, so nothing here is specific to
-one schedule. Each job has its own part:
+one schedule. Its messages have three jobs, here:
 
-- :class:`~megapp.pipeline_parallel.shapes.ActivationShapes` says what each
-  receive holds, negotiating headers when shapes are not declared;
-- :class:`~megapp.pipeline_parallel.receives.EarlyReceives` posts the next
-  step's receives ahead of it where the transport wants that (gloo);
-- :class:`~megapp.pipeline_parallel.sends.InFlightSends` finishes sends once
-  they are done and frees their activations' storage;
-- :class:`~megapp.pipeline_parallel.compute.StageCompute` runs the forward and
-  backward actions.
+- :class:`StageRunner` posts each step's sends and receives and waits for the
+  receives (:class:`~megapp.pipeline_parallel.shapes.ActivationShapes` says what
+  each receive holds, negotiating headers when shapes are not declared);
+- :class:`EarlyReceives` posts the next step's receives ahead of it where the
+  transport wants that (gloo);
+- :class:`InFlightSends` finishes sends once they are done and frees their
+  activations' storage.
+
+The compute (:class:`~megapp.pipeline_parallel.compute.StageCompute`, or the
+split-backward or stashing one the schedule needs) runs the actions.
 
 :func:`message_cpu_seconds` counts the CPU time this process spends on the messages
 (posting, waiting, finishing), which a profile turns into the work a message costs.
@@ -23,24 +25,22 @@ the pipeline rank, the step, what was waited for and the group.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
+import torch
 import torch.distributed as dist
-from torch import nn
 
 from megapp import comm
+from megapp.autograd.saved import drop_storage
 from megapp.comm import CollectiveError
-from megapp.pipeline_parallel.compute import ForwardStepFunc, PipelineHooks, StageCompute
+from megapp.pipeline_parallel.compute import StageCompute
 from megapp.pipeline_parallel.messages import Message, Step
-from megapp.pipeline_parallel.p2p import TensorSpec, Transport
-from megapp.pipeline_parallel.receives import EarlyReceives
-from megapp.pipeline_parallel.schedules import Action, Schedule
-from megapp.pipeline_parallel.sends import InFlightSends
+from megapp.pipeline_parallel.p2p import Posted, Transport
+from megapp.pipeline_parallel.schedules import Action
 from megapp.pipeline_parallel.shapes import ActivationShapes, peer_of
 from megapp.pipeline_parallel.simulate import Event
-from megapp.pipeline_parallel.weight_stash import WeightStash
 
-__all__ = ["ForwardStepFunc", "PipelineHooks", "StageRunner", "message_cpu_seconds"]
+__all__ = ["EarlyReceives", "InFlightSends", "StageRunner", "message_cpu_seconds"]
 
 _message_cpu = [0.0]  # CPU seconds this process has spent on pipeline messages
 
@@ -56,52 +56,33 @@ class StageRunner:
     """One pipeline rank during one iteration.
 
     Args:
-        schedule: the iteration's schedule.
         pp_rank: this rank in the pipeline group.
         transport: point-to-point messages over the pipeline group.
-        forward_step_func: ``(data_iterator, model_chunk, inputs) -> (output, loss_func)``.
-        iterators: one data iterator per model chunk.
-        chunks: this rank's model chunks, by chunk index.
-        tensor_shapes: the shapes every stage sends, or ``None`` to negotiate them.
-        hooks: see :class:`PipelineHooks`.
+        shapes: what each receive holds (the compute records what each forward sends).
+        compute: runs the actions, from its inbox into its outbox.
         clock: seconds since the iteration's time origin, for :attr:`events`.
-        stash: an asynchronous schedule's weight versions, kept between runs.
-
-    After :meth:`run`, :attr:`compute` holds the losses and the peak number of
-    microbatches in flight, and :attr:`events` the timeline of this rank's actions
-    (the engine adds the waits).
+        record: keep the timeline of this rank's actions in :attr:`events` (the engine
+            adds the waits); without it nothing is timed.
     """
 
     def __init__(
         self,
         *,
-        schedule: Schedule,
         pp_rank: int,
         transport: Transport,
-        forward_step_func: ForwardStepFunc,
-        iterators: Sequence[Iterator | None],
-        chunks: Sequence[nn.Module],
-        tensor_shapes: Sequence[TensorSpec] | None,
-        hooks: PipelineHooks,
+        shapes: ActivationShapes,
+        compute: StageCompute,
         clock: Callable[[], float],
-        stash: WeightStash | None = None,
+        record: bool = False,
     ) -> None:
         self.pp_rank = pp_rank
         self.transport = transport
         self.clock = clock
-        self.shapes = ActivationShapes(transport, pp_rank, tensor_shapes)
+        self.record = record
+        self.shapes = shapes
         self.early = EarlyReceives(transport, self.shapes, pp_rank)
         self.sends = InFlightSends(transport)
-        self.compute = StageCompute(
-            schedule=schedule,
-            pp_rank=pp_rank,
-            forward_step_func=forward_step_func,
-            iterators=iterators,
-            chunks=chunks,
-            shapes=self.shapes,
-            hooks=hooks,
-            stash=stash,
-        )
+        self.compute = compute
         self.events: list[Event] = []
 
     def run(self, steps: Sequence[Step], delivered: Sequence[tuple[Message, ...]]) -> None:
@@ -115,7 +96,10 @@ class StageRunner:
         self.finish()
 
     def act(self, action: Action) -> None:
-        """Run ``action`` and add it to the timeline, with the CPU time it took."""
+        """Run ``action``; when recording, add it to the timeline with the CPU time it took."""
+        if not self.record:
+            self.compute.run(action)
+            return
         start, cpu = self.clock(), time.process_time()
         self.compute.run(action)
         cpu = time.process_time() - cpu
@@ -170,8 +154,7 @@ class StageRunner:
 
     def finish(self) -> None:
         """Wait for every send still in flight."""
-        if self.compute.stash is not None:
-            self.compute.stash.finish()
+        self.compute.finish()
         started = time.process_time()
         try:
             self.sends.wait_all()
@@ -187,3 +170,93 @@ class StageRunner:
             f"{comm.describe(self.transport.group)}. A peer rank may have failed or be stuck; "
             f"look at its log first. ({comm.one_line(err)})"
         )
+
+
+class EarlyReceives:
+    """The next step's receives, posted one step ahead of the step that needs them.
+
+    Where the transport asks for it (on gloo, where a receive posted just before it
+    is needed puts the receiver's "ready" round trip on the critical path; see
+    ``Transport.posts_receives_early``) the runner posts the next step's receives
+    while finishing the current one. Only receives whose shapes are known a step
+    ahead go early: gradients whose forward has run, and activations when their
+    shapes are declared; negotiated activations wait for their headers.
+
+    Args:
+        transport: posts the receives; they go early only where it
+            :attr:`~megapp.pipeline_parallel.p2p.Transport.posts_receives_early`.
+        shapes: says which receives' shapes are known ahead.
+        pp_rank: this rank in the pipeline group.
+    """
+
+    def __init__(self, transport: Transport, shapes: ActivationShapes, pp_rank: int) -> None:
+        self.transport = transport
+        self.shapes = shapes
+        self.pp_rank = pp_rank
+        self.enabled = transport.posts_receives_early
+        self.posted: Posted | None = None
+
+    def take(self) -> Posted | None:
+        """The receives posted ahead for the step about to post its messages, or ``None``
+        if that step's receives were not posted ahead; each posting is returned once."""
+        posted, self.posted = self.posted, None
+        return posted
+
+    def post_ahead(self, upcoming: Step | None) -> None:
+        """Post the receives of ``upcoming`` (the step after the current one) now, if this
+        transport posts early and their shapes are known."""
+        if not self.enabled or upcoming is None or not upcoming.recvs:
+            return
+        specs = self.shapes.ahead(upcoming)
+        if specs is not None:
+            peers = [peer_of(m, self.pp_rank) for m in upcoming.recvs]
+            self.posted = self.transport.post([], list(zip(peers, specs, strict=True)))
+
+
+class InFlightSends:
+    """The sends of one pipeline rank that are posted but not yet known to be done.
+
+    A send is known to be done when the plan proves it delivered
+    (:func:`~megapp.pipeline_parallel.messages.delivered_sends`) or, where the
+    transport's sends report completion (NCCL, not gloo), as soon as it says so. Its
+    requests are then waited for (which returns at once) and the sent activations no
+    backward needs lose their storage (:func:`~megapp.autograd.saved.drop_storage`), so
+    the activations a rank holds are bounded by the schedule, not by the microbatch count.
+
+    Args:
+        transport: waits for the sends and says whether they report completion.
+    """
+
+    def __init__(self, transport: Transport) -> None:
+        self.transport = transport
+        # Per message: its send requests and the tensors whose storage goes once it is done.
+        self.pending: dict[Message, tuple[list[dist.Work], tuple[torch.Tensor, ...]]] = {}
+
+    def add(
+        self, message: Message, requests: list[dist.Work], droppable: tuple[torch.Tensor, ...]
+    ) -> None:
+        """Track the posted send of ``message``; ``droppable`` lose their storage once done."""
+        self.pending[message] = (requests, droppable)
+
+    def release(self, delivered: Sequence[Message]) -> None:
+        """Finish the sends of ``delivered`` (proven so by the plan) and those that report
+        completion, freeing their droppable tensors' storage."""
+        done = list(delivered)
+        if self.transport.sends_report_completion:
+            done += [
+                m
+                for m, (requests, _) in self.pending.items()
+                if m not in delivered and all(r.is_completed() for r in requests)
+            ]
+        self._finish(done)
+
+    def wait_all(self) -> None:
+        """Wait for every send still in flight and free what it held."""
+        self._finish(list(self.pending))
+
+    def _finish(self, messages: Sequence[Message]) -> None:
+        for message in messages:
+            requests, droppable = self.pending.pop(message)
+            self.transport.wait(requests)  # returns at once for a delivered message
+            for t in droppable:
+                drop_storage(t)

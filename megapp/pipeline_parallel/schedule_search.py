@@ -23,7 +23,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-from megapp.pipeline_parallel.catalog import SCHEDULES, V_SHAPED
+from megapp.pipeline_parallel.catalog import SCHEDULE_KINDS, default_schedule
 from megapp.pipeline_parallel.messages import ScheduleError, communication_plan
 from megapp.pipeline_parallel.schedules import (
     Action,
@@ -116,15 +116,15 @@ def search_schedule(
     eager = replace(costs, blocking_sends=False)
     placement = v_placement(p) if v_shape else looped_placement(p, v)
     candidates: list[tuple[str, Schedule]] = []
-    for name, build in SCHEDULES.items():
-        if (name in V_SHAPED) != v_shape:
+    for name, kind in SCHEDULE_KINDS.items():
+        if kind.asynchronous or kind.v_shaped != v_shape:
             continue
         try:
-            candidates.append((name, build(p, m, v)))
+            candidates.append((name, kind.build(p, m, v)))
         except ValueError:
             continue  # not for this p, m, v
     if memory_limit is None:
-        reference = "zb-v" if v_shape else ("interleaved-1f1b" if v > 1 else "1f1b")
+        reference = "zb-v" if v_shape else default_schedule(v)
         base = dict(candidates).get(reference) or candidates[0][1]
         memory_limit = max(simulate(base, eager).peak_in_flight)
     limit = (

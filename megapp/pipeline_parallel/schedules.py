@@ -24,8 +24,14 @@ the weights each forward uses; the flushed ones step once, after the schedule.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field, replace
 from enum import Enum
+
+
+class MicrobatchCountError(ValueError):
+    """A schedule cannot run this many microbatches (too few to fill its pipeline, or a
+    count its groups do not divide); a builder's other refusals are plain ValueErrors."""
 
 
 class Op(str, Enum):
@@ -153,10 +159,25 @@ class Schedule:
     def num_virtual_stages(self) -> int:
         return self.num_stages * self.num_chunks
 
-    @property
+    @functools.cached_property
     def splits_backward(self) -> bool:
-        """Whether any backward runs as separate ``I`` and ``W`` actions."""
+        """Whether any backward runs as separate ``I`` and ``W`` actions (read once)."""
         return any(a.op is Op.WEIGHT_GRAD for acts in self.actions for a in acts)
+
+    def check_sizes(self, num_stages: int, num_microbatches: int, num_chunks: int) -> None:
+        """Raise ``ValueError`` unless this schedule is for ``p``, ``m`` and ``v``."""
+        sizes = (self.num_stages, self.num_microbatches, self.num_chunks)
+        if sizes != (num_stages, num_microbatches, num_chunks):
+            raise ValueError(
+                f"schedule is for p={sizes[0]}, m={sizes[1]}, v={sizes[2]} but this call has "
+                f"p={num_stages}, m={num_microbatches}, v={num_chunks}"
+            )
+
+    @property
+    def ends_on_one_rank(self) -> bool:
+        """Whether the first and the last virtual stage run on one rank (a V, or a single
+        pipeline rank): the tied embedding's two copies are then summed on that rank."""
+        return self.rank_of(0) == self.rank_of(self.num_virtual_stages - 1)
 
     def virtual_stage(self, rank: int, chunk: int) -> int:
         return self.placement[rank][chunk]
@@ -293,7 +314,7 @@ def interleaved_1f1b(
             f"p={p}, v={v}; use 1f1b for one chunk per rank"
         )
     if m < p:
-        raise ValueError(
+        raise MicrobatchCountError(
             f"interleaved-1f1b needs at least as many microbatches as pipeline stages "
             f"({p}), got {m}"
         )
@@ -304,7 +325,7 @@ def interleaved_1f1b(
             f"size {p} and the number of microbatches {m}, got {g}"
         )
     if 0 < m % g < p:
-        raise ValueError(
+        raise MicrobatchCountError(
             f"interleaved-1f1b with {m} microbatches in groups of {g} leaves a last group of "
             f"{m % g}, fewer than the {p} pipeline stages, which stalls the pipeline; "
             f"choose a group size that divides {m} or leaves at least {p}"

@@ -22,6 +22,9 @@ copies :func:`~megapp.pipeline_parallel.asynchronous.stash_profile` counts.
 (version -1): the stash keeps that copy between runs. A fresh stash (a new job, or one
 resumed from a checkpoint) has none and runs that iteration on the current weights, as
 the very first iteration does.
+
+:class:`StashingCompute` is the engine's compute for these schedules: every action on the
+weights its microbatch's forward used, and the optimizer steps (``U``) among them.
 """
 
 from __future__ import annotations
@@ -34,7 +37,8 @@ import torch
 from torch import nn
 
 from megapp.pipeline_parallel.asynchronous import in_flight_across_steps
-from megapp.pipeline_parallel.schedules import Op, Schedule
+from megapp.pipeline_parallel.compute import StageCompute
+from megapp.pipeline_parallel.schedules import Action, Op, Schedule
 
 Slot = tuple[nn.Module, str]  # a parameter's place: the module that holds it and its name
 
@@ -193,3 +197,51 @@ class WeightStash:
             self.carried = self.copies.get(self.keep)
         self.copies = {}
         self.stand_ins = {}
+
+
+class StashingCompute(StageCompute):
+    """:class:`~megapp.pipeline_parallel.compute.StageCompute` for an asynchronous schedule:
+    each microbatch on the weights version the schedule gives it, and the optimizer steps
+    ``U`` (through :attr:`~megapp.pipeline_parallel.compute.PipelineHooks.update`).
+
+    ``stash``: the rank's weight versions, kept between runs (a fresh one if None).
+    """
+
+    def __init__(self, *, stash: WeightStash | None = None, **kwargs) -> None:
+        super().__init__(**kwargs)
+        schedule = self.schedule
+        if schedule.splits_backward:
+            raise ValueError(f"{schedule.name}: weight stashing needs whole backwards (B)")
+        if self.hooks.update is None:
+            raise ValueError(
+                f"{schedule.name} steps the optimizer among its actions: pass "
+                "PipelineHooks(update=...)"
+            )
+        self.stash = stash if stash is not None else WeightStash()
+        self.stash.begin(schedule, self.pp_rank, self.chunks)
+        self.handlers[Op.UPDATE] = self.update
+
+    def run(self, action: Action) -> None:
+        if action.op is Op.UPDATE:
+            self.update(action)
+            return
+        if action.op is Op.FORWARD:
+            self.stash.forward_weights(action.microbatch, action.chunk)
+        with self.stash.using(action.microbatch, action.chunk):
+            super().run(action)
+
+    def backward(self, action: Action) -> None:
+        super().backward(action)
+        self.stash.after_backward(action.microbatch, action.chunk)
+
+    def update(self, action: Action) -> None:
+        """``U``: the optimizer step the schedule puts here, keeping the weights that
+        microbatches in flight still need."""
+        self.stash.before_update()
+        self.hooks.update(action.microbatch)
+        self.stash.after_update()
+
+    def finish(self) -> None:
+        self.stash.finish()
+        self.weight_versions = self.stash.peak_versions
+        self.weight_copies = self.stash.peak_copies

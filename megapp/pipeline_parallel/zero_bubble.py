@@ -27,6 +27,7 @@ from collections.abc import Sequence
 
 from megapp.pipeline_parallel.schedules import (
     Action,
+    MicrobatchCountError,
     Op,
     Schedule,
     check_sizes,
@@ -295,7 +296,7 @@ def dualpipev(num_stages: int, num_microbatches: int, num_chunks: int = 2) -> Sc
     check_v_chunks("dualpipev", num_chunks)
     p, m = num_stages, num_microbatches
     if m < 2 * p:
-        raise ValueError(
+        raise MicrobatchCountError(
             f"dualpipev needs at least 2p = {2 * p} microbatches (two per virtual stage's "
             f"worth of warmup), got {m}"
         )

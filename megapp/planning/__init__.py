@@ -1,7 +1,7 @@
 """Planning a parallel layout without running it: what each rank holds and how long an
 iteration takes, predicted from the model's shape and the layout."""
 
-from megapp.planning.layout import Layout, pretrain_config
+from megapp.planning.layout import Layout, apply_layout, pretrain_config
 from megapp.planning.memory import RankMemory, predict_memory
 from megapp.planning.model_state import ModelState, chunk_parameters, model_state, rank_parameters
 
@@ -9,6 +9,7 @@ __all__ = [
     "Layout",
     "ModelState",
     "RankMemory",
+    "apply_layout",
     "chunk_parameters",
     "model_state",
     "predict_memory",

@@ -3,9 +3,9 @@ how fast the links between devices are.
 
 :class:`Hardware` holds every constant :func:`~megapp.planning.timing.predict_step_time`
 reads. Three built-in profiles describe NVIDIA HGX/DGX nodes (8 GPUs on NVLink, one
-InfiniBand NIC per GPU); ``python -m megapp.planning.calibrate`` (``megapp.plan
---calibrate``) measures this machine and writes a profile as JSON, which
-:func:`load_hardware` reads back.
+InfiniBand NIC per GPU); :func:`load_hardware` returns one by name or reads a JSON profile.
+A CPU machine whose processes share its cores is described apart, by
+:mod:`megapp.planning.shared_cores`, which also measures one (``megapp.plan --calibrate``).
 
 Where the built-in numbers come from (all rates in bytes or FLOPs per second, 10^n, not 2^n):
 
@@ -63,19 +63,9 @@ class Hardware:
     layer_overhead: float = 0.0  # fixed time per layer per pipeline action (launches, Python)
     action_overhead: float = 0.0  # fixed time per pipeline action (the engine's own work)
     step_overhead: float = 0.0  # fixed time per iteration outside the pipeline
-    # Fixed time per pipeline message (headers, scheduling); on processes sharing cores,
-    # with the latency, the CPU work a message costs at each of its two ends.
-    message_overhead: float = 0.0
-    # Fixed time per tensor-parallel collective call beyond its ring steps (on processes
-    # sharing cores: the CPU time a call takes, which the fit separates from its bytes).
-    collective_overhead: float = 0.0
-    # Shared cores: how much faster a process computes in a job of no more processes than
-    # cores (the fitted rates are those of more processes taking turns on them).
-    uncontended_speedup: float = 1.0
     usable_fraction: float = 0.9  # share of memory_bytes a job may fill
     overlap_communication: bool = True  # collectives run beside compute (NCCL streams)
     sends_finish_in_background: bool = False  # gloo; NCCL completes a batch of sends as one
-    shared_cores: int | None = None  # one CPU machine: every process of a job shares these
 
     def __post_init__(self) -> None:
         for name in ("gemm_flops", "memory_bytes", "memory_bandwidth"):
@@ -86,10 +76,6 @@ class Hardware:
                 raise ValueError(f"hardware {self.name!r}: {name} must be > 0")
         if self.gpus_per_node < 1:
             raise ValueError(f"hardware {self.name!r}: gpus_per_node must be >= 1")
-        if not self.uncontended_speedup > 0:
-            raise ValueError(f"hardware {self.name!r}: uncontended_speedup must be > 0")
-        if self.shared_cores is not None and self.shared_cores < 1:
-            raise ValueError(f"hardware {self.name!r}: shared_cores must be >= 1")
         if not 0 < self.usable_fraction <= 1:
             raise ValueError(f"hardware {self.name!r}: usable_fraction must be in (0, 1]")
 
@@ -111,7 +97,13 @@ class Hardware:
     @classmethod
     def from_json(cls, text: str) -> Hardware:
         """Read :meth:`to_json`'s output; a missing or unknown key fails naming it."""
-        data = json.loads(text)
+        return cls.from_dict(json.loads(text))
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Hardware:
+        """A profile from its fields by name; a missing or unknown key fails naming it."""
+        if not isinstance(data, dict):
+            raise ValueError("a hardware profile is a JSON object of its fields")
         fields = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - fields)
         if unknown:
@@ -182,7 +174,7 @@ PROFILES: dict[str, Hardware] = {
 
 def load_hardware(name_or_path: str) -> Hardware:
     """A built-in profile by name (:data:`PROFILES`), or a JSON profile from a file
-    (what calibration writes). Raises ValueError in one line for anything else."""
+    (:meth:`Hardware.save` writes one). Raises ValueError in one line for anything else."""
     key = name_or_path.lower()
     if key in PROFILES:
         return PROFILES[key]
@@ -196,7 +188,7 @@ def load_hardware(name_or_path: str) -> Hardware:
             raise ValueError(f"{name_or_path} is not a hardware profile: {error}") from None
     raise ValueError(
         f"unknown hardware {name_or_path!r}; choose one of {', '.join(PROFILES)} "
-        "or give a JSON profile written by --calibrate"
+        "or give a JSON profile (--calibrate writes one)"
     )
 
 

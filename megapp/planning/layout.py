@@ -6,15 +6,21 @@ parallelism, recompute and ZeRO stage. :func:`pretrain_config` turns a layout pl
 model's flags into the checked :class:`~megapp.training.config.PretrainConfig` that
 ``pretrain_gpt.py`` would build from the same flags, so whatever the planner predicts is
 what the printed command runs, and a layout ``pretrain_gpt.py`` refuses is refused here
-with the same message.
+with the same message. The model's flags are parsed once; a layout is applied to the
+typed groups (:func:`apply_layout`), and :meth:`Layout.flags` prints the same settings as
+``pretrain_gpt.py`` flags.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from megapp.training.config import PretrainConfig
+from megapp.training.config import GROUPS, PretrainConfig
+from megapp.training.flag_groups import flag_name
 
 RECOMPUTE = (None, "selective", "full")
 """Recompute settings a layout takes: none, selective (attention's core), full (every
@@ -70,16 +76,14 @@ class Layout:
         parts += [self.recompute or "norecompute", f"z{self.zero_stage}"]
         return ".".join(parts)
 
-    def flags(self, num_layers: int) -> list[str]:
-        """The ``pretrain_gpt.py`` flags of this layout for a model of ``num_layers``
-        layers (the world size is torchrun's ``--nproc-per-node`` × nodes)."""
-        out = [
-            "--tensor-model-parallel-size",
-            str(self.tp),
-            "--pipeline-model-parallel-size",
-            str(self.pp),
-            "--micro-batch-size",
-            str(self.micro_batch_size),
+    def settings(self, num_layers: int) -> list[tuple[str, str, Any]]:
+        """What this layout sets in a :class:`~megapp.training.config.PretrainConfig` for
+        a model of ``num_layers`` layers: ``(group, field, value)`` in flag order, and
+        nothing where it keeps the model's own setting (the world size is torchrun's)."""
+        out: list[tuple[str, str, Any]] = [
+            ("parallel", "tensor_model_parallel_size", self.tp),
+            ("parallel", "pipeline_model_parallel_size", self.pp),
+            ("training", "micro_batch_size", self.micro_batch_size),
         ]
         if self.vpp > 1:
             per_stage = num_layers // (self.pp * self.vpp)
@@ -88,21 +92,51 @@ class Layout:
                     f"{num_layers} layers do not split into {self.pp} pipeline ranks × "
                     f"{self.vpp} chunks"
                 )
-            out += ["--num-layers-per-virtual-pipeline-stage", str(per_stage)]
+            out.append(("parallel", "num_layers_per_virtual_pipeline_stage", per_stage))
         if self.schedule == PIPEDREAM_VSYNC:
-            out += ["--pipeline-schedule", "pipedream", "--vertical-sync"]
+            out.append(("parallel", "pipeline_schedule", "pipedream"))
+            out.append(("parallel", "vertical_sync", True))
         elif self.schedule is not None:
-            out += ["--pipeline-schedule", self.schedule]
+            out.append(("parallel", "pipeline_schedule", self.schedule))
         if self.sequence_parallel:
-            out.append("--sequence-parallel")
+            out.append(("parallel", "sequence_parallel", True))
         if self.recompute == "selective":
-            out += ["--recompute-granularity", "selective"]
+            out.append(("model", "recompute_granularity", "selective"))
         elif self.recompute == "full":
-            out += ["--recompute-granularity", "full", "--recompute-method", "uniform"]
-            out += ["--recompute-num-layers", "1"]
+            out.append(("model", "recompute_granularity", "full"))
+            out.append(("model", "recompute_method", "uniform"))
+            out.append(("model", "recompute_num_layers", 1))
         if self.zero_stage:
-            out += ["--zero-stage", str(self.zero_stage)]
+            out.append(("parallel", "zero_stage", self.zero_stage))
         return out
+
+    def flags(self, num_layers: int) -> list[str]:
+        """The ``pretrain_gpt.py`` flags of this layout for a model of ``num_layers``
+        layers: :meth:`settings` as flags."""
+        out = []
+        for group, name, value in self.settings(num_layers):
+            flag = flag_name(_FIELDS[group][name])
+            out += [flag] if value is True else [flag, str(value)]
+        return out
+
+
+def apply_layout(
+    base: PretrainConfig | dict[str, Any], layout: Layout, global_batch_size: int
+) -> PretrainConfig:
+    """The checked config of ``base`` (a config, or its groups by name) under ``layout``
+    and ``global_batch_size``: the groups with the layout's :meth:`~Layout.settings`
+    replaced, then checked as :class:`~megapp.training.config.PretrainConfig` checks
+    every config; raises :class:`~megapp.training.flag_groups.ArgumentsError` where
+    ``pretrain_gpt.py`` would refuse the same flags."""
+    groups = base if isinstance(base, dict) else {name: getattr(base, name) for name in GROUPS}
+    num_layers = groups["model"].num_layers
+    changes: dict[str, dict[str, Any]] = {"training": {"global_batch_size": global_batch_size}}
+    for group, name, value in layout.settings(num_layers):
+        changes.setdefault(group, {})[name] = value
+    groups = dict(groups)
+    for name, fields in changes.items():
+        groups[name] = dataclasses.replace(groups[name], **fields)
+    return PretrainConfig(**groups, world_size=layout.world_size)
 
 
 def pretrain_config(
@@ -111,27 +145,25 @@ def pretrain_config(
     """The checked config ``pretrain_gpt.py`` builds for ``model_flags`` (``--num-layers``,
     ``--hidden-size``, ``--seq-length``, ...) under ``layout`` and ``global_batch_size``;
     raises :class:`~megapp.training.flag_groups.ArgumentsError` where it would refuse."""
-    from megapp.training.arguments import config_from_flags
+    return apply_layout(_model_groups(tuple(model_flags)), layout, global_batch_size)
 
-    num_layers = _num_layers(model_flags)
-    argv = [*model_flags, *layout.flags(num_layers)]
-    argv += ["--global-batch-size", str(global_batch_size)]
-    for flag, value in _RUN_DEFAULTS:  # required by the parser, no bearing on the layout
+
+@functools.lru_cache(maxsize=32)
+def _model_groups(model_flags: tuple[str, ...]) -> dict[str, Any]:
+    """The config groups ``pretrain_gpt.py`` parses from ``model_flags`` (each checked on
+    its own) with what it needs besides: a learning rate, an iteration count and, without
+    data flags, the built-in corpus. Parsed once per model; treat the groups as frozen."""
+    from megapp.training.arguments import build_parser
+
+    argv = list(model_flags)
+    for flag, value in _RUN_DEFAULTS:
         if not any(f == flag or f.startswith(flag + "=") for f in model_flags):
             argv += [flag, value]
     if not any(f.startswith(("--data-path", "--use-default-corpus")) for f in model_flags):
         argv.append("--use-default-corpus")
-    return config_from_flags(argv, world_size=layout.world_size)
+    return PretrainConfig.groups_from_flags(vars(build_parser().parse_args(argv)))
 
 
-_RUN_DEFAULTS = (("--lr", "1e-4"), ("--train-iters", "1"))
-
-
-def _num_layers(model_flags: Sequence[str]) -> int:
-    flags = list(model_flags)
-    for i, flag in enumerate(flags):
-        if flag == "--num-layers" and i + 1 < len(flags):
-            return int(flags[i + 1])
-        if flag.startswith("--num-layers="):
-            return int(flag.split("=", 1)[1])
-    raise ValueError("the model's flags must give --num-layers")
+# required by the parser, no bearing on the layout (which sets the micro-batch size itself)
+_RUN_DEFAULTS = (("--lr", "1e-4"), ("--train-iters", "1"), ("--micro-batch-size", "1"))
+_FIELDS = {name: {f.name: f for f in dataclasses.fields(group)} for name, group in GROUPS.items()}

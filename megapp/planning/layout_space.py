@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from megapp.models.gpt import GPTConfig
-from megapp.pipeline_parallel.catalog import SCHEDULES, V_SHAPED
+from megapp.pipeline_parallel.catalog import SCHEDULE_KINDS, SCHEDULES
 from megapp.planning.layout import RECOMPUTE, Layout
 
 
@@ -46,7 +46,10 @@ def _schedule_names(layers: int, pp: int, space: Space) -> list[tuple[int, list]
         return [(1, [None])]
     most = min(space.max_chunks, layers // pp)
     chunks = [1] + [v for v in range(2, most + 1) if layers % (pp * v) == 0]
-    return [(v, [n for n in space.schedules if n not in V_SHAPED or v == 2]) for v in chunks]
+    return [
+        (v, [n for n in space.schedules if not SCHEDULE_KINDS[n].v_shaped or v == 2])
+        for v in chunks
+    ]
 
 
 def layouts(

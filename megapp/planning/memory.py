@@ -198,8 +198,6 @@ def predict_memory(
     schedule = config.schedule
     s, b = config.model.seq_length, config.training.micro_batch_size
     dp, zero = config.data_parallel_size, config.parallel.zero_stage
-    if config.parallel.use_distributed_optimizer:
-        zero = max(zero, 1)
     num_stages = schedule.num_virtual_stages
     backend = config.parallel.distributed_backend
     gloo = backend == "gloo" or (backend is None and not torch.cuda.is_available())

@@ -10,7 +10,7 @@ vocabulary is padded as :func:`~megapp.tensor_parallel.utils.pad_vocab_size` pad
 Model state follows megapp's buffers: weights in the parameters' dtype, an fp32
 gradient per parameter, Adam's two fp32 moments and, for 16-bit weights, fp32 master
 weights; ZeRO stage 1 shards the optimizer states over the data-parallel ranks, stage 2
-also the gradients, stage 3 also the weights (``tools/zero_memory.py`` measures them
+also the gradients, stage 3 also the weights (``tools/benchmarks/zero_memory.py`` measures them
 equal to the byte).
 """
 

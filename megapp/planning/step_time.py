@@ -10,7 +10,7 @@ from megapp.models.gpt import GPTConfig
 from megapp.pipeline_parallel.simulate import Timeline
 from megapp.planning.hardware import Hardware
 from megapp.training.config import PretrainConfig
-from megapp.training.flops import gpt_config_training_flops
+from megapp.training.flops import gpt_training_flops
 
 if TYPE_CHECKING:
     from megapp.planning.timing import ActionCosts
@@ -56,7 +56,7 @@ def step_time(
     slowest = finish.index(max(finish))
     m, world = config.num_microbatches, config.world_size
     tokens = config.training.global_batch_size * config.model.seq_length
-    flops = gpt_config_training_flops(gpt, config.model.seq_length, tokens)
+    flops = gpt_training_flops(gpt, config.model.seq_length, tokens)
     per_gpu = flops / seconds / world
     replica_flops = m * sum(
         sum(map(sum, t))

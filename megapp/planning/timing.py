@@ -24,22 +24,25 @@ core ``core`` = q·kᵀ and p·v, as :func:`~megapp.training.flops.gpt_training_
   prefetch) an action takes the longer of its compute and these transfers, else their sum.
 
 Pipeline messages (``[s, b, h]``, ``/tp`` with sequence parallelism) cost a latency plus
-bytes over the pipeline group's link (plus ``message_overhead``), a wait for the receiver;
-:func:`~megapp.pipeline_parallel.simulate.simulate` then gives every rank's timeline.
-Processes sharing a CPU's cores pay that time as work at both ends instead
-(:mod:`~megapp.planning.core_sharing`). After its last action a rank reduces its gradients over
-the data-parallel group (ZeRO 0: all-reduce of fp32 gradients; 1-2: reduce-scatter, then
-an all-gather of the updated 16-bit weights; ZeRO-2's per-microbatch reductions are in the
-actions already), sums the tied embedding over the first and last stage, and steps the
-optimizer at the device's memory bandwidth. Overlap assumption: the gradient reduction
+bytes over the pipeline group's link, a wait for the receiver;
+:func:`~megapp.pipeline_parallel.simulate.simulate` then gives every rank's timeline. After
+its last action a rank reduces its gradients over the data-parallel group (ZeRO 0:
+all-reduce of fp32 gradients; 1-2: reduce-scatter, then an all-gather of the updated
+16-bit weights; ZeRO-2's per-microbatch reductions are in the actions already), sums the
+tied embedding over the first and last stage, and steps the optimizer at the device's
+memory bandwidth. Overlap assumption: the gradient reduction
 runs under the rank's backward of the last microbatch, except its last bucket; the weights'
 all-gather, the embedding sum and the optimizer step are exposed.
+
+:func:`predict` runs any :class:`TimeModel`: :class:`Devices` is this one, devices of their
+own; processes sharing a CPU's cores have theirs in :mod:`megapp.planning.shared_cores`.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -48,12 +51,12 @@ from megapp.pipeline_parallel.catalog import asynchronous_run
 from megapp.pipeline_parallel.partition import split_layers
 from megapp.pipeline_parallel.schedules import Schedule
 from megapp.pipeline_parallel.simulate import CostModel, Timeline, simulate
-from megapp.planning.core_sharing import core_slowdown, simulate_shared, slowed_steps
 from megapp.planning.hardware import Hardware, group_link
 from megapp.planning.model_state import chunk_parameters, layer_parameters
 from megapp.planning.step_time import StepTime, step_time
 from megapp.tensor_parallel.utils import pad_vocab_size
 from megapp.training.config import PretrainConfig
+from megapp.training.flops import layer_flops as layer_flops_per_token
 
 Table = list[list[float]]
 
@@ -85,6 +88,8 @@ class ActionCosts:
     flops_weight_grad: Table
     tp_forward: Table  # seconds of tp collectives in F of one microbatch
     tp_backward: Table  # in I (and so in B)
+    collectives_forward: Table  # tp collective calls in F of one microbatch
+    collectives_backward: Table  # in I (and so in B), a full-recompute rerun's included
     p2p: float
     grad_reduce: list[float]  # data-parallel reduction at the end, before overlap
     tail: list[float]  # exposed after the last action: reduction, sums, optimizer, gathers
@@ -141,24 +146,20 @@ def _width(dtype: torch.dtype) -> int:
 
 def layer_flops(gpt: GPTConfig, seq_length: int, micro_batch_size: int) -> tuple[float, float]:
     """Forward FLOPs of one layer for one microbatch on one tensor-parallel rank:
-    ``(linear, attention_core)``."""
-    h, d, s = gpt.hidden_size, gpt.kv_channels, seq_length
-    a, g, tp = gpt.num_attention_heads, gpt.num_query_groups, gpt.tensor_model_parallel_size
-    tokens = seq_length * micro_batch_size
-    mlp = (6 if gpt.activation == "swiglu" else 4) * h * gpt.ffn_hidden_size
-    linear = 2 * h * (a + 2 * g) * d + 2 * a * d * h + mlp
-    return tokens * linear / tp, tokens * 4 * s * a * d / tp
+    ``(linear, attention_core)`` of :func:`~megapp.training.flops.layer_flops`."""
+    linear, core = layer_flops_per_token(gpt, seq_length)
+    tokens, tp = seq_length * micro_batch_size, gpt.tensor_model_parallel_size
+    return tokens * linear / tp, tokens * core / tp
 
 
 def _chunk_tp_seconds(
     gpt: GPTConfig, shape: Shape, layers: int, first: bool, last: bool, hardware: Hardware
-) -> tuple[float, float]:
-    """Seconds of tensor-parallel collectives in one chunk's forward and backward: their
-    ring steps, and :attr:`~megapp.planning.hardware.Hardware.collective_overhead` per call
-    (a recomputed forward's calls run again in the backward)."""
+) -> tuple[float, float, int, int]:
+    """Seconds of tensor-parallel collectives in one chunk's forward and backward, and
+    their calls (a recomputed forward's run again in the backward)."""
     tp = gpt.tensor_model_parallel_size
     if tp == 1:
-        return 0.0, 0.0
+        return 0.0, 0.0, 0, 0
     link = group_link(hardware, tp)
     tokens = shape.seq_length * shape.micro_batch_size
     act = tokens * gpt.hidden_size * _width(gpt.params_dtype)
@@ -176,11 +177,10 @@ def _chunk_tp_seconds(
     if last:  # cross-entropy: max, sum of exponentials, target logit, each [s, b] fp32
         fwd += 3 * link.all_reduce(4 * tokens, tp)
         calls_f += 3
-    fwd += calls_f * hardware.collective_overhead
-    bwd += calls_b * hardware.collective_overhead
     if gpt.recompute_granularity == "full":
         bwd += fwd
-    return fwd, bwd
+        calls_b += calls_f
+    return fwd, bwd, calls_f, calls_b
 
 
 def action_costs(gpt: GPTConfig, shape: Shape, hardware: Hardware) -> ActionCosts:
@@ -198,7 +198,7 @@ def action_costs(gpt: GPTConfig, shape: Shape, hardware: Hardware) -> ActionCost
     loss_seconds = 5 * 4 * tokens * vocab / tp / hardware.memory_bandwidth  # fp32 passes
     lin, core = layer_flops(gpt, shape.seq_length, shape.micro_batch_size)
     rerun = {"full": lin + core, "selective": core}.get(gpt.recompute_granularity, 0.0)
-    names = ("f", "i", "w", "b", "ff", "fi", "fw", "tpf", "tpb")
+    names = ("f", "i", "w", "b", "ff", "fi", "fw", "tpf", "tpb", "cf", "cb")
     tables: dict[str, Table] = {k: [] for k in names}
     params: list[float] = []
     buckets: list[int] = []  # data-parallel gradient buckets per rank (per chunk, as DDP)
@@ -206,14 +206,14 @@ def action_costs(gpt: GPTConfig, shape: Shape, hardware: Hardware) -> ActionCost
     chunks: dict[tuple[int, bool, bool], tuple[int, tuple[float, ...]]] = {}
 
     def chunk(stage: int) -> tuple[int, tuple[float, ...]]:
-        """Parameters and (F, I, W, B seconds, F, I, W FLOPs, tp seconds in F, in I) of
-        one chunk."""
+        """Parameters and (F, I, W, B seconds, F, I, W FLOPs, tp seconds in F, in I, tp
+        calls in F, in I) of one chunk."""
         layers, first, last = len(ranges[stage]), stage == 0, stage == num_stages - 1
         chunk_params = chunk_parameters(gpt, stage, num_stages, layers)
         f = layers * (lin + core) + logits * last
         i = layers * (lin + 2 * core + rerun) + logits * last
         w = layers * lin + logits * last
-        tp_f, tp_b = _chunk_tp_seconds(gpt, shape, layers, first, last, hardware)
+        tp_f, tp_b, calls_f, calls_b = _chunk_tp_seconds(gpt, shape, layers, first, last, hardware)
         fixed = hardware.action_overhead + layers * hardware.layer_overhead
         loss = loss_seconds * last
         f_s = f / hardware.gemm_flops + fixed + tp_f + 3 / 5 * loss
@@ -234,7 +234,7 @@ def action_costs(gpt: GPTConfig, shape: Shape, hardware: Hardware) -> ActionCost
         i_s = _with_transfer(i_s, gather_b, hardware)
         w_s = _with_transfer(w_s, scatter, hardware)
         b_s = i_s + w_s - fixed  # one action, not two
-        return chunk_params, (f_s, i_s, w_s, b_s, f, i, w, tp_f, tp_b)
+        return chunk_params, (f_s, i_s, w_s, b_s, f, i, w, tp_f, tp_b, calls_f, calls_b)
 
     for rank in range(p):
         rows: dict[str, list[float]] = {k: [] for k in tables}
@@ -255,7 +255,6 @@ def action_costs(gpt: GPTConfig, shape: Shape, hardware: Hardware) -> ActionCost
 
     sp = gpt.sequence_parallel
     p2p = pp_link.message(tokens * gpt.hidden_size * width / (tp if sp else 1))
-    p2p += hardware.message_overhead
     v_shaped = any(row[0] == 0 and row[-1] == num_stages - 1 for row in shape.placement[:1])
     tied = gpt.share_embeddings_and_output_weights and p > 1 and not v_shaped
     embedding_sum = pp_link.all_reduce(4 * vocab // tp * gpt.hidden_size, 2) if tied else 0.0
@@ -290,6 +289,8 @@ def action_costs(gpt: GPTConfig, shape: Shape, hardware: Hardware) -> ActionCost
         flops_weight_grad=tables["fw"],
         tp_forward=tables["tpf"],
         tp_backward=tables["tpb"],
+        collectives_forward=tables["cf"],
+        collectives_backward=tables["cb"],
         p2p=p2p,
         grad_reduce=reduce,
         tail=tail,
@@ -317,7 +318,7 @@ def shape_of(config: PretrainConfig) -> Shape:
         micro_batch_size=config.training.micro_batch_size,
         placement=tuple(tuple(row) for row in config.schedule.placement),
         dp=config.data_parallel_size,
-        zero_stage=max(config.parallel.zero_stage, int(config.parallel.use_distributed_optimizer)),
+        zero_stage=config.parallel.zero_stage,
         bucket_size=config.parallel.ddp_bucket_size,
     )
 
@@ -346,31 +347,60 @@ def simulated_run(config: PretrainConfig) -> tuple[Schedule, int]:
     return asynchronous_run(config.schedule, iterations), iterations
 
 
-def predict_step_time(config: PretrainConfig, vocab_size: int, hardware: Hardware) -> StepTime:
-    """The predicted iteration of ``config`` for a tokenizer of ``vocab_size`` ids on
-    ``hardware``. Raises :class:`~megapp.pipeline_parallel.messages.ScheduleError` when the
-    schedule cannot complete on the hardware's transport (NCCL: sends complete in batches)."""
+class TimeModel(Protocol):
+    """What :func:`predict` and the planner's search run: a ``hardware`` profile, the
+    action costs of a model and layout on it, and the schedule's run with those costs."""
+
+    @property
+    def hardware(self) -> Hardware: ...
+
+    def with_gpus_per_node(self, gpus_per_node: int) -> TimeModel: ...
+
+    def action_costs(self, gpt: GPTConfig, shape: Shape) -> ActionCosts: ...
+
+    def run(
+        self, schedule: Schedule, costs: ActionCosts, world_size: int
+    ) -> tuple[ActionCosts, Timeline]:
+        """The costs as the run pays them and the timeline of ``schedule`` on
+        ``world_size`` processes; raises
+        :class:`~megapp.pipeline_parallel.messages.ScheduleError` on a deadlock."""
+        ...
+
+
+@dataclass(frozen=True)
+class Devices:
+    """Devices of their own (GPUs): every rank computes on its own device and a pipeline
+    message is a wait for its receiver (:func:`action_costs`, then
+    :func:`~megapp.pipeline_parallel.simulate.simulate`)."""
+
+    hardware: Hardware
+
+    def with_gpus_per_node(self, gpus_per_node: int) -> Devices:
+        return Devices(self.hardware.with_gpus_per_node(gpus_per_node))
+
+    def action_costs(self, gpt: GPTConfig, shape: Shape) -> ActionCosts:
+        return action_costs(gpt, shape, self.hardware)
+
+    def run(
+        self, schedule: Schedule, costs: ActionCosts, world_size: int
+    ) -> tuple[ActionCosts, Timeline]:
+        return costs, simulate(schedule, cost_model(costs, self.hardware))
+
+
+def predict(config: PretrainConfig, vocab_size: int, model: TimeModel) -> StepTime:
+    """The predicted iteration of ``config`` for a tokenizer of ``vocab_size`` ids under the
+    time ``model``. Raises :class:`~megapp.pipeline_parallel.messages.ScheduleError` when
+    the schedule cannot complete on the hardware's transport."""
     gpt = config.gpt_config(vocab_size)
-    costs = action_costs(gpt, shape_of(config), hardware)
+    costs = model.action_costs(gpt, shape_of(config))
     schedule, _ = simulated_run(config)
-    timeline = simulate(schedule, cost_model(costs, hardware))
-    costs, timeline = share_cores(config, costs, timeline, hardware)
-    return step_time(config, gpt, costs, timeline, hardware)
+    costs, timeline = model.run(schedule, costs, config.world_size)
+    return step_time(config, gpt, costs, timeline, model.hardware)
 
 
-def share_cores(
-    config: PretrainConfig, costs: ActionCosts, timeline: Timeline, hardware: Hardware
-) -> tuple[ActionCosts, Timeline]:
-    """``costs`` and ``timeline`` (simulated with a core per process) with the job's
-    processes sharing ``hardware.shared_cores`` (:mod:`~megapp.planning.core_sharing`):
-    the schedule run again with every action, its collectives included, at its share of
-    the cores while it runs, and the optimizer step, which all processes run at once,
-    slowed by all of them; unchanged on devices of their own."""
-    cores, world = hardware.shared_cores, config.world_size
-    if cores is None:
-        return costs, timeline
-    costs = slowed_steps(costs, core_slowdown(cores, world, 1.0))
-    per_rank = world // config.schedule.num_stages
-    model = cost_model(costs, hardware)
-    speedup = hardware.uncontended_speedup
-    return costs, simulate_shared(timeline.schedule, model, per_rank, cores, speedup)
+def predict_step_time(config: PretrainConfig, vocab_size: int, hardware: Hardware) -> StepTime:
+    """The predicted iteration of ``config`` for a tokenizer of ``vocab_size`` ids on the
+    devices ``hardware`` describes. Raises
+    :class:`~megapp.pipeline_parallel.messages.ScheduleError` when the schedule cannot
+    complete on the hardware's transport (NCCL: sends complete in batches)."""
+    return predict(config, vocab_size, Devices(hardware))

@@ -23,18 +23,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from megapp import comm
+from megapp.autograd import deferred
 from megapp.comm import Group
 from megapp.param_attributes import (
     mark_sequence_parallel,
     set_tensor_parallel,
     set_unpadded_size,
     shard,
-)
-from megapp.pipeline_parallel.weight_grads import (
-    defer_weight_grad,
-    linear,
-    note_deferrable,
-    weight_grad_of_linear,
 )
 from megapp.tensor_parallel.mappings import (
     gather_first,
@@ -92,6 +87,18 @@ def sliced_weight(
     return weight
 
 
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """``F.linear``, or while a split-backward schedule runs its deferrable twin."""
+    if deferred.state.record is None:
+        return F.linear(x, weight, bias)
+    return deferred.linear(x, weight, bias)
+
+
+def _weight_grad(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``dW = gᵀ x`` over every leading dimension."""
+    return grad.reshape(-1, grad.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1]))
+
+
 class _ColumnParallelMatmul(torch.autograd.Function):
     """``y = x Wᵀ (+ b)`` with the collectives of the column layer fused in.
 
@@ -100,7 +107,7 @@ class _ColumnParallelMatmul(torch.autograd.Function):
     sequence shard: forward all-gathers it, backward reduce-scatters the
     input gradient. Backward launches those collectives asynchronously and
     computes the weight gradient while they run; during a split backward's ``I``
-    the weight gradient is deferred instead (:mod:`~megapp.pipeline_parallel.weight_grads`),
+    the weight gradient is deferred instead (:mod:`~megapp.autograd.deferred`),
     and the input is gathered again, in the same order on every rank, at ``W``.
     """
 
@@ -108,8 +115,11 @@ class _ColumnParallelMatmul(torch.autograd.Function):
     def forward(ctx, x, weight, bias, group, sequence_parallel):
         ctx.group, ctx.sequence_parallel = group, sequence_parallel
         ctx.has_bias = bias is not None
-        note_deferrable()
-        ctx.param = weight  # the parameter itself, for a deferred weight gradient
+        # Built under a split-backward schedule: the weight gradient may be deferred.
+        ctx.deferrable = deferred.state.record is not None
+        if ctx.deferrable:
+            deferred.note_deferrable()
+            ctx.param = weight  # the parameter itself, for a deferred weight gradient
         # Only the shard is saved; backward gathers it again (Megatron's memory trade).
         ctx.save_for_backward(x, weight)
         total = gather_first(x, group) if sequence_parallel else x
@@ -123,11 +133,15 @@ class _ColumnParallelMatmul(torch.autograd.Function):
         def gathered_input() -> torch.Tensor:
             return gather_first(x, group) if sequence_parallel else x
 
-        deferred = ctx.needs_input_grad[1] and defer_weight_grad(
-            ctx.param, lambda: weight_grad_of_linear(grad, gathered_input()), grad, x
+        later = (
+            ctx.deferrable
+            and ctx.needs_input_grad[1]
+            and deferred.defer_weight_grad(
+                ctx.param, lambda: _weight_grad(grad, gathered_input()), grad, x
+            )
         )
         gathering = None
-        if sequence_parallel and not deferred:
+        if sequence_parallel and not later:
             total, gathering = gather_first(x, group, async_op=True)
         grad_input = grad.matmul(weight)
         work = None
@@ -142,7 +156,7 @@ class _ColumnParallelMatmul(torch.autograd.Function):
                 work = comm.all_reduce(grad_input, group, async_op=True)
         # The weight gradient overlaps the input-gradient collective.
         grad_2d = grad.reshape(-1, grad.shape[-1])
-        grad_weight = None if deferred else weight_grad_of_linear(grad, total)
+        grad_weight = None if later else _weight_grad(grad, total)
         grad_bias = grad_2d.sum(dim=0) if ctx.has_bias else None
         if work is not None:
             work.wait()
@@ -161,11 +175,10 @@ def column_parallel_matmul(
     ``x`` is ``[s, b, in]`` (``[s/tp, b, in]`` with sequence parallelism, gathered here);
     the result is ``[s, b, out/tp]``. With one rank there is nothing to communicate and it
     is plain ``F.linear``, whose autograd node is C++ (or, while a split-backward schedule
-    runs, :func:`~megapp.pipeline_parallel.weight_grads.linear`, whose weight gradient may
-    be deferred).
+    runs, :func:`~megapp.autograd.deferred.linear`, whose weight gradient may be deferred).
     """
     if comm.world_size(group) == 1:
-        return linear(x, weight, bias)
+        return _linear(x, weight, bias)
     return _ColumnParallelMatmul.apply(x, weight, bias, group, sequence_parallel)
 
 
@@ -282,7 +295,7 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         if not self.input_is_parallel:
             x = scatter_to_tensor_model_parallel_region(x, self.tp_group)
-        partial = linear(x, self.weight)  # F.linear unless a split backward may defer
+        partial = _linear(x, self.weight)
         if self.sequence_parallel:
             out = reduce_scatter_to_sequence_parallel_region(partial, self.tp_group)
         else:

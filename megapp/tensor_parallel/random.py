@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from megapp.saved_tensors import notify_kept
+from megapp.autograd.saved import notify_kept
 
 __all__ = [
     "DATA_PARALLEL_RNG_TRACKER_NAME",

@@ -3,8 +3,10 @@
 Spawning and initializing torch processes is the expensive part of a
 distributed test (seconds per process on a small machine), so a ``World`` is
 started once and then runs many functions. Workers are forked from a
-forkserver that has already imported torch, so a fresh world starts in about
-a second per rank instead of importing torch once per process.
+forkserver that has already imported torch and megapp, so a fresh world starts in
+a fraction of a second instead of importing them once per process. A task that
+leaves its workers holding many process groups' threads gets the world restarted
+after it (see ``_THREAD_LIMIT``).
 
 A function is sent by reference (module name and qualified name) and must be
 defined at module level. Its return value comes back from every rank. An
@@ -45,6 +47,14 @@ _COLLECTIVE_TIMEOUT = timedelta(seconds=300)
 # After one rank fails, the others get this long to finish before the world is
 # declared broken (they are usually stuck in a collective with the dead rank).
 _GRACE_AFTER_ERROR_S = 3.0
+# A worker left with more threads than this after a task holds process groups that the
+# task destroyed but left referenced (gloo keeps three threads per group until its last
+# reference goes; a model whose gradient hooks point back at it is never collected). They
+# poll while idle and slow every later task on a small machine, so the world is started
+# afresh before its next task. A worker holds about ten threads of its own.
+_THREAD_LIMIT = 48
+# What the forkserver imports once, so that every worker, and every restart, starts with it.
+_PRELOAD = ["torch", "torch.distributed", "megapp.training.pretrain", "megapp.models"]
 
 
 class DistributedTestError(AssertionError):
@@ -157,7 +167,7 @@ def _context() -> mp.context.BaseContext:
     _megapp_on_pythonpath()
     ctx = mp.get_context("forkserver")
     # Import torch once in the forkserver; every worker forks with it loaded.
-    ctx.set_forkserver_preload(["torch", "torch.distributed", __name__])
+    ctx.set_forkserver_preload([*_PRELOAD, __name__])  # a module that fails to import is skipped
     return ctx
 
 
@@ -239,7 +249,19 @@ class World:
             if missing:
                 self.close()  # the hung ranks cannot be trusted with another task
             raise DistributedTestError(f"{module}.{qualname} failed\n{report}")
+        if max(self._threads()) > _THREAD_LIMIT:
+            self.close()  # the next task starts a fresh world
         return [replies[rank][1] for rank in range(self.world_size)]
+
+    def _threads(self) -> list[int]:
+        """How many threads each worker runs (0 where that cannot be read)."""
+        counts = []
+        for proc in self._procs:
+            try:
+                counts.append(len(os.listdir(f"/proc/{proc.pid}/task")))
+            except OSError:
+                counts.append(0)
+        return counts
 
     def _gather(self, deadline: float) -> tuple[dict[int, tuple[str, Any]], list[int]]:
         """Collect one reply per rank until ``deadline``; stop early after an error."""
@@ -313,12 +335,13 @@ class World:
 _WORLDS: dict[int, World] = {}
 
 
-def get_world(world_size: int) -> World:
-    """The shared world of ``world_size`` ranks, started on first use."""
+def get_world(world_size: int, *, fresh: bool = False) -> World:
+    """The shared world of ``world_size`` ranks, started on first use; ``fresh``: in new
+    processes, whatever earlier tasks left in the old ones."""
     world = _WORLDS.get(world_size)
     if world is None:
         world = _WORLDS[world_size] = World(world_size)
-    if not world.alive:
+    if fresh or not world.alive:
         world.close()
         world.start()
     return world

@@ -19,8 +19,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from megapp import comm
-from megapp.distributed.ddp import DistributedDataParallel
-from megapp.distributed.finalize import finalize_model_grads
+from megapp.distributed.ddp import DistributedDataParallel, finalize_model_grads
 from megapp.optimizer.optimizer import Optimizer
 from megapp.parallel_state import TrainGroups
 from megapp.pipeline_parallel import PipelineHooks, forward_backward

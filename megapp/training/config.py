@@ -104,11 +104,16 @@ class PretrainConfig:
     def from_flags(cls, flags: dict[str, Any], world_size: int) -> PretrainConfig:
         """Build and check every group from ``flags`` (field name -> value, e.g.
         ``vars(namespace)``); raises :class:`ArgumentsError` naming the flags to change."""
-        groups = {
+        return cls(**cls.groups_from_flags(flags), world_size=world_size)
+
+    @staticmethod
+    def groups_from_flags(flags: dict[str, Any]) -> dict[str, Any]:
+        """Every group built from ``flags`` and checked on its own, by group name (what
+        :meth:`from_flags` checks together; a planner replaces a layout's fields in them)."""
+        return {
             name: group(**{f.name: flags[f.name] for f in dataclasses.fields(group)})
             for name, group in GROUPS.items()
         }
-        return cls(**groups, world_size=world_size)
 
     def __post_init__(self) -> None:
         try:
@@ -121,36 +126,68 @@ class PretrainConfig:
     def _set(self, name: str, value: Any) -> None:
         object.__setattr__(self, name, value)  # derived once, while the frozen config is built
 
-    def _build_schedule(self, pp: int, vpp: int | None, gbs: int, mbs: int, dp: int):
-        from megapp.pipeline_parallel.catalog import (
-            ASYNC_SCHEDULES,
-            V_SHAPED,
-            build_schedule,
-            default_schedule,
-        )
+    def _schedule_chunks(self, pp: int, vpp: int | None) -> tuple[str, int | None]:
+        """The schedule's name and the model chunks per rank it runs: as the flags ask, or,
+        where the flags ask none and the schedule runs only one count (two for a V), that
+        count. Refuses a count the schedule cannot run, naming the flag that asked for it."""
+        from megapp.pipeline_parallel.catalog import default_schedule, schedule_kind
         from megapp.training.auto_schedule import PROBE
 
-        par = self.parallel
+        par, layers = self.parallel, self.model.num_layers
         name = par.pipeline_schedule or default_schedule(vpp or 1)
         if name == "auto":  # the first iteration times zb-h1; the search picks the rest
             name = PROBE
-        if name in V_SHAPED and vpp != 2:
-            per_stage = self.model.num_layers / (2 * pp)
-            hint = (
-                f"add --num-layers-per-virtual-pipeline-stage {int(per_stage)}"
-                if per_stage.is_integer()
-                else f"use a layer count divisible by 2 × --pipeline-model-parallel-size ({2 * pp})"
-            )
+        kind = schedule_kind(name)
+        asked = vpp
+        if vpp is None and (kind.fixed_chunks or 1) > 1:
+            vpp = kind.fixed_chunks  # the only count it runs: nothing to choose
+            even = (par.decoder_first_pipeline_num_layers, par.decoder_last_pipeline_num_layers)
+            if even == (None, None) and layers % (pp * vpp):
+                raise ArgumentsError(
+                    f"--pipeline-schedule {name} {kind.chunks_text()}, so --num-layers "
+                    f"({layers}) must split into {vpp} × --pipeline-model-parallel-size ({pp}) "
+                    f"= {vpp * pp} virtual stages; use {nearest_multiples(layers, vpp * pp)} "
+                    "layers, or uneven first and last stages "
+                    "(--decoder-first/last-pipeline-num-layers)"
+                )
+        try:
+            kind.check_chunks(vpp or 1)
+        except ValueError:
+            if asked is None:
+                raise ArgumentsError(
+                    f"--pipeline-schedule {name} {kind.chunks_text()}; give "
+                    "--num-layers-per-virtual-pipeline-stage or "
+                    "--num-virtual-stages-per-pipeline-rank"
+                ) from None
+            if par.num_layers_per_virtual_pipeline_stage is not None:
+                flag = (
+                    f"--num-layers-per-virtual-pipeline-stage "
+                    f"{par.num_layers_per_virtual_pipeline_stage}"
+                )
+            else:
+                flag = f"--num-virtual-stages-per-pipeline-rank {asked}"
+            if kind.fixed_chunks is not None and kind.fixed_chunks > 1:
+                fix = "leave the flag out: the schedule places its chunks itself"
+            elif kind.asynchronous:
+                fix = "drop the virtual stages"
+            else:
+                fix = f"use {default_schedule(asked)} for {asked}, or drop the virtual stages"
             raise ArgumentsError(
-                f"--pipeline-schedule {name} runs two model chunks per pipeline rank, placed in "
-                f"a V; {hint}"
-            )
-        if par.vertical_sync and name != "pipedream":
+                f"--pipeline-schedule {name} {kind.chunks_text()}, but {flag} gives {asked}; {fix}"
+            ) from None
+        return name, vpp
+
+    def _build_schedule(self, name: str, pp: int, vpp: int | None, gbs: int, mbs: int, dp: int):
+        from megapp.pipeline_parallel.catalog import build_schedule, schedule_kind
+        from megapp.pipeline_parallel.schedules import MicrobatchCountError
+
+        par, kind = self.parallel, schedule_kind(name)
+        if par.vertical_sync and not kind.vertical_sync:
             raise ArgumentsError(
                 f"--vertical-sync applies to --pipeline-schedule pipedream, not {name}"
             )
-        if name in ASYNC_SCHEDULES:
-            self._check_asynchronous(name, pp, vpp)
+        if kind.asynchronous:
+            self._check_asynchronous(name, pp)
         try:
             return build_schedule(
                 name,
@@ -160,32 +197,31 @@ class PretrainConfig:
                 group_size=par.microbatch_group_size_per_virtual_pipeline_stage,
                 vertical_sync=par.vertical_sync,
             )
-        except ValueError as error:
+        except MicrobatchCountError as error:
             raise ArgumentsError(
                 f"--global-batch-size {gbs} / (--micro-batch-size {mbs} × data-parallel "
                 f"size {dp}) gives {self.num_microbatches} microbatches, which the "
                 f"{name} schedule cannot run: {as_flags(str(error))}; change the global "
                 "batch size or the schedule"
             ) from error
+        except ValueError as error:  # not the batch size: say what the schedule refused
+            raise ArgumentsError(
+                f"the {name} schedule cannot run this layout: {as_flags(str(error))}"
+            ) from error
 
-    def _check_asynchronous(self, name: str, pp: int, vpp: int | None) -> None:
+    def _check_asynchronous(self, name: str, pp: int) -> None:
         """What PipeDream and 2BW, whose stages step on their own, cannot run with: the
         optimizer's rule (:func:`~megapp.optimizer.optimizer.check_per_stage_steps`), in
         flag names."""
         from megapp.optimizer.optimizer import check_per_stage_steps
 
-        if vpp is not None:
-            raise ArgumentsError(
-                f"--pipeline-schedule {name} cannot run with virtual pipeline stages: it runs "
-                "one model chunk per rank"
-            )
         par = self.parallel
         check_per_stage_steps(
             f"--pipeline-schedule {name}",
             pipeline_stages=pp,
             clip_grad=self.optimizer.clip_grad,
             tied_embedding=not self.model.untie_embeddings_and_output_weights,
-            sharded=par.zero_stage > 0 or par.use_distributed_optimizer,
+            sharded=par.zero_stage > 0,
             loss_scaling=self.precision.fp16,
         )
 
@@ -198,7 +234,9 @@ class PretrainConfig:
         tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
         vpp = par.num_virtual_stages_per_pipeline_rank
         if par.num_layers_per_virtual_pipeline_stage is not None:
-            vpp = virtual_stages(model.num_layers, pp, par.num_layers_per_virtual_pipeline_stage)
+            lps = par.num_layers_per_virtual_pipeline_stage
+            vpp = virtual_stages(model.num_layers, pp, lps) or 1
+        name, vpp = self._schedule_chunks(pp, vpp)
         vpp = vpp if vpp != 1 else None  # one chunk per rank: no virtual stages
         grid = ProcessGrid(self.world_size, tp, pp, vpp)
         self._set("virtual_pipeline_model_parallel_size", vpp)
@@ -224,7 +262,7 @@ class PretrainConfig:
             )
         self._set("num_microbatches", gbs // (mbs * dp))
         self._set("training", dataclasses.replace(training, global_batch_size=gbs))
-        self._set("schedule", self._build_schedule(pp, vpp, gbs, mbs, dp))
+        self._set("schedule", self._build_schedule(name, pp, vpp, gbs, mbs, dp))
 
         profile = self.logging.profile_iteration
         if profile is not None and profile >= training.train_iters:
@@ -246,42 +284,25 @@ class PretrainConfig:
 
     def gpt_config(self, vocab_size: int):
         """The model as a :class:`~megapp.models.GPTConfig` for a tokenizer of
-        ``vocab_size`` ids."""
+        ``vocab_size`` ids: every model or layout flag named after a GPTConfig field passes
+        its value as it is, Megatron's otherwise-spelled ones are translated by
+        :attr:`ModelArgs.gpt_fields_spelled_otherwise`."""
         from megapp.models import GPTConfig
 
-        model, parallel = self.model, self.parallel
+        names = {f.name for f in dataclasses.fields(GPTConfig)}
+        fields = {
+            f.name: getattr(group, f.name)
+            for group in (self.model, self.parallel)
+            for f in dataclasses.fields(group)
+            if f.name in names
+        }
+        fields |= self.model.gpt_fields_spelled_otherwise
         return GPTConfig(
-            num_layers=model.num_layers,
-            hidden_size=model.hidden_size,
-            ffn_hidden_size=model.ffn,
-            num_attention_heads=model.num_attention_heads,
-            num_query_groups=model.num_query_groups,
-            kv_channels=model.kv_channels,
-            hidden_dropout=model.hidden_dropout,
-            attention_dropout=model.attention_dropout,
-            activation="swiglu" if model.swiglu else "gelu_erf" if model.gelu_erf else "gelu",
-            add_bias_linear=not model.disable_bias_linear,
-            add_qkv_bias=model.add_qkv_bias,
-            normalization=model.normalization,
-            layernorm_epsilon=model.norm_epsilon,
-            position_embedding_type=model.position_embedding_type,
-            rotary_base=model.rotary_base,
-            rotary_percent=model.rotary_percent,
-            rope_scaling_factor=model.rope_scaling_factor if model.use_rope_scaling else None,
-            attention_backend=model.attention_backend,
-            init_method_std=model.init_method_std,
-            recompute_granularity=model.recompute_granularity,
-            recompute_method=model.recompute_method,
-            recompute_num_layers=model.recompute_num_layers,
-            tensor_model_parallel_size=parallel.tensor_model_parallel_size,
-            sequence_parallel=parallel.sequence_parallel,
+            **fields,
             params_dtype=self.precision.params_dtype,
             vocab_size=vocab_size,
-            make_vocab_size_divisible_by=model.make_vocab_size_divisible_by,
-            max_position_embeddings=model.positions,
-            share_embeddings_and_output_weights=not model.untie_embeddings_and_output_weights,
-            num_layers_in_first_pipeline_stage=parallel.decoder_first_pipeline_num_layers,
-            num_layers_in_last_pipeline_stage=parallel.decoder_last_pipeline_num_layers,
+            num_layers_in_first_pipeline_stage=self.parallel.decoder_first_pipeline_num_layers,
+            num_layers_in_last_pipeline_stage=self.parallel.decoder_last_pipeline_num_layers,
         )
 
     def to_dict(self) -> dict[str, Any]:

@@ -10,7 +10,6 @@ from megapp import comm
 from megapp.distributed.ddp import DistributedDataParallel
 from megapp.parallel_state import TrainGroups
 from megapp.pipeline_parallel import forward_backward
-from megapp.pipeline_parallel.catalog import default_schedule
 from megapp.pipeline_parallel.compute import ForwardStepFunc
 from megapp.pipeline_parallel.p2p import TensorSpec
 from megapp.pipeline_parallel.schedules import Schedule
@@ -33,12 +32,11 @@ def evaluate(
     the mean over microbatches and data-parallel replicas, as in training, and the
     result is the mean over the batches. ``tensor_shapes`` as for
     :func:`~megapp.pipeline_parallel.forward_backward` (None: negotiated per message).
-    ``schedule``: the training schedule, whose forwards run in its order (default 1F1B,
-    interleaved with several chunks).
+    ``schedule``: the training schedule, whose forwards run in its order (default the
+    catalog's for the number of chunks).
     """
     if eval_iters < 1:
         raise ValueError(f"eval_iters must be >= 1, got {eval_iters}")
-    schedule = schedule or default_schedule(len(chunks))
     was_training = [chunk.training for chunk in chunks]
     for chunk in chunks:
         chunk.eval()

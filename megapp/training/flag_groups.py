@@ -52,7 +52,11 @@ def _require(group: Any, names: tuple[str, ...]) -> None:
 @dataclass(frozen=True)
 class ModelArgs:
     """The GPT's shape and behaviour (Megatron's network-size, regularization and recompute
-    flags); :meth:`PretrainConfig.gpt_config` turns it into a GPTConfig."""
+    flags); :meth:`PretrainConfig.gpt_config` turns it into a GPTConfig.
+
+    A flag named after a :class:`~megapp.models.GPTConfig` field reaches that field as it
+    is, with no code of its own; :attr:`gpt_fields_spelled_otherwise` translates Megatron's
+    flags that name or default a field otherwise."""
 
     num_layers: int | None = arg(None, "transformer layers", kind=int)
     hidden_size: int | None = arg(None, "width of the residual stream", kind=int)
@@ -74,6 +78,15 @@ class ModelArgs:
     rotary_percent: float = arg(1.0, "share of each head's channels that RoPE rotates")
     use_rope_scaling: bool = arg(False, "Llama 3.1's RoPE frequency scaling")
     rope_scaling_factor: float = arg(8.0, "with --use-rope-scaling: the scaling factor")
+    rope_low_freq_factor: float = arg(
+        1.0, "with --use-rope-scaling: wavelengths above original / this are scaled fully"
+    )
+    rope_high_freq_factor: float = arg(
+        4.0, "with --use-rope-scaling: wavelengths below original / this are kept"
+    )
+    rope_original_max_position_embeddings: int = arg(
+        8192, "with --use-rope-scaling: the context length the model was first trained at"
+    )
     normalization: str = arg("LayerNorm", "", choices=("LayerNorm", "RMSNorm"))
     norm_epsilon: float = arg(1e-5, "epsilon of the normalization layers")
     swiglu: bool = arg(False, "SwiGLU MLP instead of GeLU")
@@ -122,6 +135,21 @@ class ModelArgs:
         if self.swiglu:
             return (8 * self.hidden_size // 3) // 64 * 64 or 8 * self.hidden_size // 3
         return 4 * self.hidden_size
+
+    @property
+    def gpt_fields_spelled_otherwise(self) -> dict[str, Any]:
+        """GPTConfig fields whose Megatron flags have another name, or a default that
+        depends on other flags, by field name."""
+        activation = "swiglu" if self.swiglu else "gelu_erf" if self.gelu_erf else "gelu"
+        return {
+            "ffn_hidden_size": self.ffn,
+            "max_position_embeddings": self.positions,
+            "activation": activation,
+            "add_bias_linear": not self.disable_bias_linear,
+            "layernorm_epsilon": self.norm_epsilon,
+            "rope_scaling_factor": self.rope_scaling_factor if self.use_rope_scaling else None,
+            "share_embeddings_and_output_weights": not self.untie_embeddings_and_output_weights,
+        }
 
 
 @dataclass(frozen=True)
@@ -225,7 +253,7 @@ class DataArgs:
             raise ArgumentsError("--data-path needs a path prefix (or weight/prefix pairs)")
         if self.data_path is None and not self.use_default_corpus:
             raise ArgumentsError(
-                "no training data: give --data-path PREFIX (tools/preprocess_data.py writes "
+                "no training data: give --data-path PREFIX (tools/data/preprocess_data.py writes "
                 "PREFIX.bin/.idx) or --use-default-corpus"
             )
         if self.data_path is not None and self.use_default_corpus:
@@ -287,7 +315,7 @@ class CheckpointArgs:
     load_hf: str | None = arg(
         None,
         "start from this Hugging Face model folder (its weights; the model flags must "
-        "describe it: tools/convert_hf.py flags DIR prints them)",
+        "describe it: tools/checkpoint/convert_hf.py flags DIR prints them)",
         kind=str,
     )
     save_hf: str | None = arg(

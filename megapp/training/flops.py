@@ -1,12 +1,13 @@
 """Model FLOPs of a GPT training iteration, and the peak throughput of the GPUs it runs on.
 
-Plain arithmetic on plain numbers, with no argparse namespace or process group, so the
-training log (:mod:`megapp.training.metrics`), the benchmarks in ``tools/`` and a cost model
-count the same way:
+Plain arithmetic on the model's own config, with no argparse namespace or process group, so
+the training log (:mod:`megapp.training.metrics`), the benchmarks and the planner's cost
+model count the same way:
 
 * :func:`gpt_training_flops`: model FLOPs of one iteration (what the model needs; the second
   forward of activation recompute is not counted, so figures compare across recompute
-  settings); :func:`gpt_config_training_flops` reads the numbers from a GPTConfig;
+  settings), read from a :class:`~megapp.models.GPTConfig`; :func:`layer_flops` is one
+  layer's share per token, which the planner splits over its actions;
 * :data:`GPU_PEAKS`: each GPU part's dense 16-bit tensor-core peak and HBM bandwidth from the
   vendor's data sheet, matched against ``torch.cuda.get_device_name()`` by
   :func:`gpu_peak`, :func:`peak_16bit_tflops` and :func:`hbm_peak_tbps`.
@@ -15,62 +16,49 @@ count the same way:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from megapp.models.gpt import GPTConfig
+    from megapp.transformer.config import TransformerConfig
 
 
-def gpt_training_flops(
-    *,
-    num_layers: int,
-    hidden_size: int,
-    ffn_hidden_size: int,
-    num_attention_heads: int,
-    num_query_groups: int,
-    kv_channels: int,
-    swiglu: bool,
-    seq_length: int,
-    vocab_size: int,
-    tokens: int,
-) -> float:
-    """Model FLOPs of one training iteration (forward and backward) over ``tokens`` tokens
-    in sequences of ``seq_length``.
+def layer_flops(config: TransformerConfig, seq_length: int) -> tuple[int, int]:
+    """Forward FLOPs per token of one whole layer (2 per multiply-add), in sequences of
+    ``seq_length``: ``(linear, attention_core)``, its matmuls with weights and attention's
+    q·kᵀ and p·v.
 
     With ``h`` = hidden_size, ``a`` heads of ``d`` = kv_channels, ``g`` query groups, MLP
-    width ``f``, sequence ``s`` and vocabulary ``V`` (pass the padded size the output layer
-    really has), the forward pass costs per token (2 FLOPs per multiply-add)::
+    width ``f`` and sequence ``s``::
 
-        per layer: QKV 2·h·(a + 2g)·d + q·kᵀ 2·s·a·d + p·v 2·s·a·d + projection 2·a·d·h
-                   + MLP 4·h·f (6·h·f with SwiGLU's gate)
-        once:      logits 2·h·V
+        linear: QKV 2·h·(a + 2g)·d + projection 2·a·d·h + MLP 4·h·f (6·h·f with SwiGLU's gate)
+        core:   q·kᵀ 2·s·a·d + p·v 2·s·a·d
 
     Attention is counted over the full s × s square, causal or not, as Megatron-LM and PaLM
-    count it. Backward costs twice the forward, hence the factor 3. For the standard GPT
-    (a = g, d = h / a, f = 4h, no SwiGLU) with B sequences this equals
+    count it.
+    """
+    h, d, s = config.hidden_size, config.kv_channels, seq_length
+    a, g = config.num_attention_heads, config.num_query_groups
+    mlp = (6 if config.activation == "swiglu" else 4) * h * config.ffn_hidden_size
+    return 2 * h * (a + 2 * g) * d + 2 * a * d * h + mlp, 4 * s * a * d
+
+
+def gpt_training_flops(config: GPTConfig, seq_length: int, tokens: int) -> float:
+    """Model FLOPs of one training iteration (forward and backward) of the GPT ``config``
+    over ``tokens`` tokens in sequences of ``seq_length``: every layer's
+    :func:`layer_flops` and the logits' ``2·h·V`` per token (``V`` the vocabulary padded as
+    the model pads it), three times (backward costs twice the forward). For the standard
+    GPT (a = g, d = h / a, f = 4h, no SwiGLU) with B sequences this equals
     ``72·B·s·l·h²·(1 + s/(6h) + V/(12·l·h))``.
     """
-    h, d, s = hidden_size, kv_channels, seq_length
-    a, g = num_attention_heads, num_query_groups
-    attention = 2 * h * (a + 2 * g) * d + 4 * s * a * d + 2 * a * d * h
-    mlp = (6 if swiglu else 4) * h * ffn_hidden_size
-    per_token = num_layers * (attention + mlp) + 2 * h * vocab_size
+    linear, core = layer_flops(config, seq_length)
+    step = config.make_vocab_size_divisible_by * config.tensor_model_parallel_size
+    vocab = -(-config.vocab_size // step) * step
+    per_token = config.num_layers * (linear + core) + 2 * config.hidden_size * vocab
     return 3.0 * per_token * tokens
 
 
-def gpt_config_training_flops(config: Any, seq_length: int, tokens: int) -> float:
-    """:func:`gpt_training_flops` of a :class:`~megapp.models.GPTConfig` (its vocabulary
-    padded as the model pads it) for ``tokens`` tokens in sequences of ``seq_length``."""
-    step = config.make_vocab_size_divisible_by * config.tensor_model_parallel_size
-    return gpt_training_flops(
-        num_layers=config.num_layers,
-        hidden_size=config.hidden_size,
-        ffn_hidden_size=config.ffn_hidden_size,
-        num_attention_heads=config.num_attention_heads,
-        num_query_groups=config.num_query_groups,
-        kv_channels=config.kv_channels,
-        swiglu=config.activation == "swiglu",
-        seq_length=seq_length,
-        vocab_size=-(-config.vocab_size // step) * step,
-        tokens=tokens,
-    )
+gpt_config_training_flops = gpt_training_flops  # the name pretrain_gpt.py and the benchmarks use
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 ``--load-hf DIR`` fills the model from ``DIR`` (each rank reading its slices) when no
 checkpoint is resumed; the model flags must describe ``DIR/config.json``, and
-``tools/convert_hf.py flags DIR`` prints them. ``--save-hf DIR`` writes the trained model
+``tools/checkpoint/convert_hf.py flags DIR`` prints them. ``--save-hf DIR`` writes the trained model
 as a Hugging Face folder at the end (as ``--load-hf``'s type, or ``--hf-model-type``).
 The imported ``config.json`` travels with the run's checkpoints (:func:`prepare`), so
 that every export of the model writes it back.
@@ -15,7 +15,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from megapp import parallel_state as ps
+from megapp import comm
 from megapp.models.gpt import GPTConfig
 from megapp.models.hf_config import model_differences
 from megapp.training.flag_groups import ArgumentsError
@@ -135,7 +135,7 @@ def source_dir(config: Any) -> str | None:
 def prepare(config: Any) -> None:
     """At the start of a run: check that ``--save-hf`` can write the model it came with, and
     keep that model's Hugging Face config with the ``--save`` checkpoints (global rank 0),
-    so that ``tools/convert_hf.py export`` writes it back."""
+    so that ``tools/checkpoint/convert_hf.py export`` writes it back."""
     ckpt = config.checkpoint
     source = source_dir(config)
     if source is None:
@@ -165,7 +165,7 @@ def _kept_model_type(directory: str) -> str:
 def load(config: Any, setup: Any, model_type: str) -> None:
     """Fill the chunks from ``--load-hf`` and restart the optimizer's master weights there."""
     directory = config.checkpoint.load_hf
-    tp_rank, tp = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+    tp_rank, tp = comm.rank(setup.groups.tp), comm.world_size(setup.groups.tp)
     try:
         _hf().load_hf(setup.chunks, directory, model_type, tp_rank, tp)
     except (OSError, ValueError, KeyError, ImportError) as error:
@@ -177,8 +177,9 @@ def load(config: Any, setup: Any, model_type: str) -> None:
 def save(config: Any, setup: Any, model_type: str) -> None:
     """Write the model to ``--save-hf`` (collective; one data-parallel replica writes)."""
     directory = config.checkpoint.save_hf
-    if ps.get_data_parallel_rank() == 0:
-        tp_rank, tp = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+    groups = setup.groups
+    if comm.rank(groups.dp) == 0:
+        tp_rank, tp = comm.rank(groups.tp), comm.world_size(groups.tp)
         tokenizer_dir = config.checkpoint.load_hf or config.data.tokenizer_model
         source = source_dir(config)
         _hf().save_hf(
@@ -187,7 +188,7 @@ def save(config: Any, setup: Any, model_type: str) -> None:
             model_type,
             tp_rank,
             tp,
-            ps.get_model_parallel_group(),
+            groups.mp,
             tokenizer_dir=tokenizer_dir,
             source_dir=source,
             eod=None if source is not None else _eod(config),

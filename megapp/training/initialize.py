@@ -133,7 +133,8 @@ def initialize_distributed(config: PretrainConfig) -> torch.device:
             config.virtual_pipeline_model_parallel_size,
             timeout=timeout,
         )
-    model_parallel_manual_seed(config.training.seed)
+    groups = TrainGroups.from_parallel_state()
+    model_parallel_manual_seed(config.training.seed, comm.rank(groups.tp), comm.rank(groups.pp))
     return device
 
 
@@ -144,5 +145,5 @@ def count_parameters(chunks: Sequence[DistributedDataParallel], groups: TrainGro
         p.numel() for c in chunks for p in c.module.parameters() if counts_in_norm(p, tp_rank)
     )
     total = torch.tensor([mine], dtype=torch.float64, device=chunks[0].buffer.params[0].device)
-    comm.all_reduce(total, ps.get_model_parallel_group())
+    comm.all_reduce(total, groups.mp)
     return int(total.item())

@@ -79,11 +79,26 @@ def start_pretrain(
 ) -> subprocess.Popen:
     """Start ``pretrain_gpt.py`` on ``nproc`` ranks per node in a process group of its own.
 
-    Its output goes to ``log_path`` (stdout and stderr together, after the command line),
-    or to pipes read by :func:`finish`. ``torchrun`` holds :func:`torchrun_command`'s
-    multi-node arguments; ``env`` defaults to :func:`launch_env`.
+    ``torchrun`` holds :func:`torchrun_command`'s multi-node arguments; the rest is
+    :func:`start_command`'s.
     """
     command = torchrun_command(nproc, flags, **torchrun)  # type: ignore[arg-type]
+    return start_command(command, cwd=cwd, log_path=log_path, env=env)
+
+
+def start_command(
+    command: Sequence[str],
+    *,
+    cwd: str | os.PathLike | None = None,
+    log_path: str | os.PathLike | None = None,
+    env: Mapping[str, str] | None = None,
+) -> subprocess.Popen:
+    """Start ``command`` in a process group of its own, so :func:`stop` ends it whole.
+
+    Its output goes to ``log_path`` (stdout and stderr together, after the command line),
+    or to pipes read by :func:`finish`. ``env`` defaults to :func:`launch_env`.
+    """
+    command = [str(part) for part in command]
     if log_path is None:
         out = err = subprocess.PIPE
     else:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megapp.pipeline_parallel.catalog import ASYNC_SCHEDULES, SCHEDULES
+from megapp.pipeline_parallel.catalog import SCHEDULE_KINDS
 from megapp.training.flag_groups import ArgumentsError, arg, require_positive
 
 
@@ -35,10 +35,11 @@ class ParallelArgs:
     pipeline_schedule: str | None = arg(
         None,
         "default 1f1b, interleaved-1f1b with virtual stages; zb-v and dualpipev place two "
-        "chunks per rank in a V; auto times one zb-h1 iteration and searches; pipedream and "
-        "pipedream-2bw never flush and step each stage on its own (a different update rule)",
+        "chunks per rank in a V (no virtual-stage flag needed); auto times one zb-h1 "
+        "iteration and searches; pipedream and pipedream-2bw never flush and step each "
+        "stage on its own (a different update rule)",
         kind=str,
-        choices=(*SCHEDULES, *ASYNC_SCHEDULES, "auto"),
+        choices=(*SCHEDULE_KINDS, "auto"),
     )
     vertical_sync: bool = arg(
         False, "pipedream: every stage runs a microbatch on the weights the first stage used"
@@ -52,7 +53,9 @@ class ParallelArgs:
         None, "interleaved-1f1b: microbatches per group (default: from --pp up)", kind=int
     )
     sequence_parallel: bool = arg(False, "split activations outside tp regions by sequence")
-    use_distributed_optimizer: bool = arg(False, "shard optimizer states over dp (ZeRO-1)")
+    use_distributed_optimizer: bool = arg(
+        False, "shard optimizer states over dp (ZeRO-1): Megatron's name for --zero-stage 1"
+    )
     zero_stage: int = arg(
         0,
         "ZeRO stage: 1 shards optimizer states over dp (as --use-distributed-optimizer), "
@@ -91,6 +94,9 @@ class ParallelArgs:
                 "--decoder-first/last-pipeline-num-layers give "
                 "--num-virtual-stages-per-pipeline-rank instead"
             )
+        if self.use_distributed_optimizer and self.zero_stage == 0:
+            # translated here, once: everything after reads the stage alone
+            object.__setattr__(self, "zero_stage", 1)
         if not self.distributed_timeout_minutes > 0:
             raise ArgumentsError(
                 f"--distributed-timeout-minutes must be > 0, got {self.distributed_timeout_minutes}"

@@ -24,7 +24,6 @@ import torch.distributed as dist
 from torch import nn
 
 from megapp import comm
-from megapp import parallel_state as ps
 from megapp.parallel_state import TrainGroups
 from megapp.pipeline_parallel.compute import ForwardStepFunc
 from megapp.pipeline_parallel.p2p import TensorSpec
@@ -117,7 +116,8 @@ class Trainer:
         self.tensor_shapes = pipeline_tensor_shapes(config)
         self.schedule = config.schedule
         self.searching = config.parallel.pipeline_schedule == "auto"  # times the first
-        self.stash = WeightStash()  # the weight versions of an asynchronous schedule
+        # the weight versions an asynchronous schedule keeps between its runs
+        self.stash = WeightStash() if self.schedule.asynchronous else None
 
     def _sync(self) -> float:
         if self.device.type == "cuda":
@@ -330,7 +330,6 @@ def pretrain(
             config.optimizer,
             precision=config.precision,
             bucket_size=config.parallel.ddp_bucket_size,
-            use_distributed_optimizer=config.parallel.use_distributed_optimizer,
             zero_stage=config.parallel.zero_stage,
             device=device,
             per_stage_steps=config.schedule.asynchronous,
@@ -360,8 +359,8 @@ def pretrain(
         train_ds, valid_ds, test_ds = rank0_first(lambda: datasets_provider(config, num_samples))
     loader = dict(
         micro_batch_size=training.micro_batch_size,
-        dp_rank=ps.get_data_parallel_rank(),
-        dp_size=ps.get_data_parallel_world_size(),
+        dp_rank=comm.rank(setup.groups.dp),
+        dp_size=comm.world_size(setup.groups.dp),
         num_workers=config.data.num_workers,
     )
     chunks = setup.chunks

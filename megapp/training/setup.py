@@ -10,8 +10,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megapp import comm
 from megapp import parallel_state as ps
-from megapp.distributed import DistributedDataParallel
+from megapp.distributed import ZERO_STAGES, DistributedDataParallel
 from megapp.models import GPTConfig, build_gpt_chunks
 from megapp.optimizer import ConstantGradScaler, DynamicGradScaler, LRScheduler, Optimizer
 from megapp.parallel_state import TrainGroups
@@ -46,18 +47,12 @@ def build_grad_scaler(precision: PrecisionArgs):
     )
 
 
-# ZeRO stages: 0 (plain data parallel), 1 (optimizer states sharded), 2 (and the
-# gradients), 3 (and the weights).
-ZERO_STAGES = (0, 1, 2, 3)
-
-
 def build_training_setup(
     model: GPTConfig | ChunkBuilder,
     optimizer: OptimizerArgs,
     *,
     precision: PrecisionArgs | None = None,
     bucket_size: int | None = 40_000_000,
-    use_distributed_optimizer: bool = False,
     zero_stage: int = 0,
     seed: int = 1234,
     device: torch.device | str = "cpu",
@@ -71,9 +66,10 @@ def build_training_setup(
 
     ``model``: a GPTConfig (this rank's GPT chunks are built from ``seed``), or a provider
     that returns this rank's chunks. ``optimizer.lr_decay_iters`` must be set (the config
-    built from flags sets it). The optimizer's groups come from the layout.
-    ``zero_stage``: 1 shards the optimizer states over data-parallel ranks (what
-    ``use_distributed_optimizer`` asks too), 2 also the gradients, 3 also the weights.
+    built from flags sets it). The layout's groups (:class:`TrainGroups`) are handed to the
+    chunks and the optimizer. ``zero_stage``: 1 shards the optimizer states over
+    data-parallel ranks (Megatron's distributed optimizer), 2 also the gradients, 3 also
+    the weights.
     ``schedule``: the pipeline schedule (a name or a
     :class:`~megapp.pipeline_parallel.schedules.Schedule`) whose placement the GPT chunks
     are built for (default the looped one); ``stages``: this rank's virtual stages given
@@ -83,13 +79,12 @@ def build_training_setup(
     """
     if zero_stage not in ZERO_STAGES:
         raise ValueError(f"zero_stage must be one of {ZERO_STAGES}, got {zero_stage}")
-    zero_stage = max(zero_stage, 1 if use_distributed_optimizer else 0)
     if optimizer.lr_decay_iters is None:
         raise ValueError("optimizer.lr_decay_iters must be set (the run's length, usually)")
     precision = precision or PrecisionArgs()
     if ps.model_parallel_is_initialized():
         groups, grid = TrainGroups.from_parallel_state(), ps.get_grid()
-        pp_rank, pp, vpp = ps.get_pipeline_model_parallel_rank(), grid.pp, grid.vpp
+        pp_rank, pp, vpp = comm.rank(groups.pp), grid.pp, grid.vpp
     elif dist.is_initialized() and dist.get_world_size() > 1:
         raise ValueError(
             "build_training_setup needs megapp.parallel_state's layout in a job of "
@@ -115,12 +110,12 @@ def build_training_setup(
             module.to(device),
             dp_group=groups.dp,
             bucket_size=bucket_size,
-            use_distributed_optimizer=zero_stage >= 1,
-            shard_grads=zero_stage >= 2,
-            shard_params=zero_stage >= 3,
+            zero_stage=zero_stage,
         )
         for module in modules
     ]
+    # The ranks that together hold every gradient once: sharded, every rank holds a slice.
+    sharded = zero_stage >= 1 and dist.is_initialized()
     adamw = Optimizer(
         chunks,
         lr=optimizer.lr,
@@ -129,7 +124,10 @@ def build_training_setup(
         eps=optimizer.adam_eps,
         clip_grad=optimizer.clip_grad or None,
         grad_scaler=build_grad_scaler(precision),
+        tp_group=groups.tp,
+        norm_group=dist.group.WORLD if sharded else groups.mp,
         per_stage=per_stage_steps,
+        pp_group=groups.pp,
     )
     scheduler = LRScheduler(
         adamw,

@@ -6,13 +6,11 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from megapp import comm
-from megapp.distributed.ddp import DistributedDataParallel
-from megapp.distributed.finalize import finalize_model_grads
+from megapp.distributed.ddp import DistributedDataParallel, finalize_model_grads
 from megapp.optimizer.optimizer import Optimizer
 from megapp.parallel_state import TrainGroups
-from megapp.pipeline_parallel import PipelineHooks, forward_backward
-from megapp.pipeline_parallel.catalog import V_SHAPED, default_schedule
-from megapp.pipeline_parallel.compute import ForwardStepFunc
+from megapp.pipeline_parallel.compute import ForwardStepFunc, PipelineHooks
+from megapp.pipeline_parallel.engine import forward_backward
 from megapp.pipeline_parallel.schedules import Schedule
 
 
@@ -65,10 +63,10 @@ def train_step(
     ``forward_step_func(data_iterator, chunk, inputs) -> (output, loss_func)`` as for
     :func:`megapp.pipeline_parallel.forward_backward`; ``chunk`` is the
     DistributedDataParallel wrapper (call it like the model). The schedule (a name or a
-    :class:`~megapp.pipeline_parallel.schedules.Schedule`) defaults to 1F1B, interleaved
-    when there is more than one chunk; chunk ``c`` must be built for the virtual stage
-    the schedule places there. ``record`` keeps this rank's pipeline timeline in the
-    result.
+    :class:`~megapp.pipeline_parallel.schedules.Schedule`) defaults to the catalog's
+    default for the number of chunks (1F1B, interleaved with several); chunk ``c`` must be
+    built for the virtual stage the schedule places there. ``record`` keeps this rank's
+    pipeline timeline in the result.
     """
     for chunk in chunks:
         if chunk.dp_size != comm.world_size(groups.dp):
@@ -81,7 +79,6 @@ def train_step(
     scale = float(scaler.scale) if scaler is not None else 1.0
     step_func = _scaled(forward_step_func, scale) if scaler is not None else forward_step_func
     hooks = PipelineHooks(before_backward=lambda c, is_last: chunks[c].set_grad_sync(is_last))
-    schedule = schedule or default_schedule(len(chunks))
     result = forward_backward(
         step_func,
         data_iterators,
@@ -94,11 +91,7 @@ def train_step(
         record=record,
     )
     # with the first and last stage on one rank (a V), the tied embedding is summed there
-    if isinstance(schedule, Schedule):
-        folded = schedule.rank_of(0) == schedule.rank_of(schedule.num_virtual_stages - 1)
-    else:
-        folded = schedule in V_SHAPED
-    embedding_group = None if folded else groups.embedding
+    embedding_group = None if result.schedule.ends_on_one_rank else groups.embedding
     finalize_model_grads(chunks, tp_group=groups.tp, embedding_group=embedding_group)
     stepped = optimizer.step()
     if stepped.updated and lr_scheduler is not None:

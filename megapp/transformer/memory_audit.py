@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from megapp.saved_tensors import observe_saved
+from megapp.autograd.saved import observe_saved
 
 
 @dataclass

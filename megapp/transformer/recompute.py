@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from megapp.saved_tensors import notify_kept
+from megapp.autograd.saved import notify_kept
 
 
 class _Rebuild:

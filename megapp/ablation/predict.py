@@ -1,0 +1,65 @@
+"""The planner's prediction for a sweep point, put next to what the point measured.
+
+Memory per pipeline rank comes from ``megapp.planning.memory.predict_memory`` and the step
+time from ``megapp.planning.profiles.predict_step_time`` on a hardware profile; either is
+left empty (with a note saying why) when its module is not there or cannot price the
+point, so a sweep runs with or without the planner.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from megapp.ablation.records import Prediction
+from megapp.data import build_tokenizer
+from megapp.training.config import PretrainConfig
+
+
+def vocab_size(config: PretrainConfig) -> int:
+    """The tokenizer's vocabulary, the size ``pretrain_gpt.py`` builds the model for."""
+    data = config.data
+    tokenizer = build_tokenizer(
+        data.tokenizer_type, data.vocab_file, data.merge_file, data.tokenizer_model
+    )
+    return tokenizer.vocab_size
+
+
+def predict(config: PretrainConfig, hardware: str | None) -> Prediction:
+    """The predicted memory per pipeline rank (bytes) and, with a ``hardware`` profile
+    (name or JSON file), the iteration time and bubble of ``config``."""
+    out = Prediction()
+    notes = []
+    vocab = vocab_size(config)
+    memory = _optional_module("megapp.planning.memory")
+    if memory is None:
+        notes.append("no megapp.planning.memory")
+    else:
+        try:
+            out.memory_per_stage = [float(r.total) for r in memory.predict_memory(config, vocab)]
+        except (ValueError, NotImplementedError) as error:
+            notes.append(f"memory: {error}")
+    timing = _optional_module("megapp.planning.timing")
+    if hardware is None:
+        notes.append("no hardware profile for the time")
+    elif timing is None:
+        notes.append("no megapp.planning.timing")
+    else:
+        from megapp.planning.profiles import load_profile, predict_step_time
+
+        try:
+            step = predict_step_time(config, vocab, load_profile(hardware))
+            out.iteration_seconds, out.bubble = float(step.seconds), float(step.bubble)
+        except (ValueError, NotImplementedError) as error:
+            notes.append(f"time: {error}")
+    out.note = "; ".join(notes) or None
+    return out
+
+
+def _optional_module(name: str):
+    """The module ``name``, or None where it is not part of this checkout yet."""
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as error:
+        if error.name != name:
+            raise
+        return None

@@ -1,0 +1,252 @@
+"""Published Megatron runs against megapp's planner: the same layout predicted, and the
+planner's own pick for the same model, GPUs and batch. The command line of
+``tools/compare_published.py``:
+
+    python tools/compare_published.py [--no-pick | --pick-max-gpus N] [--match gpt3-530b]
+
+For every run of :data:`megapp.planning.published_runs.RUNS` the tool builds the run's
+layout with :class:`~megapp.planning.layout.Layout` and the model preset, predicts its
+iteration with :func:`~megapp.planning.timing.predict_step_time` on the run's GPU
+profile (:mod:`megapp.planning.hardware`) and its memory per GPU with
+:func:`~megapp.planning.memory.predict_memory`, and asks :class:`megapp.plan.Planner`
+for its fastest layout. It prints one markdown table row per run:
+
+- the published layout as megapp names it, and megapp's pick;
+- the published TFLOP/s per GPU, megapp's prediction for the published layout counted
+  the way the source counts (with recompute's rerun forward where it does) and their
+  ratio;
+- the same prediction with the tensor-parallel collectives taken off the critical path
+  (Megatron-Core's ``--tp-comm-overlap`` overlaps them with the matmuls; megapp's time
+  model charges them in full);
+- the predicted memory of the fullest GPU against the GPU's memory.
+
+What a source leaves open is filled in and listed under "assumed": sequence parallelism
+with tp > 1, the distributed optimizer with dp > 1, and the micro-batch size (1 to 8) and
+recompute (none, selective, full) megapp predicts fastest among those whose predicted
+memory fits, as a tuned run would have them. An A100 40GB is the A100 profile with 40 GiB.
+FP8 runs are predicted in 16-bit, so their ratio is not a test of the model. The planner's
+search takes minutes past a thousand GPUs; ``--pick-max-gpus`` bounds where it runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import shlex
+import sys
+import time
+from dataclasses import dataclass
+
+from megapp.plan import Planner
+from megapp.planning.hardware import PROFILES, Hardware
+from megapp.planning.layout import RECOMPUTE, Layout, pretrain_config
+from megapp.planning.memory import peak_bytes, predict_memory
+from megapp.planning.models import MODELS, ModelPreset
+from megapp.planning.published_runs import RUNS, PublishedRun
+from megapp.planning.timing import predict_step_time
+from megapp.training.config import PretrainConfig
+from megapp.training.flag_groups import ArgumentsError
+
+GIB = 2**30
+GPUS_PER_NODE = 8
+MICRO_BATCH_SIZES = [1, 2, 4, 8]
+
+
+def hardware_for(run: PublishedRun) -> Hardware:
+    """The built-in profile of ``run.gpu`` (``a100-40gb``: the A100 with 40 GiB)."""
+    part, memory = run.gpu.split("-")
+    hardware = PROFILES[part]
+    if memory == "40gb":
+        hardware = dataclasses.replace(hardware, name="a100-40gb", memory_bytes=40 * GIB)
+    return hardware
+
+
+def peak_memory(config: PretrainConfig, vocab_size: int) -> float:
+    """Predicted bytes on the fullest GPU of ``config``."""
+    return peak_bytes(predict_memory(config, vocab_size))
+
+
+def published_layout(
+    run: PublishedRun, model: ModelPreset, hardware: Hardware
+) -> tuple[Layout, PretrainConfig, list[str]]:
+    """The run's layout, its checked config and the fields assumed where the source is
+    silent; raises :class:`ArgumentsError` where ``pretrain_gpt.py`` would refuse it.
+    An unstated micro-batch size or recompute is the fastest predicted choice that fits,
+    as a tuned run would have it."""
+    assumed = []
+    sp = run.sequence_parallel
+    if sp is None:
+        sp = run.tp > 1
+        assumed.append("sp" if sp else "no sp")
+    zero = run.distributed_optimizer
+    if zero is None:
+        zero = run.dp > 1
+        assumed.append("distributed optimizer" if zero else "no ZeRO")
+    base = Layout(
+        tp=run.tp, pp=run.pp, dp=run.dp, vpp=run.vpp, sequence_parallel=sp, zero_stage=int(zero)
+    )
+    per_replica = run.global_batch_size // run.dp
+    sizes = [run.micro_batch_size] if run.micro_batch_size else MICRO_BATCH_SIZES
+    stated = run.recompute is not None
+    recomputes = [None if run.recompute == "none" else run.recompute] if stated else RECOMPUTE
+    candidates = [
+        dataclasses.replace(base, micro_batch_size=mbs, recompute=recompute)
+        for mbs in sizes
+        if per_replica % mbs == 0
+        for recompute in recomputes
+    ]
+    best = None
+    for layout in candidates:
+        config = pretrain_config(layout, model.flags, run.global_batch_size)
+        fits = peak_memory(config, model.vocab_size) <= hardware.usable_memory
+        if len(candidates) > 1 and not fits:
+            continue
+        seconds = predict_step_time(config, model.vocab_size, hardware).seconds
+        if best is None or seconds < best[0]:
+            best = (seconds, layout, config)
+    if best is None:  # nothing fits: the heaviest recompute at the smallest microbatch
+        layout = candidates[len(recomputes) - 1]
+        best = (0.0, layout, pretrain_config(layout, model.flags, run.global_batch_size))
+    _, layout, config = best
+    if not run.micro_batch_size:
+        assumed.append(f"mb{layout.micro_batch_size}")
+    if not stated:
+        assumed.append(f"recompute {layout.recompute or 'none'}")
+    return layout, config, assumed
+
+
+@dataclass
+class Row:
+    """One line of the comparison."""
+
+    run: PublishedRun
+    layout: str = ""
+    assumed: str = ""
+    predicted: float | None = None  # TFLOP/s per GPU, counted as the source counts
+    hiding_tp: float | None = None  # the same with tensor-parallel collectives hidden
+    memory: float | None = None  # bytes on the fullest GPU
+    capacity: float = 0.0
+    pick: str = ""
+    pick_tflops: float | None = None
+    pick_speedup: float | None = None  # published layout's predicted time / pick's
+    note: str = ""
+
+    @property
+    def ratio(self) -> float | None:
+        if self.predicted is None:
+            return None
+        return self.predicted / self.run.tflops_per_gpu
+
+
+def compare(run: PublishedRun, pick: bool) -> Row:
+    """Predict ``run``'s layout and, with ``pick``, the planner's best layout."""
+    hardware = hardware_for(run)
+    model = MODELS[run.model].with_seq_length(run.seq_length)
+    row = Row(run, capacity=hardware.memory_bytes)
+    seconds = None
+    if run.cp > 1:
+        row.note = f"context parallelism (cp {run.cp}) is not modelled"
+    else:
+        try:
+            layout, config, assumed = published_layout(run, model, hardware)
+        except (ArgumentsError, ValueError) as error:
+            row.note = f"megapp refuses the layout: {' '.join(str(error).split())}"
+        else:
+            step = predict_step_time(config, model.vocab_size, hardware)
+            seconds = step.seconds
+            recompute = step.breakdown["recompute_flops"] / step.seconds / run.gpus / 1e12
+            row.predicted = step.tflops_per_gpu + (recompute if run.counts_recompute else 0.0)
+            hidden = step.seconds - step.breakdown["tensor_parallel"]
+            row.hiding_tp = row.predicted * step.seconds / hidden
+            row.memory = peak_memory(config, model.vocab_size)
+            row.layout, row.assumed = layout.name, ", ".join(assumed)
+    if run.precision == "fp8":
+        row.note = "; ".join(filter(None, [row.note, "FP8 run, predicted in 16-bit"]))
+    if pick:
+        planner = Planner(model, hardware, run.global_batch_size, run.gpus)
+        result = planner.plan(GPUS_PER_NODE, top_k=1)
+        if result.best:
+            best = result.best[0]
+            row.pick, row.pick_tflops = best.layout.name, best.step.tflops_per_gpu
+            if seconds is not None:
+                row.pick_speedup = seconds / best.step.seconds
+        else:
+            row.pick = (
+                f"nothing fits: {result.over_memory} of {result.enumerated} layouts over "
+                f"memory, {result.invalid} refused"
+            )
+    else:
+        row.pick = "not searched"
+    return row
+
+
+def _num(value: float | None, fmt: str) -> str:
+    return "–" if value is None else format(value, fmt)
+
+
+def markdown(rows: list[Row]) -> str:
+    """The comparison as a markdown table."""
+    lines = [
+        "| run | published layout (megapp's name) | assumed | published TFLOP/s | "
+        "predicted | pred / pub | hiding tp | memory GiB (of) | megapp's pick | "
+        "pick TFLOP/s | pick speed-up | note |",
+        "|---|---|---|---:|---:|---:|---:|---:|---|---:|---:|---|",
+    ]
+    for row in rows:
+        run = row.run
+        counted = " (hw)" if run.counts_recompute else ""
+        gib = None if row.memory is None else row.memory / GIB
+        memory = f"{_num(gib, '.1f')} ({row.capacity / GIB:.0f})"
+        lines.append(
+            f"| {run.name} | {row.layout or _stated(run)} | {row.assumed} | "
+            f"{run.tflops_per_gpu:g}{counted} | {_num(row.predicted, '.1f')} | "
+            f"{_num(row.ratio, '.2f')} | {_num(row.hiding_tp, '.1f')} | {memory} | {row.pick} | "
+            f"{_num(row.pick_tflops, '.1f')} | {_num(row.pick_speedup, '.2f')} | {row.note} |"
+        )
+    return "\n".join(lines)
+
+
+def _stated(run: PublishedRun) -> str:
+    return f"tp{run.tp} cp{run.cp} pp{run.pp} dp{run.dp}"
+
+
+PROG = "tools/compare_published.py"
+"""The command as the docs name it; ``python -m megapp.ablation.published`` passes its own."""
+
+
+def main(argv: list[str] | None = None, prog: str = PROG) -> int:
+    """Print the comparison for the runs ``argv`` selects (default: ``sys.argv[1:]``)."""
+    parser = argparse.ArgumentParser(
+        prog=prog.split()[-1].rsplit("/", 1)[-1], description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("--no-pick", action="store_true", help="skip the planner's search")
+    parser.add_argument(
+        "--pick-max-gpus",
+        type=int,
+        default=1024,
+        help="ask the planner only for runs of at most this many GPUs (default 1024)",
+    )
+    parser.add_argument("--match", help="only runs whose name contains this")
+    args = parser.parse_args(argv)
+    runs = [run for run in RUNS if args.match is None or args.match in run.name]
+    rows = []
+    for i, run in enumerate(runs, 1):
+        start = time.perf_counter()
+        rows.append(compare(run, not args.no_pick and run.gpus <= args.pick_max_gpus))
+        seconds = time.perf_counter() - start
+        print(f"[{i}/{len(runs)}] {run.name}: {seconds:.1f} s", file=sys.stderr, flush=True)
+    flags = sys.argv[1:] if argv is None else argv
+    command = " ".join(["python", prog, shlex.join(flags)]).rstrip()
+    print(f"`{command}`\n")
+    print(markdown(rows))
+    print(
+        "\n(hw): the source counts recompute's rerun forward, and so does the prediction "
+        "beside it; hiding tp: the prediction with the tensor-parallel collectives off the "
+        "critical path (as --tp-comm-overlap runs them); pick speed-up: the published "
+        "layout's predicted iteration time over the pick's."
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(prog="-m megapp.ablation.published"))

@@ -1,0 +1,234 @@
+"""The planner's search: every layout of a model on N devices, checked, fitted in memory and
+timed, the fastest first.
+
+Arithmetic alone shapes the space (:func:`~megapp.planning.layout_space.layouts`);
+:func:`~megapp.planning.layout.pretrain_config` decides validity as ``pretrain_gpt.py``
+would, :func:`~megapp.planning.memory.predict_memory` the fit. Layouts are visited in order
+of a lower bound on their time (:meth:`~megapp.planning.timing.ActionCosts.lower_bound`,
+shared by the schedules of one placement, no simulation) until the next bound is no better
+than the k-th best simulated time; docs/planning.md describes the search. The time comes
+from a :class:`~megapp.planning.timing.TimeModel`: devices of their own for a
+:class:`~megapp.planning.hardware.Hardware`, or any other model (a CPU machine's).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass
+
+from megapp.models.gpt import GPTConfig
+from megapp.pipeline_parallel.catalog import build_schedule, default_schedule, schedule_kind
+from megapp.pipeline_parallel.messages import ScheduleError
+from megapp.pipeline_parallel.partition import split_layers
+from megapp.pipeline_parallel.schedules import Schedule, looped_placement, v_placement
+from megapp.planning import step_time, timing
+from megapp.planning.hardware import Hardware
+from megapp.planning.layout import Layout, pretrain_config
+from megapp.planning.layout_space import Space, layouts
+from megapp.planning.memory import predict_memory
+from megapp.planning.model_state import chunk_parameters, model_state
+from megapp.planning.models import ModelPreset
+from megapp.planning.profiles import time_model
+from megapp.training.config import PretrainConfig
+from megapp.training.flag_groups import ArgumentsError
+from megapp.training.parallel_flags import ParallelArgs
+
+_GIB = 2**30
+_BUCKET = ParallelArgs().ddp_bucket_size
+_GPT_FIELDS = frozenset(f.name for f in dataclasses.fields(GPTConfig))
+_COUNTED = {
+    "slower": "timed",
+    "invalid": "invalid",
+    "memory": "over_memory",
+    "deadlock": "deadlocks",
+}
+
+
+def _kind(layout: Layout):
+    """The catalog entry of the schedule ``layout`` runs (Megatron's default when unnamed)."""
+    return schedule_kind(layout.schedule or default_schedule(layout.vpp))
+
+
+@dataclass(frozen=True)
+class Planned:
+    """One layout that fits, with its predictions."""
+
+    layout: Layout
+    memory_bytes: float  # the largest prediction over the pipeline ranks
+    step: step_time.StepTime
+
+
+@dataclass
+class PlanResult:
+    """The best layouts, fastest first, and what the search did with the rest."""
+
+    best: list[Planned]
+    enumerated: int = 0  # layouts the arithmetic allows
+    over_memory: int = 0  # dropped: model state, or the predicted total, exceeds memory
+    invalid: int = 0  # refused by pretrain_gpt.py's checks
+    deadlocks: int = 0  # the schedule cannot complete on the hardware's transport
+    timed: int = 0  # simulated
+    seconds: float = 0.0
+
+
+class Planner:
+    """Plans one model on one machine; caches what many layouts share."""
+
+    def __init__(
+        self,
+        model: ModelPreset,
+        hardware: Hardware | timing.TimeModel,
+        global_batch_size: int,
+        gpus: int,
+    ) -> None:
+        self.model, self.gbs, self.gpus = model, global_batch_size, gpus
+        self.time = time_model(hardware)
+        self.hardware = self.time.hardware
+        self.base = pretrain_config(Layout(), model.flags, 1).gpt_config(model.vocab_size)
+        self._costs: dict[tuple, timing.ActionCosts | None] = {}
+        self._gpts: dict[tuple, GPTConfig | None] = {}
+        self._states: dict[tuple, bool] = {}
+        self._bounds: dict[tuple, float] = {}
+        self._schedules: dict[tuple, Schedule | str] = {}
+
+    def gpt(self, layout: Layout) -> GPTConfig | None:
+        """The model under ``layout`` as ``pretrain_gpt.py`` builds it: the layout's
+        settings named after GPTConfig fields replaced in the model's (None where the
+        model's own rules refuse the tensor-parallel size)."""
+        key = (layout.tp, layout.sequence_parallel, layout.recompute)
+        if key not in self._gpts:
+            model_only = Layout(tp=key[0], sequence_parallel=key[1], recompute=key[2])
+            settings = model_only.settings(self.base.num_layers)
+            fields = {name: value for _, name, value in settings if name in _GPT_FIELDS}
+            try:
+                self._gpts[key] = dataclasses.replace(self.base, **fields)
+            except ValueError:
+                self._gpts[key] = None
+        return self._gpts[key]
+
+    def state_fits(self, layout: Layout, gpt: GPTConfig, placement) -> bool:
+        """Whether every rank's model state alone fits in memory (a bound on the total)."""
+        key = (layout.tp, layout.dp, layout.zero_stage, placement)
+        if key not in self._states:
+            stages = layout.pp * layout.vpp
+            ranges = split_layers(gpt.num_layers, stages)
+            per_stage = [chunk_parameters(gpt, s, stages, len(ranges[s])) for s in range(stages)]
+            params = max(sum(per_stage[s] for s in row) for row in placement)
+            state = model_state(params, gpt.params_dtype, layout.dp, layout.zero_stage)
+            self._states[key] = state.total <= self.hardware.usable_memory
+        return self._states[key]
+
+    @staticmethod
+    def _key(layout: Layout) -> tuple:
+        """What a layout's action costs depend on: all but the schedule, save its shape."""
+        return (
+            *(layout.tp, layout.pp, layout.dp, layout.vpp, layout.micro_batch_size),
+            *(layout.sequence_parallel, layout.recompute, layout.zero_stage),
+            _kind(layout).v_shaped,
+        )
+
+    def costs(self, layout: Layout) -> timing.ActionCosts | None:
+        """Action costs of ``layout`` (None when its model state alone overflows memory),
+        shared by every schedule with the same placement."""
+        key = self._key(layout)
+        v_shaped = key[-1]
+        if key in self._costs:
+            return self._costs[key]
+        gpt = self.gpt(layout)
+        placement = v_placement(layout.pp) if v_shaped else looped_placement(layout.pp, layout.vpp)
+        costs = None
+        if gpt is not None and self.state_fits(layout, gpt, placement):
+            mbs, dp, seq = layout.micro_batch_size, layout.dp, self.model.seq_length
+            shape = timing.Shape(seq, mbs, placement, dp, layout.zero_stage, _BUCKET)
+            costs = self.time.action_costs(gpt, shape)
+            m = self.gbs // (mbs * dp)
+            for split in (False, True):
+                bound = costs.lower_bound(m, self.hardware.step_overhead, split)
+                self._bounds[(*key, split)] = bound
+        self._costs[key] = costs
+        return costs
+
+    def bound(self, layout: Layout) -> float | None:
+        """The lower bound on ``layout``'s time; None when it overflows memory."""
+        if self.costs(layout) is None:
+            return None
+        return self._bounds[(*self._key(layout), _kind(layout).split_backward)]
+
+    def schedule(self, layout: Layout, num_microbatches: int) -> Schedule | str:
+        """The schedule ``layout`` runs (built once per name and sizes), or "invalid"."""
+        key = (layout.schedule, layout.pp, num_microbatches, layout.vpp)
+        if key not in self._schedules:
+            name = layout.schedule or default_schedule(layout.vpp)
+            try:
+                self._schedules[key] = build_schedule(name, *key[1:])
+            except ValueError:
+                self._schedules[key] = "invalid"
+        return self._schedules[key]
+
+    def evaluate(
+        self, layout: Layout, costs: timing.ActionCosts, cutoff: float = math.inf
+    ) -> Planned | str:
+        """The prediction for ``layout``, or why it is dropped: "invalid" (refused by
+        ``pretrain_gpt.py``'s checks), "deadlock" (the schedule cannot complete on this
+        transport), "slower" (not under ``cutoff`` seconds), "memory" (does not fit).
+        Simulates first: only a layout fast enough is checked and its memory predicted."""
+        m = self.gbs // (layout.micro_batch_size * layout.dp)
+        schedule = self.schedule(layout, m)
+        if isinstance(schedule, str):
+            return schedule
+        try:
+            costs, timeline = self.time.run(schedule, costs, layout.world_size)
+        except ScheduleError:  # a property of the schedule alone: remember it
+            self._schedules[(layout.schedule, layout.pp, m, layout.vpp)] = "deadlock"
+            return "deadlock"
+        if max(step_time.rank_finish(costs, timeline)) + self.hardware.step_overhead >= cutoff:
+            return "slower"
+        config = self._config(layout)
+        if config is None:
+            return "invalid"
+        memory = max(r.total for r in predict_memory(config, self.model.vocab_size))
+        if memory > self.hardware.usable_memory:
+            return "memory"
+        gpt = config.gpt_config(self.model.vocab_size)
+        step = step_time.step_time(config, gpt, costs, timeline, self.hardware)
+        return Planned(layout, memory, step)
+
+    def _config(self, layout: Layout) -> PretrainConfig | None:
+        try:
+            return pretrain_config(layout, self.model.flags, self.gbs)
+        except (ArgumentsError, ValueError):
+            return None
+
+    def plan(self, gpus_per_node: int, top_k: int, space: Space | None = None) -> PlanResult:
+        """The ``top_k`` fastest layouts that fit, fastest first (in ``space``, default
+        :class:`Space`'s limits)."""
+        space = space or Space()
+        start = time.perf_counter()
+        result = PlanResult(best=[])
+        bounded: list[tuple[float, int, Layout]] = []
+        found = layouts(self.base, self.gpus, gpus_per_node, self.gbs, space)
+        for layout in found:
+            result.enumerated += 1
+            bound = self.bound(layout)
+            if bound is None:
+                result.over_memory += 1
+                continue
+            bounded.append((bound, len(bounded), layout))
+        bounded.sort(key=lambda item: (item[0], item[1]))
+        for bound, _, layout in bounded:
+            if len(result.best) >= top_k and bound >= result.best[top_k - 1].step.seconds:
+                break
+            cutoff = result.best[-1].step.seconds if len(result.best) >= top_k else math.inf
+            outcome = self.evaluate(layout, self.costs(layout), cutoff)
+            if isinstance(outcome, str):
+                counter = _COUNTED[outcome]
+                setattr(result, counter, getattr(result, counter) + 1)
+            else:
+                result.timed += 1
+                result.best.append(outcome)
+                result.best.sort(key=lambda planned: planned.step.seconds)
+                del result.best[top_k:]
+        result.seconds = time.perf_counter() - start
+        return result
