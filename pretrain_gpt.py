@@ -34,7 +34,6 @@ from megapp.data import (
     build_tokenizer,
     build_train_valid_test_datasets,
     check_token_ids,
-    get_batch,
     parse_data_path,
 )
 from megapp.models import GPTModel, build_gpt_chunks
@@ -47,6 +46,7 @@ from megapp.training.arguments import (
     parse_args,
 )
 from megapp.training.config import PretrainConfig
+from megapp.training.data_iterators import get_batch
 from megapp.training.flops import gpt_config_training_flops
 from megapp.training.initialize import check_memory
 from megapp.training.pretrain import pretrain

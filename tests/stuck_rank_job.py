@@ -17,9 +17,9 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from megapp.testing.pretrain_world import pretrain_script
 
-import pretrain_gpt
+pretrain_gpt = pretrain_script()
 
 
 def main() -> None:

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from megapp.data import get_batch
 from megapp.data.gpt_dataset import GPTDataset
 from megapp.data.gpt_indices import build_gpt_indices, build_sample_index, num_epochs_needed
 from megapp.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
+from megapp.training.data_iterators import get_batch
 
 LENGTHS = [7, 0, 3, 12, 1, 0, 5, 9, 2, 4, 0, 6]
 

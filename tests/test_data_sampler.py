@@ -6,7 +6,10 @@ import torch
 
 from megapp.data.gpt_dataset import GPTDataset
 from megapp.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
-from megapp.data.samplers import MegatronPretrainingSampler, build_pretraining_data_loader
+from megapp.training.data_iterators import (
+    MegatronPretrainingSampler,
+    build_pretraining_data_loader,
+)
 
 
 def batches(total, consumed, micro, rank, size, drop_last=True):

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from megapp.fusions.bias_dropout_add import (
+from megapp.fusions.bias_ops import (
     BiasDropoutAddFunction,
     bias_dropout_add,
     bias_dropout_add_reference,

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megapp.fusions.bias_swiglu import (
+from megapp.fusions.bias_ops import (
     BiasSwiGLUFunction,
     bias_swiglu,
     bias_swiglu_reference,

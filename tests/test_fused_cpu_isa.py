@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from megapp.fusions.bias_gelu import bias_gelu_reference
-from megapp.fusions.bias_swiglu import bias_swiglu_reference
-from megapp.fusions.norm import layer_norm_reference, rms_norm_reference
+from megapp.fusions.bias_ops import bias_gelu_reference, bias_swiglu_reference
+from megapp.fusions.norm import layer_norm_reference
+from megapp.fusions.rms_norm import rms_norm_reference
 from megapp.fusions.rope import rope_reference, rotary_freqs
 from megapp.fusions.softmax import scaled_masked_softmax_reference
 from tests import support

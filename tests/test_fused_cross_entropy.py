@@ -11,12 +11,12 @@ import torch
 import torch.nn.functional as F
 
 from megapp.fusions import choose_tier, cuda_ops_available
-from megapp.fusions.cross_entropy import (
+from megapp.tensor_parallel import vocab_parallel_cross_entropy
+from megapp.tensor_parallel.cross_entropy import (
     cross_entropy_bwd_reference,
     cross_entropy_fwd_max_reference,
     cross_entropy_fwd_sums_reference,
 )
-from megapp.tensor_parallel import vocab_parallel_cross_entropy
 from tests import support
 from tests.support import requires_cpu_ext
 

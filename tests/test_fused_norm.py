@@ -16,13 +16,15 @@ from megapp.fusions.extension import (
 from megapp.fusions.norm import (
     LayerNorm,
     LayerNormFunction,
-    RMSNorm,
-    RMSNormFunction,
     layer_norm,
     layer_norm_reference,
     layer_norm_reference_backward,
     layer_norm_reference_forward,
     layer_norm_reference_stats,
+)
+from megapp.fusions.rms_norm import (
+    RMSNorm,
+    RMSNormFunction,
     rms_norm,
     rms_norm_reference,
     rms_norm_reference_backward,

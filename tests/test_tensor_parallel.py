@@ -25,9 +25,8 @@ from megapp.tensor_parallel.mappings import (
     scatter_to_tensor_model_parallel_region,
 )
 from megapp.testing import distributed
-from megapp.transformer.attention import ParallelAttention
 from megapp.transformer.config import TransformerConfig
-from megapp.transformer.mlp import ParallelMLP
+from megapp.transformer.layer import ParallelAttention, ParallelMLP
 from tests.support import full_grad as _full_grad
 from tests.support import gather as _gather
 

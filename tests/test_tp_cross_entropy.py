@@ -4,7 +4,7 @@ torch.nn.functional.cross_entropy on the full, unpadded logits of one process.
 Every rank builds the same full logits from one seed, takes its shard of the padded vocabulary,
 and compares the loss and the gradient gathered from all shards with the single-process
 expression. Padded columns hold large garbage, so any leak of them into the softmax shows.
-The shards run through the fused CPU kernels (megapp.fusions.cross_entropy); one test repeats
+The shards run through the fused CPU kernels (megapp.tensor_parallel.cross_entropy); one test repeats
 the layouts on the pure-PyTorch reference tier (MEGAPP_FUSED=0).
 """
 

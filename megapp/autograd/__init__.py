@@ -1,3 +1,3 @@
 """Autograd mechanisms below both the layers and the pipeline engine: what a backward
-keeps (:mod:`~megapp.autograd.saved`) and weight gradients deferred apart from input
-gradients (:mod:`~megapp.autograd.deferred`)."""
+keeps, rebuilds or frees (:mod:`~megapp.autograd.saved`) and weight gradients deferred
+apart from input gradients (:mod:`~megapp.autograd.deferred`)."""

@@ -1,11 +1,9 @@
-"""Data pipeline: Megatron-compatible `.bin`/`.idx` datasets, GPT samples, samplers, tokenizers.
+"""Data pipeline: Megatron-compatible `.bin`/`.idx` datasets, GPT samples, splits, tokenizers.
 
-Everything here needs only numpy, except `get_batch` and
-`get_ltor_masks_and_position_ids` (torch), which load on first use so that the
-preprocessing tool starts quickly.
+Everything here needs only numpy, so that the preprocessing tool starts quickly. The training
+loop's sampler, per-chunk iterators and `get_batch` (torch) are in
+`megapp.training.data_iterators`.
 """
-
-from typing import Any
 
 from megapp.data.blended_dataset import BlendedDataset, build_blending_indices
 from megapp.data.builder import (
@@ -22,7 +20,6 @@ from megapp.data.indexed_dataset import (
     IndexedDatasetBuilder,
     optimal_dtype,
 )
-from megapp.data.samplers import MegatronPretrainingSampler, build_pretraining_data_loader
 from megapp.data.split_rules import DATA_RULES, blend_sizes, split_sequence_ranges
 from megapp.data.token_check import check_token_ids, token_id_range
 from megapp.data.tokenizers import (
@@ -31,17 +28,6 @@ from megapp.data.tokenizers import (
     HuggingFaceTokenizer,
     build_tokenizer,
 )
-
-_TORCH_NAMES = ("get_batch", "get_ltor_masks_and_position_ids")
-
-
-def __getattr__(name: str) -> Any:
-    if name in _TORCH_NAMES:
-        from megapp.data import batch
-
-        return getattr(batch, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
 
 __all__ = [
     "DATA_RULES",
@@ -53,17 +39,13 @@ __all__ = [
     "HuggingFaceTokenizer",
     "IndexedDataset",
     "IndexedDatasetBuilder",
-    "MegatronPretrainingSampler",
     "blend_sizes",
     "build_blending_indices",
     "build_default_corpus",
     "build_gpt_indices",
-    "build_pretraining_data_loader",
     "build_tokenizer",
     "build_train_valid_test_datasets",
     "check_token_ids",
-    "get_batch",
-    "get_ltor_masks_and_position_ids",
     "optimal_dtype",
     "parse_data_path",
     "parse_split",

@@ -2,8 +2,8 @@
 
 Each sample is `{"tokens": int64[sequence_length + 1]}`, a window of the document
 stream described in `gpt_indices`; windows cross document boundaries (the EOD
-tokens written at preprocessing mark them). `megapp.data.batch.get_batch` turns a
-collated batch into tokens, labels, loss mask and position ids.
+tokens written at preprocessing mark them). `megapp.training.data_iterators.get_batch`
+turns a collated batch into tokens, labels, loss mask and position ids.
 """
 
 from __future__ import annotations

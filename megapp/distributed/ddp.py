@@ -109,6 +109,9 @@ class DistributedDataParallel(nn.Module):
         self.sharded_params = (
             ShardedParams(self.buffer, dp_group, units, unit_of) if stage3 else None
         )
+        # What finalize_model_grads sums over another group first, read once from the marks.
+        self.sequence_parallel_params = [p for p in self.buffer.params if is_sequence_parallel(p)]
+        self.tied_embedding_params = [p for p in self.buffer.params if is_tied_embedding(p)]
         self.grad_sync = True
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
         self.buffer.reset()
@@ -303,15 +306,14 @@ def finalize_model_grads(
     """
     for chunk in chunks:
         chunk.finish_grad_sync()
-    params = [p for chunk in chunks for p in chunk.buffer.params]
-    sequence_parallel = [p.main_grad for p in params if is_sequence_parallel(p)]
+    sequence_parallel = [p.main_grad for c in chunks for p in c.sequence_parallel_params]
     if sequence_parallel and tp_group is None:
         raise ValueError(
             "the model is sequence parallel but no tp_group was given: its norm and bias "
             "gradients would miss the other tensor-parallel ranks' tokens"
         )
     _all_reduce_coalesced(sequence_parallel, tp_group)
-    embedding = [p.main_grad for p in params if is_tied_embedding(p)]
+    embedding = [p.main_grad for c in chunks for p in c.tied_embedding_params]
     if len(embedding) > 2:
         raise ValueError("a rank holds the tied embedding at most twice (first and last stage)")
     if len(embedding) == 2:  # a V-shaped placement: first and last stage on this rank

@@ -4,14 +4,15 @@ Each op's autograd Function decides what is kept for backward; the tier
 (CUDA kernel, CPU kernel or reference) is a pure choice made per call.
 """
 
-from megapp.fusions.bias_dropout_add import bias_dropout_add, dropout_mask
-from megapp.fusions.bias_gelu import (
+from megapp.fusions.bias_ops import (
     BiasGeLUFunction,
+    bias_dropout_add,
     bias_gelu,
     bias_gelu_reference,
     bias_gelu_reference_backward,
+    bias_swiglu,
+    dropout_mask,
 )
-from megapp.fusions.bias_swiglu import bias_swiglu
 from megapp.fusions.extension import (
     built_tiers,
     choose_tier,
@@ -19,7 +20,8 @@ from megapp.fusions.extension import (
     cuda_ops_available,
     select_tier,
 )
-from megapp.fusions.norm import LayerNorm, RMSNorm, layer_norm, rms_norm
+from megapp.fusions.norm import LayerNorm, layer_norm
+from megapp.fusions.rms_norm import RMSNorm, rms_norm
 from megapp.fusions.rope import apply_rotary_pos_emb, rotary_freqs
 from megapp.fusions.softmax import scaled_masked_softmax
 

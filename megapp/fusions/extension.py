@@ -1,4 +1,4 @@
-"""Loading of megapp's compiled op libraries and the choice of implementation tier.
+"""Loading of megapp's compiled op libraries, the choice of implementation tier and running it.
 
 ``megapp._C`` defines every ``torch.ops.megapp`` op and registers the CPU kernels;
 ``megapp._C_cuda`` (optional) registers CUDA kernels for the same ops. Neither has a Python
@@ -6,6 +6,9 @@ module init: they are located with ``importlib`` and loaded with ``torch.ops.loa
 
 Each fused op runs in one of three tiers: ``"cuda"``, ``"cpu"`` (compiled kernels) or
 ``"reference"`` (pure PyTorch). ``MEGAPP_FUSED=0`` forces the reference everywhere.
+:func:`select_tier` chooses one per call and :func:`run_tier` runs it; every op's Python
+front also shares the accumulation dtype of its math (:func:`acc_dtype`) and the check of an
+added bias (:func:`check_bias`).
 """
 
 from __future__ import annotations
@@ -15,11 +18,14 @@ import functools
 import importlib.util
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 import torch
 
 logger = logging.getLogger(__name__)
+
+Result = TypeVar("Result")
 
 CPU_EXTENSION = "megapp._C"
 CUDA_EXTENSION = "megapp._C_cuda"
@@ -156,3 +162,37 @@ def _log_tier(op: str, device_type: str, dtype: torch.dtype, tier: str) -> None:
     logger.info(
         "megapp: %s on %s/%s uses the %s implementation%s", op, device_type, dtype, tier, isa
     )
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a fused op computes in for inputs of ``dtype``: float32 for float32, bfloat16 and
+    float16 (as the compiled kernels), float64 for float64."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def run_tier(
+    tier: str, kernel: str, reference: Callable[..., Result], *args: Any, **kwargs: Any
+) -> Result:
+    """``reference(*args, **kwargs)`` in the ``"reference"`` tier, else the compiled op
+    ``torch.ops.megapp.<kernel>`` with the same arguments (its CPU or CUDA kernel, by the
+    arguments' device).
+
+    The reference and the op take the same arguments: by position, or by name where their orders
+    differ (the op's names are those of its schema in ``csrc/``).
+    """
+    if tier == "reference":
+        return reference(*args, **kwargs)
+    # Looked up per call: torch.ops.megapp has the op only once megapp._C is loaded.
+    return getattr(torch.ops.megapp, kernel)(*args, **kwargs)
+
+
+def check_bias(op: str, x: torch.Tensor, bias: torch.Tensor, size: str = "h") -> None:
+    """Raise ``ValueError`` naming ``op`` unless bias ``[size]`` fits x ``[..., size]`` in shape
+    and dtype (``size`` is how the message writes the last dim, e.g. ``"h"`` or ``"2f"``)."""
+    if bias.dim() != 1 or x.dim() == 0 or x.shape[-1] != bias.shape[0]:
+        raise ValueError(
+            f"{op}: bias must be [{size}] and x [..., {size}]; got x {tuple(x.shape)}, "
+            f"bias {tuple(bias.shape)}"
+        )
+    if x.dtype != bias.dtype:
+        raise ValueError(f"{op}: x and bias dtypes differ: {x.dtype} vs {bias.dtype}")

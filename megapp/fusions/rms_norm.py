@@ -9,9 +9,8 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import FunctionCtx, once_differentiable
 
-from megapp.fusions.common import acc_dtype, run_tier
-from megapp.fusions.extension import select_tier
-from megapp.fusions.norm_common import (
+from megapp.fusions.extension import acc_dtype, run_tier, select_tier
+from megapp.fusions.norm import (
     FusedNorm,
     check_inputs,
     check_memory_efficient,

@@ -20,8 +20,7 @@ import math
 import torch
 from torch.autograd.function import FunctionCtx, once_differentiable
 
-from megapp.fusions.common import acc_dtype, run_tier
-from megapp.fusions.extension import select_tier
+from megapp.fusions.extension import acc_dtype, run_tier, select_tier
 
 _OP = "rope"
 

@@ -19,8 +19,7 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import FunctionCtx, once_differentiable
 
-from megapp.fusions.common import acc_dtype, run_tier
-from megapp.fusions.extension import select_tier
+from megapp.fusions.extension import acc_dtype, run_tier, select_tier
 
 _OP = "scaled_masked_softmax"
 

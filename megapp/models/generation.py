@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from megapp import comm
 from megapp.models.gpt import GPTModel
-from megapp.transformer.attention import ParallelAttention, merge_heads
+from megapp.transformer.layer import ParallelAttention, merge_heads
 
 
 class LayerCache:

@@ -32,7 +32,7 @@ from megapp.comm import Group
 from megapp.fusions.rope import rotary_freqs
 from megapp.param_attributes import mark_tied_embedding
 from megapp.pipeline_parallel.catalog import default_schedule, schedule_placement
-from megapp.pipeline_parallel.chunk_stages import mark_chunk_stage
+from megapp.pipeline_parallel.engine import mark_chunk_stage
 from megapp.pipeline_parallel.partition import stage_layer_ranges
 from megapp.pipeline_parallel.schedules import Schedule
 from megapp.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -302,7 +302,7 @@ def build_gpt_chunks(
     ``c·pp + pp_rank`` for the looped schedules (the default); a V puts the first and
     last stage on rank 0. ``stages``: this rank's virtual stages given directly instead.
     Each chunk records its stage, and the whole placement where it is known, for the
-    engine to check (:mod:`~megapp.pipeline_parallel.chunk_stages`).
+    engine to check (:func:`~megapp.pipeline_parallel.engine.check_chunk_stages`).
 
     Layers split evenly over the ``pp × vpp`` virtual stages, which must divide
     ``num_layers`` (Megatron's rule), unless the first and/or last pipeline rank's count

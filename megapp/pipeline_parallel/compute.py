@@ -28,8 +28,8 @@ from torch import nn
 
 from megapp.autograd.saved import SavedStorages, run_backward
 from megapp.pipeline_parallel.messages import Message, incoming, outgoing
+from megapp.pipeline_parallel.p2p import ActivationShapes
 from megapp.pipeline_parallel.schedules import Action, Op, Schedule
-from megapp.pipeline_parallel.shapes import ActivationShapes
 
 LossFunc = Callable[[Any], torch.Tensor]
 ForwardStepFunc = Callable[

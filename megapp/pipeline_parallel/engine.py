@@ -13,6 +13,15 @@ stage (the function reads its batch from the iterator) and the tuple of
 tensors received from the previous stage otherwise. It returns the chunk's
 output (a tensor or a tuple of tensors) and, on the last stage, a function
 mapping that output to the microbatch's mean loss.
+
+A model builder (:func:`~megapp.models.gpt.build_gpt_chunks`) marks each chunk with
+the virtual stage it was built for and, where it knows it, the whole pipeline's
+placement (``placement[rank][chunk]``; :func:`mark_chunk_stage`).
+:func:`check_chunk_stages` runs before the engine sends anything: a chunk built for
+another stage (a V-shaped schedule run on chunks built for the looped placement, say)
+would otherwise fail with a shape error on one rank while its peers wait for it. Since
+every rank's chunks record the same placement, every rank sees the mistake, even one
+whose own chunks happen to sit where the schedule wants them, and all of them raise.
 """
 
 from __future__ import annotations
@@ -29,7 +38,6 @@ from torch import nn
 
 from megapp import comm
 from megapp.pipeline_parallel.catalog import build_schedule, default_schedule
-from megapp.pipeline_parallel.chunk_stages import check_chunk_stages
 from megapp.pipeline_parallel.compute import ForwardStepFunc, PipelineHooks, StageCompute
 from megapp.pipeline_parallel.messages import (
     Message,
@@ -38,15 +46,24 @@ from megapp.pipeline_parallel.messages import (
     communication_plan,
     delivered_sends,
 )
-from megapp.pipeline_parallel.p2p import TensorSpec, Transport
+from megapp.pipeline_parallel.p2p import ActivationShapes, TensorSpec, Transport
 from megapp.pipeline_parallel.runner import StageRunner
 from megapp.pipeline_parallel.schedules import Schedule
-from megapp.pipeline_parallel.shapes import ActivationShapes
 from megapp.pipeline_parallel.simulate import CostModel, Event, simulate
 from megapp.pipeline_parallel.split_backward import SplitBackwardCompute
 from megapp.pipeline_parallel.weight_stash import StashingCompute, WeightStash
 
-__all__ = ["PipelineHooks", "PipelineResult", "forward_backward", "get_forward_backward_func"]
+__all__ = [
+    "PipelineHooks",
+    "PipelineResult",
+    "check_chunk_stages",
+    "chunk_stage",
+    "forward_backward",
+    "get_forward_backward_func",
+    "mark_chunk_stage",
+]
+
+Placement = tuple[tuple[int, ...], ...]
 
 
 @dataclass
@@ -117,8 +134,8 @@ def forward_backward(
         data_iterator: one iterator, or one per model chunk.
         model_chunks: this rank's model chunk(s); chunk ``c`` runs the virtual stage the
             schedule places there (``c·p + rank`` for the looped schedules); a chunk that
-            records another stage (:mod:`~megapp.pipeline_parallel.chunk_stages`) is
-            refused before anything is sent.
+            records another stage (:func:`mark_chunk_stage`) is refused before anything
+            is sent.
         num_microbatches: microbatches per iteration.
         schedule: a name from :data:`~megapp.pipeline_parallel.catalog.SCHEDULE_KINDS` or
             a :class:`Schedule`; default the catalog's for the number of chunks (1f1b, or
@@ -245,6 +262,52 @@ def _compute_for(
     if schedule.splits_backward:
         return SplitBackwardCompute, {}
     return StageCompute, {}
+
+
+def mark_chunk_stage(
+    chunk: nn.Module, stage: int, placement: Sequence[Sequence[int]] | None
+) -> None:
+    """Record that ``chunk`` runs virtual ``stage`` of a pipeline laid out as
+    ``placement`` (None: only the stage is known)."""
+    chunk.pipeline_stage = stage
+    chunk.pipeline_placement = None if placement is None else _as_tuples(placement)
+
+
+def _as_tuples(placement: Sequence[Sequence[int]]) -> Placement:
+    return tuple(tuple(row) for row in placement)
+
+
+def chunk_stage(chunk: nn.Module) -> tuple[int | None, Placement | None]:
+    """``(stage, placement)`` recorded on ``chunk`` or on the module it wraps (a
+    data-parallel wrapper's ``module``); ``(None, None)`` for an unmarked chunk."""
+    module: nn.Module | None = chunk
+    while module is not None:
+        if hasattr(module, "pipeline_stage"):
+            return module.pipeline_stage, module.pipeline_placement
+        inner = getattr(module, "module", None)
+        module = inner if isinstance(inner, nn.Module) else None
+    return None, None
+
+
+def check_chunk_stages(schedule: Schedule, pp_rank: int, chunks: Sequence[nn.Module]) -> None:
+    """Raise ``ValueError`` unless every marked chunk of ``pp_rank`` was built for the
+    virtual stage ``schedule`` places there, and for ``schedule``'s placement."""
+    for index, chunk in enumerate(chunks):
+        stage, placement = chunk_stage(chunk)
+        want = schedule.virtual_stage(pp_rank, index)
+        if stage is not None and stage != want:
+            raise ValueError(
+                f"model chunk {index} of pipeline rank {pp_rank} was built for virtual stage "
+                f"{stage}, but {schedule.name} runs virtual stage {want} there; build the "
+                "chunks for the schedule (build_gpt_chunks(..., schedule=...))"
+            )
+        if placement is not None and placement != _as_tuples(schedule.placement):
+            raise ValueError(
+                f"the model chunks were built for the placement {placement} "
+                f"(placement[rank][chunk] is a virtual stage), but {schedule.name} places "
+                f"them as {schedule.placement}; build the chunks for the schedule "
+                "(build_gpt_chunks(..., schedule=...))"
+            )
 
 
 def get_forward_backward_func(schedule: str | None = None) -> Callable[..., PipelineResult]:

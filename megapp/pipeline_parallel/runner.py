@@ -5,7 +5,7 @@ tensors travel where follows from the schedule, so nothing here is specific to
 one schedule. Its messages have three jobs, here:
 
 - :class:`StageRunner` posts each step's sends and receives and waits for the
-  receives (:class:`~megapp.pipeline_parallel.shapes.ActivationShapes` says what
+  receives (:class:`~megapp.pipeline_parallel.p2p.ActivationShapes` says what
   each receive holds, negotiating headers when shapes are not declared);
 - :class:`EarlyReceives` posts the next step's receives ahead of it where the
   transport wants that (gloo);
@@ -35,9 +35,8 @@ from megapp.autograd.saved import drop_storage
 from megapp.comm import CollectiveError
 from megapp.pipeline_parallel.compute import StageCompute
 from megapp.pipeline_parallel.messages import Message, Step
-from megapp.pipeline_parallel.p2p import Posted, Transport
+from megapp.pipeline_parallel.p2p import ActivationShapes, Posted, Transport, peer_of
 from megapp.pipeline_parallel.schedules import Action
-from megapp.pipeline_parallel.shapes import ActivationShapes, peer_of
 from megapp.pipeline_parallel.simulate import Event
 
 __all__ = ["EarlyReceives", "InFlightSends", "StageRunner", "message_cpu_seconds"]

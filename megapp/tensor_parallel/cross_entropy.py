@@ -25,13 +25,30 @@ i.e. the target distribution is ``1 − label_smoothing`` on the target and
 Backward needs no communication: ``∂loss/∂z_k = p_k − (1 − ε)·[k = t] − (ε/K)·[k < K]`` with
 ``p_k = exp(z_k − m − log Z)``, recomputed from the logits.
 
-The passes over the shard are fused kernels (:mod:`megapp.fusions.cross_entropy`; the CUDA, C++
-CPU or PyTorch reference tier, chosen per call as for every fused op): the row max, one pass
-for the three sums, and in backward one pass that writes the gradient in the logits' dtype.
-Backward keeps only the logits shard itself (in its own dtype), the target and two float32
-values per token (``m`` and ``log Z``; float64 for float64 logits), no ``[..., w]`` float32
-buffer: for bf16 logits 2 bytes per logit where a saved float32 softmax took 4. Nothing saved is
-modified, so backward may run more than once (``retain_graph=True``).
+The passes over the shard are fused kernels (the CUDA, C++ CPU or PyTorch reference tier,
+chosen per call as for every fused op): the row max, one pass for the three sums, and in
+backward one pass that writes the gradient in the logits' dtype. Backward keeps only the logits
+shard itself (in its own dtype), the target and two float32 values per token (``m`` and
+``log Z``; float64 for float64 logits), no ``[..., w]`` float32 buffer: for bf16 logits 2 bytes
+per logit where a saved float32 softmax took 4. Nothing saved is modified, so backward may run
+more than once (``retain_graph=True``).
+
+The passes take one rank's shard of the logits, ``[..., w]`` (any leading dims; viewed as
+rows), whose ids are ``[start, start + w)`` of the padded vocabulary; the first ``real`` of them
+are real ids, the rest padding. With ``z`` a row, ``m`` its max over every shard (all-reduced
+between the first two passes), ``t`` the target, ``K`` the real vocabulary size and ``ε`` the
+smoothing weight:
+
+- :func:`cross_entropy_fwd_max`: ``max_{k<real} z_k`` (−inf when ``real == 0``);
+- :func:`cross_entropy_fwd_sums`: in one pass, ``[Σ_{k<real} exp(z_k − m), z_t − m]`` and, with
+  label smoothing, ``Σ_{k<real} (z_k − m)`` (``z_t − m`` is 0 when ``t`` is another shard's);
+- :func:`cross_entropy_bwd`: ``grad_k = ((exp((z_k − m) − log Z) − (1 − ε)[k = t]) − ε/K)·g``
+  for real ids and 0 for padding, in the logits' dtype.
+
+Row values (``m``, the sums, ``log Z``, the loss gradient ``g``) are float32, float64 for
+float64 logits; so is the math. The ``*_reference`` functions are pure PyTorch in the kernels'
+order of operations (``csrc/include/megapp/cross_entropy.h``); the others run the tier they are
+given (from ``select_tier("cross_entropy", logits)``).
 """
 
 from __future__ import annotations
@@ -41,13 +58,131 @@ import torch.distributed as dist
 from torch.autograd.function import FunctionCtx, once_differentiable
 
 from megapp import comm
-from megapp.fusions import cross_entropy as fused
-from megapp.fusions.extension import select_tier
+from megapp.fusions.extension import acc_dtype, run_tier, select_tier
 
-__all__ = ["vocab_parallel_cross_entropy"]
+__all__ = [
+    "cross_entropy_bwd",
+    "cross_entropy_bwd_reference",
+    "cross_entropy_fwd_max",
+    "cross_entropy_fwd_max_reference",
+    "cross_entropy_fwd_sums",
+    "cross_entropy_fwd_sums_reference",
+    "vocab_parallel_cross_entropy",
+]
 
 Group = dist.ProcessGroup | None
 _OP = "cross_entropy"  # the fused op's name for the tier choice
+
+
+# ----- the passes over one shard -----
+
+
+def _shifted(logits: torch.Tensor, row_max: torch.Tensor, real: int) -> torch.Tensor:
+    """``z − m`` over the real ids, ``[..., real]`` in the accumulation type."""
+    return logits[..., :real].to(acc_dtype(logits.dtype)) - row_max.unsqueeze(-1)
+
+
+def _local_target(target: torch.Tensor, start: int, real: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's index in the shard (0 where absent) and whether it is one of its real ids."""
+    local = target.to(torch.int64) - start
+    in_shard = (local >= 0) & (local < real)
+    return local.masked_fill(~in_shard, 0), in_shard
+
+
+def cross_entropy_fwd_max_reference(logits: torch.Tensor, real: int) -> torch.Tensor:
+    """Row max over the real ids: ``[..., w]`` -> ``[...]`` float32 (float64 for float64)."""
+    acc = acc_dtype(logits.dtype)
+    if real == 0:  # a shard of padding only
+        return torch.full(logits.shape[:-1], float("-inf"), dtype=acc, device=logits.device)
+    return logits[..., :real].amax(dim=-1).to(acc)  # a max is exact in any dtype
+
+
+def cross_entropy_fwd_sums_reference(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    row_max: torch.Tensor,
+    start: int,
+    real: int,
+    smoothing: bool,
+) -> torch.Tensor:
+    """``[..., 2]`` = (Σ exp(z − m), z_t − m), or ``[..., 3]`` adding Σ (z − m) with smoothing."""
+    shifted = _shifted(logits, row_max, real)
+    local, in_shard = _local_target(target, start, real)
+    if real > 0:
+        target_logit = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1)
+        target_logit = target_logit.masked_fill(~in_shard, 0.0)
+    else:
+        target_logit = torch.zeros_like(row_max)
+    sums = [torch.exp(shifted).sum(dim=-1), target_logit]
+    if smoothing:
+        sums.append(shifted.sum(dim=-1))
+    return torch.stack(sums, dim=-1)
+
+
+def cross_entropy_bwd_reference(
+    grad_loss: torch.Tensor,
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    row_max: torch.Tensor,
+    log_z: torch.Tensor,
+    start: int,
+    real: int,
+    eps: float,
+    vocab_size: int,
+) -> torch.Tensor:
+    """Gradient of the loss w.r.t. the logits shard, ``[..., w]`` in the logits' dtype."""
+    acc = acc_dtype(logits.dtype)
+    # The weights in double, rounded once to the accumulation type (as the kernels do).
+    one_minus_eps = torch.tensor(1.0 - eps, dtype=acc, device=logits.device)
+    eps_over_k = torch.tensor(eps / vocab_size, dtype=acc, device=logits.device)
+    p = torch.exp(_shifted(logits, row_max, real) - log_z.unsqueeze(-1))
+    local, in_shard = _local_target(target, start, real)
+    hit = torch.zeros_like(p)
+    if real > 0:
+        weight = in_shard.to(acc) * one_minus_eps  # exactly 1 − ε or 0
+        hit.scatter_(-1, local.unsqueeze(-1), weight.unsqueeze(-1))
+    grad = torch.zeros(logits.shape, dtype=acc, device=logits.device)  # padding ids stay 0
+    grad[..., :real] = ((p - hit) - eps_over_k) * grad_loss.to(acc).unsqueeze(-1)
+    return grad.to(logits.dtype)
+
+
+def cross_entropy_fwd_max(logits: torch.Tensor, real: int, tier: str) -> torch.Tensor:
+    """:func:`cross_entropy_fwd_max_reference` in ``tier``."""
+    return run_tier(tier, "cross_entropy_fwd_max", cross_entropy_fwd_max_reference, logits, real)
+
+
+def cross_entropy_fwd_sums(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    row_max: torch.Tensor,
+    start: int,
+    real: int,
+    smoothing: bool,
+    tier: str,
+) -> torch.Tensor:
+    """:func:`cross_entropy_fwd_sums_reference` in ``tier``; target holds int64 global ids."""
+    args = (logits, target, row_max, start, real, smoothing)
+    return run_tier(tier, "cross_entropy_fwd_sums", cross_entropy_fwd_sums_reference, *args)
+
+
+def cross_entropy_bwd(
+    grad_loss: torch.Tensor,
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    row_max: torch.Tensor,
+    log_z: torch.Tensor,
+    start: int,
+    real: int,
+    eps: float,
+    vocab_size: int,
+    tier: str,
+) -> torch.Tensor:
+    """:func:`cross_entropy_bwd_reference` in ``tier``."""
+    args = (grad_loss, logits, target, row_max, log_z, start, real, eps, vocab_size)
+    return run_tier(tier, "cross_entropy_bwd", cross_entropy_bwd_reference, *args)
+
+
+# ----- the loss over the tensor-parallel group -----
 
 
 def _world_and_rank(group: Group) -> tuple[int, int]:
@@ -112,13 +247,11 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         # refill its label buffer before backward.
         target = target.to(torch.int64, memory_format=torch.contiguous_format, copy=True)
 
-        row_max = fused.cross_entropy_fwd_max(logits_shard, real, tier)
+        row_max = cross_entropy_fwd_max(logits_shard, real, tier)
         _all_reduce(row_max, dist.ReduceOp.MAX, group, world)
         # Σ exp(z − m), z_t − m (on the one rank that holds t) and Σ_{k<K} (z − m): one pass.
         smoothing = label_smoothing > 0
-        sums = fused.cross_entropy_fwd_sums(
-            logits_shard, target, row_max, start, real, smoothing, tier
-        )
+        sums = cross_entropy_fwd_sums(logits_shard, target, row_max, start, real, smoothing, tier)
         _all_reduce(sums, dist.ReduceOp.SUM, group, world)  # one collective for all the sums
         sum_exp, target_logit, *sum_real = sums.unbind(dim=-1)
 
@@ -138,7 +271,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @once_differentiable
     def backward(ctx: FunctionCtx, grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         logits_shard, target, row_max, log_z = ctx.saved_tensors
-        grad = fused.cross_entropy_bwd(
+        grad = cross_entropy_bwd(
             grad_loss,
             logits_shard,
             target,

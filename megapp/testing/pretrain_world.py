@@ -38,7 +38,7 @@ from typing import Any, TextIO
 from megapp.testing.world import get_world
 from megapp.training.launch import PRETRAIN_SCRIPT, Launched
 
-__all__ = ["run_pretrain_in_world"]
+__all__ = ["pretrain_script", "run_pretrain_in_world"]
 
 
 def run_pretrain_in_world(
@@ -84,8 +84,9 @@ def run_pretrain_in_world(
     )
 
 
-def _pretrain_gpt() -> ModuleType:
-    """The entry script as a module (imported once per process)."""
+def pretrain_script() -> ModuleType:
+    """``pretrain_gpt.py`` as a module, imported once per process from the repository root
+    (no change to ``sys.path``)."""
     module = sys.modules.get("pretrain_gpt")
     if module is None:
         spec = importlib.util.spec_from_file_location("pretrain_gpt", PRETRAIN_SCRIPT)
@@ -166,7 +167,7 @@ def _main_on_rank(
     """``main(flags)`` on this rank: (exit status, stdout, stderr)."""
     import torch.distributed as dist
 
-    main = _pretrain_gpt().main
+    main = pretrain_script().main
     out, err = io.StringIO(), io.StringIO()
     code = 0
     with (

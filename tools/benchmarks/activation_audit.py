@@ -24,10 +24,11 @@ from collections.abc import Callable
 import torch
 
 from megapp.fusions.extension import select_tier
-from megapp.fusions.norm import LayerNorm, layer_norm_reference_stats, rms_norm_reference_stats
+from megapp.fusions.norm import LayerNorm, layer_norm_reference_stats
+from megapp.fusions.rms_norm import rms_norm_reference_stats
 from megapp.tensor_parallel.random import model_parallel_manual_seed
 from megapp.transformer import TransformerConfig, TransformerLayer
-from megapp.transformer.attention import merge_heads
+from megapp.transformer.layer import merge_heads
 from megapp.transformer.memory_audit import audit_saved_activations
 
 

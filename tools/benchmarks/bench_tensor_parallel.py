@@ -59,9 +59,8 @@ from megapp.testing.collective_count import (
     replayer,
     written_bytes,
 )
-from megapp.transformer.attention import ParallelAttention
 from megapp.transformer.config import TransformerConfig
-from megapp.transformer.mlp import ParallelMLP
+from megapp.transformer.layer import ParallelAttention, ParallelMLP
 
 
 # ----- the layer --------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 // Vocabulary-parallel cross entropy: the per-element math of the CPU and CUDA kernels (the
-// PyTorch reference in megapp/fusions/cross_entropy.py follows the same order of operations).
+// PyTorch reference in megapp/tensor_parallel/cross_entropy.py follows the same order of operations).
 //
 // A rank holds a shard z[0, w) of a row of logits; its first `real` ids are real vocabulary ids,
 // the rest padding (never read by the sums, gradient 0). With m the row max over every shard

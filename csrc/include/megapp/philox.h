@@ -1,6 +1,6 @@
 // Philox-4x32-10 counter-based RNG (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3",
 // SC'11) and the dropout mask built on it. One definition for the CPU and CUDA kernels, mirrored
-// bit for bit by the PyTorch reference in megapp/fusions/bias_dropout_add.py.
+// bit for bit by the PyTorch reference in megapp/fusions/bias_ops.py.
 //
 // The mask is a pure function of (seed, n): element n of a dropout call (n = offset + flat index)
 // draws lane n % 4 of philox4x32_10(counter = {lo(n/4), hi(n/4), 0, 0}, key = {lo(seed),

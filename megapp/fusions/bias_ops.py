@@ -1,12 +1,28 @@
-"""Fused bias + dropout + residual add, the end of every transformer sublayer.
+"""Fused ops that begin by adding a linear layer's bias: the MLP's activations and the end of
+every transformer sublayer.
 
-``out = residual + dropout(x + bias, p)``, dropout scaling kept elements by ``1/(1 − p)``. x is a
-sublayer's output without its bias (``[s, b, h]``, or ``[s/tp, b, h]`` with sequence
-parallelism), residual has x's shape, bias is ``[h]`` or None.
+x is a linear layer's output without its bias (e.g. ``[s, b, h]``, or a tensor-parallel or
+sequence-parallel shard of it); each op adds the bias and runs its elementwise math in one pass,
+in float32 (float64 for float64 inputs) like its reference, and keeps for backward only what it
+cannot cheaply recompute:
 
-No mask is stored. It is a pure function of ``(seed, offset)`` and the element index, drawn from
-a counter-based generator (Philox-4x32-10, ``csrc/include/megapp/philox.h``) that the CPU and
-CUDA kernels and the PyTorch reference below compute bit for bit alike::
+- :func:`bias_gelu`: ``gelu(x + bias)`` with the tanh approximation,
+  ``gelu(z) = 0.5·z·(1 + tanh(√(2/π)·(z + 0.044715·z³)))``; x ``[..., 4h]``, bias ``[4h]``;
+  keeps x and bias.
+- :func:`bias_swiglu`: the gated activation of a Llama-style MLP. x ``[..., 2f]`` is laid out as
+  ``[gate | up]`` along the last dim (under tensor parallelism each rank holds matching gate and
+  up columns), bias is ``[2f]`` or None::
+
+      g, u = (x + bias).chunk(2, dim=-1)
+      y = silu(g) · u,  silu(g) = g·σ(g)                                    # [..., f]
+
+  with the formulas of ``csrc/include/megapp/swiglu.h``; keeps x and bias.
+- :func:`bias_dropout_add`: ``out = residual + dropout(x + bias, p)``, dropout scaling kept
+  elements by ``1/(1 − p)``; residual has x's shape, bias is ``[h]`` or None; keeps no tensor.
+
+No dropout mask is stored. It is a pure function of ``(seed, offset)`` and the element index,
+drawn from a counter-based generator (Philox-4x32-10, ``csrc/include/megapp/philox.h``) that the
+CPU and CUDA kernels and the PyTorch reference below compute bit for bit alike::
 
     n     = offset + i                          # i: flat (row-major) index of the element
     draws = philox4x32_10(counter=(lo(n//4), hi(n//4), 0, 0), key=(lo(seed), hi(seed)))
@@ -28,10 +44,204 @@ from collections.abc import Sequence
 import torch
 from torch.autograd.function import FunctionCtx, once_differentiable
 
-from megapp.fusions.common import acc_dtype, check_bias, run_tier
-from megapp.fusions.extension import select_tier
+from megapp.fusions.extension import acc_dtype, check_bias, run_tier, select_tier
 
-_OP = "bias_dropout_add"
+__all__ = [
+    "BiasDropoutAddFunction",
+    "BiasGeLUFunction",
+    "BiasSwiGLUFunction",
+    "bias_dropout_add",
+    "bias_dropout_add_reference",
+    "bias_dropout_add_reference_backward",
+    "bias_gelu",
+    "bias_gelu_reference",
+    "bias_gelu_reference_backward",
+    "bias_swiglu",
+    "bias_swiglu_reference",
+    "bias_swiglu_reference_backward",
+    "draw_dropout_seed",
+    "dropout_mask",
+    "philox4x32_10",
+]
+
+# ----- bias + GeLU -----
+
+_GELU = "bias_gelu"
+_BETA = math.sqrt(2.0 / math.pi)
+_KAPPA = 0.044715
+
+
+def _acc_biased(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """``x + bias``, ``[..., h]``, in the accumulation dtype."""
+    dtype = acc_dtype(x.dtype)
+    return x.to(dtype) + bias.to(dtype)
+
+
+def _gelu_sigma(z: torch.Tensor) -> torch.Tensor:
+    """σ(2u) with u = √(2/π)·(z + 0.044715·z³): 1 + tanh(u) = 2·σ(2u)."""
+    u = _BETA * (z + _KAPPA * (z * z * z))
+    return 1.0 / (1.0 + torch.exp(-2.0 * u))
+
+
+def bias_gelu_reference(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """Pure-PyTorch ``gelu_tanh(x + bias)``; x ``[..., h]``, bias ``[h]`` -> ``[..., h]``."""
+    z = _acc_biased(x, bias)
+    # z·σ(2u) = 0.5·z·(1 + tanh u), as csrc/include/megapp/gelu.h computes it (no cancellation).
+    return (z * _gelu_sigma(z)).to(x.dtype)
+
+
+def bias_gelu_reference_backward(
+    grad: torch.Tensor, x: torch.Tensor, bias: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of :func:`bias_gelu_reference`: (grad_input ``[..., h]``, grad_bias ``[h]``)."""
+    z = _acc_biased(x, bias)
+    sigma = _gelu_sigma(z)
+    dgelu = sigma + 2.0 * z * sigma * (1.0 - sigma) * _BETA * (1.0 + 3.0 * _KAPPA * (z * z))
+    grad_input = grad.to(z.dtype) * dgelu
+    # Sum the unrounded grad_input, as the kernels do.
+    grad_bias = grad_input.reshape(-1, bias.shape[0]).sum(dim=0)
+    return grad_input.to(x.dtype), grad_bias.to(bias.dtype)
+
+
+class BiasGeLUFunction(torch.autograd.Function):
+    """Autograd for ``gelu_tanh(x + bias)`` that saves only x and bias.
+
+    Backward recomputes gelu' from the pre-activation instead of keeping the output: one
+    ``[..., h]`` activation less per layer for a cheap elementwise recompute.
+    """
+
+    @staticmethod
+    def forward(ctx: FunctionCtx, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        ctx.tier = select_tier(_GELU, x)
+        ctx.save_for_backward(x, bias)
+        return run_tier(ctx.tier, "bias_gelu_fwd", bias_gelu_reference, x, bias)
+
+    @staticmethod
+    @once_differentiable
+    def backward(
+        ctx: FunctionCtx, grad: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        x, bias = ctx.saved_tensors
+        grad_input, grad_bias = run_tier(
+            ctx.tier, "bias_gelu_bwd", bias_gelu_reference_backward, grad, x, bias
+        )
+        return (
+            grad_input if ctx.needs_input_grad[0] else None,
+            grad_bias if ctx.needs_input_grad[1] else None,
+        )
+
+
+def bias_gelu(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """Fused ``gelu_tanh(x + bias)``; x ``[..., h]`` (e.g. ``[s, b, h]``), bias ``[h]``.
+
+    Uses the CUDA or CPU kernel when built and applicable, else the PyTorch reference.
+    """
+    check_bias(_GELU, x, bias)
+    return BiasGeLUFunction.apply(x, bias)
+
+
+# ----- bias + SwiGLU -----
+
+_SWIGLU = "bias_swiglu"
+
+
+def _check_swiglu_inputs(x: torch.Tensor, bias: torch.Tensor | None) -> None:
+    if x.dim() == 0 or x.shape[-1] % 2 != 0:
+        raise ValueError(
+            f"bias_swiglu: x must be [..., 2f] = [gate | up] with an even last dim; "
+            f"got x {tuple(x.shape)}"
+        )
+    if bias is not None:
+        check_bias(_SWIGLU, x, bias, "2f")
+
+
+def _acc_gate_up(x: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    dtype = acc_dtype(x.dtype)
+    gate, up = x.to(dtype).chunk(2, dim=-1)
+    if bias is not None:
+        bias_gate, bias_up = bias.to(dtype).chunk(2)
+        gate, up = gate + bias_gate, up + bias_up
+    return gate, up
+
+
+def _sigmoid(g: torch.Tensor) -> torch.Tensor:
+    # 1/(1 + exp(−g)) as the kernels write it (torch.sigmoid may round differently).
+    return 1.0 / (1.0 + torch.exp(-g))
+
+
+def bias_swiglu_reference(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """Pure-PyTorch ``silu(gate + b_gate) · (up + b_up)``.
+
+    x ``[..., 2f]`` (``[gate | up]``), bias ``[2f]`` or None -> ``[..., f]`` in x's dtype.
+    """
+    g, u = _acc_gate_up(x, bias)
+    # Same operation order as csrc/include/megapp/swiglu.h so fp32 results agree to round-off.
+    y = (g * _sigmoid(g)) * u
+    return y.to(x.dtype)
+
+
+def bias_swiglu_reference_backward(
+    grad: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Gradients of :func:`bias_swiglu_reference`.
+
+    grad ``[..., f]``, x ``[..., 2f]`` -> (grad_input ``[..., 2f]``, grad_bias ``[2f]`` or None).
+    """
+    g, u = _acc_gate_up(x, bias)
+    s = _sigmoid(g)
+    dy = grad.to(g.dtype)
+    dg = (dy * u) * (s * (1.0 + g * (1.0 - s)))
+    du = dy * (g * s)
+    grad_input = torch.cat([dg, du], dim=-1)
+    grad_bias = None
+    if bias is not None:
+        # Sum the unrounded grad_input, as the kernels do.
+        grad_bias = grad_input.reshape(-1, x.shape[-1]).sum(dim=0).to(bias.dtype)
+    return grad_input.to(x.dtype), grad_bias
+
+
+class BiasSwiGLUFunction(torch.autograd.Function):
+    """Autograd for bias + SwiGLU that saves only the pre-activation input (x and bias).
+
+    Backward recomputes σ(gate) from x instead of keeping the ``[..., f]`` output or the
+    activation's intermediates: a cheap elementwise recompute for an activation less per layer.
+    """
+
+    @staticmethod
+    def forward(ctx: FunctionCtx, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        ctx.tier = select_tier(_SWIGLU, x)
+        ctx.save_for_backward(x, bias)
+        return run_tier(ctx.tier, "bias_swiglu_fwd", bias_swiglu_reference, x, bias)
+
+    @staticmethod
+    @once_differentiable
+    def backward(
+        ctx: FunctionCtx, grad: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        x, bias = ctx.saved_tensors
+        grad_input, grad_bias = run_tier(
+            ctx.tier, "bias_swiglu_bwd", bias_swiglu_reference_backward, grad, x, bias
+        )
+        return (
+            grad_input if ctx.needs_input_grad[0] else None,
+            grad_bias if ctx.needs_input_grad[1] else None,
+        )
+
+
+def bias_swiglu(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """Fused ``silu(x[..., :f] + bias[:f]) · (x[..., f:] + bias[f:])``.
+
+    x ``[..., 2f]`` laid out as ``[gate | up]`` (e.g. ``[s, b, 2f]``), bias ``[2f]`` or None;
+    returns ``[..., f]``. Uses the CUDA or CPU kernel when built and applicable, else the
+    PyTorch reference.
+    """
+    _check_swiglu_inputs(x, bias)
+    return BiasSwiGLUFunction.apply(x, bias)
+
+
+# ----- bias + dropout + residual add -----
+
+_DROPOUT_ADD = "bias_dropout_add"
 _M32 = 0xFFFFFFFF
 _M16 = 0xFFFF
 # Random123's Philox-4x32 constants (round multipliers, Weyl key increments).
@@ -125,7 +335,9 @@ def dropout_mask(
     return (draws[start : start + numel] < _keep_threshold(p)).reshape(shape)
 
 
-def _check_inputs(x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor) -> None:
+def _check_dropout_add_inputs(
+    x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor
+) -> None:
     if x.dim() == 0:
         raise ValueError("bias_dropout_add: x must be [..., h], got a 0-d tensor")
     if residual.shape != x.shape:
@@ -138,7 +350,7 @@ def _check_inputs(x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Te
             f"bias_dropout_add: x and residual dtypes differ: {x.dtype} vs {residual.dtype}"
         )
     if bias is not None:
-        check_bias(_OP, x, bias)
+        check_bias(_DROPOUT_ADD, x, bias)
 
 
 def _apply_mask(t: torch.Tensor, p: float, seed: int, offset: int) -> torch.Tensor:
@@ -208,7 +420,7 @@ class BiasDropoutAddFunction(torch.autograd.Function):
         seed: int,
         offset: int,
     ) -> torch.Tensor:
-        ctx.tier = select_tier(_OP, x)
+        ctx.tier = select_tier(_DROPOUT_ADD, x)
         ctx.p, ctx.seed, ctx.offset = p, seed, offset
         args = (x, bias, residual, p, seed, offset)
         return run_tier(ctx.tier, "bias_dropout_add_fwd", bias_dropout_add_reference, *args)
@@ -251,21 +463,10 @@ def bias_dropout_add(
     with no random draw. Uses the CUDA or CPU kernel when built and applicable, else the
     PyTorch reference.
     """
-    _check_inputs(x, bias, residual)
+    _check_dropout_add_inputs(x, bias, residual)
     _check_dropout_args(p, 0 if seed is None else seed, offset)
     if not training or p == 0.0:
         p, seed = 0.0, 0
     elif seed is None:
         seed = draw_dropout_seed()
     return BiasDropoutAddFunction.apply(x, bias, residual, float(p), seed, offset)
-
-
-__all__ = [
-    "BiasDropoutAddFunction",
-    "bias_dropout_add",
-    "bias_dropout_add_reference",
-    "bias_dropout_add_reference_backward",
-    "draw_dropout_seed",
-    "dropout_mask",
-    "philox4x32_10",
-]
