@@ -18,6 +18,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from megapp import comm
+from megapp.pipeline_parallel.channels import Channels, make_channels
 from megapp.process_grid import GROUP_NAMES, ProcessGrid
 
 # What errors (and NCCL's watchdog) call each kind of group.
@@ -70,6 +71,7 @@ class _State:
     groups: dict[str, dist.ProcessGroup] = field(default_factory=dict)
     ranks: dict[str, list[int]] = field(default_factory=dict)
     virtual_pipeline_rank: int | None = None
+    channels: Channels | None = None
 
 
 _STATE: _State | None = None
@@ -81,13 +83,18 @@ def initialize_model_parallel(
     virtual_pipeline_model_parallel_size: int | None = None,
     order: str = "tp-dp-pp",
     timeout: timedelta | None = None,
+    *,
+    strict_p2p: bool = False,
 ) -> ProcessGrid:
     """Create the tp, pp, dp, mp, embedding and position-embedding groups.
 
     Needs an initialized default group; every rank must call it with the same
     arguments. The groups use the default group's backend (gloo on CPU, NCCL
     on GPU) and ``timeout`` (default: the default group's), so a collective that
-    waits on a dead or stuck rank fails within it. Returns the grid.
+    waits on a dead or stuck rank fails within it. On NCCL, or with ``strict_p2p``
+    on gloo, it also makes the pipeline's one-way channels
+    (:mod:`~megapp.pipeline_parallel.channels`; strict ones with ``strict_p2p``).
+    Returns the grid.
     """
     global _STATE
     if not dist.is_initialized():
@@ -117,6 +124,8 @@ def initialize_model_parallel(
             if state.rank in members:
                 state.groups[name] = group
                 state.ranks[name] = members
+    if grid.pp > 1 and (strict_p2p or dist.get_backend() == "nccl"):
+        state.channels = make_channels(grid.groups("pp"), timeout, strict=strict_p2p)
     _STATE = state
     return grid
 
@@ -128,6 +137,8 @@ def destroy_model_parallel() -> None:
         return
     for group in _STATE.groups.values():
         dist.destroy_process_group(group)
+    if _STATE.channels is not None:
+        _STATE.channels.destroy()
     _STATE = None
 
 
@@ -156,13 +167,16 @@ def layout_group(name: str, needs: str) -> dist.ProcessGroup | None:
 class TrainGroups:
     """The process groups a training step talks to, by purpose (``None``: that dimension
     is 1, or this rank is in no such group). ``mp``: the model-parallel group, the ranks
-    that together hold one copy of the model (tp × pp)."""
+    that together hold one copy of the model (tp × pp). ``pp_channels``: the pipeline's
+    one-way groups (:mod:`~megapp.pipeline_parallel.channels`), where the layout has them
+    (NCCL, or ``strict_p2p``)."""
 
     tp: comm.Group = None
     pp: comm.Group = None
     dp: comm.Group = None
     embedding: comm.Group = None
     mp: comm.Group = None
+    pp_channels: Channels | None = None
 
     @classmethod
     def from_parallel_state(cls) -> TrainGroups:
@@ -175,6 +189,7 @@ class TrainGroups:
             dp=state.groups["dp"],
             embedding=state.groups.get("embedding"),
             mp=state.groups["mp"],
+            pp_channels=state.channels,
         )
 
 

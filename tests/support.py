@@ -166,11 +166,13 @@ def train_layout(
     zero_stage=0,
     bucket_size=2000,
     schedule=None,
+    strict_p2p=False,
     **config,
 ):
     """Train STEPS steps under the layout (and pipeline ``schedule``, a name; default 1F1B
-    or interleaved); return (chunks, losses, grad norms, step-1 grads)."""
-    ps.initialize_model_parallel(tp, pp, vpp)
+    or interleaved; ``strict_p2p``: messages under NCCL's rules); return (chunks, losses,
+    grad norms, step-1 grads)."""
+    ps.initialize_model_parallel(tp, pp, vpp, strict_p2p=strict_p2p)
     setup = build_training_setup(
         gpt_config(tensor_model_parallel_size=tp, **config),
         OptimizerArgs(
@@ -391,7 +393,7 @@ PLAIN_HARDWARE = Hardware(
     overlap_communication=False,
 )
 # gloo: a send finishes in the background, without waiting for its receive
-GLOO_HARDWARE = dataclasses.replace(PLAIN_HARDWARE, sends_finish_in_background=True)
+GLOO_HARDWARE = dataclasses.replace(PLAIN_HARDWARE, transport="gloo")
 
 
 # --- pretrain_gpt.py's settings ----------------------------------------------------------------

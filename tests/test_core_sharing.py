@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from megapp.pipeline_parallel import CostModel, ScheduleError, build_schedule, simulate
+from megapp.pipeline_parallel.network import Rules
 from megapp.planning.hardware import Hardware
 from megapp.planning.layout import Layout, pretrain_config
 from megapp.planning.profiles import load_profile, predict_step_time
@@ -42,7 +43,7 @@ def _events(timeline):
 def test_a_core_per_process_is_the_plain_simulator(name, p, m, v):
     """Without messages' work (which the plain simulator prices as a wait)."""
     schedule = build_schedule(name, p, m, v)
-    costs = CostModel(forward=1.0, backward=2.0, blocking_sends=False, update=0.5)
+    costs = CostModel(forward=1.0, backward=2.0, update=0.5)
     plain, shared = simulate(schedule, costs), simulate_shared(schedule, costs, 2, 2 * p)
     assert _events(shared) == _events(plain)
     assert shared.peak_in_flight == plain.peak_in_flight
@@ -53,7 +54,7 @@ def test_a_message_is_work_at_both_its_ends():
     forward receives the activation (1 + 0.3, from 1), its backward sends the gradient
     (2 + 0.3, from 2.3), and rank 0's backward does the activation's send and the
     gradient's receive (2 + 0.6, from 4.6)."""
-    costs = CostModel(forward=1.0, backward=2.0, p2p_latency=0.3, blocking_sends=False)
+    costs = CostModel(forward=1.0, backward=2.0, p2p_latency=0.3)
     timeline = simulate_shared(build_schedule("1f1b", 2, 1), costs, 1, 2)
     spans = {(e.rank, e.name): (e.start, e.end) for e in timeline.events if e.kind == "compute"}
     assert spans[(0, "F0")] == pytest.approx((0.0, 1.0))
@@ -79,7 +80,7 @@ def test_a_rank_alone_runs_at_full_speed_and_shares_the_cores_otherwise():
 
 
 def test_deadlock_is_reported():
-    blocking = CostModel(blocking_sends=True)
+    blocking = CostModel(rules=Rules.NCCL_BATCHED)
     with pytest.raises(ScheduleError, match="deadlock"):
         simulate_shared(build_schedule("zb-v", 4, 8, 2), blocking, 1, 4)
 

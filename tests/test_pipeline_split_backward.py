@@ -26,6 +26,7 @@ from megapp.pipeline_parallel import (
     simulate,
 )
 from megapp.pipeline_parallel.compute import StageCompute, sync_actions
+from megapp.pipeline_parallel.network import Rules
 from megapp.pipeline_parallel.partition import split_layers
 from megapp.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megapp.testing import distributed
@@ -178,7 +179,7 @@ def test_split_schedules_equal_single_process(name, p, v, m, kind):
         assert any(op is Op.INPUT_GRAD for op, _ in flags[:first]) or name == "dualpipev"
         assert flags[first][1] and flags[-1][1]
     # held from F to W, as the simulator's default weight_grad_memory=1.0 counts it
-    gloo = CostModel(blocking_sends=False)
+    gloo = CostModel(rules=Rules.GLOO)
     assert result.peak_in_flight == simulate(schedule, gloo).peak_in_flight[stage]
 
 

@@ -270,6 +270,7 @@ def test_tensor_parallel_groups_stay_within_a_node():
     assert sizes == {1, 2, 4, 8}
 
 
+@pytest.mark.slow  # two plans of eight processes through the shared-cores simulation
 def test_a_cpu_machine_profile_plans_its_shared_cores(tmp_path, capsys):
     """A calibrated CPU machine's file plans through its own time model: 8 processes on 2
     cores, each layout's time the shared-cores simulation's."""
@@ -279,7 +280,7 @@ def test_a_cpu_machine_profile_plans_its_shared_cores(tmp_path, capsys):
         gemm_flops=3e9,
         peak_flops=None,
         overlap_communication=False,
-        sends_finish_in_background=True,
+        transport="gloo",
     )
     machine = CpuProfile(hardware, SharedCores(cores=2, message_overhead=1e-4))
     machine.save(tmp_path / "cpu.json")

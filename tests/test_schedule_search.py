@@ -29,7 +29,7 @@ UNEVEN = CostModel(
 
 def _builtin_fitting(costs: CostModel, limit: float) -> tuple[float, float]:
     """The shortest built-in one-chunk schedule within ``limit``: (makespan, peak)."""
-    eager = CostModel(**{**costs.__dict__, "blocking_sends": False})
+    eager = costs
     found = []
     for name, build in SCHEDULES.items():
         if SCHEDULE_KINDS[name].min_chunks > 1:  # a one-chunk placement only
@@ -74,7 +74,6 @@ def test_costs_are_read_back_from_a_recorded_iteration():
         backward=_table(3.0, 0.0, 0.0),
         input_grad=_table(2.0, 0.0, 0.0),
         weight_grad=_table(1.0, 0.0, 0.0),
-        blocking_sends=False,
     )
     events = simulate(schedule, truth).events
     measured = costs_from_events(schedule, events, p2p_latency=0.1)

@@ -18,6 +18,7 @@ from megapp.pipeline_parallel.messages import (
     communication_plan,
     delivered_sends,
 )
+from megapp.pipeline_parallel.network import Rules
 from megapp.pipeline_parallel.schedules import Action, Op
 from megapp.pipeline_parallel.simulate import CostModel, simulate
 
@@ -90,14 +91,19 @@ def test_latency_adds_to_every_hop():
     assert slow - base == pytest.approx(6 * 0.5)  # 3 hops forward, 3 back
 
 
-def test_per_action_batches_deadlock_interleaved():
-    # Posting each action's messages on their own makes blocking sends wait in a cycle.
+def test_per_action_messages_deadlock_interleaved_only_on_a_shared_communicator():
+    """Posting each action's messages on their own: on one NCCL communicator per pipeline a
+    send waiting for its receive blocks what the rank posted after it, and the ranks wait
+    in a cycle; on a communicator per direction of each pair it runs as on gloo."""
     schedule = dataclasses.replace(
         build_schedule("interleaved-1f1b", 2, 4, 2), paired_steady_state=False
     )
-    with pytest.raises(ScheduleError, match="deadlocks") as info:
-        simulate(schedule)
-    assert "rank 0" in str(info.value) and "rank 1" in str(info.value)
+    for rules in (Rules.NCCL_BATCHED, Rules.NCCL_SHARED):
+        with pytest.raises(ScheduleError, match="deadlocks") as info:
+            simulate(schedule, CostModel(rules=rules))
+        assert "rank 0" in str(info.value) and "rank 1" in str(info.value)
+    nccl = simulate(schedule, CostModel(rules=Rules.NCCL)).bubble_fraction
+    assert nccl == simulate(schedule, CostModel(rules=Rules.GLOO)).bubble_fraction
 
 
 def test_receives_follow_the_send_order():

@@ -16,7 +16,7 @@ CHUNKS = {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": 2, "looped-bfs": 2}
 
 def _eager(v: int, **kw) -> CostModel:
     # a stage's forward 1, input gradient 1, weight gradient 1, split over v chunks
-    return CostModel(forward=1 / v, backward=2 / v, blocking_sends=False, **kw)
+    return CostModel(forward=1 / v, backward=2 / v, **kw)
 
 
 @pytest.mark.parametrize("name", sorted(SCHEDULES))

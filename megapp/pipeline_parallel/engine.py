@@ -38,14 +38,15 @@ from torch import nn
 
 from megapp import comm
 from megapp.pipeline_parallel.catalog import build_schedule, default_schedule
+from megapp.pipeline_parallel.channels import Channels
 from megapp.pipeline_parallel.compute import ForwardStepFunc, PipelineHooks, StageCompute
 from megapp.pipeline_parallel.messages import (
     Message,
-    ScheduleError,
     Step,
     communication_plan,
     delivered_sends,
 )
+from megapp.pipeline_parallel.network import Rules
 from megapp.pipeline_parallel.p2p import ActivationShapes, TensorSpec, Transport
 from megapp.pipeline_parallel.runner import StageRunner
 from megapp.pipeline_parallel.schedules import Schedule
@@ -92,23 +93,12 @@ class PipelineResult:
 
 @functools.lru_cache(maxsize=64)
 def _plan(schedule: Schedule) -> tuple[list[list[Step]], list[list[tuple[Message, ...]]]]:
-    """The validated plan and its proven deliveries, once per schedule."""
+    """The validated plan and its proven deliveries, once per schedule. A plan whose ranks
+    would wait on each other forever under NCCL's rules, as the transport posts there (the
+    same timeline as on gloo), is refused here, before any message goes out."""
     plan = communication_plan(schedule)
+    simulate(schedule, CostModel(rules=Rules.NCCL))
     return plan, delivered_sends(plan)
-
-
-@functools.lru_cache(maxsize=64)
-def _check_blocking(schedule: Schedule) -> None:
-    """Refuse a schedule that only completes when sends finish in the background."""
-    try:
-        simulate(schedule, CostModel(blocking_sends=True))
-    except ScheduleError as err:
-        raise ScheduleError(
-            f"{schedule.name} (p={schedule.num_stages}, m={schedule.num_microbatches}, "
-            f"v={schedule.num_chunks}) needs sends that finish in the background (gloo); on "
-            f"a backend whose batches of messages complete as one (NCCL) it would deadlock: "
-            f"{str(err).splitlines()[0]}"
-        ) from None
 
 
 def forward_backward(
@@ -126,6 +116,7 @@ def forward_backward(
     device: torch.device | str | None = None,
     timeout: float | None = None,
     weight_stash: WeightStash | None = None,
+    channels: Channels | None = None,
 ) -> PipelineResult:
     """Run one iteration (forward and backward of ``num_microbatches``) on this rank.
 
@@ -153,6 +144,10 @@ def forward_backward(
         weight_stash: for an asynchronous schedule (PipeDream, 2BW), the weight versions
             this rank keeps; pass the same one to every call so that 2BW's delay spans
             them (a fresh one starts it afresh).
+        channels: the pipeline's one-way groups (:mod:`~megapp.pipeline_parallel.channels`),
+            which messages take on NCCL (required there) and, given, on gloo; strict ones
+            (``make_channels(..., strict=True)``) order each group's messages on gloo as
+            NCCL does, so what would deadlock on NCCL deadlocks on CPU too.
 
     Gradients accumulate into the chunks' parameters as ``d(mean loss)/dθ``.
     """
@@ -202,6 +197,7 @@ def forward_backward(
         torch.device(device),
         on_wait,
         None if timeout is None else timedelta(seconds=timeout),
+        channels=channels if distributed and p > 1 else None,
     )
     if distributed and p > 1 and tensor_shapes is None:
         transport.prepare()
@@ -226,8 +222,6 @@ def forward_backward(
         clock=clock,
         record=record,
     )
-    if distributed and p > 1 and transport.posts_batches:
-        _check_blocking(sched)
     plan, delivered = _plan(sched)
     runner.run(plan[pp_rank], delivered[pp_rank])
     if not forward_only and hooks.post_backward is not None:

@@ -1,18 +1,18 @@
 """The point-to-point messages a schedule implies, and the order they are posted in.
 
 Both the engine and the simulator follow this plan, so what is validated is
-what runs. Each rank walks its actions; before action ``k`` it posts one
-batch holding the sends that action ``k - 1`` produced and the receive that
-action ``k`` needs (as Megatron's ``send_forward_recv_backward`` does), and
-waits for the receive; :func:`delivered_sends` says at which later step each
-send is known to be done. A final batch flushes the last sends.
+what runs. Each rank walks its actions; before action ``k`` it posts the sends
+that action ``k - 1`` produced and the receive that action ``k`` needs (as
+Megatron's ``send_forward_recv_backward`` does), and waits for the receive;
+:func:`delivered_sends` says at which later step each send is known to be done.
+A final step flushes the last sends.
 
-Batching matters on NCCL: send/recv kernels between two ranks run in posting
-order on one stream and a send blocks until its receive is posted, so a lone
-send posted while the peer is itself sending would deadlock. NCCL also
-matches messages between two ranks purely by posting order (tags are
-ignored), so the sends one rank posts to another must come in exactly the
-order the other posts its receives: :func:`check_fifo` proves that.
+NCCL matches messages between two ranks purely by posting order (tags are
+ignored), so the sends one rank posts to another must come in exactly the order
+the other posts its receives: :func:`check_fifo` proves that. How the messages
+are posted so that no plan stalls under NCCL's stream rules is the transport's
+(:mod:`~megapp.pipeline_parallel.channels`), and
+:mod:`~megapp.pipeline_parallel.network` models it for the simulator.
 """
 
 from __future__ import annotations

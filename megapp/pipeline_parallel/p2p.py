@@ -1,17 +1,19 @@
 """Point-to-point transport between pipeline ranks.
 
 A :class:`Transport` posts one step's sends and receives in the order the plan
-gives, so every channel stays FIFO-consistent: on NCCL as one batch
-(``batch_isend_irecv``, one NCCL group), on gloo each message on its own
-(:attr:`Transport.posts_batches`). The runner waits for the receives and lets
-the sends finish in the background; on gloo it also posts a step's receives
-one step early (:attr:`Transport.posts_receives_early`) and learns that a send
-is done from the plan rather than from the send
-(:attr:`Transport.sends_report_completion`). Activation shapes are either
-declared up front or negotiated: each activation is preceded by a small header
-(number of tensors, dtypes, shapes) exchanged in its own batch on a second
-process group over the same ranks, so headers never interleave with data on
-one channel.
+gives, each message on its own, so every channel stays FIFO-consistent. The
+runner waits for the receives and lets the sends finish in the background; it
+posts a step's receives one step early and learns that a send is done from the
+plan, or where sends report completion (NCCL), from the send
+(:attr:`Transport.sends_report_completion`). On gloo the messages travel over
+the pipeline group; on NCCL, and on gloo under NCCL's rules (``strict``), over
+one group per direction of each pair of ranks
+(:mod:`~megapp.pipeline_parallel.channels`), which is what keeps every schedule
+free of deadlocks there (``docs/pipeline.md``, "Point-to-point rules").
+Activation shapes are either declared up front or negotiated: each activation
+is preceded by a small header (number of tensors, dtypes, shapes) on a group of
+its own over the same ranks, so headers never interleave with data on one
+channel.
 
 :class:`ActivationShapes` says what a rank's receives hold: an activation has the
 declared shapes or those its header announces; a gradient has the shapes of the
@@ -31,6 +33,8 @@ import torch
 import torch.distributed as dist
 
 from megapp import comm
+from megapp.pipeline_parallel import strict_p2p
+from megapp.pipeline_parallel.channels import Channels
 from megapp.pipeline_parallel.messages import Message, Step
 from megapp.pipeline_parallel.schedules import Op
 
@@ -113,13 +117,27 @@ def _world_twin() -> dist.ProcessGroup:
 
 
 class Transport:
-    """Batched sends and receives between ranks of one pipeline group.
+    """Sends and receives between the ranks of one pipeline group, each posted on its own.
+
+    Every message goes out alone, in the order the plan gives, and only receives are
+    waited for: a rank's sends finish in the background. Where the messages travel:
+
+    - on gloo, over the pipeline group (``channels`` None): gloo has no streams, every
+      message meets its peer on its own;
+    - on NCCL, and on gloo given :class:`Channels` (under NCCL's rules if they are
+      ``strict``), over them: one
+      group per direction of each pair of ranks, so on every NCCL stream the operations
+      of one direction queue in the order both ranks post them and none waits behind a
+      message going the other way. Strict channels run every group's operations one at
+      a time in posting order (:mod:`~megapp.pipeline_parallel.strict_p2p`), as NCCL does.
 
     Args:
         group: the pipeline-parallel process group (``None``: the default group).
         device: where received tensors are allocated.
         on_wait: called with (start, end) of every wait, for timelines.
-        timeout: longest wait for one batch (default: the process group's timeout).
+        timeout: longest wait for one message (default: the process group's timeout).
+        channels: the pipeline's one-way groups, needed on NCCL; with ``channels.strict``,
+            gloo orders each group's operations as NCCL does.
     """
 
     def __init__(
@@ -128,12 +146,22 @@ class Transport:
         device: torch.device,
         on_wait=None,
         timeout: timedelta | None = None,
+        *,
+        channels: Channels | None = None,
     ):
         self.group = group
         self.device = device
         self.on_wait = on_wait
         self.timeout = timeout
-        # header sends not waited for yet (gloo), with the buffers they read
+        self.channels = channels
+        self.strict = channels is not None and channels.strict
+        if channels is None and self.backend == "nccl":
+            raise ValueError(
+                "on NCCL pipeline messages travel over one group per direction of each pair "
+                "of ranks: pass channels=make_channels(...) (megapp.pipeline_parallel."
+                "channels), as initialize_model_parallel() does on NCCL"
+            )
+        # header sends not waited for yet, with the buffers they read
         self.header_sends: list[tuple[dist.Work, torch.Tensor]] = []
 
     def global_rank(self, group_rank: int) -> int:
@@ -142,7 +170,8 @@ class Transport:
 
     @property
     def meta_group(self) -> dist.ProcessGroup:
-        """A group over the same ranks with its own channels, for headers only.
+        """Without channels, a group over the same ranks with its own channels, for
+        headers only.
 
         For a pipeline group smaller than the world that is the world group;
         when the pipeline is the whole world, a twin of it made once per process
@@ -154,7 +183,8 @@ class Transport:
 
     def prepare(self) -> None:
         """Create what header negotiation needs; call on every pipeline rank together."""
-        self.meta_group  # noqa: B018 (creates the twin group now, not mid-schedule)
+        if self.channels is None:
+            self.meta_group  # noqa: B018 (creates the twin group now, not mid-schedule)
 
     @functools.cached_property
     def backend(self) -> str | None:
@@ -164,32 +194,6 @@ class Transport:
         return dist.get_backend(self.group if self.group is not None else dist.group.WORLD)
 
     @property
-    def posts_batches(self) -> bool:
-        """Whether a step's messages go out as one ``batch_isend_irecv`` (one NCCL group).
-
-        On NCCL a lone send posted while the peer is itself sending would deadlock, so
-        both directions are posted in one group. gloo has no groups to form: each message
-        is posted on its own, in the batch's order, which costs half of
-        ``batch_isend_irecv``'s bookkeeping.
-        """
-        return self.backend != "gloo"
-
-    @property
-    def posts_receives_early(self) -> bool:
-        """Whether the runner posts a step's receives while the step before it finishes.
-
-        gloo writes a message only once its receiver has posted the receive (the receiver
-        notifies the sender, then the data follows), so a receive posted just before it is
-        needed puts that round trip on the critical path; posted a step early, the
-        notification crosses while this rank computes. Sends and receives of either
-        direction queue separately and posting never blocks, and receives on each channel
-        keep their order, so FIFO matching is unchanged. On NCCL a lone receive would hold
-        the pair's stream and block the sends posted after it, so receives stay in their
-        step's batch there.
-        """
-        return self.backend == "gloo"
-
-    @property
     def sends_report_completion(self) -> bool:
         """Whether a send's request says it is complete before anyone waits for it.
 
@@ -197,49 +201,46 @@ class Transport:
         that a send is done from the plan
         (:func:`~megapp.pipeline_parallel.messages.delivered_sends`), not by polling it.
         """
-        return self.backend != "gloo"
+        return self.backend != "gloo" or self.strict
+
+    def _group(self, src: int, dst: int, header: bool) -> dist.ProcessGroup | None:
+        """The group carrying a message from global rank ``src`` to ``dst``."""
+        if self.channels is not None:
+            return self.channels.group(src, dst, header=header)
+        return self.meta_group if header else self.group
 
     def post(
         self,
         sends: Sequence[tuple[int, Sequence[torch.Tensor]]],
         recvs: Sequence[tuple[int, Sequence[TensorSpec]]],
-        group: dist.ProcessGroup | None = None,
+        *,
+        header: bool = False,
     ) -> Posted:
-        """Post sends of each ``(peer, tensors)`` and receives of each ``(peer, specs)`` as
-        one batch (see :attr:`posts_batches`), in that order; peers are ranks within the
-        pipeline group."""
-        group = group or self.group
+        """Post sends of each ``(peer, tensors)`` and receives of each ``(peer, specs)``,
+        each on its own, in that order; peers are ranks within the pipeline group.
+        ``header``: these are shape headers, on the headers' groups."""
+        me = dist.get_rank()
         ops, received = [], []
         for peer, tensors in sends:
-            ops += [dist.P2POp(dist.isend, t, self.global_rank(peer), group) for t in tensors]
+            to = self.global_rank(peer)
+            group = self._group(me, to, header)
+            ops += [dist.P2POp(dist.isend, t, to, group) for t in tensors]
         num_sends = len(ops)
         for peer, specs in recvs:
+            src = self.global_rank(peer)
+            group = self._group(src, me, header)
             buffers = [torch.empty(s.shape, dtype=s.dtype, device=self.device) for s in specs]
-            ops += [dist.P2POp(dist.irecv, b, self.global_rank(peer), group) for b in buffers]
+            ops += [dist.P2POp(dist.irecv, b, src, group) for b in buffers]
             received.append(buffers)
-        if not ops:
-            requests = []
-        elif self.posts_batches:
-            requests = dist.batch_isend_irecv(ops)
-        else:  # one by one, in this order
+        if self.strict:
+            requests = strict_p2p.post(ops)
+        else:
             requests = [op.op(op.tensor, op.peer, op.group) for op in ops]
         per_send, start = [], 0
         for _, tensors in sends:
             per_send.append(requests[start : start + len(tensors)])
             start += len(tensors)
         return Posted(received, per_send, requests[num_sends:])
-
-    def exchange(
-        self,
-        sends: Sequence[tuple[int, Sequence[torch.Tensor]]],
-        recvs: Sequence[tuple[int, Sequence[TensorSpec]]],
-        group: dist.ProcessGroup | None = None,
-    ) -> list[list[torch.Tensor]]:
-        """:meth:`post` one batch and wait for all of it; returns the received tensors, one
-        list per entry of ``recvs``."""
-        posted = self.post(sends, recvs, group)
-        self.timed_wait([r for requests in posted.sends for r in requests] + posted.recvs)
-        return posted.received
 
     def timed_wait(self, requests: Sequence[dist.Work]) -> None:
         """:meth:`wait`, reported to ``on_wait`` as one wait of the timeline."""
@@ -262,22 +263,17 @@ class Transport:
     ) -> list[tuple[TensorSpec, ...]]:
         """Negotiate activation shapes: one header per send, one per receive.
 
-        Only the receives are waited for where sends finish in the background (gloo), as
-        for the data, so negotiating shapes adds no wait for a peer that is not there
-        yet; :meth:`finish_headers` waits for the sends at the end of the iteration.
+        Only the receives are waited for, as for the data, so negotiating shapes adds no
+        wait for a peer that is not there yet; :meth:`finish_headers` waits for the sends
+        at the end of the iteration.
         """
         headers = [(peer, [encode_header(specs).to(self.device)]) for peer, specs in sends]
         template = [TensorSpec((_HEADER_LEN,), torch.int64)]
-        recvs = [(p, template) for p in recv_peers]
-        if self.posts_batches:
-            received = self.exchange(headers, recvs, self.meta_group)
-        else:
-            posted = self.post(headers, recvs, self.meta_group)
-            for (_, buffers), requests in zip(headers, posted.sends, strict=True):
-                self.header_sends += [(r, buffers[0]) for r in requests]
-            self.timed_wait(posted.recvs)
-            received = posted.received
-        return [decode_header(buffers[0].cpu()) for buffers in received]
+        posted = self.post(headers, [(p, template) for p in recv_peers], header=True)
+        for (_, buffers), requests in zip(headers, posted.sends, strict=True):
+            self.header_sends += [(r, buffers[0]) for r in requests]
+        self.timed_wait(posted.recvs)
+        return [decode_header(buffers[0].cpu()) for buffers in posted.received]
 
     def finish_headers(self) -> None:
         """Wait for the header sends still in flight."""

@@ -7,8 +7,7 @@ one schedule. Its messages have three jobs, here:
 - :class:`StageRunner` posts each step's sends and receives and waits for the
   receives (:class:`~megapp.pipeline_parallel.p2p.ActivationShapes` says what
   each receive holds, negotiating headers when shapes are not declared);
-- :class:`EarlyReceives` posts the next step's receives ahead of it where the
-  transport wants that (gloo);
+- :class:`EarlyReceives` posts the next step's receives ahead of it;
 - :class:`InFlightSends` finishes sends once they are done and frees their
   activations' storage.
 
@@ -117,7 +116,7 @@ class StageRunner:
             before = f"before {step.action}" if step.action else "at the end of the iteration"
             what = [f"send of the {m}" for m in step.sends]
             what += [f"receive of the {m}" for m in step.recvs]
-            if upcoming is not None and self.early.enabled:
+            if upcoming is not None:
                 what += [f"receive of the {m} (posted ahead)" for m in upcoming.recvs]
             raise self._failure(f"{before} failed waiting for: {'; '.join(what)}", err) from err
         finally:
@@ -127,21 +126,15 @@ class StageRunner:
         outgoing = [self.compute.outbox.pop(m) for m in step.sends]
         peers = [peer_of(m, self.pp_rank) for m in step.sends]
         sends = [(peer, o.tensors) for peer, o in zip(peers, outgoing, strict=True)]
-        # Where sends finish in the background (gloo) the data goes out before this step
-        # waits for anything, headers included: a peer that needs it first is never held
-        # up by what this rank still waits for.
-        early_sends = None if self.transport.posts_batches else self.transport.post(sends, [])
+        # The data goes out before this step waits for anything, headers included: a peer
+        # that needs it first is never held up by what this rank still waits for.
+        send_requests = self.transport.post(sends, []).sends
         specs = self.shapes.for_step(step, [o.tensors for o in outgoing])  # also sends headers
-        remaining = sends if early_sends is None else []
         receives = self.early.take()
-        if receives is not None:  # this step's receives went out with the previous step
-            posted = self.transport.post(remaining, [])
-        else:
+        if receives is None:  # this step's receives did not go out with the previous step
             sources = [peer_of(m, self.pp_rank) for m in step.recvs]
-            receives = self.transport.post(remaining, list(zip(sources, specs, strict=True)))
-            posted = receives
+            receives = self.transport.post([], list(zip(sources, specs, strict=True)))
         self.early.post_ahead(upcoming)
-        send_requests = (early_sends or posted).sends
         for msg, out, requests in zip(step.sends, outgoing, send_requests, strict=True):
             self.sends.add(msg, requests, out.droppable)
         # Only the receives are waited for: a late peer then delays just the action that
@@ -174,16 +167,18 @@ class StageRunner:
 class EarlyReceives:
     """The next step's receives, posted one step ahead of the step that needs them.
 
-    Where the transport asks for it (on gloo, where a receive posted just before it
-    is needed puts the receiver's "ready" round trip on the critical path; see
-    ``Transport.posts_receives_early``) the runner posts the next step's receives
-    while finishing the current one. Only receives whose shapes are known a step
-    ahead go early: gradients whose forward has run, and activations when their
-    shapes are declared; negotiated activations wait for their headers.
+    gloo writes a message only once its receiver has posted the receive (the receiver
+    notifies the sender, then the data follows), so a receive posted just before it is
+    needed puts that round trip on the critical path; posted a step early, the
+    notification crosses while this rank computes, and an NCCL receive is queued on its
+    stream before the send arrives. Receives on each channel keep their order, so FIFO
+    matching is unchanged, and on NCCL a receive posted early only queues behind earlier
+    receives of the same direction. Only receives whose shapes are known a step ahead
+    go early: gradients whose forward has run, and activations when their shapes are
+    declared; negotiated activations wait for their headers.
 
     Args:
-        transport: posts the receives; they go early only where it
-            :attr:`~megapp.pipeline_parallel.p2p.Transport.posts_receives_early`.
+        transport: posts the receives.
         shapes: says which receives' shapes are known ahead.
         pp_rank: this rank in the pipeline group.
     """
@@ -192,7 +187,6 @@ class EarlyReceives:
         self.transport = transport
         self.shapes = shapes
         self.pp_rank = pp_rank
-        self.enabled = transport.posts_receives_early
         self.posted: Posted | None = None
 
     def take(self) -> Posted | None:
@@ -202,9 +196,9 @@ class EarlyReceives:
         return posted
 
     def post_ahead(self, upcoming: Step | None) -> None:
-        """Post the receives of ``upcoming`` (the step after the current one) now, if this
-        transport posts early and their shapes are known."""
-        if not self.enabled or upcoming is None or not upcoming.recvs:
+        """Post the receives of ``upcoming`` (the step after the current one) now, if their
+        shapes are known."""
+        if upcoming is None or not upcoming.recvs:
             return
         specs = self.shapes.ahead(upcoming)
         if specs is not None:
@@ -240,7 +234,8 @@ class InFlightSends:
     def release(self, delivered: Sequence[Message]) -> None:
         """Finish the sends of ``delivered`` (proven so by the plan) and those that report
         completion, freeing their droppable tensors' storage."""
-        done = list(delivered)
+        # a send that reported completion earlier is finished already
+        done = [m for m in delivered if m in self.pending]
         if self.transport.sends_report_completion:
             done += [
                 m

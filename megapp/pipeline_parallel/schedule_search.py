@@ -12,7 +12,7 @@ simulates every candidate and keeps the shortest iteration:
 The list scheduler adapts the order to the costs (a slow last stage, a cheap ``W``),
 which the textbook schedules, built for equal stages, cannot. The winner is validated
 like any other schedule (its communication plan, FIFO order and a deadlock-free
-simulation) and runs on the same engine.
+simulation) and runs on the same engine, on gloo or NCCL.
 """
 
 from __future__ import annotations
@@ -108,12 +108,12 @@ def search_schedule(
     it): looped with ``v`` chunks per rank, or the V with two. ``memory_limit`` caps the
     activations each rank may hold at once, in the units of ``costs.activation``
     (default: what the placement's 1F1B-style schedule holds at most). The simulation
-    lets sends finish in the background, as the engine runs on gloo.
+    follows ``costs.rules``; the engine's posting gives the same timeline on gloo and
+    NCCL.
     """
     p, m, v = num_stages, num_microbatches, num_chunks
     if v_shape and v != 2:
         raise ValueError(f"the V placement takes two chunks per rank, got num_chunks={v}")
-    eager = replace(costs, blocking_sends=False)
     placement = v_placement(p) if v_shape else looped_placement(p, v)
     candidates: list[tuple[str, Schedule]] = []
     for name, kind in SCHEDULE_KINDS.items():
@@ -126,11 +126,11 @@ def search_schedule(
     if memory_limit is None:
         reference = "zb-v" if v_shape else default_schedule(v)
         base = dict(candidates).get(reference) or candidates[0][1]
-        memory_limit = max(simulate(base, eager).peak_in_flight)
+        memory_limit = max(simulate(base, costs).peak_in_flight)
     limit = (
         [float(memory_limit)] * p if isinstance(memory_limit, int | float) else list(memory_limit)
     )
-    sizes = sorted({eager.memory(r, Action(Op.FORWARD, 0, c)) for r in range(p) for c in range(v)})
+    sizes = sorted({costs.memory(r, Action(Op.FORWARD, 0, c)) for r in range(p) for c in range(v)})
     step = sizes[-1]
     caps = [k * step for k in range(1, m * v + 1) if k * step <= max(limit) + 1e-9]
     for split in (True, False):
@@ -138,7 +138,7 @@ def search_schedule(
             label = f"greedy({'split' if split else 'whole'}, cap {cap:g})"
             try:
                 schedule = greedy(
-                    "auto", p, m, v, placement, [min(cap, c) for c in limit], eager, split
+                    "auto", p, m, v, placement, [min(cap, c) for c in limit], costs, split
                 )
             except ValueError:
                 continue  # too tight for any forward to run
@@ -147,7 +147,7 @@ def search_schedule(
     for label, schedule in candidates:
         try:
             communication_plan(schedule)
-            timeline = simulate(schedule, eager)
+            timeline = simulate(schedule, costs)
         except ScheduleError:
             continue
         if _fits(timeline, limit):

@@ -284,6 +284,32 @@ def one_f_one_b(num_stages: int, num_microbatches: int, num_chunks: int = 1) -> 
     return Schedule("1f1b", num_stages, m, 1, per_rank, warmup)
 
 
+def interleaved_order(
+    name: str, p: int, m: int, v: int, group_size: int | None = None
+) -> tuple[int, list[tuple[int, int]]]:
+    """The group size ``g`` and a rank's forward order ``(microbatch, chunk)`` of an
+    interleaved schedule: chunk 0 for microbatches 0..g-1, chunk 1 for the same group,
+    ..., then the next group; the last group takes whatever remains. ``g`` defaults to
+    the smallest size from ``p`` up that divides ``m`` or leaves a last group of at least
+    ``p`` (a smaller one would stall the pipeline)."""
+    g = group_size or next(k for k in range(p, m + 1) if m % k == 0 or m % k >= p)
+    if not p <= g <= m:
+        raise ValueError(
+            f"the microbatch group size of {name} must lie between the pipeline "
+            f"size {p} and the number of microbatches {m}, got {g}"
+        )
+    if 0 < m % g < p:
+        raise MicrobatchCountError(
+            f"{name} with {m} microbatches in groups of {g} leaves a last group of "
+            f"{m % g}, fewer than the {p} pipeline stages, which stalls the pipeline; "
+            f"choose a group size that divides {m} or leaves at least {p}"
+        )
+    order = []
+    for first in range(0, m, g):
+        order += [(mb, c) for c in range(v) for mb in range(first, min(first + g, m))]
+    return g, order
+
+
 def interleaved_1f1b(
     num_stages: int, num_microbatches: int, num_chunks: int = 2, group_size: int | None = None
 ) -> Schedule:
@@ -318,21 +344,7 @@ def interleaved_1f1b(
             f"interleaved-1f1b needs at least as many microbatches as pipeline stages "
             f"({p}), got {m}"
         )
-    g = group_size or next(k for k in range(p, m + 1) if m % k == 0 or m % k >= p)
-    if not p <= g <= m:
-        raise ValueError(
-            f"the microbatch group size of interleaved-1f1b must lie between the pipeline "
-            f"size {p} and the number of microbatches {m}, got {g}"
-        )
-    if 0 < m % g < p:
-        raise MicrobatchCountError(
-            f"interleaved-1f1b with {m} microbatches in groups of {g} leaves a last group of "
-            f"{m % g}, fewer than the {p} pipeline stages, which stalls the pipeline; "
-            f"choose a group size that divides {m} or leaves at least {p}"
-        )
-    order = []  # (microbatch, chunk) in a rank's forward order
-    for first in range(0, m, g):
-        order += [(mb, c) for c in range(v) for mb in range(first, min(first + g, m))]
+    g, order = interleaved_order("interleaved-1f1b", p, m, v, group_size)
     forwards = [Action(Op.FORWARD, mb, c) for mb, c in order]
     backwards = [Action(Op.BACKWARD, mb, v - 1 - c) for mb, c in order]
     total = m * v

@@ -2,20 +2,19 @@
 
 The simulator walks every rank's plan (:mod:`megapp.pipeline_parallel.messages`):
 a rank posts a step's sends and receives when it reaches the step, and the
-step's action starts once every receive of the step has met its send, plus
-``p2p_latency`` from the later of the two postings. With
-``CostModel.blocking_sends`` (the default) the step also waits for its sends to
-meet their receives, as a batch of messages on NCCL completes as one: a plan
-that completes then cannot deadlock on any transport. Without it, sends finish
-in the background, as on gloo, where the engine waits only for receives; that
-is the mode that predicts the engine's timings there. Header negotiation and
-the engine's own cost per message are not modelled.
+step's action starts once what the rank waits for has completed under the
+transport's rules (:class:`~megapp.pipeline_parallel.network.Rules`, default
+``NCCL``: the engine's posting on NCCL, where a send finishes on its own
+stream and a rank waits for its receives). A message completes ``p2p_latency``
+after both of its operations are running. Header negotiation and the engine's
+own cost per message are not modelled.
 
 It returns every rank's timeline, the makespan, the bubble fraction and the
 peak activations each rank holds (forwards whose backward has not run, with a
 split backward's ``W`` holding ``weight_grad_memory`` of them). A schedule
-whose ranks would wait on each other forever raises :class:`ScheduleError`
-naming what each stuck rank waits for.
+whose ranks would wait on each other forever, or whose messages would never
+all complete, raises :class:`ScheduleError` naming what each stuck rank waits
+for.
 """
 
 from __future__ import annotations
@@ -23,7 +22,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from megapp.pipeline_parallel.messages import Message, ScheduleError, communication_plan
+from megapp.pipeline_parallel.messages import ScheduleError, communication_plan
+from megapp.pipeline_parallel.network import Network, Rules
 from megapp.pipeline_parallel.schedules import Action, Op, Schedule
 
 
@@ -44,9 +44,8 @@ class CostModel:
     ``update`` is the time of an optimizer step ``U`` of the asynchronous schedules (a
     number, or one per rank).
 
-    ``blocking_sends``: a step waits until its sends have met their receives too
-    (NCCL, where a batch of messages completes as one); False models sends that
-    finish in the background (gloo), as the engine runs there.
+    ``rules``: the transport's point-to-point rules and the engine's way of posting
+    under them (:class:`~megapp.pipeline_parallel.network.Rules`).
     """
 
     forward: float | Sequence[Sequence[float]] = 1.0
@@ -55,7 +54,7 @@ class CostModel:
     input_grad: float | Sequence[Sequence[float]] | None = None
     weight_grad: float | Sequence[Sequence[float]] | None = None
     weight_grad_memory: float = 1.0
-    blocking_sends: bool = True
+    rules: Rules = Rules.NCCL
     activation: float | Sequence[Sequence[float]] = 1.0
     update: float | Sequence[float] = 0.0
 
@@ -125,28 +124,17 @@ class Timeline:
 
 
 def simulate(schedule: Schedule, costs: CostModel | None = None) -> Timeline:
-    """Timeline of ``schedule`` under ``costs`` (default: forward 1, backward 2, no latency)."""
+    """Timeline of ``schedule`` under ``costs`` (default: forward 1, backward 2, no latency,
+    NCCL's rules)."""
     costs = costs or CostModel()
     plan = communication_plan(schedule)
     p = schedule.num_stages
-    posted: dict[tuple[str, Message], float] = {}  # ("send" | "recv", message) -> time
+    network = Network(costs.rules, costs.p2p_latency)
     clock = [0.0] * p
     cursor = [0] * p
     is_posted = [False] * p
     in_flight, peak = [0.0] * p, [0.0] * p
     timeline = Timeline(schedule)
-
-    def peer_times(step) -> list[float] | None:
-        times = []
-        for msg in step.sends if costs.blocking_sends else ():
-            if ("recv", msg) not in posted:
-                return None
-            times.append(max(posted[("recv", msg)], posted[("send", msg)]))
-        for msg in step.recvs:
-            if ("send", msg) not in posted:
-                return None
-            times.append(max(posted[("send", msg)], posted[("recv", msg)]))
-        return times
 
     progress = True
     while progress:
@@ -155,15 +143,12 @@ def simulate(schedule: Schedule, costs: CostModel | None = None) -> Timeline:
             while cursor[rank] < len(plan[rank]):
                 step = plan[rank][cursor[rank]]
                 if not is_posted[rank]:
-                    for msg in step.sends:
-                        posted[("send", msg)] = clock[rank]
-                    for msg in step.recvs:
-                        posted[("recv", msg)] = clock[rank]
+                    network.post(rank, step, clock[rank])
                     is_posted[rank] = True
-                times = peer_times(step)
-                if times is None:
-                    break  # a peer has not posted its side yet
-                ready = max([clock[rank], *(t + costs.p2p_latency for t in times)])
+                done = network.ready_at(step)
+                if done is None:
+                    break  # what this rank waits for has not completed yet
+                ready = max(clock[rank], done)
                 if ready > clock[rank]:
                     timeline.events.append(Event(rank, "wait", "p2p", clock[rank], ready))
                 clock[rank] = ready
@@ -181,14 +166,23 @@ def simulate(schedule: Schedule, costs: CostModel | None = None) -> Timeline:
                 progress = True
 
     stuck = [r for r in range(p) if cursor[r] < len(plan[r])]
-    if stuck:
+    if stuck or network.unfinished():
         lines = []
         for rank in stuck:
             step = plan[rank][cursor[rank]]
-            waits = [f"send of the {m}" for m in step.sends if ("recv", m) not in posted]
-            waits += [f"receive of the {m}" for m in step.recvs if ("send", m) not in posted]
+            waits = [
+                f"{side} of the {message} ({network.blocking(unit)})"
+                for unit in network.waits(step)
+                if unit.done is None
+                for side, message in unit.ops
+            ]
             before = f"before {step.action}" if step.action else "at the end"
             lines.append(f"  rank {rank} {before} waits for: {'; '.join(waits)}")
-        raise ScheduleError(f"{schedule.name} deadlocks:\n" + "\n".join(lines))
+        for unit in network.unfinished() if not stuck else ():
+            ops = "; ".join(f"{side} of the {message}" for side, message in unit.ops)
+            lines.append(f"  rank {unit.rank}'s {ops} never completes ({network.blocking(unit)})")
+        raise ScheduleError(
+            f"{schedule.name} deadlocks under {costs.rules.value}'s rules:\n" + "\n".join(lines)
+        )
     timeline.peak_in_flight = [int(x) if float(x).is_integer() else x for x in peak]
     return timeline

@@ -31,6 +31,7 @@ from megapp.pipeline_parallel.schedules import (
     Op,
     Schedule,
     check_sizes,
+    interleaved_order,
     looped_placement,
     v_placement,
 )
@@ -166,7 +167,8 @@ def zb_h1(num_stages: int, num_microbatches: int, num_chunks: int = 1) -> Schedu
     """ZB-H1: 1F1B (interleaved 1F1B with several chunks) with every backward split and
     each rank's weight gradients held back to fill its drain.
 
-    Microbatches go through the chunks in rounds of ``g = m / ⌊m / p⌋`` (at least ``p``).
+    Microbatches go through the chunks in groups of ``g`` as in interleaved 1F1B
+    (:func:`~megapp.pipeline_parallel.schedules.interleaved_order`).
     Rank ``r`` runs ``(v - 1) g + p - 1 - r`` warmup forwards, then steady (F, I) pairs,
     each followed by the oldest pending ``W`` once ``r`` pairs have run, then the
     remaining input gradients, each with a ``W``, then the rest of the ``W``. It holds
@@ -176,19 +178,27 @@ def zb_h1(num_stages: int, num_microbatches: int, num_chunks: int = 1) -> Schedu
     """
     check_sizes(num_stages, num_microbatches, num_chunks)
     p, m, v = num_stages, num_microbatches, num_chunks
-    per_round = m // max(1, m // p)
+    if v == 1:
+        g, order = m, [(mb, 0) for mb in range(m)]
+    else:
+        if m < p:
+            raise MicrobatchCountError(
+                f"zb-h1 with {v} chunks needs at least as many microbatches as pipeline "
+                f"stages ({p}), got {m}"
+            )
+        g, order = interleaved_order("zb-h1", p, m, v)
     total = m * v
     per_rank = []
     for r in range(p):
-        warmup = min((v - 1) * per_round + p - 1 - r, total)
+        warmup = min((v - 1) * g + p - 1 - r, total)
         c = _Counter()
 
         for k in range(warmup):
-            c.add(F, (k // per_round) % v)
+            c.add(F, order[k][1])
         for k in range(warmup, total + warmup):
             if k < total:
-                c.add(F, (k // per_round) % v)
-            c.add(I, v - 1 - ((k - warmup) // per_round) % v)
+                c.add(F, order[k][1])
+            c.add(I, v - 1 - order[k - warmup][1])
             if k - warmup >= r:
                 c.add_weight()
         while c.weights:

@@ -65,9 +65,11 @@ class Hardware:
     step_overhead: float = 0.0  # fixed time per iteration outside the pipeline
     usable_fraction: float = 0.9  # share of memory_bytes a job may fill
     overlap_communication: bool = True  # collectives run beside compute (NCCL streams)
-    sends_finish_in_background: bool = False  # gloo; NCCL completes a batch of sends as one
+    transport: str = "nccl"  # point-to-point rules of the pipeline's messages: nccl or gloo
 
     def __post_init__(self) -> None:
+        if self.transport not in ("nccl", "gloo"):
+            raise ValueError(f"hardware {self.name!r}: transport must be nccl or gloo")
         for name in ("gemm_flops", "memory_bytes", "memory_bandwidth"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"hardware {self.name!r}: {name} must be > 0")

@@ -48,6 +48,7 @@ import torch
 
 from megapp.models.gpt import GPTConfig
 from megapp.pipeline_parallel.catalog import asynchronous_run
+from megapp.pipeline_parallel.network import Rules
 from megapp.pipeline_parallel.partition import split_layers
 from megapp.pipeline_parallel.schedules import Schedule
 from megapp.pipeline_parallel.simulate import CostModel, Timeline, simulate
@@ -332,7 +333,7 @@ def cost_model(costs: ActionCosts, hardware: Hardware) -> CostModel:
         input_grad=costs.input_grad,
         weight_grad=costs.weight_grad,
         p2p_latency=costs.p2p,
-        blocking_sends=not hardware.sends_finish_in_background,
+        rules=Rules(hardware.transport),
         update=costs.tail,
     )
 

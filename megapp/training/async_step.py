@@ -101,6 +101,7 @@ def train_run(
         m * iterations,
         schedule=run,
         pp_group=groups.pp,
+        channels=groups.pp_channels,
         tensor_shapes=tensor_shapes,
         hooks=hooks,
         record=record,

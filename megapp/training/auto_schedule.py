@@ -39,7 +39,7 @@ def choose_schedule(
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine)
     every = [e for rank_events in gathered for e in rank_events]
-    costs = costs_from_events(probe, every, blocking_sends=False)
+    costs = costs_from_events(probe, every)
     result = search_schedule(
         probe.num_stages, probe.num_microbatches, costs, num_chunks=probe.num_chunks
     )

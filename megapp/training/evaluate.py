@@ -50,6 +50,7 @@ def evaluate(
                 num_microbatches,
                 schedule=schedule,
                 pp_group=groups.pp,
+                channels=groups.pp_channels,
                 forward_only=True,
                 tensor_shapes=tensor_shapes,
             )

@@ -132,6 +132,7 @@ def initialize_distributed(config: PretrainConfig) -> torch.device:
             parallel.pipeline_model_parallel_size,
             config.virtual_pipeline_model_parallel_size,
             timeout=timeout,
+            strict_p2p=parallel.strict_p2p,
         )
     groups = TrainGroups.from_parallel_state()
     model_parallel_manual_seed(config.training.seed, comm.rank(groups.tp), comm.rank(groups.pp))

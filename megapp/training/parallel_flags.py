@@ -66,6 +66,12 @@ class ParallelArgs:
     distributed_backend: str | None = arg(
         None, "default: nccl when CUDA is available, else gloo", choices=("nccl", "gloo")
     )
+    strict_p2p: bool = arg(
+        False,
+        "gloo: run the pipeline's messages under NCCL's point-to-point rules (a "
+        "communicator's operations one at a time in posting order, a send done once its "
+        "receive runs), so a schedule that would deadlock on GPUs deadlocks here too",
+    )
     distributed_timeout_minutes: float = arg(
         10.0, "how long a collective waits for a dead or stuck rank before the job fails"
     )

@@ -86,6 +86,7 @@ def train_step(
         num_microbatches,
         schedule=schedule,
         pp_group=groups.pp,
+        channels=groups.pp_channels,
         tensor_shapes=tensor_shapes,
         hooks=hooks,
         record=record,

@@ -3,6 +3,7 @@
     python tools/benchmarks/bench_pipeline.py                       # spawns 4 gloo ranks itself
     torchrun --nproc-per-node 4 tools/benchmarks/bench_pipeline.py  # the same under torchrun
     python tools/benchmarks/bench_pipeline.py --timeline docs/img   # also timelines, traces
+    python tools/benchmarks/bench_pipeline.py --strict-p2p          # megapp under NCCL's rules
 
 The model chunks sleep ``tf / v`` in their forward, ``(tb - tw) / v`` in their input
 gradient and ``tw / v`` in their weight gradient (``pipeline_sleep.py``), so the
@@ -110,7 +111,6 @@ def nominal_costs(cfg: Config, p: int, latency: float) -> CostModel:
         input_grad=table(cfg.tb - cfg.tw),
         weight_grad=table(cfg.tw),
         p2p_latency=latency,
-        blocking_sends=False,
     )
 
 
@@ -123,7 +123,7 @@ def searched_schedule(cfg: Config, args, latency: float) -> tuple[Schedule, str]
     run()
     recorded = build_schedule("zb-h1", dist.get_world_size(), cfg.m, cfg.v)
     events = _gathered_events(run(record=True))
-    costs = costs_from_events(recorded, events, p2p_latency=latency, blocking_sends=False)
+    costs = costs_from_events(recorded, events, p2p_latency=latency)
     limit = args.auto_memory_limit
     result = search_schedule(dist.get_world_size(), cfg.m, costs, num_chunks=cfg.v,
                              memory_limit=limit)  # fmt: skip
@@ -150,9 +150,12 @@ def bench(cfg: Config, args, latency: float, iters: int, warmup: int, negotiated
     nominal = simulate(schedule, nominal_costs(cfg, p, latency))
     row.simulated, row.bubble = nominal.makespan / k, nominal.bubble_fraction
     row.peak = max(nominal.peak_in_flight)
-    runs = {"megapp": megapp_runner(cfg, size, hidden, schedule=schedule)}
+    strict = args.strict_p2p
+    runs = {"megapp": megapp_runner(cfg, size, hidden, schedule=schedule, strict_p2p=strict)}
     if negotiated:
-        runs["negotiated"] = megapp_runner(cfg, size, hidden, declared=False, schedule=schedule)
+        runs["negotiated"] = megapp_runner(
+            cfg, size, hidden, declared=False, schedule=schedule, strict_p2p=strict
+        )
     if not args.no_torch and cfg.schedule in TORCH_SCHEDULES:
         try:
             runs["torch"] = torch_runner(cfg, size, hidden)
@@ -166,7 +169,7 @@ def bench(cfg: Config, args, latency: float, iters: int, warmup: int, negotiated
     _, recorded = iteration(runs["megapp"], record=True)
     events = _gathered_events(recorded)
     row.forward_s, row.backward_s = _mean_times(events)
-    measured = costs_from_events(schedule, events, p2p_latency=latency, blocking_sends=False)
+    measured = costs_from_events(schedule, events, p2p_latency=latency)
     row.simulated_measured = simulate(schedule, measured).makespan / k
     return row
 
@@ -180,7 +183,7 @@ def record_timeline(cfg: Config, args, latency: float) -> tuple[list, list]:
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, run(record=True).events)
     events = [e for rank_events in gathered for e in rank_events]
-    costs = costs_from_events(schedule, events, p2p_latency=latency, blocking_sends=False)
+    costs = costs_from_events(schedule, events, p2p_latency=latency)
     return simulate(schedule, costs).events, events
 
 
@@ -257,6 +260,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="first",
         help="also time megapp with negotiated shapes in sleep mode: never, for the first\n"
         "--microbatches value, or always (zero-compute mode always does)",
+    )
+    parser.add_argument(
+        "--strict-p2p",
+        action="store_true",
+        help="megapp's messages under NCCL's point-to-point rules (strict gloo channels)",
     )
     parser.add_argument("--no-sleep", action="store_true", help="skip sleep mode")
     parser.add_argument("--no-zero", action="store_true", help="skip zero-compute mode")

@@ -33,6 +33,7 @@ from megapp.pipeline_parallel import (
     forward_backward,
 )
 from megapp.pipeline_parallel.catalog import SCHEDULE_KINDS
+from megapp.pipeline_parallel.channels import Channels, make_channels
 from megapp.pipeline_parallel.schedules import Schedule
 
 TORCH_SCHEDULES = {
@@ -190,8 +191,12 @@ def megapp_runner(
     hidden: int,
     declared: bool = True,
     schedule: Schedule | None = None,
+    strict_p2p: bool = False,
 ) -> Callable[..., object]:
     """``run(record)``: one megapp iteration on this rank, returning its PipelineResult.
+
+    ``strict_p2p``: the messages travel over strict channels, under NCCL's rules
+    (:mod:`megapp.pipeline_parallel.strict_p2p`); made once, by every rank together.
 
     ``declared`` passes the activation shape as ``tensor_shapes``; otherwise the engine
     negotiates shapes per message (its default). ``schedule`` replaces ``cfg.schedule``'s
@@ -206,6 +211,7 @@ def megapp_runner(
         schedule = schedule or build_schedule(cfg.schedule, p, cfg.m, iterations=cfg.iterations)
     hooks = PipelineHooks(update=lambda step: None) if cfg.asynchronous else None
     stash = WeightStash()
+    channels = strict_channels() if strict_p2p else None
 
     def run(record: bool = False):
         return forward_backward(
@@ -218,9 +224,20 @@ def megapp_runner(
             record=record,
             hooks=hooks,
             weight_stash=stash,
+            channels=channels,
         )
 
     return run
+
+
+_STRICT: list[Channels] = []
+
+
+def strict_channels() -> Channels:
+    """The whole world's pipeline as strict channels, made on first use (collective)."""
+    if not _STRICT:
+        _STRICT.append(make_channels([list(range(dist.get_world_size()))], strict=True))
+    return _STRICT[0]
 
 
 def torch_runner(cfg: Config, micro_batch_size: int, hidden: int) -> Callable[..., object]:

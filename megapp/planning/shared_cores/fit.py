@@ -216,7 +216,7 @@ def fit_own_cores(
         layer_overhead=coef["layers"],
         action_overhead=coef["action"],
         overlap_communication=False,
-        sends_finish_in_background=True,
+        transport="gloo",
     )
     per_byte = _fit_tail_bandwidth(measurements, hardware)
     if per_byte > 0:  # the data-parallel reductions' bytes show the bandwidth best

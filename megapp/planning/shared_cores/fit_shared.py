@@ -93,7 +93,7 @@ def fit_shared_cores(
         memory_bytes=memory_bytes,
         gpus_per_node=world,
         overlap_communication=False,
-        sends_finish_in_background=True,
+        transport="gloo",
         gemm_flops=1.0 / coef["flops"] if coef["flops"] > 0 else 1e30,
         action_overhead=coef["action"],
         layer_overhead=coef["layers"],

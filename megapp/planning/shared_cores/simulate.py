@@ -26,6 +26,7 @@ import dataclasses
 from typing import Any
 
 from megapp.pipeline_parallel.messages import ScheduleError, Step, communication_plan
+from megapp.pipeline_parallel.network import Rules
 from megapp.pipeline_parallel.schedules import Schedule
 from megapp.pipeline_parallel.simulate import CostModel, Event, Timeline
 from megapp.planning.timing import ActionCosts
@@ -117,7 +118,8 @@ def simulate_shared(
                 for msg in step.recvs:
                     posted[("recv", msg)] = now
                 r.posted_at, r.state, changed = now, "waiting", True
-            waits = [("recv", m) for m in step.sends] if costs.blocking_sends else []
+            batched = costs.rules is Rules.NCCL_BATCHED
+            waits = [("recv", m) for m in step.sends] if batched else []
             waits += [("send", m) for m in step.recvs]
             if any(key not in posted for key in waits):
                 return changed
