@@ -38,6 +38,7 @@ __all__ = [
     "Pending",
     "all_gather_into",
     "all_reduce",
+    "all_to_all_into",
     "barrier",
     "blocked_seconds",
     "broadcast_object",
@@ -177,6 +178,14 @@ def reduce_scatter_into(
     """Sum ``x`` over ``group`` and leave this rank its slice (dimension 0) in ``out``."""
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     return _run("reduce-scatter", group, async_op, fn, out, x)
+
+
+def all_to_all_into(
+    out: torch.Tensor, x: torch.Tensor, group: Group, async_op: bool = False
+) -> Pending | None:
+    """Send ``x``'s i-th slice (dimension 0, in equal slices) to rank i of ``group`` and put
+    rank i's slice for this rank at ``out``'s i-th slice."""
+    return _run("all-to-all", group, async_op, dist.all_to_all_single, out, x)
 
 
 def barrier(group: Group = None) -> None:

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from megapp import comm
 from megapp.pipeline_parallel.channels import Channels, make_channels
-from megapp.process_grid import GROUP_NAMES, ProcessGrid
+from megapp.process_grid import CONTEXT_GROUPS, GROUP_NAMES, ProcessGrid
 
 # What errors (and NCCL's watchdog) call each kind of group.
 GROUP_DESCRIPTIONS = {
@@ -29,6 +29,9 @@ GROUP_DESCRIPTIONS = {
     "mp": "model-parallel",
     "embedding": "embedding",
     "position_embedding": "position-embedding",
+    "cp": "context-parallel",
+    "tp_cp": "tensor-and-context-parallel",
+    "dp_cp": "data-and-context-parallel",
 }
 
 __all__ = [
@@ -118,6 +121,8 @@ def initialize_model_parallel(
     if grid.vpp is not None:
         state.virtual_pipeline_rank = 0
     for name in GROUP_NAMES:
+        if grid.cp == 1 and name in CONTEXT_GROUPS:
+            continue  # a cp group of one rank; tp_cp and dp_cp equal tp and dp
         # Every rank creates every group, in the same order, as new_group requires.
         for members in grid.groups(name):
             group = comm.new_group(members, GROUP_DESCRIPTIONS[name], timeout)
@@ -320,15 +325,20 @@ def is_pipeline_last_stage(ignore_virtual: bool = False) -> bool:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Print the rank layout of a DP × TP × PP grid.")
+    parser = argparse.ArgumentParser(
+        description="Print the rank layout of a TP × CP × DP × PP grid."
+    )
     parser.add_argument("--world-size", type=int, required=True)
     parser.add_argument("--tp", "--tensor-model-parallel-size", type=int, default=1, dest="tp")
+    parser.add_argument("--cp", "--context-parallel-size", type=int, default=1, dest="cp")
     parser.add_argument("--pp", "--pipeline-model-parallel-size", type=int, default=1, dest="pp")
     parser.add_argument("--vpp", "--virtual-pipeline-model-parallel-size", type=int, dest="vpp")
-    parser.add_argument("--order", default="tp-dp-pp")
+    parser.add_argument("--order", default="tp-cp-dp-pp")
     args = parser.parse_args(argv)
     try:
-        grid = ProcessGrid(args.world_size, args.tp, args.pp, args.vpp, args.order)
+        grid = ProcessGrid(
+            args.world_size, args.tp, args.pp, args.vpp, args.order, context_parallel_size=args.cp
+        )
     except ValueError as err:
         parser.error(str(err))
     print(grid.describe())

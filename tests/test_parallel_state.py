@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from megapp import parallel_state as ps
-from megapp.process_grid import GROUP_NAMES
+from megapp.process_grid import CONTEXT_GROUPS, GROUP_NAMES
 from megapp.testing import distributed
 
 CASES = [
@@ -21,7 +21,10 @@ CASES = [
 def _check_layout(tp: int, pp: int, order: str = "tp-dp-pp", vpp: int | None = None) -> None:
     grid = ps.initialize_model_parallel(tp, pp, vpp, order=order)
     rank = dist.get_rank()
-    for name in GROUP_NAMES:
+    for name in CONTEXT_GROUPS:  # a layout without context parallelism makes no cp groups
+        with pytest.raises(RuntimeError, match=f"no '{name}' group"):
+            ps.get_group(name)
+    for name in (n for n in GROUP_NAMES if n not in CONTEXT_GROUPS):
         members = grid.group_of(name, rank)
         if not members:  # middle pipeline stages hold no embedding
             with pytest.raises(RuntimeError, match=f"no '{name}' group"):

@@ -1,11 +1,16 @@
-"""ProcessGrid: golden layouts written by hand, and properties over many layouts."""
+"""ProcessGrid: golden layouts written by hand, properties over many layouts, and every
+group against Megatron-Core's own rank generator."""
 
 import itertools
+import math
+import re
 import subprocess
 import sys
+import warnings
 
 import pytest
 
+from megapp import parallel_state
 from megapp.parallel_state import ProcessGrid
 from megapp.process_grid import GROUP_NAMES
 
@@ -37,8 +42,8 @@ def test_golden_16_ranks_tp2_pp4():
     assert grid.groups("mp") == [[0, 1, 4, 5, 8, 9, 12, 13], [2, 3, 6, 7, 10, 11, 14, 15]]
     assert grid.groups("embedding") == [[0, 12], [1, 13], [2, 14], [3, 15]]
     assert grid.groups("position_embedding") == [[0], [1], [2], [3]]
-    assert grid.coords(13) == {"tp": 1, "dp": 0, "pp": 3}
-    assert grid.rank(tp=1, dp=0, pp=3) == 13
+    assert grid.coords(13) == {"tp": 1, "cp": 0, "dp": 0, "pp": 3}
+    assert grid.rank(tp=1, cp=0, dp=0, pp=3) == 13
     assert grid.next_pipeline_rank(13) == 1  # last stage wraps to the first
     assert grid.prev_pipeline_rank(13) == 9
     assert grid.next_pipeline_rank(5) == 9
@@ -61,7 +66,7 @@ def test_golden_8_ranks_dp_fastest():
     assert grid.groups("dp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert grid.groups("tp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert grid.groups("pp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
-    assert grid.coords(6) == {"dp": 0, "tp": 1, "pp": 1}
+    assert grid.coords(6) == {"dp": 0, "tp": 1, "cp": 0, "pp": 1}
 
 
 def test_golden_no_pipeline():
@@ -73,48 +78,113 @@ def test_golden_no_pipeline():
     assert grid.is_first_stage(2) and grid.is_last_stage(2)
 
 
+def test_golden_16_ranks_tp2_cp2_pp2():
+    grid = ProcessGrid(16, 2, 2, context_parallel_size=2)
+    assert (grid.tp, grid.cp, grid.dp, grid.pp) == (2, 2, 2, 2)
+    assert grid.order == "tp-cp-dp-pp"
+    assert grid.groups("tp") == [[2 * i, 2 * i + 1] for i in range(8)]
+    assert grid.groups("cp") == [
+        [0, 2],
+        [1, 3],
+        [4, 6],
+        [5, 7],
+        [8, 10],
+        [9, 11],
+        [12, 14],
+        [13, 15],
+    ]
+    assert grid.groups("dp") == [
+        [0, 4],
+        [1, 5],
+        [2, 6],
+        [3, 7],
+        [8, 12],
+        [9, 13],
+        [10, 14],
+        [11, 15],
+    ]
+    assert grid.groups("pp") == [[r, r + 8] for r in range(8)]
+    assert grid.groups("tp_cp") == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
+    assert grid.groups("dp_cp") == [[0, 2, 4, 6], [1, 3, 5, 7], [8, 10, 12, 14], [9, 11, 13, 15]]
+    # one model copy: the tp ranks of both stages, for one (cp, dp) coordinate
+    assert grid.groups("mp")[:2] == [[0, 1, 8, 9], [2, 3, 10, 11]]
+    assert grid.coords(11) == {"tp": 1, "cp": 1, "dp": 0, "pp": 1}
+    assert grid.rank(tp=1, cp=1, dp=0, pp=1) == 11
+    assert grid.next_pipeline_rank(11) == 3
+
+
+def test_orders_without_cp_insert_it_next_to_tp():
+    # cp = 1: an order of the tp × dp × pp grid still works and lays out the same groups
+    for old, completed in [
+        ("tp-dp-pp", "tp-cp-dp-pp"),
+        ("dp-tp-pp", "dp-tp-cp-pp"),
+        ("pp-dp-tp", "pp-dp-tp-cp"),
+    ]:
+        grid = ProcessGrid(8, 2, 2, order=old)
+        assert grid.order == completed
+        assert grid == ProcessGrid(8, 2, 2, order=completed)
+        assert grid.cp == 1 and grid.groups("cp") == [[r] for r in range(8)]
+        assert grid.groups("tp_cp") == grid.groups("tp")
+        assert grid.groups("dp_cp") == grid.groups("dp")
+    assert ProcessGrid(8, 2, 2) == ProcessGrid(8, 2, 2, order="tp-dp-pp")
+
+
 def test_virtual_pipeline_size_is_kept():
     grid = ProcessGrid(8, 1, 2, virtual_pipeline_model_parallel_size=2)
     assert grid.vpp == 2
     assert grid.groups("pp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
 
 
-def _layouts(max_world: int = 24):
-    orders = ["-".join(p) for p in itertools.permutations(("tp", "dp", "pp"))]
+def _layouts(max_world: int = 24, max_cp_world: int = 8):
+    """(world, tp, cp, pp, order): every tp × pp layout up to ``max_world`` ranks in an
+    order without cp (cp = 1 is inserted), and every tp × cp × pp layout with cp > 1 up to
+    ``max_cp_world`` ranks in every order of the four dimensions."""
+    old_orders = ["-".join(p) for p in itertools.permutations(("tp", "dp", "pp"))]
+    orders = ["-".join(p) for p in itertools.permutations(("tp", "cp", "dp", "pp"))]
     for world in range(1, max_world + 1):
-        for tp in range(1, world + 1):
-            for pp in range(1, world // tp + 1):
-                if world % (tp * pp) == 0:
-                    for order in orders:
-                        yield world, tp, pp, order
+        for tp, cp, pp in itertools.product(range(1, world + 1), repeat=3):
+            if world % (tp * cp * pp):
+                continue
+            if cp == 1:
+                yield from ((world, tp, 1, pp, order) for order in old_orders)
+            elif world <= max_cp_world:
+                yield from ((world, tp, cp, pp, order) for order in orders)
+
+
+def _grid(world, tp, cp, pp, order):
+    return ProcessGrid(world, tp, pp, order=order, context_parallel_size=cp)
 
 
 LAYOUTS = list(_layouts())
+SPLIT_THE_WORLD = ("tp", "cp", "pp", "dp", "mp", "tp_cp", "dp_cp")
 
 
 @pytest.mark.parametrize("name", GROUP_NAMES)
 def test_groups_partition_the_world(name):
-    for world, tp, pp, order in LAYOUTS:
-        grid = ProcessGrid(world, tp, pp, order=order)
+    for layout in LAYOUTS:
+        world, pp = layout[0], layout[3]
+        grid = _grid(*layout)
         groups = grid.groups(name)
         members = [r for g in groups for r in g]
-        assert len(members) == len(set(members)), (world, tp, pp, order, name)
+        assert len(members) == len(set(members)), (layout, name)
         assert all(len(g) == grid.size(name) for g in groups)
         assert all(g == sorted(g) for g in groups)
-        if name in ("tp", "pp", "dp", "mp"):
-            assert sorted(members) == list(range(world)), (world, tp, pp, order, name)
+        if name in SPLIT_THE_WORLD:
+            assert sorted(members) == list(range(world)), (layout, name)
         else:  # embedding groups live on the pipeline ends, one per pipeline
             assert len(groups) == world // pp
 
 
 def test_groups_follow_coordinates():
-    for world, tp, pp, order in LAYOUTS:
-        grid = ProcessGrid(world, tp, pp, order=order)
+    for layout in LAYOUTS:
+        world = layout[0]
+        grid = _grid(*layout)
+        assert grid.dp == world // (grid.tp * grid.cp * grid.pp)
         coords = [grid.coords(r) for r in range(world)]
         # coordinates are a bijection with ranks
         assert len({tuple(sorted(c.items())) for c in coords}) == world
         assert all(grid.rank(**c) == r for r, c in enumerate(coords))
-        for name in ("tp", "pp", "dp"):
+        for name in ("tp", "cp", "pp", "dp"):
             for group in grid.groups(name):
                 # members share every coordinate but `name`, and cover all of `name`
                 others = {tuple(v for k, v in coords[r].items() if k != name) for r in group}
@@ -126,12 +196,73 @@ def test_groups_follow_coordinates():
             assert grid.group_of("pp", nxt) == grid.group_of("pp", rank)
 
 
-def test_mp_group_is_tp_times_pp():
-    for world, tp, pp, order in LAYOUTS:
-        grid = ProcessGrid(world, tp, pp, order=order)
-        for group in grid.groups("mp"):
-            dps = {grid.coords(r)["dp"] for r in group}
-            assert len(dps) == 1 and len(group) == tp * pp
+@pytest.mark.parametrize("name", ["mp", "tp_cp", "dp_cp"])
+def test_composite_groups_vary_their_dimensions_only(name):
+    along = {"mp": ("tp", "pp"), "tp_cp": ("tp", "cp"), "dp_cp": ("dp", "cp")}[name]
+    for layout in LAYOUTS:
+        grid = _grid(*layout)
+        for group in grid.groups(name):
+            coords = [grid.coords(r) for r in group]
+            fixed = {tuple(c[n] for n in grid.dims if n not in along) for c in coords}
+            varying = {tuple(c[n] for n in along) for c in coords}
+            assert len(fixed) == 1, (layout, name, group)
+            assert (
+                len(varying)
+                == len(group)
+                == grid.size(name)
+                == math.prod(grid.dims[n] for n in along)
+            )
+
+
+# Megatron-Core names the composite groups by their dimensions.
+MEGATRON_TOKENS = {
+    "tp": "tp",
+    "cp": "cp",
+    "dp": "dp",
+    "pp": "pp",
+    "tp_cp": "tp-cp",
+    "dp_cp": "dp-cp",
+    "mp": "tp-pp",
+}
+
+
+@pytest.fixture(scope="module")
+def rank_generator():
+    with warnings.catch_warnings():  # it warns that Transformer Engine and Apex are missing
+        warnings.simplefilter("ignore")
+        module = pytest.importorskip("megatron.core.parallel_state")
+    return module.RankGenerator
+
+
+@pytest.mark.parametrize("world", [16, 32])
+def test_groups_equal_megatron_core_rank_generator(world, rank_generator):
+    orders = ["-".join(p) for p in itertools.permutations(("tp", "cp", "dp", "pp"))]
+    checked = 0
+    for tp, cp, pp in itertools.product((1, 2, 4), repeat=3):
+        if world % (tp * cp * pp):
+            continue
+        dp = world // (tp * cp * pp)
+        for order in orders:
+            grid = ProcessGrid(world, tp, pp, order=order, context_parallel_size=cp)
+            megatron = rank_generator(tp=tp, ep=1, dp=dp, pp=pp, cp=cp, order=order)
+            for name, token in MEGATRON_TOKENS.items():
+                ours = grid.groups(name)
+                theirs = sorted(sorted(g) for g in megatron.get_ranks(token))
+                assert ours == theirs, (world, tp, cp, pp, order, name)
+            # Megatron's default embedding ranks: the first and last stage of each pipeline
+            ends = sorted(sorted({g[0], g[-1]}) for g in megatron.get_ranks("pp"))
+            assert grid.groups("embedding") == ends
+            checked += 1
+    assert checked == 24 * (23 if world == 16 else 26)
+    # an order without cp: ours inserts cp after tp, Megatron-Core appends it; same groups
+    for tp, pp in itertools.product((1, 2, 4), repeat=2):
+        for order in itertools.permutations(("tp", "dp", "pp")):
+            order = "-".join(order)
+            grid = ProcessGrid(world, tp, pp, order=order)
+            megatron = rank_generator(tp=tp, ep=1, dp=world // (tp * pp), pp=pp, cp=1, order=order)
+            for name, token in MEGATRON_TOKENS.items():
+                theirs = sorted(sorted(g) for g in megatron.get_ranks(token))
+                assert grid.groups(name) == theirs, (world, tp, pp, order, name)
 
 
 @pytest.mark.parametrize(
@@ -142,9 +273,25 @@ def test_mp_group_is_tp_times_pp():
         (dict(world_size=0), "world_size must be an integer >= 1, got 0"),
         (dict(world_size=4, tensor_model_parallel_size=0), "tensor_model_parallel_size must be"),
         (dict(world_size=4, pipeline_model_parallel_size=-2), "pipeline_model_parallel_size must"),
-        (dict(world_size=4, order="tp-dp-cp"), "unknown: ['cp']"),
+        (dict(world_size=4, order="tp-dp-ep"), "unknown: ['ep']"),
         (dict(world_size=4, order="tp-tp-pp"), "repeated: ['tp']"),
         (dict(world_size=4, order="tp-pp"), "missing: ['dp']"),
+        (dict(world_size=4, order="tp-cp-dp-pp-cp"), "repeated: ['cp']"),
+        (
+            dict(world_size=4, order="tp-dp-pp", context_parallel_size=2),
+            "order 'tp-dp-pp' does not name cp, but context_parallel_size is 2; add it",
+        ),
+        (dict(world_size=4, context_parallel_size=0), "context_parallel_size must be an integer"),
+        (
+            dict(world_size=12, tensor_model_parallel_size=2, context_parallel_size=4),
+            "world_size 12 is not divisible by tensor_model_parallel_size × "
+            "context_parallel_size × pipeline_model_parallel_size (2 × 4 × 1 = 8)",
+        ),
+        (
+            dict(world_size=6, tensor_model_parallel_size=2, pipeline_model_parallel_size=2),
+            "world_size 6 is not divisible by tensor_model_parallel_size × "
+            "pipeline_model_parallel_size (2 × 2 = 4); launch a multiple of 4 processes",
+        ),
         (
             dict(world_size=4, virtual_pipeline_model_parallel_size=2),
             "needs pipeline parallelism, but pipeline_model_parallel_size is 1",
@@ -165,12 +312,14 @@ def test_invalid_layouts_raise_clear_errors(kwargs, message):
 
 def test_bad_queries_raise():
     grid = ProcessGrid(4, 2)
-    with pytest.raises(ValueError, match="unknown group 'cp'"):
-        grid.groups("cp")
+    with pytest.raises(ValueError, match="unknown group 'ep'"):
+        grid.groups("ep")
     with pytest.raises(ValueError, match="rank 4 is outside the world of 4 ranks"):
         grid.coords(4)
     with pytest.raises(ValueError, match="tp index 2 is outside"):
-        grid.rank(tp=2, dp=0, pp=0)
+        grid.rank(tp=2, cp=0, dp=0, pp=0)
+    with pytest.raises(ValueError, match="give one index per dimension"):
+        grid.rank(tp=0, dp=0, pp=0)
 
 
 def test_grid_is_immutable():
@@ -180,41 +329,52 @@ def test_grid_is_immutable():
     assert grid == ProcessGrid(8, 2, 2)
 
 
-def test_cli_prints_the_layout():
+def _print_layout(*flags: str) -> list[str]:
     out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "megapp.parallel_state",
-            "--world-size",
-            "16",
-            "--tp",
-            "2",
-            "--pp",
-            "4",
-        ],
+        [sys.executable, "-m", "megapp.parallel_state", *flags],
         capture_output=True,
         text=True,
         check=True,
     ).stdout
-    lines = out.splitlines()
-    assert "tp=2 × dp=2 × pp=4" in lines[0]
-    assert lines[1].split() == [
+    return out.splitlines()
+
+
+def test_cli_prints_the_layout():
+    lines = _print_layout("--world-size", "16", "--tp", "2", "--pp", "4")
+    assert "tp=2 × cp=1 × dp=2 × pp=4" in lines[0] and "order tp-cp-dp-pp" in lines[0]
+    columns = re.split(r"\s{2,}", lines[1].strip())
+    assert columns == [
         "rank",
-        "tp",
-        "dp",
-        "pp",
-        "tp",
-        "group",
-        "dp",
-        "group",
-        "pp",
-        "group",
+        *("tp", "cp", "dp", "pp"),
+        *("tp group", "cp group", "dp group", "pp group"),
         "embedding",
     ]
-    # rank 13: tp 1, dp 0, pp 3; tp group 12,13; dp group 13,15; pp group 1,5,9,13; embedding 1,13
-    assert lines[2 + 13].split() == ["13", "1", "0", "3", "12,13", "13,15", "1,5,9,13", "1,13"]
+    # rank 13: tp 1, cp 0, dp 0, pp 3; tp group 12,13; cp group 13; dp group 13,15;
+    # pp group 1,5,9,13; embedding 1,13
+    assert lines[2 + 13].split() == [
+        "13",
+        "1",
+        "0",
+        "0",
+        "3",
+        "12,13",
+        "13",
+        "13,15",
+        "1,5,9,13",
+        "1,13",
+    ]
     assert lines[2 + 5].split()[-1] == "-"  # a middle stage holds no embedding
+
+
+def test_cli_prints_context_parallel_coordinates(capsys):
+    parallel_state.main(["--world-size", "16", "--tp", "2", "--cp", "2", "--pp", "2"])
+    lines = capsys.readouterr().out.splitlines()
+    assert "tp=2 × cp=2 × dp=2 × pp=2" in lines[0]
+    # rank 11: tp 1, cp 1, dp 0, pp 1; tp group 10,11; cp group 9,11; dp group 11,15;
+    # pp group and embedding 3,11
+    assert (
+        lines[2 + 11].split() == ["11", "1", "1", "0", "1", "10,11", "9,11", "11,15"] + ["3,11"] * 2
+    )
 
 
 def test_cli_rejects_bad_layout():

@@ -46,11 +46,10 @@ from megapp.pipeline_parallel.messages import (
     communication_plan,
     delivered_sends,
 )
-from megapp.pipeline_parallel.network import Rules
 from megapp.pipeline_parallel.p2p import ActivationShapes, TensorSpec, Transport
 from megapp.pipeline_parallel.runner import StageRunner
 from megapp.pipeline_parallel.schedules import Schedule
-from megapp.pipeline_parallel.simulate import CostModel, Event, simulate
+from megapp.pipeline_parallel.simulate import Event
 from megapp.pipeline_parallel.split_backward import SplitBackwardCompute
 from megapp.pipeline_parallel.weight_stash import StashingCompute, WeightStash
 
@@ -93,11 +92,9 @@ class PipelineResult:
 
 @functools.lru_cache(maxsize=64)
 def _plan(schedule: Schedule) -> tuple[list[list[Step]], list[list[tuple[Message, ...]]]]:
-    """The validated plan and its proven deliveries, once per schedule. A plan whose ranks
-    would wait on each other forever under NCCL's rules, as the transport posts there (the
-    same timeline as on gloo), is refused here, before any message goes out."""
+    """The validated plan and its proven deliveries, once per schedule: a plan whose ranks
+    would wait on each other forever is refused here, before any message goes out."""
     plan = communication_plan(schedule)
-    simulate(schedule, CostModel(rules=Rules.NCCL))
     return plan, delivered_sends(plan)
 
 

@@ -184,13 +184,44 @@ def delivered_sends(plan: list[list[Step]]) -> list[list[tuple[Message, ...]]]:
 
 
 def communication_plan(schedule: Schedule) -> list[list[Step]]:
-    """:func:`rank_plan` for every rank, after :func:`check_actions` and :func:`check_fifo`."""
+    """:func:`rank_plan` for every rank, after :func:`check_actions`, then checked by
+    :func:`check_fifo` and :func:`check_progress`."""
     check_actions(schedule)
     check_updates(schedule)
     channels = send_order(schedule)
     plan = [rank_plan(schedule, rank, channels) for rank in range(schedule.num_stages)]
     check_fifo(plan)
+    check_progress(schedule.name, plan)
     return plan
+
+
+def check_progress(name: str, plan: list[list[Step]]) -> None:
+    """Every rank reaches the end of its steps when a rank waits for its receives only:
+    a step's receives are there once their senders have posted them, at a step they
+    have reached. This is gloo's rule, and NCCL's too as the transport posts there (a
+    direction of a pair per stream, in the order :func:`check_fifo` proves); a plan that
+    fails it would have its ranks wait on each other forever. Raises ScheduleError
+    naming what each stuck rank waits for."""
+    cursor, posted = [0] * len(plan), set()
+    progress = True
+    while progress:
+        progress = False
+        for rank, steps in enumerate(plan):
+            while cursor[rank] < len(steps):
+                step = steps[cursor[rank]]
+                posted.update(step.sends)
+                if not all(m in posted for m in step.recvs):
+                    break
+                cursor[rank] += 1
+                progress = True
+    stuck = [rank for rank, steps in enumerate(plan) if cursor[rank] < len(steps)]
+    if stuck:
+        lines = []
+        for rank in stuck:
+            step = plan[rank][cursor[rank]]
+            waits = "; ".join(f"receive of the {m}" for m in step.recvs if m not in posted)
+            lines.append(f"  rank {rank} before {step.action} waits for: {waits}")
+        raise ScheduleError(f"{name} deadlocks: its ranks wait on each other\n" + "\n".join(lines))
 
 
 def check_actions(schedule: Schedule) -> None:

@@ -1,0 +1,126 @@
+"""Attention of one block of queries against one block of keys, in plain PyTorch.
+
+Every context-parallel mechanism ends in the same arithmetic: softmax(q kᵀ · scale) v
+over some keys, in float32 (float64 stays float64). Tensors are ``[b, heads, s, d]``
+as megapp's attention lays them out; keys and values may have fewer heads
+(grouped-query attention), key/value head ``j`` serving query heads
+``j·r … j·r + r − 1`` with ``r = heads / kv_heads``, as ``repeat_interleave`` makes them.
+
+A causal block is aligned at its bottom-right corner: the last query sits at the
+last key's position, so query ``i`` of ``sq`` sees keys ``0 … i + sk − sq``. With
+``sq == sk`` that is the usual lower triangle.
+
+- :func:`attend`: differentiable through autograd (saves the probabilities).
+- :func:`forward_with_lse` / :func:`backward_from_lse`: the two halves of an exact
+  blockwise attention (flash-attention's recurrence). The forward returns each query
+  row's log-sum-exp so that blocks over disjoint keys combine with :func:`merge_into`;
+  the backward rebuilds the probabilities of a block from the final log-sum-exp.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "attend",
+    "backward_from_lse",
+    "compute_dtype",
+    "expand_kv",
+    "forward_with_lse",
+    "merge_into",
+]
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32 for 16-bit inputs, the input's own type for float32 and float64."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def expand_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """``[b, kv_heads, s, d]`` -> ``[b, heads, s, d]``: each key/value head repeated for the
+    query heads it serves."""
+    repeat = heads // x.shape[1]
+    return x if repeat == 1 else x.repeat_interleave(repeat, dim=1)
+
+
+def _reduce_kv(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """Transpose of :func:`expand_kv`: sum each key/value head's query-head gradients."""
+    b, heads, s, d = grad.shape
+    if heads == kv_heads:
+        return grad
+    return grad.view(b, kv_heads, heads // kv_heads, s, d).sum(dim=2)
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
+    scores = q.matmul(k.transpose(-1, -2)) * scale
+    if causal:
+        sq, sk = q.shape[-2], k.shape[-2]
+        hidden = torch.ones(sq, sk, dtype=torch.bool, device=q.device).triu(sk - sq + 1)
+        scores = scores.masked_fill(hidden, float("-inf"))
+    return scores
+
+
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool
+) -> torch.Tensor:
+    """softmax(q kᵀ · scale) v, in the compute dtype, returned in q's dtype;
+    differentiable. q ``[b, heads, sq, d]``, k and v ``[b, kv_heads, sk, d]``."""
+    dtype = compute_dtype(q.dtype)
+    heads = q.shape[1]
+    k, v = (expand_kv(t.to(dtype), heads) for t in (k, v))
+    probs = _scores(q.to(dtype), k, scale, causal).softmax(dim=-1)
+    return probs.matmul(v).to(q.dtype)
+
+
+def forward_with_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block's output ``[b, heads, sq, d]`` and log-sum-exp ``[b, heads, sq]``, both in the
+    compute dtype. Every query row must see at least one key (true of every block the
+    context-parallel mechanisms compute)."""
+    dtype = compute_dtype(q.dtype)
+    k, v = (expand_kv(t.to(dtype), q.shape[1]) for t in (k, v))
+    scores = _scores(q.to(dtype), k, scale, causal)
+    lse = scores.logsumexp(dim=-1)
+    out = (scores - lse.unsqueeze(-1)).exp().matmul(v)
+    return out, lse
+
+
+def merge_into(
+    out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor
+) -> None:
+    """Fold a block over further keys into the running ``out``/``lse`` (views allowed), in
+    place: each side weighted by its share of the softmax denominator."""
+    total = torch.logaddexp(lse, block_lse)
+    out.mul_((lse - total).exp().unsqueeze(-1))
+    out.add_(block_out * (block_lse - total).exp().unsqueeze(-1))
+    lse.copy_(total)
+
+
+def backward_from_lse(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    grad_out: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    scale: float,
+    causal: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One block's share of dq, dk, dv (compute dtype; dk and dv with k's heads).
+
+    ``lse`` ``[b, heads, sq]`` is the final log-sum-exp of these query rows over all keys
+    and ``delta`` ``[b, heads, sq]`` is rowsum(grad_out · out) of the final output, so the
+    block's probabilities and the softmax's backward are exact without the other blocks.
+    """
+    dtype = compute_dtype(q.dtype)
+    kv_heads, heads = k.shape[1], q.shape[1]
+    q, grad_out = q.to(dtype), grad_out.to(dtype)
+    k, v = (expand_kv(t.to(dtype), heads) for t in (k, v))
+    probs = (_scores(q, k, scale, causal) - lse.unsqueeze(-1)).exp()
+    grad_v = probs.transpose(-1, -2).matmul(grad_out)
+    grad_probs = grad_out.matmul(v.transpose(-1, -2))
+    grad_scores = probs * (grad_probs - delta.unsqueeze(-1)) * scale
+    grad_q = grad_scores.matmul(k)
+    grad_k = grad_scores.transpose(-1, -2).matmul(q)
+    return grad_q, _reduce_kv(grad_k, kv_heads), _reduce_kv(grad_v, kv_heads)
