@@ -310,6 +310,7 @@ def running(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
+@pytest.mark.slow  # waits out the time limit
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads process states in /proc")
 def test_run_command_stops_a_point_at_its_time_limit(tmp_path):
     """Past the limit the whole process group stops, a rank the launcher started included."""
@@ -369,6 +370,7 @@ def test_each_update_rule_has_its_own_reference():
     assert len(reference_points(flushed_only, expand(flushed_only))) == 1
 
 
+@pytest.mark.slow  # draws the report; the rule per schedule stays fast above
 def test_parity_per_update_rule(tmp_path, capsys):
     """1F1B against the flushed reference, 2BW against its own, PipeDream with no verdict."""
     spec = async_spec()
@@ -446,6 +448,7 @@ def test_command_line_dry_run_and_slurm(tmp_path, capsys):
     assert "--repeats runs here only" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # draws every plot of the report
 def test_report_from_synthetic_records(tmp_path):
     spec = small_spec(recompute=(None,))
     wrong = "tp1.pp2.dp2.v1.mb2.default.norecompute.z0"

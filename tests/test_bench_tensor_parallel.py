@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # one subprocess run of the benchmark
 ROOT = Path(__file__).resolve().parents[1]
 S, B, H = 32, 2, 64
 

@@ -188,6 +188,7 @@ RESHARD = [
 ]
 
 
+@pytest.mark.slow  # five layouts load and train: a checkpoint round trip stays fast below
 @pytest.mark.parametrize("config", [{}, {"activation": "swiglu", "normalization": "RMSNorm"}])
 @distributed(world_size=4, timeout=240)
 def test_a_checkpoint_loads_under_any_layout(config):
@@ -218,6 +219,7 @@ def test_a_checkpoint_loads_under_any_layout(config):
     "layout",
     [dict(tp=2, pp=2), dict(tp=2, pp=1, distributed_optimizer=True), dict(tp=1, pp=2, vpp=2)],
 )
+@pytest.mark.slow  # three runs each: saving and loading stay fast in one process below
 @distributed(world_size=4, timeout=240)
 def test_resume_equals_the_uninterrupted_run(layout):
     """With dropout on (RNG states matter) and a bf16 model (separate fp32 masters)."""
@@ -239,6 +241,7 @@ def test_resume_equals_the_uninterrupted_run(layout):
     assert rest == whole[2:]  # exactly
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [2, 3])
 @distributed(world_size=4, timeout=240)
 def test_zero_checkpoint_loads_under_zero1_and_plain_data_parallel(stage):
@@ -261,6 +264,7 @@ def test_zero_checkpoint_loads_under_zero1_and_plain_data_parallel(stage):
         ps.destroy_model_parallel()
 
 
+@pytest.mark.slow
 @distributed(world_size=4, timeout=240)
 def test_loading_a_different_model_fails_clearly():
     path = _shared_tmpdir()
@@ -315,6 +319,7 @@ def _save_then_hang(path, ready):
     save_checkpoint(path, 2, chunks, optimizer, groups=groups)
 
 
+@pytest.mark.slow  # spawns a fresh interpreter
 def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path):
     ctx = mp.get_context("spawn")
     ready = ctx.Event()

@@ -84,7 +84,9 @@ def test_philox_known_answers():
         assert philox4x32_10(counter, key).tolist() == want
 
 
-@pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
+@pytest.mark.parametrize(
+    "p", [pytest.param(0.1, marks=pytest.mark.slow), 0.5, pytest.param(0.9, marks=pytest.mark.slow)]
+)
 def test_keep_rate(p):
     mask = dropout_mask((400, 500), p, SEED).float()
 

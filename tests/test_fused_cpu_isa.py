@@ -132,6 +132,7 @@ def test_low_precision_outputs_round_to_nearest(ops, op, dtype):
     assert mismatched <= 0.01 * total, f"{op}: {mismatched} of {total} elements rounded differently"
 
 
+@pytest.mark.slow  # a pytest subprocess on the baseline build
 @requires_cpu_ext
 @pytest.mark.skipif(
     os.environ.get("ATEN_CPU_CAPABILITY", "").lower() == "default",

@@ -121,6 +121,7 @@ def test_sampling_rules(models):
     assert stopped[0, 7] == eod and (stopped[0, 8:] == eod).all()
 
 
+@pytest.mark.slow  # greedy decoding stays fast in one process above
 @pytest.mark.parametrize("tp", [2, 4])
 @distributed(world_size=4, timeout=120)
 def test_tensor_parallel_greedy_equals_transformers(models, tp):
@@ -132,6 +133,7 @@ def test_tensor_parallel_greedy_equals_transformers(models, tp):
         assert torch.equal(ours, reference["greedy"]), name
 
 
+@pytest.mark.slow  # a subprocess run of the tool; test_tool_takes_token_ids runs it in-process
 def test_tool_prints_the_same_tokens(models):
     reference = torch.load(models / "gpt2" / "greedy.pt")
     text = bytes(reference["prompt"][0].tolist()).decode("ascii")

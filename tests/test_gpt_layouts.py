@@ -176,6 +176,9 @@ LAYOUTS = [
 ]
 
 
+# slow: tp, pp, vpp, dp and sequence parallelism each stay in the fast tier through the
+# ZeRO-3 and distributed-optimizer cases below and test_gpt_schedules' looped-bfs case
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size, tp, pp, vpp, config", LAYOUTS)
 @distributed(timeout=240)
 def test_training_matches_single_process(world_size, tp, pp, vpp, config):
@@ -183,7 +186,13 @@ def test_training_matches_single_process(world_size, tp, pp, vpp, config):
     check_against_reference(chunks, losses, norms, first_grads, config)
 
 
-@pytest.mark.parametrize("world_size, tp, pp, vpp", [(4, 1, 1, None), (8, 2, 2, None)])
+@pytest.mark.parametrize(
+    "world_size, tp, pp, vpp",
+    [
+        (4, 1, 1, None),  # fast: the distributed optimizer (ZeRO-1) under dp 4
+        pytest.param(8, 2, 2, None, marks=pytest.mark.slow),
+    ],
+)
 @distributed(timeout=240)
 def test_distributed_optimizer_matches_single_process(world_size, tp, pp, vpp):
     chunks, losses, norms, first_grads = train_layout(tp, pp, vpp, distributed_optimizer=True)
@@ -199,6 +208,9 @@ ZERO2_LAYOUTS = [
 ]
 
 
+# slow: ZeRO-2 stays in the fast tier through test_pipeline_split_backward's
+# test_data_parallel_reduces_each_gradient_once[parallel-2]
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size, tp, pp, vpp, config", ZERO2_LAYOUTS)
 @distributed(timeout=240)
 def test_zero2_matches_single_process(world_size, tp, pp, vpp, config):
@@ -215,15 +227,24 @@ def test_zero2_matches_single_process(world_size, tp, pp, vpp, config):
 # ZeRO-3: weights sharded too, each layer gathered for its forward and again for its
 # backward (also inside recompute), the rest of a chunk around the chunk's forward.
 ZERO3_LAYOUTS = [
+    # fast: ZeRO-3 with tp 2, dp 2 and sequence parallelism
     (4, 2, 1, None, {"sequence_parallel": True}),
-    (
+    pytest.param(
         8,
         1,
         2,
         2,
         {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
+        marks=pytest.mark.slow,
     ),
-    (8, 2, 2, None, {"sequence_parallel": True, "share_embeddings_and_output_weights": False}),
+    pytest.param(
+        8,
+        2,
+        2,
+        None,
+        {"sequence_parallel": True, "share_embeddings_and_output_weights": False},
+        marks=pytest.mark.slow,
+    ),
 ]
 
 

@@ -27,9 +27,12 @@ FULL_RECOMPUTE = {
     "recompute_num_layers": 1,
 }
 SELECTIVE = {"recompute_granularity": "selective"}
+SLOW = pytest.mark.slow
 CASES = [
     # (world, tp, pp, vpp, schedule, distributed optimizer, config)
-    (
+    # slow: the zero-bubble and V schedules stay in the fast tier on the engine's blocks
+    # (test_pipeline_split_backward)
+    pytest.param(
         8,
         2,
         2,
@@ -37,12 +40,25 @@ CASES = [
         "zb-h1",
         True,
         {"sequence_parallel": True, "recompute_granularity": "selective"},
+        marks=SLOW,
     ),
-    (8, 2, 2, 2, "zb-v", True, {"sequence_parallel": True, **FULL_RECOMPUTE}),
-    (4, 1, 4, 2, "zb-v", False, {"position_embedding_type": "rope"}),
-    (8, 1, 4, None, "zb-h2", True, {"activation": "swiglu"}),
-    (4, 1, 2, 2, "dualpipev", True, {"share_embeddings_and_output_weights": False}),
-    (4, 1, 4, 2, "zb-h1", False, SELECTIVE),
+    pytest.param(
+        8, 2, 2, 2, "zb-v", True, {"sequence_parallel": True, **FULL_RECOMPUTE}, marks=SLOW
+    ),
+    pytest.param(4, 1, 4, 2, "zb-v", False, {"position_embedding_type": "rope"}, marks=SLOW),
+    pytest.param(8, 1, 4, None, "zb-h2", True, {"activation": "swiglu"}, marks=SLOW),
+    pytest.param(
+        4,
+        1,
+        2,
+        2,
+        "dualpipev",
+        True,
+        {"share_embeddings_and_output_weights": False},
+        marks=SLOW,
+    ),
+    pytest.param(4, 1, 4, 2, "zb-h1", False, SELECTIVE, marks=SLOW),
+    # fast: looped-bfs, the only in-world check of that schedule (pp 2, vpp 2, dp 2)
     (4, 1, 2, 2, "looped-bfs", False, {}),
 ]
 
@@ -79,6 +95,9 @@ UNEVEN = [
 ]
 
 
+# slow: uneven stages stay in the fast tier on the engine's blocks
+# (test_pipeline_engine's test_uneven_stages_and_single_stage)
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size, tp, pp, vpp, schedule, config", UNEVEN)
 @distributed(timeout=240)
 def test_uneven_first_and_last_stages_match_single_process(
@@ -96,6 +115,7 @@ def _never_called(iterator, chunk, inputs):
     raise AssertionError("no microbatch may run on chunks built for another placement")
 
 
+@pytest.mark.slow  # starts a world of 3 ranks, which no fast test uses
 @distributed(world_size=3)
 def test_chunks_built_for_another_placement_fail_on_every_rank_before_sending():
     """zb-v on chunks built for the looped placement: every rank refuses before a message

@@ -164,6 +164,7 @@ def test_distributed_optimizer_keeps_one_dp_th_of_the_state():
     assert sizes[True] <= sizes[False] / 4 + 2 * 4 * 4 * len(ddp.buffer.buckets)  # + padding
 
 
+@pytest.mark.slow  # four train steps
 @distributed(world_size=2)
 def test_bf16_model_steps_fp32_masters():
     ddp, groups = _dp_model(params_dtype=torch.bfloat16)
@@ -186,7 +187,10 @@ def test_bf16_model_steps_fp32_masters():
     assert optimizer.state_bytes() == 12 * numel
 
 
-@pytest.mark.parametrize("stage", [0, 2, 3])
+# fast: ZeRO-3 (the weights gathered around the skipped step)
+@pytest.mark.parametrize(
+    "stage", [pytest.param(0, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow), 3]
+)
 @distributed(world_size=2)
 def test_fp16_overflow_skips_the_step_on_every_rank(stage):
     ddp, groups = _dp_model(
@@ -227,6 +231,7 @@ def test_config_roundtrip_is_plain():
         dataclasses.replace(gpt_config(), sequence_parallel=True)
 
 
+@pytest.mark.slow  # 16-bit ZeRO-3 stays fast in test_fp16_overflow_skips_the_step_on_every_rank
 @pytest.mark.parametrize("stage", [2, 3])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @distributed(world_size=2)

@@ -44,6 +44,7 @@ def run_tool(tmp_path: Path, *extra: str) -> tuple[subprocess.CompletedProcess, 
     return done, json.loads(js.read_text()), md.read_text()
 
 
+@pytest.mark.slow  # runs tools/gpu_check.sh
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks what a machine without a GPU does")
 def test_without_a_gpu_every_gpu_stage_is_skipped_and_the_report_written(tmp_path):
     done, report, page = run_tool(tmp_path, "--stages", "env", *GPU_STAGES)
@@ -71,6 +72,7 @@ def test_the_smoke_run_command_trains_on_gloo(tmp_path):
     assert "## NCCL smoke run" in page
 
 
+@pytest.mark.slow  # waits out a hung stage
 def test_failed_hung_and_broken_stages_are_recorded_and_the_next_runs(tmp_path, monkeypatch):
     python = sys.executable
 

@@ -57,6 +57,7 @@ def test_a_failing_rank_fails_with_its_traceback():
     assert [r for r, _, _ in world.run(_rank_and_sum)] == [0, 1]
 
 
+@pytest.mark.slow  # a stuck rank: waits out its timeout, then restarts the world
 def test_a_hung_rank_times_out_with_its_stack_and_the_world_restarts():
     world = get_world(2)
     with pytest.raises(DistributedTestError) as info:  # the hung rank never answers
@@ -99,6 +100,7 @@ if __name__ == "__main__":  # the forkserver imports this module in every worker
 """
 
 
+@pytest.mark.slow  # a fresh interpreter starts its own world
 def test_a_driver_script_runs_a_world_and_leaves_no_files(tmp_path):
     """A plain script (its own __main__, no PYTHONPATH) starts a world, and close() removes
     the world's log folder."""
@@ -123,6 +125,7 @@ def test_a_driver_script_runs_a_world_and_leaves_no_files(tmp_path):
     assert not os.path.exists(logdir)
 
 
+@pytest.mark.slow  # starts worlds of its own
 def test_a_world_listens_on_the_port_or_range_it_is_given():
     """Rank 0 listens on the first free port of the range; a range with none free, or one
     that names no valid port, fails with a message saying so."""

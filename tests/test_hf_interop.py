@@ -129,7 +129,11 @@ def hf_models(tmp_path_factory):
     return root
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+# fast: gpt2 and llama2; the other architectures are slow
+@pytest.mark.parametrize(
+    "arch",
+    [a if a in ("gpt2", "llama2") else pytest.param(a, marks=pytest.mark.slow) for a in ARCHS],
+)
 def test_one_process_import_matches_transformers_and_exports_bitwise(hf_models, tmp_path, arch):
     source = hf_models / arch
     config, model_type = hf_gpt_config(str(source), hidden_dropout=0.0, attention_dropout=0.0)
@@ -166,6 +170,7 @@ LAYOUTS = [
 CASES = [(w, tp, pp, vpp, sp, a) for w, tp, pp, vpp, sp, archs in LAYOUTS for a in archs]
 
 
+@pytest.mark.slow  # every rank imports transformers; one-process imports stay fast above
 @pytest.mark.parametrize("world_size, tp, pp, vpp, sp, arch", CASES)
 @distributed(timeout=240)
 def test_layouts_import_match_transformers_and_export_bitwise(

@@ -68,6 +68,7 @@ def convert_tool(capsys, *args):
     return status, err
 
 
+@pytest.mark.slow  # a pretrain_gpt.py job between the conversions
 def test_hf_to_tp2_pp2_to_checkpoint_to_one_process_to_hf_is_bitwise(corpus, tmp_path, capsys):
     torch.manual_seed(3)
     config = transformers.LlamaConfig(

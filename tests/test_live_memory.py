@@ -38,6 +38,9 @@ def test_a_storage_resized_in_place_counts_at_its_size():
     assert memory.peak - memory.start == 4096 + 4
 
 
+# slow: the planner's activation bytes stay fast in test_planning_memory and
+# test_planning_activations
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "settings",
     [

@@ -92,9 +92,11 @@ def _local_params(full_grads, tp: int, pp: int, tp_rank: int, pp_rank: int) -> d
 LAYOUTS = [  # (world_size, tp, pp)
     (2, 2, 1),
     (2, 1, 2),
-    (4, 2, 2),  # model-parallel group = the whole world
-    (4, 2, 1),  # dp = 2: each replica's model-parallel group gives the full norm
-    (4, 4, 1),
+    # fast: the two-rank layouts (tp 2, pp 2); the four-rank ones are slow
+    pytest.param(4, 2, 2, marks=pytest.mark.slow),  # model-parallel group = the whole world
+    # dp = 2: each replica's model-parallel group gives the full norm
+    pytest.param(4, 2, 1, marks=pytest.mark.slow),
+    pytest.param(4, 4, 1, marks=pytest.mark.slow),
 ]
 
 

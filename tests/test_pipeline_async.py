@@ -146,14 +146,16 @@ def _run_pipeline(kind: str, p: int, m: int, runs: tuple[int, ...], num_layers: 
     return losses, chunk, stage, results, steps
 
 
+SLOW = pytest.mark.slow
 CASES = [
+    # fast: one case of each update rule (pipedream, pipedream-vsync, pipedream-2bw)
     ("pipedream", 2, 2, (3,)),
-    ("pipedream", 4, 4, (2,)),
-    ("pipedream", 4, 2, (2, 3)),
+    pytest.param("pipedream", 4, 4, (2,), marks=SLOW),
+    pytest.param("pipedream", 4, 2, (2, 3), marks=SLOW),
     ("pipedream-vsync", 4, 3, (3,)),
     ("pipedream-2bw", 2, 2, (2, 3)),
-    ("pipedream-2bw", 4, 3, (3, 2)),
-    ("pipedream-2bw", 4, 4, (1, 1, 2)),
+    pytest.param("pipedream-2bw", 4, 3, (3, 2), marks=SLOW),
+    pytest.param("pipedream-2bw", 4, 4, (1, 1, 2), marks=SLOW),
 ]
 
 
@@ -176,6 +178,7 @@ def test_asynchronous_pipeline_equals_its_update_rule(kind, p, m, runs):
         assert result.weight_versions == held_versions(schedule)[stage]
 
 
+@pytest.mark.slow  # three runs each with every allocation tracked
 @pytest.mark.parametrize("kind", ["pipedream", "pipedream-2bw"])
 @distributed(world_size=4)
 def test_stashed_versions_hold_their_bytes(kind):

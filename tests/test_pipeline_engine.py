@@ -95,19 +95,21 @@ def _run(p: int, v: int, m: int, schedule: str, num_layers: int | None = None, *
     return result, layers, reference, batches, stage
 
 
+SLOW = pytest.mark.slow
 CASES = [
-    ("gpipe", 2, 1, 1),
+    # fast: one case of each schedule (gpipe, 1f1b, interleaved-1f1b)
+    pytest.param("gpipe", 2, 1, 1, marks=SLOW),
     ("gpipe", 2, 1, 3),
-    ("gpipe", 4, 1, 4),
-    ("1f1b", 2, 1, 1),
-    ("1f1b", 2, 1, 5),
-    ("1f1b", 4, 1, 2),
+    pytest.param("gpipe", 4, 1, 4, marks=SLOW),
+    pytest.param("1f1b", 2, 1, 1, marks=SLOW),
+    pytest.param("1f1b", 2, 1, 5, marks=SLOW),
+    pytest.param("1f1b", 4, 1, 2, marks=SLOW),
     ("1f1b", 4, 1, 8),
-    ("interleaved-1f1b", 2, 2, 2),
-    ("interleaved-1f1b", 2, 2, 6),
+    pytest.param("interleaved-1f1b", 2, 2, 2, marks=SLOW),
+    pytest.param("interleaved-1f1b", 2, 2, 6, marks=SLOW),
     ("interleaved-1f1b", 4, 2, 4),
-    ("interleaved-1f1b", 4, 2, 8),
-    ("interleaved-1f1b", 2, 3, 4),
+    pytest.param("interleaved-1f1b", 4, 2, 8, marks=SLOW),
+    pytest.param("interleaved-1f1b", 2, 3, 4, marks=SLOW),
 ]
 
 

@@ -116,16 +116,18 @@ def _setup(name, p, v, m, kind, tp=1, sequence_parallel=False):
     return schedule, stage, layers, owned, chunks
 
 
+SLOW = pytest.mark.slow
 CASES = [  # (schedule, p, v, m, model); in a V, stage p-1 hands stage p over in memory
+    # fast: one case of each schedule on two stages (zb-h1, zb-h2, zb-v, dualpipev)
     ("zb-h1", 2, 1, 4, "plain"),
-    ("zb-h1", 4, 1, 6, "parallel"),
+    pytest.param("zb-h1", 4, 1, 6, "parallel", marks=SLOW),
     ("zb-h2", 2, 1, 3, "parallel"),
-    ("zb-h2", 2, 2, 4, "plain"),
-    ("zb-h2", 4, 2, 4, "parallel"),
+    pytest.param("zb-h2", 2, 2, 4, "plain", marks=SLOW),
+    pytest.param("zb-h2", 4, 2, 4, "parallel", marks=SLOW),
     ("zb-v", 2, 2, 3, "parallel"),
-    ("zb-v", 4, 2, 8, "plain"),
+    pytest.param("zb-v", 4, 2, 8, "plain", marks=SLOW),
     ("dualpipev", 2, 2, 4, "parallel"),
-    ("dualpipev", 4, 2, 8, "plain"),
+    pytest.param("dualpipev", 4, 2, 8, "plain", marks=SLOW),
 ]
 
 

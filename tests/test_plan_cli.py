@@ -90,6 +90,7 @@ def brute_force(hardware, gbs, gpus):
     return sorted(timed, key=lambda item: item[0])
 
 
+@pytest.mark.slow  # times every layout of the space by brute force
 def test_pruning_finds_what_brute_force_finds():
     """The bound-and-stop search returns the brute force's best times, and never a layout
     that does not fit: memory tight enough that the fastest layouts are dropped."""

@@ -20,10 +20,23 @@ MODEL += ["--seq-length", "32"]
 VOCAB = 257
 
 
-@pytest.mark.parametrize("pp_rank, pp", [(0, 1), (0, 2), (1, 2), (1, 3)])
+# fast: gpt-1-2, the plain model's last stage, which receives its input from another
+@pytest.mark.parametrize(
+    "pp_rank, pp",
+    [
+        pytest.param(0, 1, marks=pytest.mark.slow),
+        pytest.param(0, 2, marks=pytest.mark.slow),
+        (1, 2),
+        pytest.param(1, 3, marks=pytest.mark.slow),
+    ],
+)
 @pytest.mark.parametrize(
     "settings",
-    [{}, {"recompute_granularity": "selective"}, {"activation": "swiglu"}],
+    [
+        {},
+        pytest.param({"recompute_granularity": "selective"}, marks=pytest.mark.slow),
+        pytest.param({"activation": "swiglu"}, marks=pytest.mark.slow),
+    ],
     ids=["gpt", "selective", "swiglu"],
 )
 def test_a_chunk_holds_what_the_model_predicts(pp_rank, pp, settings):

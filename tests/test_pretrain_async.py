@@ -70,6 +70,7 @@ def _losses(records: list[dict]) -> list[float]:
     return [r["lm_loss"] for r in records if r["kind"] == "train"]
 
 
+@pytest.mark.slow  # six pretrain_gpt.py jobs; the update rules stay fast in test_pipeline_async
 def test_2bw_trains_as_one_process_does_and_memory_follows_the_model(corpus, tmp_path):
     data = ["--data-path", str(corpus / "stdlib"), "--data-cache-path", str(tmp_path / "cache")]
     records = _run_all(RUNS, data, tmp_path)

@@ -78,6 +78,7 @@ def resumed_run(corpus, full_run, tmp_path_factory):
     return resumed_dir, resumed
 
 
+@pytest.mark.slow  # two pretrain_gpt.py jobs; a resume stays fast in test_checkpoint
 def test_train_save_resume_continues_exactly(full_run, resumed_run):
     root, full = full_run
     resumed_dir, resumed = resumed_run
@@ -320,6 +321,7 @@ def test_a_model_larger_than_the_memory_fails_at_start(bad_starts):
     assert re.search(r"need 3\d{4}\.\d GiB but this machine has \d+\.\d GiB free", line), line
 
 
+@pytest.mark.slow  # a torchrun job
 def test_a_timeout_shorter_than_start_up_says_which_flag_to_raise(bad_start_cases):
     """Under torchrun: the ranks wait for each other to join, and give up naming the flag."""
     cases, cwd = bad_start_cases
@@ -374,6 +376,7 @@ def broken_checkpoints(corpus, full_run, tmp_path_factory):
     return cases, marker, cwd
 
 
+@pytest.mark.slow  # needs the full run's checkpoint; test_checkpoint_safety stays fast
 def test_a_hostile_or_corrupt_checkpoint_ends_the_job_with_one_error(broken_checkpoints):
     """A .metadata file that would run a command, and a truncated tensor shard: the job
     stops before training with one line naming the file, and the command never ran."""

@@ -68,6 +68,7 @@ def sources(corpus, tmp_path_factory):
     return out
 
 
+@pytest.mark.slow  # pretrain_gpt.py jobs: checkpoints load across layouts in test_checkpoint
 @pytest.mark.parametrize("source, name, nproc, layout", TARGETS, ids=[t[1] for t in TARGETS])
 def test_a_checkpoint_resumes_under_another_layout(
     sources,

@@ -92,6 +92,7 @@ def _compare_tool():
     return published
 
 
+@pytest.mark.slow  # plans three published runs
 def test_compare_fills_what_a_source_leaves_open_and_says_what_it_cannot_model():
     tool = _compare_tool()
     mt_nlg = next(r for r in RUNS if r.gpu == "a100-40gb")

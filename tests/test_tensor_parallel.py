@@ -42,7 +42,7 @@ def _randn(*shape, seed):
 # ----- mappings ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("tp", [2, pytest.param(4, marks=pytest.mark.slow)])
 @distributed(world_size=4)
 def test_mappings_forward_and_backward(tp):
     ps.initialize_model_parallel(tp)
@@ -157,6 +157,11 @@ def _config(tp: int, sp: bool, **kw) -> TransformerConfig:
 LAYOUTS = [(1, False), (2, False), (2, True), (4, False), (4, True)]
 
 
+def _tp2_fast(cases):
+    """``cases`` with those of tp 2 in the fast tier, tp 1 and 4 in the slow one."""
+    return [case if case[0] == 2 else pytest.param(*case, marks=pytest.mark.slow) for case in cases]
+
+
 class _ColumnRow(torch.nn.Module):
     """Column -> Row with a bias handed back to the caller, the plain Megatron pair."""
 
@@ -174,7 +179,7 @@ class _ColumnRow(torch.nn.Module):
         return self.row(torch.tanh(hidden))
 
 
-@pytest.mark.parametrize("tp, sp", LAYOUTS)
+@pytest.mark.parametrize("tp, sp", _tp2_fast(LAYOUTS))
 @distributed(world_size=4)
 def test_column_then_row(tp, sp):
     ps.initialize_model_parallel(tp)
@@ -182,7 +187,7 @@ def test_column_then_row(tp, sp):
 
 
 @pytest.mark.parametrize("activation", ["gelu", "swiglu"])
-@pytest.mark.parametrize("tp, sp", LAYOUTS)
+@pytest.mark.parametrize("tp, sp", _tp2_fast(LAYOUTS))
 @distributed(world_size=4)
 def test_parallel_mlp(tp, sp, activation):
     ps.initialize_model_parallel(tp)
@@ -200,7 +205,7 @@ def test_parallel_mlp(tp, sp, activation):
 ATTENTION_CASES = [(tp, sp, groups) for groups in (4, 2) for tp, sp in LAYOUTS if groups % tp == 0]
 
 
-@pytest.mark.parametrize("tp, sp, groups", ATTENTION_CASES)
+@pytest.mark.parametrize("tp, sp, groups", _tp2_fast(ATTENTION_CASES))
 @distributed(world_size=4)
 def test_parallel_attention(tp, sp, groups):
     ps.initialize_model_parallel(tp)
@@ -216,7 +221,7 @@ def test_parallel_attention(tp, sp, groups):
 # ----- embedding --------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("tp, sp", LAYOUTS)
+@pytest.mark.parametrize("tp, sp", _tp2_fast(LAYOUTS))
 @distributed(world_size=4)
 def test_vocab_parallel_embedding_with_padded_vocabulary(tp, sp):
     ps.initialize_model_parallel(tp)

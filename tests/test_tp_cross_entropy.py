@@ -4,8 +4,8 @@ torch.nn.functional.cross_entropy on the full, unpadded logits of one process.
 Every rank builds the same full logits from one seed, takes its shard of the padded vocabulary,
 and compares the loss and the gradient gathered from all shards with the single-process
 expression. Padded columns hold large garbage, so any leak of them into the softmax shows.
-The shards run through the fused CPU kernels (megapp.tensor_parallel.cross_entropy); one test repeats
-the layouts on the pure-PyTorch reference tier (MEGAPP_FUSED=0).
+The shards run through the fused CPU kernels (megapp.tensor_parallel.cross_entropy); one test
+repeats the layouts on the pure-PyTorch reference tier (MEGAPP_FUSED=0).
 """
 
 import os
@@ -25,7 +25,13 @@ from megapp.testing import distributed
 S, B = 3, 2  # [s, b]: small, the worlds are shared and every case should take milliseconds
 SMOOTHING = 0.1
 # (world_size, tp): tp 1 on a real world, and tp 2 beside data parallelism on 4 ranks.
-LAYOUTS = [(2, 1), (2, 2), (4, 2), (4, 4)]
+# fast: tp 2 on two ranks; the others are slow
+LAYOUTS = [
+    pytest.param(2, 1, marks=pytest.mark.slow),
+    (2, 2),
+    pytest.param(4, 2, marks=pytest.mark.slow),
+    pytest.param(4, 4, marks=pytest.mark.slow),
+]
 # (real vocabulary, pad multiple): padding inside the last shard; whole shards of padding
 # (37 → 256 or 512 ids); GPT-2's 50257 → 50432 (tp 2) or 50688 (tp 4), not divisible by tp.
 VOCABS = [(37, 1), (37, 128), (50257, 128)]
@@ -110,7 +116,12 @@ def _check(
     assert all(torch.equal(other, loss) for other in _all_gather(loss.detach(), group, world))
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+# fast: float32; bfloat16 is slow
+@pytest.mark.parametrize(
+    "dtype",
+    [DTYPES[0], *(pytest.param(d, marks=pytest.mark.slow) for d in DTYPES[1:])],
+    ids=lambda d: str(d).removeprefix("torch."),
+)
 @pytest.mark.parametrize("smoothing", [0.0, SMOOTHING])
 @pytest.mark.parametrize("vocab, multiple", VOCABS)
 @pytest.mark.parametrize("world_size, tp", LAYOUTS)
@@ -122,7 +133,7 @@ def test_matches_single_process_cross_entropy(world_size, tp, vocab, multiple, s
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
-@pytest.mark.parametrize("world_size, tp", [(2, 2), (4, 4)])
+@pytest.mark.parametrize("world_size, tp", [(2, 2), pytest.param(4, 4, marks=pytest.mark.slow)])
 @distributed()
 def test_reference_tier_matches_single_process_cross_entropy(world_size, tp, dtype):
     ps.initialize_model_parallel(tp)

@@ -75,9 +75,16 @@ def test_fused_layer_equals_plain_torch(variant):
         torch.testing.assert_close(got, want, **TOL, msg=lambda m, n=name: f"{n}: {m}")
 
 
-# 2 query groups cannot split over 4 ranks (test_tensor_parallel checks the error)
+# 2 query groups cannot split over 4 ranks (test_tensor_parallel checks the error);
+# fast: the base layer under tp 2, with and without sequence parallelism
 LAYER_CASES = [
-    pytest.param(tp, sp, variant, id=f"{name}-tp{tp}-{'sp' if sp else 'nosp'}")
+    pytest.param(
+        tp,
+        sp,
+        variant,
+        id=f"{name}-tp{tp}-{'sp' if sp else 'nosp'}",
+        marks=pytest.mark.slow if tp == 4 or name != "base" else (),
+    )
     for variant, name in zip(VARIANTS[:3], ["base", "swiglu-rms", "rope-gqa"], strict=True)
     for tp, sp in [(2, False), (2, True), (4, True)]
     if variant.get("num_query_groups", 4) % tp == 0
@@ -115,11 +122,21 @@ def test_tensor_parallel_layer_equals_one_process(tp, sp, variant):
 
 
 RECOMPUTE = [
+    # fast: selective and full (uniform) recompute, on the sdpa backend
     {"recompute_granularity": "selective"},
     {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
-    {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 2},
-    {"recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": 1},
-    {"recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": 3},
+    pytest.param(
+        {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 2},
+        marks=pytest.mark.slow,
+    ),
+    pytest.param(
+        {"recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": 1},
+        marks=pytest.mark.slow,
+    ),
+    pytest.param(
+        {"recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": 3},
+        marks=pytest.mark.slow,
+    ),
 ]
 
 
@@ -135,7 +152,7 @@ def _block_grads(config: TransformerConfig) -> tuple[torch.Tensor, list[torch.Te
 
 
 @pytest.mark.parametrize("setting", RECOMPUTE, ids=lambda s: "-".join(map(str, s.values())))
-@pytest.mark.parametrize("backend", ["sdpa", "fused_softmax"])
+@pytest.mark.parametrize("backend", ["sdpa", pytest.param("fused_softmax", marks=pytest.mark.slow)])
 def test_recompute_is_bit_identical_with_dropout(setting, backend):
     dropouts = {"hidden_dropout": 0.1, "attention_dropout": 0.1, "attention_backend": backend}
     out, grads = _block_grads(_config(**dropouts))

@@ -8,9 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow  # one subprocess run of the benchmark
 def test_zero_memory_matches_the_formula(tmp_path):
     out = tmp_path / "zero.json"
     command = [sys.executable, "tools/benchmarks/zero_memory.py", "--dp", "2"]
