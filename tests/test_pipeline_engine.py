@@ -24,20 +24,12 @@ from megapp.pipeline_parallel import (
 )
 from megapp.pipeline_parallel.partition import split_layers
 from megapp.testing import distributed
+from tests.support import Block
+from tests.support import block_forward_step as forward_step
+from tests.support import block_reference_loss as reference_loss
 
 HIDDEN, BATCH = 8, 3
 TOL = {"rtol": 1e-12, "atol": 1e-12}
-
-
-class Block(nn.Module):
-    """x + tanh(W x + b): the residual add makes the output droppable after sending."""
-
-    def __init__(self, hidden: int):
-        super().__init__()
-        self.linear = nn.Linear(hidden, hidden, dtype=torch.float64)
-
-    def forward(self, x):
-        return x + torch.tanh(self.linear(x))
 
 
 def _model(num_layers: int) -> nn.ModuleList:
@@ -54,25 +46,6 @@ def _microbatches(m: int, seq: int = 5):
         )
         for _ in range(m)
     ]
-
-
-def reference_loss(layers: nn.ModuleList, batches) -> torch.Tensor:
-    losses = []
-    for x, target in batches:
-        for layer in layers:
-            x = layer(x)
-        losses.append(nn.functional.mse_loss(x, target))
-    loss = torch.stack(losses).mean()
-    loss.backward()
-    return loss.detach()
-
-
-def forward_step(iterator, chunk, inputs):
-    x, target = next(iterator)
-    h = x if inputs is None else inputs[0]
-    for layer in chunk:
-        h = layer(h)
-    return h, lambda out: nn.functional.mse_loss(out, target)
 
 
 def _chunks_of(layers, p: int, v: int, stage: int) -> list[nn.Sequential]:

@@ -1,16 +1,15 @@
 """gloo under NCCL's point-to-point rules, to prove on CPU what must hold on GPUs.
 
 On NCCL a communicator runs one rank's operations in posting order on one stream: each
-starts when the one before it has completed, a send completes only once its receive runs,
-and a batch (``batch_isend_irecv``, one NCCL group) runs and completes as one. gloo queues
-nothing: each message meets its peer on its own, so a posting order that stalls on NCCL
-runs on gloo. Under :func:`post`, every operation on a process group goes to a thread of
-its own for that group (its "stream") that runs the group's operations one at a time,
-posting each and waiting until it has met its peer (a gloo send completes only once its
-receive is posted), so on gloo a rank's operations on a group are ordered exactly as
-NCCL orders them. The engine posts through here under ``--strict-p2p``
-(:class:`~megapp.pipeline_parallel.p2p.Transport`); a plan that would deadlock on NCCL
-then deadlocks on CPU too, and the transport's timeout reports it.
+starts when the one before it has completed, and a send completes only once its receive
+runs. gloo queues nothing: each message meets its peer on its own, so a posting order
+that stalls on NCCL runs on gloo. Under :func:`post`, every operation on a process group
+goes to a thread of its own for that group (its "stream") that runs the group's
+operations one at a time, posting each and waiting until it has met its peer (a gloo
+send completes only once its receive is posted), so on gloo a rank's operations on a
+group are ordered exactly as NCCL orders them. The engine posts through here under
+``--strict-p2p`` (:class:`~megapp.pipeline_parallel.p2p.Transport`); a plan that would
+deadlock on NCCL then deadlocks on CPU too, and the transport's timeout reports it.
 """
 
 from __future__ import annotations
@@ -84,27 +83,16 @@ def _stream(group: dist.ProcessGroup) -> _Stream:
         return _STREAMS[id(group)]
 
 
-def post(ops: Sequence[dist.P2POp], *, batch: bool = False) -> list[StreamWork]:
-    """Post ``ops`` as NCCL would run them: each on its group's stream after everything
-    posted there before, or with ``batch`` all of them as one job (one group, completing
-    as one). Returns one request per op."""
-    if not ops:
-        return []
-    if batch:
-        groups = {id(op.group) for op in ops}
-        if len(groups) != 1:
-            raise ValueError("a batch of point-to-point operations must use one group")
-        future = _stream(ops[0].group).submit(lambda: _run(ops))
-        return [StreamWork(future, _describe(op)) for op in ops]
+def post(ops: Sequence[dist.P2POp]) -> list[StreamWork]:
+    """Post ``ops`` as NCCL would run them, each on its group's stream after everything
+    posted there before. Returns one request per op."""
     return [
-        StreamWork(_stream(op.group).submit(lambda op=op: _run([op])), _describe(op)) for op in ops
+        StreamWork(_stream(op.group).submit(lambda op=op: _run(op)), _describe(op)) for op in ops
     ]
 
 
-def _run(ops: Sequence[dist.P2POp]) -> None:
-    requests = [op.op(op.tensor, op.peer, op.group) for op in ops]
-    for request in requests:
-        request.wait()
+def _run(op: dist.P2POp) -> None:
+    op.op(op.tensor, op.peer, op.group).wait()
 
 
 def _describe(op: dist.P2POp) -> str:
