@@ -153,6 +153,7 @@ def _one_communicator_for_both_directions() -> None:
     assert "behind an earlier operation on the same communicator" in message, message
 
 
+@pytest.mark.slow  # waits out a timeout in a world of its own
 def test_one_communicator_for_both_directions_deadlocks_and_is_reported():
     """1F1B on two ranks with both directions on one strict group (what one NCCL
     communicator per pipeline does): rank 0's receive of the first gradient queues behind
