@@ -324,7 +324,10 @@ def pretrain(
     """
     started = time.perf_counter()
     device = initialize_distributed(config)
-    with refusing_out_of_memory(device, "building the model and its optimizer"):
+    with (
+        start_up_timeout(config, "the other ranks to build the model"),
+        refusing_out_of_memory(device, "building the model and its optimizer"),
+    ):
         setup = build_training_setup(
             lambda groups: model_provider(config, groups),
             config.optimizer,
@@ -334,7 +337,7 @@ def pretrain(
             device=device,
             per_stage_steps=config.schedule.asynchronous,
         )
-    print_rank_0(_describe_layout(config, setup))
+        print_rank_0(_describe_layout(config, setup))  # counts parameters over the groups
     trainer = Trainer(config, forward_step_func, setup, device, flops_per_iteration)
     if config.checkpoint.load:
         trainer.state = checkpoints.load(config, setup)
