@@ -27,7 +27,9 @@ import torch
 import torch.distributed as dist
 
 from megapp import parallel_state as ps
-from megapp.comm import CollectiveError
+from megapp.comm import CollectiveError, Group
+from megapp.context_parallel.layout import split_batch
+from megapp.context_parallel.loss import masked_token_mean
 from megapp.data import (
     IndexedDataset,
     build_default_corpus,
@@ -64,6 +66,7 @@ def model_provider(
         tp_group=groups.tp,
         seed=config.training.seed,
         schedule=config.schedule,
+        cp_group=groups.cp,
     )
 
 
@@ -74,10 +77,12 @@ def flops_per_iteration(config: PretrainConfig, vocab_size: int) -> float:
     return gpt_config_training_flops(config.gpt_config(vocab_size), seq, tokens)
 
 
-def loss_func(loss_mask: torch.Tensor, per_token_loss: torch.Tensor) -> torch.Tensor:
-    """The microbatch's mean loss over the tokens the mask keeps."""
-    mask = loss_mask.float()
-    return (per_token_loss.float() * mask).sum() / mask.sum().clamp(min=1.0)
+def loss_func(
+    loss_mask: torch.Tensor, cp_group: Group, per_token_loss: torch.Tensor
+) -> torch.Tensor:
+    """The microbatch's mean loss over the tokens the mask keeps (under context
+    parallelism, each rank's share of it scaled by cp: :func:`masked_token_mean`)."""
+    return masked_token_mean(per_token_loss, loss_mask, cp_group)
 
 
 def forward_step(
@@ -86,14 +91,16 @@ def forward_step(
     """One microbatch through one chunk: ``(output, loss_func)``.
 
     The first stage reads tokens and positions, the last labels and the loss mask;
-    a middle stage takes the previous stage's hidden states from ``inputs``. The
-    keyword settings come from the arguments (bind them with functools.partial).
+    a middle stage takes the previous stage's hidden states from ``inputs``. Under
+    context parallelism each rank keeps its slice of the sequence. The keyword settings
+    come from the arguments (bind them with functools.partial).
     """
     chunk = model.module
     batch = None
     if chunk.pre_process or chunk.post_process:
         device = next(chunk.parameters()).device
         batch = get_batch(next(data_iterator), eod, eod_mask_loss, reset_position_ids)
+        batch = split_batch(batch, chunk.cp_group)
         batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
     labels = {"labels": batch["labels"]} if chunk.post_process else {}
     if chunk.pre_process:
@@ -102,7 +109,7 @@ def forward_step(
         output = model(hidden_states=inputs[0], **labels)
     if not chunk.post_process:
         return output, None
-    return output, functools.partial(loss_func, batch["loss_mask"])
+    return output, functools.partial(loss_func, batch["loss_mask"], chunk.cp_group)
 
 
 def default_corpus_prefix(config: PretrainConfig) -> str:

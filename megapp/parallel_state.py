@@ -38,7 +38,11 @@ __all__ = [
     "ProcessGrid",
     "TrainGroups",
     "destroy_model_parallel",
+    "get_context_parallel_group",
+    "get_context_parallel_rank",
+    "get_context_parallel_world_size",
     "get_data_parallel_group",
+    "get_data_parallel_group_with_cp",
     "get_data_parallel_rank",
     "get_data_parallel_world_size",
     "get_embedding_group",
@@ -84,12 +88,14 @@ def initialize_model_parallel(
     tensor_model_parallel_size: int = 1,
     pipeline_model_parallel_size: int = 1,
     virtual_pipeline_model_parallel_size: int | None = None,
-    order: str = "tp-dp-pp",
+    order: str = "tp-cp-dp-pp",
     timeout: timedelta | None = None,
     *,
+    context_parallel_size: int = 1,
     strict_p2p: bool = False,
 ) -> ProcessGrid:
-    """Create the tp, pp, dp, mp, embedding and position-embedding groups.
+    """Create the tp, pp, dp, mp, embedding and position-embedding groups, and with
+    ``context_parallel_size`` > 1 the cp, tp_cp and dp_cp groups.
 
     Needs an initialized default group; every rank must call it with the same
     arguments. The groups use the default group's backend (gloo on CPU, NCCL
@@ -116,6 +122,7 @@ def initialize_model_parallel(
         pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size,
         order,
+        context_parallel_size=context_parallel_size,
     )
     state = _State(grid=grid, rank=dist.get_rank())
     if grid.vpp is not None:
@@ -172,7 +179,10 @@ def layout_group(name: str, needs: str) -> dist.ProcessGroup | None:
 class TrainGroups:
     """The process groups a training step talks to, by purpose (``None``: that dimension
     is 1, or this rank is in no such group). ``mp``: the model-parallel group, the ranks
-    that together hold one copy of the model (tp × pp). ``pp_channels``: the pipeline's
+    that together hold one copy of the model (tp × pp) for one context-parallel slice.
+    ``dp`` splits the batch (its ranks read different samples); ``cp`` splits every
+    sequence; ``dp_cp``, the ranks that hold the same weights, reduces the gradients (it
+    is ``dp`` without context parallelism). ``pp_channels``: the pipeline's
     one-way groups (:mod:`~megapp.pipeline_parallel.channels`), where the layout has them
     (NCCL, or ``strict_p2p``)."""
 
@@ -181,7 +191,15 @@ class TrainGroups:
     dp: comm.Group = None
     embedding: comm.Group = None
     mp: comm.Group = None
+    cp: comm.Group = None
+    dp_cp: comm.Group = None
     pp_channels: Channels | None = None
+
+    def __post_init__(self) -> None:
+        if self.dp_cp is None:
+            if comm.world_size(self.cp) > 1:
+                raise ValueError("TrainGroups with a context-parallel group needs dp_cp too")
+            self.dp_cp = self.dp
 
     @classmethod
     def from_parallel_state(cls) -> TrainGroups:
@@ -194,6 +212,8 @@ class TrainGroups:
             dp=state.groups["dp"],
             embedding=state.groups.get("embedding"),
             mp=state.groups["mp"],
+            cp=state.groups.get("cp"),
+            dp_cp=state.groups.get("dp_cp", state.groups["dp"]),
             pp_channels=state.channels,
         )
 
@@ -234,6 +254,26 @@ def get_pipeline_model_parallel_group() -> dist.ProcessGroup:
 
 def get_data_parallel_group() -> dist.ProcessGroup:
     return get_group("dp")
+
+
+def get_context_parallel_group() -> dist.ProcessGroup | None:
+    """This rank's context-parallel group; None without context parallelism."""
+    return _state().groups.get("cp")
+
+
+def get_context_parallel_world_size() -> int:
+    return get_grid().cp
+
+
+def get_context_parallel_rank() -> int:
+    state = _state()
+    return state.grid.coords(state.rank)["cp"]
+
+
+def get_data_parallel_group_with_cp() -> dist.ProcessGroup:
+    """The ranks that hold the same weights (dp × cp): gradients are reduced over it."""
+    state = _state()
+    return state.groups.get("dp_cp", state.groups["dp"])
 
 
 def get_model_parallel_group() -> dist.ProcessGroup:

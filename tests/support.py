@@ -20,6 +20,8 @@ import torch.distributed as dist
 from torch import nn
 
 from megapp import parallel_state as ps
+from megapp.context_parallel.layout import split_batch
+from megapp.context_parallel.loss import masked_token_mean
 from megapp.fusions.extension import cpu_ops_available
 from megapp.models import GPTConfig, GPTModel
 from megapp.param_attributes import gather_tensor_parallel, is_sequence_parallel, unshard
@@ -146,15 +148,17 @@ GPT_PARAM_TOL = dict(rtol=1e-4, atol=1e-4)
 
 
 def gpt_forward_step(iterator, chunk, inputs):
-    """One microbatch of :func:`global_batch` through one chunk of the tiny GPT."""
+    """One microbatch of :func:`global_batch` through one chunk of the tiny GPT (under
+    context parallelism, this rank's slice of its sequences)."""
     tokens, labels, mask = next(iterator)
     model = chunk.module
-    kwargs = {"labels": labels} if model.post_process else {}
+    batch = split_batch({"tokens": tokens, "labels": labels, "mask": mask}, model.cp_group)
+    kwargs = {"labels": batch["labels"]} if model.post_process else {}
     if model.pre_process:
-        output = chunk(input_ids=tokens, **kwargs)
+        output = chunk(input_ids=batch["tokens"], **kwargs)
     else:
         output = chunk(hidden_states=inputs[0], **kwargs)
-    return output, (lambda per_token: masked_mean(per_token, mask))
+    return output, (lambda per_token: masked_token_mean(per_token, batch["mask"], model.cp_group))
 
 
 def train_layout(
@@ -167,14 +171,16 @@ def train_layout(
     bucket_size=2000,
     schedule=None,
     strict_p2p=False,
+    cp=1,
     **config,
 ):
     """Train STEPS steps under the layout (and pipeline ``schedule``, a name; default 1F1B
-    or interleaved; ``strict_p2p``: messages under NCCL's rules); return (chunks, losses,
-    grad norms, step-1 grads)."""
-    ps.initialize_model_parallel(tp, pp, vpp, strict_p2p=strict_p2p)
+    or interleaved; ``strict_p2p``: messages under NCCL's rules; ``cp`` context-parallel
+    ranks, with ``cp_comm_type`` in ``config``); return (chunks, losses, grad norms, step-1
+    grads)."""
+    ps.initialize_model_parallel(tp, pp, vpp, context_parallel_size=cp, strict_p2p=strict_p2p)
     setup = build_training_setup(
-        gpt_config(tensor_model_parallel_size=tp, **config),
+        gpt_config(tensor_model_parallel_size=tp, context_parallel_size=cp, **config),
         OptimizerArgs(
             lr=LR, weight_decay=WD, clip_grad=CLIP, lr_decay_style="constant", lr_decay_iters=STEPS
         ),
@@ -221,7 +227,7 @@ def check_against_reference(chunks, losses, norms, first_grads, config_kw):
     """:func:`train_layout`'s results against :func:`reference_run` of the same model: every
     step's loss and gradient norm, step 1's gradients, and the parameters at the end."""
     dp = ps.get_data_parallel_world_size()
-    single = {k: v for k, v in config_kw.items() if k != "sequence_parallel"}
+    single = {k: v for k, v in config_kw.items() if k not in ("sequence_parallel", "cp_comm_type")}
     reference, ref_losses, ref_norms, ref_grads = reference_run(
         gpt_config(**single), STEPS, dp, LR, WD, CLIP
     )

@@ -125,6 +125,7 @@ def _layout(chunks, optimizer, groups) -> dict[str, Any]:
         "tp": comm.world_size(groups.tp),
         "pp": comm.world_size(groups.pp),
         "dp": comm.world_size(groups.dp),
+        "cp": comm.world_size(groups.cp),
         "vpp": len(chunks),
         "distributed_optimizer": bool(optimizer is not None and optimizer.distributed),
     }

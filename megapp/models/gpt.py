@@ -29,6 +29,7 @@ from torch import nn
 
 from megapp import comm
 from megapp.comm import Group
+from megapp.context_parallel.layout import positions, split
 from megapp.fusions.rope import rotary_freqs
 from megapp.param_attributes import mark_tied_embedding
 from megapp.pipeline_parallel.catalog import default_schedule, schedule_placement
@@ -182,6 +183,7 @@ class GPTModel(nn.Module):
         num_layers: int | None = None,
         tp_group: Group = None,
         seed: int = 1234,
+        cp_group: Group = None,
     ):
         super().__init__()
         if comm.world_size(tp_group) != config.tensor_model_parallel_size:
@@ -190,6 +192,7 @@ class GPTModel(nn.Module):
                 f"the tensor-parallel group has {comm.world_size(tp_group)} ranks"
             )
         self.config, self.tp_group = config, tp_group
+        self.cp_group = cp_group if config.context_parallel_size > 1 else None
         self.pre_process, self.post_process = pre_process, post_process
         self.embedding = GPTEmbedding(config, tp_group, seed) if pre_process else None
         self.decoder = TransformerBlock(
@@ -199,6 +202,7 @@ class GPTModel(nn.Module):
             post_layer_norm=post_process,
             tp_group=tp_group,
             init_seed=seed + _LAYER_SEED,
+            cp_group=cp_group,
         )
         self.output_weight = None
         if post_process:
@@ -237,16 +241,22 @@ class GPTModel(nn.Module):
         return None
 
     def _rotary(self, seq: int, device: torch.device, offset: int = 0) -> torch.Tensor | None:
+        """Rotary frequencies ``[seq, 1, 1, rot_dim]`` of positions ``offset ..``; under
+        context parallelism, of the global positions of this rank's ``seq`` tokens."""
         config = self.config
         if config.position_embedding_type != "rope":
             return None
-        if offset:
-            return self._rotary(offset + seq, device)[offset:]
-        if self._freqs is None or self._freqs.shape[0] < seq or self._freqs.device != device:
+        cp = config.context_parallel_size
+        if cp > 1 and offset:
+            raise ValueError("generation (a key/value cache) does not run with context parallelism")
+        whole = offset + seq * cp
+        if self._freqs is None or self._freqs.shape[0] < whole or self._freqs.device != device:
             self._freqs = rotary_freqs(
-                seq, config.rotary_dim, config.rotary_base, device, config.rope_scaling
+                whole, config.rotary_dim, config.rotary_base, device, config.rope_scaling
             )
-        return self._freqs[:seq]
+        if cp > 1:
+            return split(self._freqs[:whole], cp, comm.rank(self.cp_group))
+        return self._freqs[offset:whole]
 
     def forward(
         self,
@@ -260,6 +270,11 @@ class GPTModel(nn.Module):
         if self.pre_process:
             if input_ids is None:
                 raise ValueError("the first pipeline stage needs input_ids [b, s]")
+            if position_ids is None and self.cp_group is not None:
+                cp = config.context_parallel_size
+                seq = input_ids.shape[1] * cp
+                ids = positions(seq, cp, comm.rank(self.cp_group), input_ids.device)
+                position_ids = ids.expand_as(input_ids)
             hidden_states = self.embedding(input_ids, position_ids)
         elif hidden_states is None:
             raise ValueError("a pipeline chunk without the embedding needs hidden_states")
@@ -296,6 +311,7 @@ def build_gpt_chunks(
     last_stage_layers: int | None = None,
     schedule: str | Schedule | None = None,
     stages: Sequence[int] | None = None,
+    cp_group: Group = None,
 ) -> list[GPTModel]:
     """This pipeline rank's model chunks: chunk ``c`` is the virtual stage ``schedule``
     (a name or a :class:`~megapp.pipeline_parallel.schedules.Schedule`) places there,
@@ -345,6 +361,7 @@ def build_gpt_chunks(
             num_layers=len(layers),
             tp_group=tp_group,
             seed=seed,
+            cp_group=cp_group,
         )
         mark_chunk_stage(chunk, stage, placement)
         chunks.append(chunk)

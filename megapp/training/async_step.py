@@ -118,10 +118,10 @@ def train_run(
     if comm.world_size(groups.pp) > 1:
         comm.all_reduce(losses, groups.pp)
         comm.all_reduce(squares, groups.pp)
-    dp = comm.world_size(groups.dp)
-    if dp > 1:
-        comm.all_reduce(losses, groups.dp)
-        losses /= dp
+    replicas = comm.world_size(groups.dp_cp)  # each cp rank's loss is cp × its share
+    if replicas > 1:
+        comm.all_reduce(losses, groups.dp_cp)
+        losses /= replicas
     events = [result.events] + [[]] * (iterations - 1)  # the run's timeline, once
     rows = zip(losses.tolist(), squares.tolist(), rates, events, strict=True)
     return [

@@ -238,7 +238,9 @@ class PretrainConfig:
             vpp = virtual_stages(model.num_layers, pp, lps) or 1
         name, vpp = self._schedule_chunks(pp, vpp)
         vpp = vpp if vpp != 1 else None  # one chunk per rank: no virtual stages
-        grid = ProcessGrid(self.world_size, tp, pp, vpp)
+        cp = par.context_parallel_size
+        grid = ProcessGrid(self.world_size, tp, pp, vpp, context_parallel_size=cp)
+        self._check_sequence_split(cp, tp)
         self._set("virtual_pipeline_model_parallel_size", vpp)
         self._set("data_parallel_size", grid.dp)
         check_layer_split(
@@ -281,6 +283,20 @@ class PretrainConfig:
             decay_steps=decay,
             decay_style=opt.lr_decay_style,
         )
+
+    def _check_sequence_split(self, cp: int, tp: int) -> None:
+        """Each context-parallel rank holds two equal chunks of every sequence, and sequence
+        parallelism splits a rank's tokens over tp on top."""
+        from megapp.context_parallel.layout import check_sequence_length
+
+        seq = self.model.seq_length
+        check_sequence_length(seq, cp)
+        if self.parallel.sequence_parallel and (seq // cp) % tp:
+            raise ArgumentsError(
+                f"--sequence-parallel splits each context-parallel rank's {seq // cp} tokens "
+                f"over --tensor-model-parallel-size ({tp}), which does not divide them; use "
+                f"a --seq-length that is a multiple of {cp * tp * (2 if cp > 1 else 1)}"
+            )
 
     def gpt_config(self, vocab_size: int):
         """The model as a :class:`~megapp.models.GPTConfig` for a tokenizer of

@@ -58,9 +58,9 @@ def evaluate(
     finally:
         for chunk, mode in zip(chunks, was_training, strict=True):
             chunk.train(mode)
-    if comm.world_size(groups.dp) > 1:
+    if comm.world_size(groups.dp_cp) > 1:  # each cp rank's loss is cp × its share
         device = result.loss.device
         total = total.to(device)
-        comm.all_reduce(total, groups.dp)
-        total = total.cpu() / comm.world_size(groups.dp)
+        comm.all_reduce(total, groups.dp_cp)
+        total = total.cpu() / comm.world_size(groups.dp_cp)
     return float(total.item()) / eval_iters

@@ -178,7 +178,7 @@ def save(config: Any, setup: Any, model_type: str) -> None:
     """Write the model to ``--save-hf`` (collective; one data-parallel replica writes)."""
     directory = config.checkpoint.save_hf
     groups = setup.groups
-    if comm.rank(groups.dp) == 0:
+    if comm.rank(groups.dp_cp) == 0:
         tp_rank, tp = comm.rank(groups.tp), comm.world_size(groups.tp)
         tokenizer_dir = config.checkpoint.load_hf or config.data.tokenizer_model
         source = source_dir(config)

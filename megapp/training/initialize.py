@@ -132,6 +132,7 @@ def initialize_distributed(config: PretrainConfig) -> torch.device:
             parallel.pipeline_model_parallel_size,
             config.virtual_pipeline_model_parallel_size,
             timeout=timeout,
+            context_parallel_size=parallel.context_parallel_size,
             strict_p2p=parallel.strict_p2p,
         )
     groups = TrainGroups.from_parallel_state()

@@ -14,6 +14,16 @@ class ParallelArgs:
 
     tensor_model_parallel_size: int = arg(1, "ranks that split every layer")
     pipeline_model_parallel_size: int = arg(1, "pipeline stages")
+    context_parallel_size: int = arg(
+        1, "ranks that split every sequence (attention is the one place they talk)"
+    )
+    cp_comm_type: str = arg(
+        "p2p",
+        "how attention reaches the other context-parallel ranks' keys and values: p2p (a "
+        "ring, overlapped), all_gather (gathered once per layer), a2a (Ulysses: trades the "
+        "sequence for heads)",
+        choices=("p2p", "all_gather", "a2a"),
+    )
     num_layers_per_virtual_pipeline_stage: int | None = arg(
         None, "layers per virtual stage; interleaves the pipeline schedule", kind=int
     )

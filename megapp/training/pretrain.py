@@ -69,10 +69,10 @@ ModelProvider = Callable[[PretrainConfig, TrainGroups], list[nn.Module]]
 
 def pipeline_tensor_shapes(config: PretrainConfig) -> list[TensorSpec]:
     """What one pipeline stage sends the next, fixed for the whole run (Megatron's p2p shape):
-    the hidden states ``[s, b, h]`` (``[s/tp, b, h]`` with sequence parallelism) in the
-    model's dtype. Declared, they spare every step a header exchange; a stage that sends
-    anything else fails with a message naming both shapes."""
-    seq = config.model.seq_length
+    the hidden states ``[s/cp, b, h]`` (``[s/(cp·tp), b, h]`` with sequence parallelism)
+    in the model's dtype. Declared, they spare every step a header exchange; a stage that
+    sends anything else fails with a message naming both shapes."""
+    seq = config.model.seq_length // config.parallel.context_parallel_size
     if config.parallel.sequence_parallel:
         seq //= config.parallel.tensor_model_parallel_size
     shape = (seq, config.training.micro_batch_size, config.model.hidden_size)
@@ -299,10 +299,12 @@ def _describe_layout(config: PretrainConfig, setup: TrainingSetup) -> str:
     parallel = config.parallel
     vpp = config.virtual_pipeline_model_parallel_size
     params = count_parameters(setup.chunks, setup.groups)
+    cp = parallel.context_parallel_size
     return (
         f" > model: {params:,} parameters in {len(setup.chunks)} chunk(s) per rank; layout "
-        f"tp {parallel.tensor_model_parallel_size} × pp {parallel.pipeline_model_parallel_size}"
-        f" × dp {config.data_parallel_size}"
+        f"tp {parallel.tensor_model_parallel_size}"
+        + (f" × cp {cp} ({parallel.cp_comm_type})" if cp > 1 else "")
+        + f" × pp {parallel.pipeline_model_parallel_size} × dp {config.data_parallel_size}"
         + (f", {vpp} virtual stages per rank" if vpp else "")
         + f"; {config.num_microbatches} microbatches of {config.training.micro_batch_size} per "
         "iteration"

@@ -102,13 +102,14 @@ def build_training_setup(
             seed=seed,
             schedule=schedule,
             stages=stages,
+            cp_group=groups.cp,
         )
     else:
         modules = model(groups)
     chunks = [
         DistributedDataParallel(
             module.to(device),
-            dp_group=groups.dp,
+            dp_group=groups.dp_cp,  # the replicas of these weights
             bucket_size=bucket_size,
             zero_stage=zero_stage,
         )

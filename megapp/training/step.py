@@ -69,9 +69,9 @@ def train_step(
     pipeline timeline in the result.
     """
     for chunk in chunks:
-        if chunk.dp_size != comm.world_size(groups.dp):
+        if chunk.dp_size != comm.world_size(groups.dp_cp):
             raise ValueError(
-                f"groups.dp has {comm.world_size(groups.dp)} ranks but the model chunk is "
+                f"groups.dp_cp has {comm.world_size(groups.dp_cp)} ranks but the model chunk is "
                 f"replicated over {chunk.dp_size}; use TrainGroups.from_parallel_state()"
             )
         chunk.zero_grad_buffer()
@@ -98,9 +98,9 @@ def train_step(
     if stepped.updated and lr_scheduler is not None:
         lr_scheduler.step()
     loss = result.loss.detach().double().reshape(1) / scale
-    if comm.world_size(groups.dp) > 1:
-        comm.all_reduce(loss, groups.dp)
-        loss /= comm.world_size(groups.dp)
+    if comm.world_size(groups.dp_cp) > 1:  # each cp rank's loss is cp × its share
+        comm.all_reduce(loss, groups.dp_cp)
+        loss /= comm.world_size(groups.dp_cp)
     return TrainStepResult(
         float(loss.item()), stepped.grad_norm, not stepped.updated, result.events
     )

@@ -15,13 +15,17 @@ from megapp.transformer.layer import TransformerLayer, build_norm
 
 
 def _build_layer(
-    config: TransformerConfig, number: int, tp_group: Group, init_seed: int | None
+    config: TransformerConfig,
+    number: int,
+    tp_group: Group,
+    init_seed: int | None,
+    cp_group: Group,
 ) -> TransformerLayer:
     if init_seed is None:
-        return TransformerLayer(config, number, tp_group)
+        return TransformerLayer(config, number, tp_group, cp_group)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(init_seed + number)
-        return TransformerLayer(config, number, tp_group)
+        return TransformerLayer(config, number, tp_group, cp_group)
 
 
 def _tensors(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -60,6 +64,7 @@ class TransformerBlock(nn.Module):
         post_layer_norm: bool = True,
         tp_group: Group = None,
         init_seed: int | None = None,
+        cp_group: Group = None,
     ):
         """``init_seed``: build layer ``l`` from the default generator seeded with
         ``init_seed + l`` (restored afterwards), so a layer's initial weights do not
@@ -74,7 +79,8 @@ class TransformerBlock(nn.Module):
                 f"{config.num_layers} layers"
             )
         self.layers = nn.ModuleList(
-            _build_layer(config, first_layer + i, tp_group, init_seed) for i in range(num_layers)
+            _build_layer(config, first_layer + i, tp_group, init_seed, cp_group)
+            for i in range(num_layers)
         )
         self.final_layernorm = build_norm(config) if post_layer_norm else None
         for i in self._recomputed_layers():

@@ -12,6 +12,7 @@ _POSITIONS = ("learned_absolute", "rope", "none")
 _GRANULARITIES = (None, "selective", "full")
 _METHODS = (None, "uniform", "block")
 _ATTENTION_BACKENDS = ("sdpa", "fused_softmax")
+_CP_COMM_TYPES = ("p2p", "all_gather", "a2a")
 
 
 @dataclass
@@ -72,6 +73,11 @@ class TransformerConfig:
     """Ranks that split every layer; checked against the heads and widths."""
     sequence_parallel: bool = False
     """Split the activations outside the tensor-parallel regions along the sequence."""
+    context_parallel_size: int = 1
+    """Ranks that split every sequence (:mod:`megapp.context_parallel`)."""
+    cp_comm_type: str = "p2p"
+    """How attention reaches the other context-parallel ranks: ``p2p`` (ring),
+    ``all_gather`` or ``a2a`` (Ulysses)."""
     params_dtype: torch.dtype = torch.float32
     """Dtype of the parameters."""
 
@@ -166,6 +172,29 @@ class TransformerConfig:
             )
         if self.sequence_parallel and tp == 1:
             raise ValueError("sequence_parallel needs tensor_model_parallel_size > 1")
+        self._check_context_parallel()
+
+    def _check_context_parallel(self) -> None:
+        cp, tp = self.context_parallel_size, self.tensor_model_parallel_size
+        if cp < 1:
+            raise ValueError(f"context_parallel_size must be >= 1, got {cp}")
+        if self.cp_comm_type not in _CP_COMM_TYPES:
+            raise ValueError(
+                f"cp_comm_type must be one of {_CP_COMM_TYPES}, got {self.cp_comm_type!r}"
+            )
+        if cp == 1:
+            return
+        if self.attention_dropout:
+            raise ValueError(
+                f"attention_dropout ({self.attention_dropout}) is not supported with "
+                "context_parallel_size > 1; set it to 0"
+            )
+        if self.cp_comm_type == "a2a" and (self.num_attention_heads // tp) % cp:
+            raise ValueError(
+                f"cp_comm_type 'a2a' splits each tensor-parallel rank's "
+                f"{self.num_attention_heads // tp} query heads over context_parallel_size "
+                f"({cp}), which does not divide them; use cp_comm_type 'p2p' or 'all_gather'"
+            )
 
     @property
     def rotary_dim(self) -> int:

@@ -24,6 +24,7 @@ from torch import nn
 from megapp import comm
 from megapp.autograd.saved import recompute_saved
 from megapp.comm import Group
+from megapp.context_parallel import attention as cp_attention
 from megapp.fusions.bias_ops import bias_dropout_add, bias_gelu, bias_swiglu
 from megapp.fusions.norm import LayerNorm
 from megapp.fusions.rms_norm import RMSNorm
@@ -83,12 +84,21 @@ class ParallelAttention(nn.Module):
     The QKV weight is laid out group by group (``[q heads of group g; k_g; v_g]``),
     so a column split gives every rank whole query groups with their keys and
     values. Input ``[s, b, h]`` (``[s/tp, b, h]`` with sequence parallelism);
-    returns ``(output, output-projection bias)``.
+    returns ``(output, output-projection bias)``. With a context-parallel group
+    (``cp_group``, ``config.context_parallel_size`` ranks) ``s`` is this rank's slice of
+    the sequence and attention reaches the others' keys and values by
+    ``config.cp_comm_type`` (:func:`megapp.context_parallel.attention`).
     """
 
-    def __init__(self, config: TransformerConfig, tp_group: Group = None):
+    def __init__(self, config: TransformerConfig, tp_group: Group = None, cp_group: Group = None):
         super().__init__()
         self.config = config
+        if comm.world_size(cp_group) != config.context_parallel_size:
+            raise ValueError(
+                f"config.context_parallel_size is {config.context_parallel_size} but the "
+                f"context-parallel group has {comm.world_size(cp_group)} ranks"
+            )
+        self.cp_group = cp_group if config.context_parallel_size > 1 else None
         # Rebuild the output projection's saved input in backward (off inside full recompute).
         self.recompute_saved_inputs = True
         tp = comm.world_size(tp_group)
@@ -144,6 +154,10 @@ class ParallelAttention(nn.Module):
         return tuple(t.permute(1, 2, 0, 3) for t in (q, k, v))
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.cp_group is not None:  # the config refuses attention dropout here
+            return cp_attention(
+                q, k, v, group=self.cp_group, comm_type=self.config.cp_comm_type, causal=True
+            )
         dropout = self.config.attention_dropout if self.training else 0.0
         # Heads differ per rank, so their dropout masks come from the per-rank stream.
         rng = get_rng_tracker().fork() if dropout > 0 else contextlib.nullcontext()
@@ -257,11 +271,17 @@ class TransformerLayer(nn.Module):
     the block turns it off for layers it recomputes whole).
     """
 
-    def __init__(self, config: TransformerConfig, layer_number: int, tp_group: Group = None):
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        tp_group: Group = None,
+        cp_group: Group = None,
+    ):
         super().__init__()
         self.config, self.layer_number = config, layer_number
         self.input_layernorm = build_norm(config)
-        self.self_attention = ParallelAttention(config, tp_group)
+        self.self_attention = ParallelAttention(config, tp_group, cp_group)
         self.pre_mlp_layernorm = build_norm(config)
         self.mlp = ParallelMLP(config, tp_group)
         self.recompute_saved_inputs = True
