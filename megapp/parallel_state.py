@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from megapp import comm
 from megapp.pipeline_parallel.channels import Channels, make_channels
-from megapp.process_grid import CONTEXT_GROUPS, GROUP_NAMES, ProcessGrid
+from megapp.process_grid import CONTEXT_GROUPS, EXPERT_GROUP_NAMES, GROUP_NAMES, ProcessGrid
 
 # What errors (and NCCL's watchdog) call each kind of group.
 GROUP_DESCRIPTIONS = {
@@ -32,6 +32,11 @@ GROUP_DESCRIPTIONS = {
     "cp": "context-parallel",
     "tp_cp": "tensor-and-context-parallel",
     "dp_cp": "data-and-context-parallel",
+    "ep": "expert-model-parallel",
+    "expt_tp": "expert-tensor-parallel",
+    "expt_dp": "expert-data-parallel",
+    "tp_ep": "expert-tensor-and-model-parallel",
+    "tp_ep_pp": "expert-tensor-model-pipeline-parallel",
 }
 
 __all__ = [
@@ -46,6 +51,19 @@ __all__ = [
     "get_data_parallel_rank",
     "get_data_parallel_world_size",
     "get_embedding_group",
+    "get_expert_data_parallel_group",
+    "get_expert_data_parallel_rank",
+    "get_expert_data_parallel_world_size",
+    "get_expert_model_parallel_group",
+    "get_expert_model_parallel_rank",
+    "get_expert_model_parallel_world_size",
+    "get_expert_tensor_and_model_parallel_group",
+    "get_expert_tensor_and_model_parallel_rank",
+    "get_expert_tensor_and_model_parallel_world_size",
+    "get_expert_tensor_model_pipeline_parallel_group",
+    "get_expert_tensor_parallel_group",
+    "get_expert_tensor_parallel_rank",
+    "get_expert_tensor_parallel_world_size",
     "get_grid",
     "get_group",
     "get_group_ranks",
@@ -93,9 +111,17 @@ def initialize_model_parallel(
     *,
     context_parallel_size: int = 1,
     strict_p2p: bool = False,
+    expert_model_parallel_size: int = 1,
+    expert_tensor_parallel_size: int | None = None,
 ) -> ProcessGrid:
     """Create the tp, pp, dp, mp, embedding and position-embedding groups, and with
     ``context_parallel_size`` > 1 the cp, tp_cp and dp_cp groups.
+
+    The expert layout's groups (ep, expt_tp, expt_dp, tp_ep, tp_ep_pp; see
+    :meth:`ProcessGrid.expert_groups`) are new process groups only where they differ
+    from a group made above: with ``expert_model_parallel_size`` 1 and
+    ``expert_tensor_parallel_size`` None (= tp), expt_tp is tp, expt_dp is dp (dp_cp),
+    and no ep group exists (its getter returns None, like cp's).
 
     Needs an initialized default group; every rank must call it with the same
     arguments. The groups use the default group's backend (gloo on CPU, NCCL
@@ -123,6 +149,8 @@ def initialize_model_parallel(
         virtual_pipeline_model_parallel_size,
         order,
         context_parallel_size=context_parallel_size,
+        expert_model_parallel_size=expert_model_parallel_size,
+        expert_tensor_parallel_size=expert_tensor_parallel_size,
     )
     state = _State(grid=grid, rank=dist.get_rank())
     if grid.vpp is not None:
@@ -136,10 +164,43 @@ def initialize_model_parallel(
             if state.rank in members:
                 state.groups[name] = group
                 state.ranks[name] = members
+    _make_expert_groups(state, timeout)
     if grid.pp > 1 and (strict_p2p or dist.get_backend() == "nccl"):
         state.channels = make_channels(grid.groups("pp"), timeout, strict=strict_p2p)
     _STATE = state
     return grid
+
+
+# Without an expert layout (ep 1, etp = tp) expert layers use these dense groups.
+_DENSE_TWINS = {"expt_tp": "tp", "expt_dp": "dp_cp", "tp_ep": "tp", "tp_ep_pp": "mp"}
+
+
+def _make_expert_groups(state: _State, timeout: timedelta | None) -> None:
+    """The expert layout's groups. Without one (ep 1, etp = tp) they are the dense twins
+    and ep has none; with one, a dense group of the same members where there is one, a new
+    process group otherwise. Pure arithmetic on the grid decides, so every rank creates the
+    same groups in the same order."""
+    grid = state.grid
+    if not grid.has_expert_layout:
+        for name, twin in _DENSE_TWINS.items():
+            twin = twin if twin in state.groups else "dp"  # dp_cp exists with cp > 1 only
+            state.groups[name], state.ranks[name] = state.groups[twin], state.ranks[twin]
+        return
+    made = [kind for kind in GROUP_NAMES if kind in state.groups]
+    dense = {kind: grid.groups(kind) for kind in made}
+    for name in EXPERT_GROUP_NAMES:
+        members_of = grid.expert_groups(name)
+        if name == "ep" and grid.ep == 1:
+            continue
+        twin = next((kind for kind, groups in dense.items() if groups == members_of), None)
+        if twin is not None:
+            state.groups[name], state.ranks[name] = state.groups[twin], state.ranks[twin]
+            continue
+        for members in members_of:
+            group = comm.new_group(members, GROUP_DESCRIPTIONS[name], timeout)
+            if state.rank in members:
+                state.groups[name] = group
+                state.ranks[name] = members
 
 
 def destroy_model_parallel() -> None:
@@ -147,7 +208,8 @@ def destroy_model_parallel() -> None:
     global _STATE
     if _STATE is None:
         return
-    for group in _STATE.groups.values():
+    # An expert group may be a dense one under a second name: destroy each once.
+    for group in {id(g): g for g in _STATE.groups.values()}.values():
         dist.destroy_process_group(group)
     if _STATE.channels is not None:
         _STATE.channels.destroy()
@@ -280,6 +342,67 @@ def get_model_parallel_group() -> dist.ProcessGroup:
     return get_group("mp")
 
 
+def get_expert_model_parallel_group() -> dist.ProcessGroup | None:
+    """The ranks that hold this rank's expert layers' other experts; None when ep is 1."""
+    return _state().groups.get("ep")
+
+
+def get_expert_model_parallel_world_size() -> int:
+    return get_grid().ep
+
+
+def get_expert_model_parallel_rank() -> int:
+    state = _state()
+    return state.grid.expert_coords(state.rank)["ep"]
+
+
+def get_expert_tensor_parallel_group() -> dist.ProcessGroup:
+    """The ranks that split each of this rank's experts' matrices."""
+    return get_group("expt_tp")
+
+
+def get_expert_tensor_parallel_world_size() -> int:
+    return get_grid().etp
+
+
+def get_expert_tensor_parallel_rank() -> int:
+    state = _state()
+    return state.grid.expert_coords(state.rank)["expt_tp"]
+
+
+def get_expert_tensor_and_model_parallel_group() -> dist.ProcessGroup:
+    """expt_tp × ep: every rank a token of this rank's expert layers may be sent to."""
+    return get_group("tp_ep")
+
+
+def get_expert_tensor_and_model_parallel_world_size() -> int:
+    grid = get_grid()
+    return grid.etp * grid.ep
+
+
+def get_expert_tensor_and_model_parallel_rank() -> int:
+    return get_group_ranks("tp_ep").index(_state().rank)
+
+
+def get_expert_tensor_model_pipeline_parallel_group() -> dist.ProcessGroup:
+    """tp_ep × pp: the ranks that together hold one copy of every expert of the model."""
+    return get_group("tp_ep_pp")
+
+
+def get_expert_data_parallel_group() -> dist.ProcessGroup:
+    """The ranks that hold the same experts: expert gradients are reduced over it."""
+    return get_group("expt_dp")
+
+
+def get_expert_data_parallel_world_size() -> int:
+    return get_grid().edp
+
+
+def get_expert_data_parallel_rank() -> int:
+    state = _state()
+    return state.grid.expert_coords(state.rank)["expt_dp"]
+
+
 def get_embedding_group() -> dist.ProcessGroup:
     return get_group("embedding")
 
@@ -373,11 +496,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cp", "--context-parallel-size", type=int, default=1, dest="cp")
     parser.add_argument("--pp", "--pipeline-model-parallel-size", type=int, default=1, dest="pp")
     parser.add_argument("--vpp", "--virtual-pipeline-model-parallel-size", type=int, dest="vpp")
+    parser.add_argument("--ep", "--expert-model-parallel-size", type=int, default=1, dest="ep")
+    parser.add_argument("--etp", "--expert-tensor-parallel-size", type=int, dest="etp")
     parser.add_argument("--order", default="tp-cp-dp-pp")
     args = parser.parse_args(argv)
     try:
         grid = ProcessGrid(
-            args.world_size, args.tp, args.pp, args.vpp, args.order, context_parallel_size=args.cp
+            args.world_size,
+            args.tp,
+            args.pp,
+            args.vpp,
+            args.order,
+            context_parallel_size=args.cp,
+            expert_model_parallel_size=args.ep,
+            expert_tensor_parallel_size=args.etp,
         )
     except ValueError as err:
         parser.error(str(err))

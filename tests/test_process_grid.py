@@ -385,3 +385,194 @@ def test_cli_rejects_bad_layout():
     )
     assert proc.returncode == 2
     assert "world_size 6 is not divisible" in proc.stderr
+
+
+# ----- the expert layout -------------------------------------------------------------
+
+
+def test_golden_expert_layout_8_ranks_tp2_ep2_pp2():
+    grid = ProcessGrid(8, 2, 2, expert_model_parallel_size=2)
+    assert (grid.etp, grid.ep, grid.edp, grid.pp) == (2, 2, 1, 2)
+    assert grid.expert_order == "tp-ep-dp-pp"
+    assert grid.expert_groups("ep") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert grid.expert_groups("expt_tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert grid.expert_groups("expt_dp") == [[r] for r in range(8)]
+    assert grid.expert_groups("tp_ep") == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert grid.expert_groups("tp_ep_pp") == [list(range(8))]
+    assert grid.expert_coords(6) == {"expt_tp": 0, "ep": 1, "expt_dp": 0, "pp": 1}
+    assert grid.expert_size("tp_ep") == 4 and grid.has_expert_layout
+
+
+def test_golden_expert_layout_16_ranks_tp2_cp2_etp1_ep4():
+    # dense: tp-cp-dp-pp = 2 × 2 × 4 × 1; experts: etp-ep-dp-pp = 1 × 4 × 4 × 1
+    grid = ProcessGrid(
+        16, 2, context_parallel_size=2, expert_model_parallel_size=4, expert_tensor_parallel_size=1
+    )
+    assert (grid.etp, grid.ep, grid.edp) == (1, 4, 4)
+    assert grid.expert_groups("ep") == [
+        [0, 1, 2, 3],
+        [4, 5, 6, 7],
+        [8, 9, 10, 11],
+        [12, 13, 14, 15],
+    ]
+    assert grid.expert_groups("expt_dp") == [[r, r + 4, r + 8, r + 12] for r in range(4)]
+    assert grid.expert_groups("expt_tp") == [[r] for r in range(16)]
+    # the 4 experts' owners are one tp × cp block of the dense layout
+    assert grid.expert_groups("ep")[1] == grid.groups("tp_cp")[1]
+
+
+def test_expert_layout_defaults_follow_the_dense_one():
+    grid = ProcessGrid(8, 2, 2)
+    assert (grid.etp, grid.ep, grid.edp) == (2, 1, 2) and not grid.has_expert_layout
+    assert grid.expert_tensor_parallel_size == 2  # None becomes tp
+    assert grid.expert_groups("expt_tp") == grid.groups("tp")
+    assert grid.expert_groups("expt_dp") == grid.groups("dp")
+    assert grid.expert_groups("tp_ep_pp") == grid.groups("mp")
+    assert grid.expert_groups("ep") == [[r] for r in range(8)]
+    assert grid == ProcessGrid(8, 2, 2, expert_tensor_parallel_size=2)
+
+
+def _expert_layouts(world: int):
+    """(tp, cp, pp, ep, etp, order) over sizes in {1, 2, 4} (ep also 8) and every order."""
+    orders = ["-".join(p) for p in itertools.permutations(("tp", "cp", "dp", "pp"))]
+    for tp, cp, pp, ep, etp in itertools.product(
+        (1, 2, 4), (1, 2), (1, 2, 4), (1, 2, 4, 8), (None, 1, 2, 4)
+    ):
+        if world % (tp * cp * pp) == 0 and (etp is None or etp <= world):
+            yield from ((tp, cp, pp, ep, etp, order) for order in orders)
+
+
+@pytest.mark.parametrize("world", [8, 16, 32])
+def test_expert_groups_equal_megatron_core_rank_generator(world, rank_generator):
+    """Every expert group against the expert RankGenerator that Megatron-Core's
+    initialize_model_parallel builds (its order: ours with ep just before dp), and every
+    layout with experts split that its initialize refuses (indivisible sizes, unequal
+    pipeline groups, expert dp unlike dp with pp not last) refused here too."""
+    megatron_tokens = {
+        "ep": "ep",
+        "expt_tp": "tp",
+        "expt_dp": "dp",
+        "tp_ep": "tp-ep",
+        "tp_ep_pp": "tp-ep-pp",
+    }
+    accepted = refused = 0
+    for tp, cp, pp, ep, etp, order in _expert_layouts(world):
+        dp = world // (tp * cp * pp)
+        megatron_order = order.replace("dp", "ep-dp")
+        expert_tp = tp if etp is None else etp
+        kwargs = dict(
+            context_parallel_size=cp, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp
+        )
+        if world % (expert_tp * ep * pp):
+            with pytest.raises(ValueError, match="expert_tensor_parallel_size × expert_model"):
+                ProcessGrid(world, tp, pp, order=order, **kwargs)
+            refused += 1
+            continue
+        edp = world // (expert_tp * ep * pp)
+        dense = rank_generator(tp=tp, ep=1, dp=dp, pp=pp, cp=cp, order=megatron_order)
+        expert = rank_generator(tp=expert_tp, ep=ep, dp=edp, pp=pp, cp=1, order=megatron_order)
+        megatron_accepts = (
+            megatron_order.endswith("pp") or pp == 1 or edp == dp
+        ) and dense.get_ranks("pp") == expert.get_ranks("pp")
+        # a layout without experts split (ep 1, etp = tp) stays valid for dense models
+        if not megatron_accepts and (ep > 1 or expert_tp != tp):
+            with pytest.raises(ValueError, match="expert layers"):
+                ProcessGrid(world, tp, pp, order=order, **kwargs)
+            refused += 1
+            continue
+        grid = ProcessGrid(world, tp, pp, order=order, **kwargs)
+        assert (grid.etp, grid.ep, grid.edp) == (expert_tp, ep, edp)
+        for name, token in megatron_tokens.items():
+            theirs = sorted(sorted(g) for g in expert.get_ranks(token))
+            assert grid.expert_groups(name) == theirs, (world, tp, cp, pp, ep, etp, order, name)
+            assert all(len(g) == grid.expert_size(name) for g in theirs)
+        accepted += 1
+    assert accepted > 500 and refused > 50  # both sides of every rule were exercised
+
+
+def test_expert_coordinates_are_a_bijection():
+    for world, tp, cp, pp, ep, etp in [
+        (16, 2, 2, 2, 2, 1),
+        (32, 4, 1, 2, 4, 2),
+        (8, 1, 2, 1, 8, 1),
+    ]:
+        grid = ProcessGrid(
+            world,
+            tp,
+            pp,
+            context_parallel_size=cp,
+            expert_model_parallel_size=ep,
+            expert_tensor_parallel_size=etp,
+        )
+        coords = [tuple(grid.expert_coords(r).values()) for r in range(world)]
+        assert len(set(coords)) == world
+        for name in ("ep", "expt_tp", "expt_dp"):
+            for group in grid.expert_groups(name):
+                # members differ only in `name` and cover all of it
+                rest = {
+                    tuple(v for k, v in grid.expert_coords(r).items() if k != name) for r in group
+                }
+                assert len(rest) == 1
+                assert sorted(grid.expert_coords(r)[name] for r in group) == list(range(len(group)))
+        # the pipeline is the same in both layouts
+        assert all(grid.expert_coords(r)["pp"] == grid.coords(r)["pp"] for r in range(world))
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(world_size=8, expert_model_parallel_size=3), "(1 × 3 × 1 = 3)"),
+        (dict(world_size=8, expert_model_parallel_size=0), "expert_model_parallel_size must be"),
+        (dict(world_size=8, expert_tensor_parallel_size=0), "expert_tensor_parallel_size must be"),
+        (
+            dict(
+                world_size=8,
+                pipeline_model_parallel_size=2,
+                order="tp-cp-pp-dp",
+                expert_model_parallel_size=2,
+            ),
+            "expert dp is 2 and dp is 4; put pp last",
+        ),
+        (
+            dict(
+                world_size=8,
+                tensor_model_parallel_size=2,
+                pipeline_model_parallel_size=2,
+                order="tp-pp-dp",
+                expert_model_parallel_size=2,
+                expert_tensor_parallel_size=1,
+            ),
+            "pipeline groups differ",
+        ),
+        (dict(world_size=4, order="tp-ep-dp-pp"), "ep is placed by the expert layout itself"),
+    ],
+)
+def test_invalid_expert_layouts_raise_clear_errors(kwargs, message):
+    with pytest.raises(ValueError) as info:
+        ProcessGrid(**kwargs)
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_expert_group_queries():
+    grid = ProcessGrid(4, expert_model_parallel_size=2)
+    with pytest.raises(
+        ValueError, match="unknown group 'ep' \\(an expert group: use expert_groups"
+    ):
+        grid.groups("ep")
+    with pytest.raises(ValueError, match="unknown expert group 'tp'; known expert groups: ep, "):
+        grid.expert_groups("tp")
+    assert grid.expert_group_of("ep", 3) == [2, 3]
+
+
+def test_cli_prints_the_expert_layout(capsys):
+    parallel_state.main(["--world-size", "8", "--tp", "2", "--ep", "2", "--pp", "2"])
+    lines = capsys.readouterr().out.splitlines()
+    assert "expert layers: etp=2 × ep=2 × expert dp=1 × pp=2, order tp-ep-dp-pp" in lines[1]
+    assert re.split(r"\s{2,}", lines[2].strip())[-4:] == [
+        "ep",
+        "ep group",
+        "expt_tp group",
+        "expt_dp group",
+    ]
+    # rank 6: ep 1, ep group 4,6, expt_tp group 6,7, expt_dp group 6
+    assert lines[3 + 6].split()[-4:] == ["1", "4,6", "6,7", "6"]
