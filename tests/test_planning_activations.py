@@ -101,3 +101,61 @@ def test_layer_bytes_under_tensor_and_sequence_parallelism():
             measured = _audit(layer, config, 16, 2, tp=2)
             predicted = layer_activation_bytes(config, 16, 2) + rotary_bytes(config, 16)
             assert predicted == measured, (name, sequence_parallel, predicted, measured)
+
+
+@distributed(world_size=2)
+def test_layer_bytes_under_context_parallelism():
+    """Each mechanism keeps what docs/context_parallel.md says it adds, on a rank's s/cp
+    tokens: the ring its log-sum-exp, the all-gather the whole sequence's keys and values
+    and its probabilities, a2a the whole sequence for a cp-th of the heads; in float32 and
+    bfloat16 (the arithmetic in float32), with grouped-query attention and rotary
+    positions, and with selective recompute (q, k and v alone)."""
+    import torch.distributed as dist
+
+    from megapp.context_parallel import layout
+
+    ps.initialize_model_parallel(1, 1, context_parallel_size=2)
+    group, rank = ps.get_context_parallel_group(), dist.get_rank()
+    s, b = 32, 2
+    cases = [
+        ("gpt", {}),
+        ("llama", CASES["llama"]),
+        ("selective", {"recompute_granularity": "selective"}),
+    ]
+    for dtype in (torch.float32, torch.bfloat16):
+        for name, settings in cases:
+            for comm_type in ("p2p", "all_gather", "a2a"):
+                config = _config(
+                    params_dtype=dtype,
+                    hidden_dropout=0.0,
+                    context_parallel_size=2,
+                    cp_comm_type=comm_type,
+                    **settings,
+                )
+                torch.manual_seed(0)
+                layer = TransformerLayer(config, 0, cp_group=group)
+                x = torch.randn(s // 2, b, 64, dtype=dtype, requires_grad=True)
+                rope = {}
+                if config.position_embedding_type == "rope":
+                    freqs = rotary_freqs(s, config.kv_channels)
+                    rope = {"rotary_freqs": layout.split(freqs, 2, rank)}
+                measured = audit_saved_activations(layer, x, **rope).total
+                predicted = layer_activation_bytes(config, s // 2, b) + rotary_bytes(config, s // 2)
+                assert predicted == measured, (name, comm_type, dtype, predicted, measured)
+
+
+def test_context_parallelism_divides_the_token_local_part():
+    """At cp = 2 a rank holds half the tokens: everything but attention's own terms halves,
+    and the ring adds nothing but its log-sum-exp, so its layer is half of cp = 1's."""
+    one = _config(params_dtype=torch.float32)
+    two = _config(params_dtype=torch.float32, context_parallel_size=2, attention_dropout=0.0)
+    assert layer_activation_bytes(two, 64, 2) * 2 == layer_activation_bytes(one, 128, 2)
+    gathered = _config(
+        params_dtype=torch.float32, context_parallel_size=2, cp_comm_type="all_gather"
+    )
+    s, b, heads = 128, 2, 4
+    probabilities = b * heads * (2 * 2 + 1) * (s // 4) ** 2 * 4  # about b·a·s²/(2cp), fp32
+    keys_values = 2 * s * b * 64 * 4
+    lse = 4 * b * heads * (s // 2)
+    extra = layer_activation_bytes(gathered, s // 2, b) - layer_activation_bytes(two, s // 2, b)
+    assert extra == keys_values + probabilities - lse + (2 * 2 + 1) * (s // 4) ** 2 + 8 * 4

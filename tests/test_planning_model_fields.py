@@ -26,7 +26,7 @@ VOCAB = 1000
 SHAPE = shlex.split(
     "--num-layers 8 --hidden-size 128 --num-attention-heads 8 --num-query-groups 2 "
     "--group-query-attention --kv-channels 24 --ffn-hidden-size 320 --swiglu "
-    "--hidden-dropout 0.05 --attention-dropout 0.05 --disable-bias-linear --add-qkv-bias "
+    "--hidden-dropout 0.05 --attention-dropout 0 --disable-bias-linear --add-qkv-bias "
     "--normalization RMSNorm --norm-epsilon 1e-6 --position-embedding-type rope "
     "--rotary-base 500000 --rotary-percent 0.5 --use-rope-scaling --rope-scaling-factor 4 "
     "--rope-low-freq-factor 2 --rope-high-freq-factor 6 "
@@ -37,6 +37,7 @@ SHAPE = shlex.split(
 """Model flags that give every field of the model a value other than its default."""
 LAYOUT = shlex.split(
     "--tensor-model-parallel-size 2 --sequence-parallel --pipeline-model-parallel-size 2 "
+    "--context-parallel-size 2 --cp-comm-type a2a "
     "--decoder-first-pipeline-num-layers 2 --decoder-last-pipeline-num-layers 6 "
     "--recompute-granularity full --recompute-method block --recompute-num-layers 2"
 )
@@ -53,7 +54,7 @@ def test_every_gpt_field_comes_from_the_flags():
     """Each GPTConfig field is a flag of its own name passed as it is, a Megatron spelling
     translated by ModelArgs, or set from another group; the flags above move every field
     off its default, so a field no flag reaches would fail here, by name."""
-    config = config_from_flags([*SHAPE, *LAYOUT, *RUN], world_size=4)
+    config = config_from_flags([*SHAPE, *LAYOUT, *RUN], world_size=8)
     gpt = config.gpt_config(VOCAB)
     translated = config.model.gpt_fields_spelled_otherwise
     own_name = {f.name for group in (ModelArgs, ParallelArgs) for f in dataclasses.fields(group)}

@@ -20,6 +20,10 @@ tokens × ``b`` sequences, ``w`` bytes per element of the layer's dtype:
 Everything except the norms' inputs is split over the tensor-parallel ranks. Full
 recompute keeps only the input of each recomputed group of layers. Rotary embedding
 adds its fp32 angles once per chunk (:func:`rotary_bytes`).
+
+Under context parallelism ``s`` is the ``s/cp`` tokens of a sequence one rank holds, and
+attention is the mechanism's of ``megapp.context_parallel`` whatever the backend
+(:func:`context_parallel_attention_bytes`, with the volumes of docs/context_parallel.md).
 """
 
 from __future__ import annotations
@@ -33,12 +37,17 @@ def layer_activation_bytes(
     config: TransformerConfig, seq_length: int, micro_batch_size: int
 ) -> int:
     """Bytes one layer keeps for backward on one tensor-parallel rank, without full
-    recompute (see :func:`full_recompute_layer_bytes` for that)."""
+    recompute (see :func:`full_recompute_layer_bytes` for that). ``seq_length``: the
+    tokens of a sequence this rank holds (``s/cp`` under context parallelism)."""
     s, b, h = seq_length, micro_batch_size, config.hidden_size
     tp = config.tensor_model_parallel_size
     heads, d = config.num_attention_heads // tp, config.kv_channels
     w = torch.empty((), dtype=config.params_dtype).element_size()
     norms = 2 * s * b * h // (tp if config.sequence_parallel else 1) * w
+    fc1 = config.ffn_hidden_size * (2 if config.activation == "swiglu" else 1) // tp
+    if config.context_parallel_size > 1:
+        attention = context_parallel_attention_bytes(config, s, b)
+        return norms + attention + s * b * (heads * d + fc1) * w  # with the output
     attention = s * b * (_qkv_elements(config) + heads * d) * w  # q, k, v and the output
     if config.recompute_granularity != "selective":
         if config.attention_backend == "fused_softmax":
@@ -46,34 +55,100 @@ def layer_activation_bytes(
             attention += scores * (3 if config.attention_dropout > 0 else 1)
         else:
             attention += 4 * b * heads * s
-    fc1 = config.ffn_hidden_size * (2 if config.activation == "swiglu" else 1) // tp
     return norms + attention + s * b * fc1 * w
 
 
-def _qkv_elements(config: TransformerConfig) -> int:
-    """Elements per token of the storages attention keeps for q, k and v on one rank.
+def _qkv_elements(config: TransformerConfig, *, keep=("q", "k", "v"), expand_kv=True) -> int:
+    """Elements per token of the storages attention keeps for q, k and v (those named in
+    ``keep``) on one rank.
 
     q, k and v start as views of the QKV matmul's output (``(a + 2g)·d`` per token).
     Rotary embedding gives q and k storages of their own; grouped-query attention
-    copies k and v to every query head, and copies q out of the output when a rank
-    holds several groups of several heads. Whatever stays a view keeps the whole output.
+    copies k and v to every query head (``expand_kv``: the context-parallel mechanisms
+    take them unexpanded), and copies q out of the output when a rank holds several
+    groups of several heads. Whatever stays a view keeps the whole output.
     """
     tp, d = config.tensor_model_parallel_size, config.kv_channels
     heads, groups = config.num_attention_heads // tp, config.num_query_groups // tp
     per_group, rope = heads // groups, config.position_embedding_type == "rope"
     own, views_output = 0, False
-    if rope or (per_group > 1 and groups > 1):
+    if "q" not in keep:
+        pass
+    elif rope or (per_group > 1 and groups > 1):
         own += heads * d  # q: rotated, or gathered out of its groups
     else:
         views_output = True
-    for rotated in (rope, False):  # k, then v
-        if per_group > 1:
+    for name, rotated in (("k", rope), ("v", False)):
+        if name not in keep:
+            continue
+        if per_group > 1 and expand_kv:
             own += heads * d  # repeated to every query head
         elif rotated:
             own += groups * d
         else:
             views_output = True
     return own + ((heads + 2 * groups) * d if views_output else 0)
+
+
+def compute_width(config: TransformerConfig) -> int:
+    """Bytes per element of the context-parallel attention's arithmetic: float32 for
+    16-bit models (the softmax and its statistics), the model's own width otherwise."""
+    dtype = torch.promote_types(config.params_dtype, torch.float32)
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def context_parallel_attention_bytes(
+    config: TransformerConfig, seq_length: int, micro_batch_size: int
+) -> int:
+    """Bytes attention keeps for backward on one tensor- and context-parallel rank under
+    context parallelism (its output apart), ``seq_length`` = ``n`` = ``s/cp`` tokens.
+
+    Per ``config.cp_comm_type``, with ``a``/``g`` query/key-value heads of this
+    tensor-parallel rank, ``w`` the model's bytes per element and ``c`` the compute
+    width (:func:`compute_width`):
+
+    - ``p2p`` (ring): this rank's q, k and v (k and v unexpanded) and the log-sum-exp
+      ``c·b·a·n``; the ring's other keys are only in flight (working memory);
+    - ``all_gather``: q alone of the local slice (in ``c`` when it is converted), the whole
+      sequence's keys and values ``2·s·b·g·d·w`` (or, converted or repeated to ``a``
+      heads, each query chunk's keys up to its end in ``c``: ``(2cp+1)/(2cp)`` of the
+      sequence), the probabilities ``b·a·(2cp+1)·(n/2)²`` in ``c`` (about
+      ``b·a·s²/(2cp)``), their boolean causal masks and the reorder's index;
+    - ``a2a``: none of the local slice; q, k and v of the whole sequence for ``a/cp``
+      heads (keys and values repeated to them for grouped-query attention, in ``c``
+      where converted), the probabilities ``b·(a/cp)·s²`` in ``c``, the mask ``s²``
+      bytes and the three reorders' indices.
+
+    With selective recompute only q, k and v are kept (attention is rerun).
+    """
+    n, b, cp = seq_length, micro_batch_size, config.context_parallel_size
+    s, chunk = n * cp, n // 2
+    tp, d = config.tensor_model_parallel_size, config.kv_channels
+    a, g = config.num_attention_heads // tp, config.num_query_groups // tp
+    w, c = torch.empty((), dtype=config.params_dtype).element_size(), compute_width(config)
+    kind = config.cp_comm_type
+    if config.recompute_granularity == "selective" or kind == "p2p":
+        kept = n * b * _qkv_elements(config, expand_kv=False) * w
+        if config.recompute_granularity == "selective":
+            return kept
+        return kept + c * b * a * n  # the log-sum-exp
+    index = 8 * 2 * cp  # a reorder's chunk index, kept by its backward
+    if kind == "all_gather":
+        # q alone of the local slice (a view keeps the QKV output), or its converted copy
+        q = n * b * (_qkv_elements(config, keep=("q",)) * w if w == c else a * d * c)
+        blocks = (2 * cp + 1) * chunk * chunk  # each query chunk against its earlier keys
+        if a > g or w != c:  # converted or repeated per query chunk
+            kv = 2 * b * (a if a > g else g) * d * (2 * cp + 1) * chunk * c
+        else:
+            kv = 2 * s * b * g * d * w
+        return q + kv + b * a * blocks * c + blocks + index
+    from megapp.context_parallel.a2a import kv_repeats
+
+    heads, kv_heads = a // cp, g * kv_repeats(g, cp) // cp
+    q = s * b * heads * d * c
+    converted = heads > kv_heads or w != c  # repeated to the query heads, or converted
+    kv = 2 * s * b * (heads * d * c if converted else kv_heads * d * w)
+    return q + kv + b * heads * s * s * c + s * s + 3 * index
 
 
 def rotary_bytes(config: TransformerConfig, seq_length: int) -> int:

@@ -1,8 +1,9 @@
 """A parallel layout as a planner enumerates it, and the ``pretrain_gpt.py`` flags that run it.
 
-A :class:`Layout` names one point of the space a researcher ablates: tensor, pipeline and
-data-parallel sizes, chunks per pipeline rank, micro-batch size, schedule, sequence
-parallelism, recompute and ZeRO stage. :func:`pretrain_config` turns a layout plus the
+A :class:`Layout` names one point of the space a researcher ablates: tensor, context,
+pipeline and data-parallel sizes (with the context-parallel ranks' communication), chunks
+per pipeline rank, micro-batch size, schedule, sequence parallelism, recompute and ZeRO
+stage. :func:`pretrain_config` turns a layout plus the
 model's flags into the checked :class:`~megapp.training.config.PretrainConfig` that
 ``pretrain_gpt.py`` would build from the same flags, so whatever the planner predicts is
 what the printed command runs, and a layout ``pretrain_gpt.py`` refuses is refused here
@@ -19,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from megapp.context_parallel.attention import COMM_TYPES
 from megapp.training.config import GROUPS, PretrainConfig
 from megapp.training.flag_groups import flag_name
 
@@ -26,6 +28,10 @@ RECOMPUTE = (None, "selective", "full")
 """Recompute settings a layout takes: none, selective (attention's core), full (every
 layer's input kept, the layer rerun in backward: Megatron's uniform method, one layer per
 group)."""
+
+CP_COMM_TYPES = tuple(COMM_TYPES)
+"""How the context-parallel ranks reach each other's keys and values (``--cp-comm-type``):
+a ring, an all-gather, all-to-alls (docs/context_parallel.md)."""
 
 PIPEDREAM_VSYNC = "pipedream-vsync"
 """The schedule of a layout that runs ``--pipeline-schedule pipedream --vertical-sync``
@@ -40,7 +46,9 @@ class Layout:
     :data:`~megapp.pipeline_parallel.catalog.SCHEDULES` (flushed) or
     :data:`~megapp.pipeline_parallel.catalog.ASYNC_SCHEDULES` (PipeDream, PipeDream-2BW),
     :data:`PIPEDREAM_VSYNC` for PipeDream with vertical sync, or None for Megatron's
-    default (1F1B, interleaved with several chunks)."""
+    default (1F1B, interleaved with several chunks). ``cp``: context-parallel ranks, which
+    split every sequence; ``cp_comm_type``: one of :data:`CP_COMM_TYPES` (it changes
+    nothing while cp is 1)."""
 
     tp: int = 1
     pp: int = 1
@@ -51,9 +59,11 @@ class Layout:
     sequence_parallel: bool = False
     recompute: str | None = None
     zero_stage: int = 0
+    cp: int = 1
+    cp_comm_type: str = "p2p"
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "dp", "vpp", "micro_batch_size"):
+        for name in ("tp", "pp", "dp", "vpp", "micro_batch_size", "cp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.recompute not in RECOMPUTE:
@@ -62,15 +72,22 @@ class Layout:
             raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage}")
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("sequence parallelism needs tp > 1")
+        if self.cp_comm_type not in CP_COMM_TYPES:
+            raise ValueError(
+                f"cp_comm_type must be one of {CP_COMM_TYPES}, got {self.cp_comm_type!r}"
+            )
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.cp * self.pp * self.dp
 
     @property
     def name(self) -> str:
-        """A short label, e.g. ``tp2.pp2.dp2.v1.mb1.1f1b.sp.selective.z1``."""
-        parts = [f"tp{self.tp}", f"pp{self.pp}", f"dp{self.dp}", f"v{self.vpp}"]
+        """A short label, e.g. ``tp2.pp2.dp2.v1.mb1.1f1b.sp.selective.z1``; with context
+        parallelism its size and communication follow tp: ``tp2.cp4-p2p.pp2...``."""
+        parts = [f"tp{self.tp}"]
+        parts += [f"cp{self.cp}-{self.cp_comm_type}"] if self.cp > 1 else []
+        parts += [f"pp{self.pp}", f"dp{self.dp}", f"v{self.vpp}"]
         parts += [f"mb{self.micro_batch_size}", self.schedule or "default"]
         parts += ["sp"] if self.sequence_parallel else []
         parts += [self.recompute or "norecompute", f"z{self.zero_stage}"]
@@ -85,6 +102,9 @@ class Layout:
             ("parallel", "pipeline_model_parallel_size", self.pp),
             ("training", "micro_batch_size", self.micro_batch_size),
         ]
+        if self.cp > 1:
+            out.append(("parallel", "context_parallel_size", self.cp))
+            out.append(("parallel", "cp_comm_type", self.cp_comm_type))
         if self.vpp > 1:
             per_stage = num_layers // (self.pp * self.vpp)
             if per_stage * self.pp * self.vpp != num_layers:

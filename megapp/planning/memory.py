@@ -19,10 +19,17 @@ For each pipeline rank (tensor- and data-parallel ranks of one stage hold the sa
 and the peak is the state plus the largest held + working sum over the rank's actions.
 Every term is a count of the tensors megapp's layers create (measured, on CPU, by
 :class:`~megapp.training.live_memory.LiveTensorMemory`; see docs/planning.md).
+
+Under context parallelism every rank holds ``s/cp`` tokens of each sequence: the
+activation and working terms are those of ``s/cp`` tokens, with attention's own
+(:func:`~megapp.planning.activations.context_parallel_attention_bytes` held,
+:func:`attention_working_bytes` while it runs); weights are replicated over the cp ranks
+and ZeRO shards over the ``dp × cp`` ranks that reduce the gradients.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -31,18 +38,20 @@ import torch
 from megapp.models.gpt import GPTConfig
 from megapp.pipeline_parallel.asynchronous import stash_profile
 from megapp.pipeline_parallel.catalog import asynchronous_run
-from megapp.pipeline_parallel.partition import split_layers
+from megapp.pipeline_parallel.partition import stage_layer_ranges
 from megapp.pipeline_parallel.schedules import Op
 from megapp.planning.activations import (
+    compute_width,
+    context_parallel_attention_bytes,
     full_recompute_layer_bytes,
     layer_activation_bytes,
     rotary_bytes,
 )
 from megapp.planning.model_state import (
     ModelState,
+    chunk_parameters,
     layer_parameters,
     model_state,
-    rank_parameters,
 )
 from megapp.tensor_parallel.utils import pad_vocab_size
 
@@ -121,11 +130,70 @@ def chunk_activation_bytes(
 
 def layer_backward_bytes(config: GPTConfig, seq_length: int, mbs: int) -> int:
     """Working bytes of one layer's backward above what it held: the MLP's gradients (two
-    of its widest activation, one of its input) and one weight gradient."""
+    of its widest activation, one of its input) and one weight gradient, or, where it is
+    larger, context-parallel attention's backward (:func:`attention_working_bytes`; with
+    selective recompute it first rebuilds what attention keeps)."""
     s, b, h, w = seq_length, mbs, config.hidden_size, _width(config)
     tp = config.tensor_model_parallel_size
     fc1 = config.ffn_hidden_size * (2 if config.activation == "swiglu" else 1) // tp
-    return (2 * s * b * fc1 + s * b * h + h * fc1) * w
+    mlp = (2 * s * b * fc1 + s * b * h + h * fc1) * w
+    if config.context_parallel_size == 1:
+        return mlp
+    attention = attention_working_bytes(config, s, b, backward=True)
+    if config.recompute_granularity == "selective":  # the rerun forward's kept tensors
+        rerun = dataclasses.replace(config, recompute_granularity=None)
+        attention += context_parallel_attention_bytes(rerun, s, b)
+        attention -= context_parallel_attention_bytes(config, s, b)
+    return max(mlp, attention)
+
+
+def attention_working_bytes(config: GPTConfig, seq_length: int, mbs: int, backward: bool) -> int:
+    """Bytes context-parallel attention's forward (or ``backward``) has alive at its peak
+    beyond what the layer keeps, on one tensor- and context-parallel rank of
+    ``seq_length`` = ``n`` = ``s/cp`` tokens (0 without context parallelism: the
+    ``sdpa`` kernel works in tiles). Counted in blocks of scores in the compute dtype:
+
+    - ``p2p``: a step's ``n × n`` block (the rest are half blocks): three while its
+      forward runs (scores, their log-sum-exp shift, the exponentials), four in its
+      backward (probabilities, their gradient, two intermediates of the softmax's), with
+      the keys and values held and the next ones arriving (converted or repeated
+      per step), and the backward's query gradient;
+    - ``all_gather``: the largest query chunk's scores against the keys up to its end
+      (``n/2 × s`` on cp rank 0): one block above the probabilities kept, with its mask;
+      two in the backward;
+    - ``a2a``: the ``s × s`` scores of ``a/cp`` heads: one above the probabilities kept,
+      two in the backward.
+
+    The forward's count is above the layer's held bytes, of which attention's successors
+    (the second norm's input, the output, the MLP's) do not exist yet: they are taken off.
+    """
+    cp = config.context_parallel_size
+    if cp == 1:
+        return 0
+    n, b, s = seq_length, mbs, seq_length * config.context_parallel_size
+    tp, d, h = config.tensor_model_parallel_size, config.kv_channels, config.hidden_size
+    a, g = config.num_attention_heads // tp, config.num_query_groups // tp
+    w, c = _width(config), compute_width(config)
+    kind = config.cp_comm_type
+    if kind == "p2p":
+        slices = 2 * (2 * n * b * g * d * w)  # the keys and values held and the next ones
+        if a > g or w != c:  # converted or repeated for the step's arithmetic
+            slices += 2 * n * b * a * d * c if a > g else 2 * n * b * g * d * c
+        if w != c:
+            slices += n * b * a * d * c * (2 if backward else 1)  # q (and the gradient)
+        block = b * a * n * n * c
+        work = (4 * block + n * b * a * d * c if backward else 3 * block) + slices
+    elif kind == "all_gather":
+        block = b * a * (n // 2) * s * c
+        work = 2 * block if backward else block + (n // 2) * s
+    else:
+        block = b * (a // cp) * s * s * c
+        work = 2 * block if backward else block
+    if backward:
+        return work
+    fc1 = config.ffn_hidden_size * (2 if config.activation == "swiglu" else 1) // tp
+    norm = h // (tp if config.sequence_parallel else 1)
+    return max(0, work - n * b * (norm + a * d + fc1) * w)
 
 
 def chunk_working_bytes(
@@ -142,7 +210,8 @@ def chunk_working_bytes(
     if config.recompute_granularity == "full":
         layer += layer_activation_bytes(config, s, mbs)  # the layer rebuilt for its backward
     if op is Op.FORWARD:
-        work = s * b * fc1 * w if num_layers else 0
+        attention = attention_working_bytes(config, s, b, backward=False)
+        work = max(s * b * fc1 * w, attention) if num_layers else 0
         if last:
             work = max(work, s * b * _vocab_shard(config) * w // 4)
         return work + tokens * h * w  # the output until its send completes
@@ -185,43 +254,40 @@ def zero3_gathered_bytes(config: GPTConfig, dp: int, outer_parameters: int) -> f
     return whole * _width(config) * (1 - 1 / dp)
 
 
-def predict_memory(
-    config,
-    vocab_size: int,
-    *,
-    first_stage_layers: int | None = None,
-    last_stage_layers: int | None = None,
-) -> list[RankMemory]:
+def stage_layers(config) -> list[int]:
+    """Layers of every virtual stage of the run ``config`` (a
+    :class:`~megapp.training.config.PretrainConfig`), as the model builds them: even, or with
+    the first and last pipeline ranks' counts its flags give."""
+    par, schedule = config.parallel, config.schedule
+    ranges = stage_layer_ranges(
+        config.model.num_layers,
+        schedule.num_stages,
+        schedule.num_chunks,
+        first=par.decoder_first_pipeline_num_layers if schedule.num_stages > 1 else None,
+        last=par.decoder_last_pipeline_num_layers if schedule.num_stages > 1 else None,
+        placement=schedule.placement,
+    )
+    return [len(r) for r in ranges]
+
+
+def predict_memory(config, vocab_size: int) -> list[RankMemory]:
     """Peak memory of every pipeline rank of the run ``config`` (a
     :class:`~megapp.training.config.PretrainConfig`) for a tokenizer of ``vocab_size`` ids."""
     model = config.gpt_config(vocab_size)
     schedule = config.schedule
-    s, b = config.model.seq_length, config.training.micro_batch_size
-    dp, zero = config.data_parallel_size, config.parallel.zero_stage
+    cp = config.parallel.context_parallel_size
+    s, b = config.model.seq_length // cp, config.training.micro_batch_size
+    dp, zero = config.data_parallel_size * cp, config.parallel.zero_stage  # ZeRO's ranks
     num_stages = schedule.num_virtual_stages
     backend = config.parallel.distributed_backend
     gloo = backend == "gloo" or (backend is None and not torch.cuda.is_available())
-    layers = [
-        len(r)
-        for r in split_layers(
-            model.num_layers,
-            num_stages,
-            first_stage_layers=first_stage_layers,
-            last_stage_layers=last_stage_layers,
-        )
-    ]
+    layers = stage_layers(config)
     run = None  # an asynchronous schedule over the iterations between two flushes
     if schedule.asynchronous:
         run = asynchronous_run(schedule, config.parallel.pipeline_flush_interval)
     out = []
     for rank, stages in enumerate(schedule.placement):
-        params = rank_parameters(
-            model,
-            stages,
-            num_stages,
-            first_stage_layers=first_stage_layers,
-            last_stage_layers=last_stage_layers,
-        )
+        params = sum(chunk_parameters(model, st, num_stages, layers[st]) for st in stages)
         state = model_state(params, model.params_dtype, dp, zero)
         if zero >= 2 and dp > 1:  # embedding gradients are summed over stages first: whole
             late = _embedding_parameters(model, stages, num_stages)
