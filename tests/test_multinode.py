@@ -1,9 +1,9 @@
 """examples/pretrain_gpt_multinode.sh as users launch it, on one machine: two torchrun
 "nodes" meet at a c10d rendezvous on a local port.
 
-- Two nodes of 4 processes train tp 2 × pp 2 × dp 2 (the default order puts the pipeline
-  stages on different nodes) and log exactly the losses of the same script run as one
-  node of 8 processes.
+- Two nodes of 2 processes train pp 2 × dp 2 (the default order puts the pipeline stages
+  on different nodes) and log exactly the losses of the same script run as one node of
+  4 processes.
 - ``kill -9`` on one node's torchrun ends the whole job: its orphaned workers notice that
   their launcher is gone and exit, the other node's workers lose their peers and exit
   naming the collective, and the other torchrun exits nonzero.
@@ -77,11 +77,13 @@ def _losses(metrics: Path) -> list[tuple[int, float, float]]:
 
 @pytest.mark.slow
 def test_two_nodes_train_exactly_like_one(corpus, tmp_path):
-    one = _finished(_node(_env(corpus, tmp_path / "one", NNODES="1", GPUS_PER_NODE="8"), tmp_path))
+    layout = {"TP": "1", "PP": "2"}
+    one = _env(corpus, tmp_path / "one", NNODES="1", GPUS_PER_NODE="4", **layout)
+    one = _finished(_node(one, tmp_path))
     assert one.returncode == 0, one.stderr[-3000:]
-    assert "layout tp 2 × pp 2 × dp 2" in one.stdout
+    assert "layout tp 1 × pp 2 × dp 2" in one.stdout
 
-    env = _env(corpus, tmp_path / "two", NNODES="2", GPUS_PER_NODE="4")
+    env = _env(corpus, tmp_path / "two", NNODES="2", GPUS_PER_NODE="2", **layout)
     nodes = [_node(env, tmp_path), _node(env, tmp_path)]
     for node in nodes:
         done = _finished(node)

@@ -10,9 +10,13 @@ gloo world (:mod:`megapp.testing.pretrain_world`).
 from __future__ import annotations
 
 import pytest
+import torch
 
+from megapp.models.hf_checkpoint import hf_gpt_config
 from megapp.testing.pretrain_world import run_pretrain_in_world
+from megapp.training.hf_start import pretrain_flags
 from megapp.training.metrics import read_records
+from tests.support import hf_tensors
 
 ITERS = 3
 BASE = (
@@ -76,3 +80,45 @@ def test_context_parallel_trains_the_single_process_losses(
     assert train == pytest.approx(ref_train, rel=1e-5)
     assert valid == pytest.approx(ref_valid, rel=1e-5)
     assert "× cp " in stdout  # the layout line names the context-parallel split
+
+
+def test_a_hugging_face_model_loads_and_exports_under_context_parallelism(corpus, tmp_path):
+    """A Llama folder through ``--load-hf`` under cp 2 and back out with ``--save-hf``
+    (learning rate 0): the exported tensors are the original's bit for bit, and the loss
+    is the single-process run's."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(5)
+    config = transformers.LlamaConfig(
+        vocab_size=300,  # the byte tokenizer's 257 ids fit
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    source = tmp_path / "hf"
+    transformers.LlamaForCausalLM(config).save_pretrained(source)
+    model, _ = hf_gpt_config(source)
+    run = [
+        *pretrain_flags(model),
+        *("--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "2"),
+        *("--lr", "0", "--min-lr", "0", "--train-iters", "1", "--eval-iters", "0"),
+        *("--log-interval", "1", "--load-hf", str(source)),
+        *("--data-path", str(corpus / "stdlib"), "--data-cache-path", str(tmp_path / "cache")),
+    ]
+    losses = {}
+    for name, world, flags in (("single", 1, []), ("cp2", 2, ["--context-parallel-size", "2"])):
+        out = tmp_path / name
+        done = run_pretrain_in_world(
+            world,
+            [*run, *flags, "--save-hf", str(out), "--metrics-path", str(out) + ".jsonl"],
+            cwd=tmp_path,
+        )
+        assert done.returncode == 0, f"{name}:\n{done.stderr[-3000:]}"
+        losses[name] = [r["lm_loss"] for r in read_records(str(out) + ".jsonl", "train")]
+        ours, theirs = hf_tensors(out), hf_tensors(source)
+        assert sorted(ours) == sorted(theirs)
+        for key, tensor in theirs.items():
+            assert torch.equal(ours[key], tensor), (name, key)
+    assert losses["cp2"] == pytest.approx(losses["single"], rel=1e-5)

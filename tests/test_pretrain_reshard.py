@@ -38,6 +38,7 @@ TARGETS = [
     ("dp2 zero1", "tp 1->4", 4, "--tensor-model-parallel-size 4"),
     ("dp2 zero1", "dp 2->4, zero 1->2", 4, "--zero-stage 2"),
     ("dp2 zero1", "dp 2->4, zero 1->3", 4, "--zero-stage 3"),
+    ("dp2 zero1", "cp 1->2", 4, "--context-parallel-size 2 --use-distributed-optimizer"),
 ]
 KEYS = ("iteration", "consumed_samples", "lm_loss", "grad_norm", "learning_rate")
 

@@ -17,9 +17,12 @@ are posted so that no plan stalls under NCCL's stream rules is the transport's
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, field
 
 from megapp.pipeline_parallel.schedules import Action, Op, Schedule
+
+_OP_CODES = {op: code for code, op in enumerate(Op)}
 
 
 class ScheduleError(ValueError):
@@ -36,6 +39,16 @@ class Message:
     dst_stage: int
     src: int
     dst: int
+    # Messages key the simulator's and the checks' tables: hash once, not per lookup.
+    _hash: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # from integers only, so a pickled copy in another process hashes the same
+        fields = (_OP_CODES[self.op], self.microbatch, self.src_stage, self.dst_stage, self.src)
+        object.__setattr__(self, "_hash", hash((*fields, self.dst)))
+
+    def __hash__(self) -> int:
+        return self._hash
 
     @property
     def local(self) -> bool:
@@ -183,13 +196,15 @@ def delivered_sends(plan: list[list[Step]]) -> list[list[tuple[Message, ...]]]:
     return result
 
 
-def communication_plan(schedule: Schedule) -> list[list[Step]]:
+@functools.lru_cache(maxsize=64)
+def communication_plan(schedule: Schedule) -> tuple[tuple[Step, ...], ...]:
     """:func:`rank_plan` for every rank, after :func:`check_actions`, then checked by
-    :func:`check_fifo` and :func:`check_progress`."""
+    :func:`check_fifo` and :func:`check_progress`. Built once per schedule (the engine,
+    the simulator and the planner ask for the same one many times)."""
     check_actions(schedule)
     check_updates(schedule)
     channels = send_order(schedule)
-    plan = [rank_plan(schedule, rank, channels) for rank in range(schedule.num_stages)]
+    plan = tuple(tuple(rank_plan(schedule, rank, channels)) for rank in range(schedule.num_stages))
     check_fifo(plan)
     check_progress(schedule.name, plan)
     return plan
