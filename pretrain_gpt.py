@@ -28,8 +28,6 @@ import torch.distributed as dist
 
 from megapp import parallel_state as ps
 from megapp.comm import CollectiveError, Group
-from megapp.context_parallel.layout import split_batch
-from megapp.context_parallel.loss import masked_token_mean
 from megapp.data import (
     IndexedDataset,
     build_default_corpus,
@@ -48,7 +46,7 @@ from megapp.training.arguments import (
     parse_args,
 )
 from megapp.training.config import PretrainConfig
-from megapp.training.data_iterators import get_batch
+from megapp.training.data_iterators import get_batch, masked_token_mean, split_batch
 from megapp.training.flops import gpt_config_training_flops
 from megapp.training.initialize import check_memory
 from megapp.training.pretrain import pretrain

@@ -20,8 +20,6 @@ import torch.distributed as dist
 from torch import nn
 
 from megapp import parallel_state as ps
-from megapp.context_parallel.layout import split_batch
-from megapp.context_parallel.loss import masked_token_mean
 from megapp.fusions.extension import cpu_ops_available
 from megapp.models import GPTConfig, GPTModel
 from megapp.param_attributes import gather_tensor_parallel, is_sequence_parallel, unshard
@@ -29,6 +27,7 @@ from megapp.planning.hardware import Hardware
 from megapp.training import train_step
 from megapp.training.arguments import config_from_flags
 from megapp.training.config import PretrainConfig
+from megapp.training.data_iterators import masked_token_mean, split_batch
 from megapp.training.flag_groups import OptimizerArgs
 from megapp.training.setup import build_training_setup
 

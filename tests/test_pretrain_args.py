@@ -152,6 +152,31 @@ ERRORS = [
     ("--swiglu --gelu-erf", 1, r"--swiglu and --gelu-erf both choose the activation"),
     ("--rotary-percent 0.5", 1, r"--rotary-percent needs --position-embedding-type 'rope'"),
     ("--add-qkv-bias", 1, r"--add-qkv-bias is for models without biases on the linear layers"),
+    (
+        "--context-parallel-size 3",
+        6,
+        r"sequence length 32 is not divisible by 2 × context-parallel size \(2 × 3 = 6\)",
+    ),
+    (
+        "--context-parallel-size 4 --attention-dropout 0 --hidden-dropout 0",
+        6,
+        r"world size 6 is not divisible by --tensor-model-parallel-size × "
+        r"--context-parallel-size × --pipeline-model-parallel-size \(1 × 4 × 1 = 4\)",
+    ),
+    ("--context-parallel-size 2", 2, r"--attention-dropout \(0.1\) is not supported with"),
+    (
+        "--context-parallel-size 8 --cp-comm-type a2a --attention-dropout 0 --seq-length 32",
+        8,
+        r"--cp-comm-type 'a2a' splits each tensor-parallel rank's 4 query heads over "
+        r"--context-parallel-size \(8\)",
+    ),
+    (
+        "--context-parallel-size 2 --tensor-model-parallel-size 4 --sequence-parallel "
+        "--attention-dropout 0 --seq-length 12",
+        8,
+        r"--sequence-parallel splits each context-parallel rank's 6 tokens over "
+        r"--tensor-model-parallel-size \(4\)",
+    ),
 ]
 
 

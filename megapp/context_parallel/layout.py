@@ -31,7 +31,6 @@ __all__ = [
     "positions",
     "restore_order",
     "split",
-    "split_batch",
     "to_rank_order",
 ]
 
@@ -75,17 +74,6 @@ def split(x: torch.Tensor, cp: int, cp_rank: int, dim: int = 0) -> torch.Tensor:
     if cp == 1:
         return x
     return _select_chunks(x, cp, dim, chunks_of_rank(cp, cp_rank))
-
-
-def split_batch(batch: dict[str, torch.Tensor], group: Group) -> dict[str, torch.Tensor]:
-    """This cp rank's slice of every ``[b, s]`` tensor of a batch (tokens, labels, loss
-    mask, position ids: the global positions travel with their tokens); the batch itself
-    without context parallelism."""
-    cp = comm.world_size(group)
-    if cp == 1:
-        return batch
-    rank = comm.rank(group)
-    return {name: split(t, cp, rank, dim=1) for name, t in batch.items()}
 
 
 def to_rank_order(x: torch.Tensor, cp: int, dim: int = 0) -> torch.Tensor:

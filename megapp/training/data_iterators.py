@@ -1,5 +1,6 @@
 """Data for the training loop: datasets built once per job, the sampler and per-chunk iterators
-that resume exactly, and the split of a batch into the model's inputs.
+that resume exactly, the split of a batch into the model's inputs, and the mean loss over
+its kept tokens.
 
 Only the chunks that read a batch get an iterator: the first virtual stage
 (tokens) and the last (labels and loss mask). Each reads every microbatch of
@@ -11,7 +12,9 @@ Samples are taken in order in global chunks of ``micro_batch_size · dp`` indice
 slice of each chunk. Resuming from ``consumed_samples`` (a multiple of the chunk
 size after whole steps) continues the exact sequence an uninterrupted run would
 have read. :func:`get_batch` turns a batch of token windows into tokens, labels,
-loss mask and position ids.
+loss mask and position ids; under context parallelism every cp rank of a data-parallel
+rank reads the same samples and keeps its slice of them (:func:`split_batch`), and
+:func:`masked_token_mean` is the loss over the kept tokens of whole sequences.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import torch.distributed as dist
 import torch.utils.data
 
 from megapp import comm
+from megapp.context_parallel.layout import split as cp_split
 from megapp.training.arguments import ArgumentsError
 
 T = TypeVar("T")
@@ -279,3 +283,36 @@ def get_batch(
         "loss_mask": loss_mask,
         "position_ids": position_ids,
     }
+
+
+def split_batch(batch: dict[str, torch.Tensor], cp_group: comm.Group) -> dict[str, torch.Tensor]:
+    """This context-parallel rank's slice of every ``[b, s]`` tensor of a batch (tokens,
+    labels, loss mask, position ids: the global positions travel with their tokens,
+    :func:`megapp.context_parallel.layout.split`); the batch itself without cp."""
+    cp = comm.world_size(cp_group)
+    if cp == 1:
+        return batch
+    rank = comm.rank(cp_group)
+    return {name: cp_split(t, cp, rank, dim=1) for name, t in batch.items()}
+
+
+def masked_token_mean(
+    per_token_loss: torch.Tensor, loss_mask: torch.Tensor, cp_group: comm.Group = None
+) -> torch.Tensor:
+    """The mean of ``per_token_loss`` over the tokens ``loss_mask`` keeps (a scalar, fp32).
+
+    Under context parallelism each rank holds a slice of the tokens: the count of kept
+    tokens is summed over the cp group, and each rank returns ``cp × (its tokens' loss
+    sum) / (kept tokens of the whole sequence)``. The mean of that over the cp ranks is the
+    sequence's mean loss, and the gradient reduction over data × context ranks takes
+    exactly that mean (Megatron-Core scales the loss by cp the same way).
+    """
+    mask = loss_mask.float()
+    total = (per_token_loss.float() * mask).sum()
+    count = mask.sum().detach()
+    cp = comm.world_size(cp_group)
+    if cp > 1:
+        count = count.clone()
+        comm.all_reduce(count, cp_group)
+        total = total * cp
+    return total / count.clamp(min=1.0)
