@@ -1,0 +1,167 @@
+"""Token dispatch: getting each (token, expert) pair to the rank that holds the expert, and
+its output back, over the expert-parallel group.
+
+Both dispatchers take this rank's tokens ``[T, h]`` with their routing and return the rows
+for this rank's experts (grouped by local expert) and, after the experts, the layer's
+routed output ``[T, h]``. The routing weights are applied after the experts, at combine, as
+Megatron-Core applies them. With one rank both are the plain permute / un-permute.
+
+- :class:`AllToAllDispatcher` (``alltoall``): the pairs' counts per expert are all-gathered
+  first (``E`` integers per rank), then the tokens go out in one all-to-all and the outputs
+  come back in a second; each rank applies the weights to its own tokens' outputs. The
+  slices are padded to the largest (source, destination) slice (see
+  :func:`~megapp.moe.permutation.all_to_all_plan`) because ``comm.all_to_all_into``
+  exchanges equal slices.
+- :class:`AllGatherDispatcher` (``allgather``): every rank all-gathers all tokens, their
+  choices and weights, runs its experts on the pairs routed to them, weights them and
+  reduce-scatters the sums back (Megatron-Core's ``allgather`` dispatcher). Every rank must
+  hold the same number of tokens.
+
+Backward is autograd through the index operations and the collectives: an all-to-all's
+gradient is the all-to-all of the gradients, an all-gather's a reduce-scatter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megapp import comm
+from megapp.comm import Group
+from megapp.moe.permutation import (
+    AllToAllPlan,
+    Permutation,
+    all_to_all_plan,
+    combine_slots,
+    permute,
+    sort_by_expert,
+    unpermute,
+)
+from megapp.moe.router import Routing
+from megapp.tensor_parallel.mappings import (
+    gather_from_sequence_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+)
+
+__all__ = ["AllGatherDispatcher", "AllToAllDispatcher", "Dispatched", "all_to_all"]
+
+
+class _AllToAll(torch.autograd.Function):
+    """Forward: send slice i of dimension 0 (equal slices) to rank i. Backward: the same
+    all-to-all of the gradients, which returns every slice to the rank it came from."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Group) -> torch.Tensor:
+        ctx.group = group
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        comm.all_to_all_into(out, x.contiguous(), group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        out = torch.empty_like(grad, memory_format=torch.contiguous_format)
+        comm.all_to_all_into(out, grad.contiguous(), ctx.group)
+        return out, None
+
+
+def all_to_all(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Differentiable all-to-all of equal slices of dimension 0 over ``group``."""
+    if comm.world_size(group) == 1:
+        return x
+    return _AllToAll.apply(x, group)
+
+
+@dataclass
+class Dispatched:
+    """The rows for this rank's experts, and what combine needs to bring them back.
+
+    ``rows`` ``[M, h]``: grouped by local expert, ``tokens_per_expert[l]`` rows each.
+    """
+
+    rows: torch.Tensor
+    tokens_per_expert: list[int]
+    perm: Permutation
+    probs: torch.Tensor
+    plan: AllToAllPlan | None = None
+
+
+def _gather_counts(counts: torch.Tensor, group: Group) -> torch.Tensor:
+    """Every rank's ``counts`` ``[E]`` (int64) as ``[ep, E]``."""
+    out = counts.new_empty(comm.world_size(group) * counts.numel())
+    comm.all_gather_into(out, counts.contiguous(), group)
+    return out.view(comm.world_size(group), -1)
+
+
+class AllToAllDispatcher:
+    """Pairs to experts by all-to-all over ``group`` (``None``: one rank, no communication)."""
+
+    def __init__(self, num_experts: int, group: Group = None):
+        self.num_experts, self.group = num_experts, group
+        self.ep, self.rank = comm.world_size(group), comm.rank(group)
+
+    def dispatch(self, x: torch.Tensor, routing: Routing) -> Dispatched:
+        """This rank's tokens ``x`` ``[T, h]`` -> the rows for its experts."""
+        perm = sort_by_expert(routing.experts, routing.kept, self.num_experts)
+        rows = permute(x, perm)
+        if self.ep == 1:
+            return Dispatched(rows, perm.tokens_per_expert.tolist(), perm, routing.probs)
+        plan = all_to_all_plan(_gather_counts(perm.tokens_per_expert, self.group), self.rank)
+        if plan.slot == 0:  # no rank routes any pair: every rank skips the exchange alike
+            return Dispatched(rows, plan.tokens_per_local_expert, perm, routing.probs, plan)
+        send = rows.new_zeros(self.ep * plan.slot, x.shape[-1])
+        send = send.index_copy(0, plan.send_rows.to(x.device), rows)
+        received = all_to_all(send, self.group)
+        mine = received.index_select(0, plan.recv_rows.to(x.device))
+        return Dispatched(mine, plan.tokens_per_local_expert, perm, routing.probs, plan)
+
+    def combine(self, out: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
+        """The experts' rows ``[M, h]`` -> this rank's routed output ``[T, h]``."""
+        plan = dispatched.plan
+        if plan is not None and plan.slot > 0:
+            back = out.new_zeros(self.ep * plan.slot, out.shape[-1])
+            back = back.index_copy(0, plan.recv_rows.to(out.device), out)
+            returned = all_to_all(back, self.group)
+            out = returned.index_select(0, plan.send_rows.to(out.device))
+        return combine_slots(unpermute(out, dispatched.perm), dispatched.probs)
+
+
+class AllGatherDispatcher:
+    """Pairs to experts by all-gathering every rank's tokens over ``group``; outputs back by
+    reduce-scatter. Every rank of ``group`` must hold the same number of tokens."""
+
+    def __init__(self, num_experts: int, group: Group = None):
+        self.num_experts, self.group = num_experts, group
+        self.ep, self.rank = comm.world_size(group), comm.rank(group)
+        self.local = num_experts // self.ep
+
+    def _gather(self, t: torch.Tensor) -> torch.Tensor:
+        out = t.new_empty(self.ep * t.shape[0], *t.shape[1:])
+        comm.all_gather_into(out, t.contiguous(), self.group)
+        return out
+
+    def dispatch(self, x: torch.Tensor, routing: Routing) -> Dispatched:
+        if self.ep == 1:
+            return AllToAllDispatcher(self.num_experts).dispatch(x, routing)
+        every_x = gather_from_sequence_parallel_region(x, self.group)  # [ep·T, h]
+        every_probs = gather_from_sequence_parallel_region(routing.probs, self.group)
+        experts = self._gather(routing.experts)
+        first = self.rank * self.local
+        mine = (experts >= first) & (experts < first + self.local)
+        if routing.kept is not None:
+            mine &= self._gather(routing.kept)
+        # other ranks' experts are left out; ours are numbered from 0
+        perm = sort_by_expert((experts - first).clamp(0, self.local - 1), mine, self.local)
+        rows = permute(every_x, perm)
+        return Dispatched(rows, perm.tokens_per_expert.tolist(), perm, every_probs)
+
+    def combine(self, out: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
+        if self.ep == 1:
+            return AllToAllDispatcher(self.num_experts).combine(out, dispatched)
+        perm = dispatched.perm
+        weights = dispatched.probs.reshape(-1).index_select(0, perm.pairs)
+        dtype = torch.promote_types(out.dtype, weights.dtype)
+        weighted = (out.to(dtype) * weights.to(dtype).unsqueeze(-1)).to(out.dtype)
+        partial = out.new_zeros(perm.num_tokens, out.shape[-1])
+        partial = partial.index_add(0, perm.tokens, weighted)  # [ep·T, h]: this rank's share
+        return reduce_scatter_to_sequence_parallel_region(partial, self.group)

@@ -1,0 +1,118 @@
+"""The routed experts of one rank: ``L`` MLPs run on their rows in one call.
+
+Expert ``e`` is ``fc2_e(act(fc1_e(x)))`` with ``fc1_e`` ``[h, F]`` (``F = 2f``, ``[gate | up]``,
+for SwiGLU; ``f`` otherwise) and ``fc2_e`` ``[f, h]``, stored stacked as ``fc1`` ``[L, h, F]`` and
+``fc2`` ``[L, f, h]`` (input dimension first, as a grouped matmul takes them), with optional
+biases ``[L, F]`` and ``[L, h]``. The rows arrive grouped by expert (``tokens_per_expert``).
+
+Two ways to run them, with the same results (checked in the tests):
+
+- one grouped matmul per linear layer (``torch._grouped_mm``), where torch has it for the
+  dtype, device and shapes (:func:`grouped_mm_supported`): on CPU float32, bfloat16 and
+  float16 with every row 16-byte aligned; on CUDA bfloat16;
+- otherwise a loop over the experts, one matmul each on its slice of rows.
+
+Every expert's weights are drawn from a generator seeded by the expert's global index and
+one seed from the default generator, so the same seed gives every expert the same weights
+whatever the expert-parallel size, without building the other ranks' experts.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megapp.fusions.bias_ops import bias_swiglu
+from megapp.moe.config import MoEConfig
+
+__all__ = ["GroupedExperts", "activation", "grouped_mm_supported"]
+
+_GROUPED_DTYPES = {"cpu": (torch.float32, torch.bfloat16, torch.float16), "cuda": (torch.bfloat16,)}
+
+
+def activation(x: torch.Tensor, kind: str) -> torch.Tensor:
+    """``swiglu`` (x ``[..., 2f]`` = ``[gate | up]`` -> ``[..., f]``), ``gelu`` (tanh
+    approximation) or ``gelu_erf``."""
+    if kind == "swiglu":
+        return bias_swiglu(x, None)
+    if kind == "gelu_erf":
+        return F.gelu(x)
+    return F.gelu(x, approximate="tanh")
+
+
+def grouped_mm_supported(dtype: torch.dtype, device: torch.device, *widths: int) -> bool:
+    """Whether ``torch._grouped_mm`` runs matrices of ``dtype`` on ``device`` whose rows are
+    ``widths`` elements long (it needs 16-byte aligned rows)."""
+    if not hasattr(torch, "_grouped_mm") or dtype not in _GROUPED_DTYPES.get(device.type, ()):
+        return False
+    size = torch.empty((), dtype=dtype).element_size()
+    return all(w * size % 16 == 0 for w in widths)
+
+
+def _seeded_normal(shape: tuple[int, ...], seed: int, std: float) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=generator, dtype=torch.float32) * std
+
+
+class GroupedExperts(nn.Module):
+    """Experts ``[first, first + L)`` of ``config.num_moe_experts`` (``L`` =
+    ``config.num_local_experts``; ``first = ep_rank · L``)."""
+
+    def __init__(self, config: MoEConfig, ep_rank: int = 0):
+        super().__init__()
+        self.config = config
+        local, h = config.num_local_experts, config.hidden_size
+        self.first = ep_rank * local
+        # one draw each from the default generator, whatever the layout
+        seeds = torch.randint(0, 2**62, (2,)).tolist()
+        experts = range(self.first, self.first + local)
+        std, dtype = config.init_method_std, config.params_dtype
+        fc1 = [_seeded_normal((h, config.fc1_width), seeds[0] + e, std) for e in experts]
+        fc2 = [_seeded_normal((config.moe_ffn_hidden_size, h), seeds[1] + e, std) for e in experts]
+        self.fc1 = nn.Parameter(torch.stack(fc1).to(dtype))
+        self.fc2 = nn.Parameter(torch.stack(fc2).to(dtype))
+        if config.add_bias_linear:
+            self.fc1_bias = nn.Parameter(torch.zeros(local, config.fc1_width, dtype=dtype))
+            self.fc2_bias = nn.Parameter(torch.zeros(local, h, dtype=dtype))
+        else:
+            self.fc1_bias = self.fc2_bias = None
+
+    def uses_grouped_mm(self, rows: torch.Tensor) -> bool:
+        """Whether :meth:`forward` runs ``rows`` as grouped matmuls."""
+        config = self.config
+        widths = (config.hidden_size, config.fc1_width, config.moe_ffn_hidden_size)
+        return (
+            config.moe_grouped_gemm
+            and rows.shape[0] > 0
+            and rows.dtype == self.fc1.dtype
+            and grouped_mm_supported(rows.dtype, rows.device, *widths)
+        )
+
+    def forward(self, rows: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
+        """``rows`` ``[M, h]`` grouped by local expert -> ``[M, h]``."""
+        if len(tokens_per_expert) != self.fc1.shape[0] or sum(tokens_per_expert) != rows.shape[0]:
+            raise ValueError(
+                f"{rows.shape[0]} rows do not split as tokens_per_expert {tokens_per_expert} "
+                f"over {self.fc1.shape[0]} local experts"
+            )
+        counts = torch.tensor(tokens_per_expert, device=rows.device)
+        matmul = self._grouped if self.uses_grouped_mm(rows) else self._looped
+        inner = matmul(rows, self.fc1, tokens_per_expert)
+        if self.fc1_bias is not None:
+            inner = inner + self.fc1_bias.repeat_interleave(counts, dim=0)
+        out = matmul(activation(inner, self.config.activation), self.fc2, tokens_per_expert)
+        if self.fc2_bias is not None:
+            out = out + self.fc2_bias.repeat_interleave(counts, dim=0)
+        return out
+
+    @staticmethod
+    def _grouped(x: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        ends = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
+        return torch._grouped_mm(x, weight, offs=ends)
+
+    @staticmethod
+    def _looped(x: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        dtype = torch.promote_types(x.dtype, weight.dtype)
+        pieces = x.to(dtype).split(counts)
+        return torch.cat([p @ w.to(dtype) for p, w in zip(pieces, weight, strict=True)])

@@ -1,0 +1,130 @@
+"""The index arithmetic of moving tokens to experts and back: pure functions, no communication.
+
+A token chooses ``k`` experts, so the unit of work is the (token, slot) *pair*, numbered
+``n = t · k + slot`` in the order of the ``[T, k]`` routing. :func:`sort_by_expert` lists
+the kept pairs grouped by expert (ascending), in token order within an expert, which is
+the order the grouped matmul wants; :func:`permute` gathers their tokens, :func:`unpermute`
+puts expert outputs back in pair order (a dropped pair gets zeros) and
+:func:`combine_slots` adds each token's ``k`` outputs with its routing weights.
+
+Under expert parallelism rank ``r`` of ``ep`` holds experts ``[r·L, (r+1)·L)``
+(``L = E / ep``), so sorting by expert also sorts the pairs by destination rank.
+:func:`all_to_all_plan` lays the rows out for an all-to-all of equal slices: every
+(source, destination) slice is padded to the largest one, the ``slot`` rows; the
+receiving rank takes its rows out in local-expert-major order (expert ``l`` from source 0,
+1, ..., then expert ``l + 1``), and the return trip uses the same rows the other way, so
+the un-permutation is exact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "AllToAllPlan",
+    "Permutation",
+    "all_to_all_plan",
+    "combine_slots",
+    "permute",
+    "sort_by_expert",
+    "unpermute",
+]
+
+
+@dataclass(frozen=True)
+class Permutation:
+    """The kept pairs of ``num_tokens`` tokens with ``topk`` slots, sorted by expert.
+
+    ``pairs`` ``[N]``: pair numbers ``t · k + slot``; ``tokens_per_expert`` ``[E]`` (int64):
+    how many of them go to each expert.
+    """
+
+    pairs: torch.Tensor
+    tokens_per_expert: torch.Tensor
+    num_tokens: int
+    topk: int
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        """``[N]``: the token of each sorted pair."""
+        return torch.div(self.pairs, self.topk, rounding_mode="floor")
+
+
+def sort_by_expert(
+    experts: torch.Tensor, kept: torch.Tensor | None, num_experts: int
+) -> Permutation:
+    """Sort the pairs of ``experts`` ``[T, k]`` (expert ids) by expert, leaving out those
+    where ``kept`` ``[T, k]`` is False."""
+    num_tokens, topk = experts.shape
+    flat = experts.reshape(-1)
+    pairs = torch.arange(flat.numel(), device=flat.device)
+    if kept is not None:
+        pairs = pairs[kept.reshape(-1)]
+    pairs = pairs[torch.sort(flat[pairs], stable=True).indices]
+    counts = torch.bincount(flat[pairs], minlength=num_experts)
+    return Permutation(pairs, counts, num_tokens, topk)
+
+
+def permute(x: torch.Tensor, perm: Permutation) -> torch.Tensor:
+    """Tokens ``[T, h]`` -> one row per sorted pair ``[N, h]``."""
+    return x.index_select(0, perm.tokens)
+
+
+def unpermute(y: torch.Tensor, perm: Permutation) -> torch.Tensor:
+    """Rows of the sorted pairs ``[N, h]`` -> ``[T, k, h]`` in pair order, zeros for dropped
+    pairs."""
+    out = y.new_zeros(perm.num_tokens * perm.topk, y.shape[-1])
+    out = out.index_copy(0, perm.pairs, y)
+    return out.view(perm.num_tokens, perm.topk, y.shape[-1])
+
+
+def combine_slots(y: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    """``Σ_slot probs[t, slot] · y[t, slot]``: ``y`` ``[T, k, h]``, ``probs`` ``[T, k]`` ->
+    ``[T, h]``, in y's dtype (the product in the wider of the two)."""
+    dtype = torch.promote_types(y.dtype, probs.dtype)
+    return (y.to(dtype) * probs.to(dtype).unsqueeze(-1)).sum(dim=1).to(y.dtype)
+
+
+@dataclass(frozen=True)
+class AllToAllPlan:
+    """Where rows go in an all-to-all of equal slices over ``ep`` ranks (one rank's view).
+
+    ``slot``: rows per (source, destination) slice; the buffers are ``[ep · slot, h]``.
+    ``send_rows`` ``[N]``: the send-buffer row of each of this rank's sorted pairs.
+    ``recv_rows`` ``[M]``: the receive-buffer rows of the pairs for this rank's experts, in
+    local-expert-major order. ``tokens_per_local_expert``: ``M`` split by local expert.
+    """
+
+    slot: int
+    send_rows: torch.Tensor
+    recv_rows: torch.Tensor
+    tokens_per_local_expert: list[int]
+
+
+def all_to_all_plan(counts: torch.Tensor, rank: int) -> AllToAllPlan:
+    """The plan of ``rank`` from every rank's pairs per expert, ``counts`` ``[ep, E]``
+    (``counts[i, e]``: pairs rank ``i`` sends to expert ``e``; rank ``j`` holds experts
+    ``[j·L, (j+1)·L)``)."""
+    ep, num_experts = counts.shape
+    local = num_experts // ep
+    counts = counts.to(torch.int64).cpu()
+    by_destination = counts.view(ep, ep, local).sum(dim=-1)  # [source, destination]
+    slot = int(by_destination.max())
+    # send: this rank's pairs, sorted by expert, are already grouped by destination
+    mine = by_destination[rank]
+    destination = torch.repeat_interleave(torch.arange(ep), mine)
+    first = torch.cumsum(mine, 0) - mine  # where each destination's pairs start
+    within = torch.arange(destination.numel()) - first[destination]
+    send_rows = destination * slot + within
+    # receive: from source i, expert l's rows follow experts 0..l-1 of this rank in i's slice
+    received = counts[:, rank * local : (rank + 1) * local]  # [source, local expert]
+    offsets = torch.cumsum(received, 1) - received
+    pieces = [
+        torch.arange(int(received[i, l])) + i * slot + int(offsets[i, l])
+        for l in range(local)
+        for i in range(ep)
+    ]
+    recv_rows = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64)
+    return AllToAllPlan(slot, send_rows, recv_rows, received.sum(dim=0).tolist())
