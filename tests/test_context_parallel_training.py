@@ -56,6 +56,18 @@ CASES = [
     ),
     case(4, 1, 2, 1, None, {"zero_stage": 2}, {"cp_comm_type": "all_gather"}, name="dp2-zero2"),
     case(4, 1, 4, 1, None, {}, {"cp_comm_type": "a2a"}, slow=True),
+    case(4, 1, 2, 1, None, {"zero_stage": 3}, {"cp_comm_type": "p2p"}, slow=True, name="dp2-zero3"),
+    case(
+        4,
+        1,
+        2,
+        1,
+        None,
+        {"distributed_optimizer": True},
+        {"cp_comm_type": "a2a"},
+        slow=True,
+        name="dp2-zero1",
+    ),
     case(4, 1, 4, 1, None, {}, {"cp_comm_type": "all_gather"}, slow=True),
     case(
         4,
