@@ -1,0 +1,243 @@
+"""Expert parallelism against the single-process layer.
+
+Every rank of an expert-parallel group routes its own batch. The reference is the
+single-process layer (every expert, same seed, hence same weights) run on each member's
+batch in turn, its gradients summed over them: the expert-parallel output of each rank
+must equal the reference's output for that rank's batch, the input gradient likewise, each
+rank's expert gradients the reference's for those experts, and the router's and shared
+expert's gradients, summed over the group as data parallelism would, the reference's.
+Float64, 1e-10 relative / 1e-12 absolute: the two differ only in the order of sums.
+
+The all-to-all layout is checked first in one process, by simulating the exchange.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megapp import comm
+from megapp import parallel_state as ps
+from megapp.moe import MoEConfig, MoELayer
+from megapp.moe.permutation import all_to_all_plan
+from megapp.testing import distributed
+
+F64 = torch.float64
+TOL = {"rtol": 1e-10, "atol": 1e-12}
+S, B, H, E, FFN = 6, 2, 8, 8, 6
+
+
+def _config(**overrides) -> MoEConfig:
+    settings = dict(
+        hidden_size=H,
+        num_moe_experts=E,
+        moe_ffn_hidden_size=FFN,
+        moe_router_topk=2,
+        moe_aux_loss_coeff=0.1,
+        params_dtype=F64,
+        init_method_std=0.5,
+    )
+    settings.update(overrides)
+    return MoEConfig(**settings)
+
+
+def _randn(*shape, seed):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=F64)
+
+
+# ----- the all-to-all layout, simulated in one process -------------------------------
+
+
+@pytest.mark.parametrize("ep", [1, 2, 3, 4])
+def test_all_to_all_plan_delivers_every_pair_and_back(ep):
+    local = 2
+    generator = torch.Generator().manual_seed(ep)
+    counts = torch.randint(0, 4, (ep, ep * local), generator=generator)
+    counts[0] = 0  # a rank that sends nothing
+    plans = [all_to_all_plan(counts, r) for r in range(ep)]
+    # each rank's sorted pairs, labelled (source, expert, index among source's pairs to it)
+    labels = [
+        [(src, e, i) for e in range(ep * local) for i in range(int(counts[src, e]))]
+        for src in range(ep)
+    ]
+    slot = plans[0].slot
+    assert all(p.slot == slot for p in plans)
+    sent = []
+    for src in range(ep):
+        buffer = [None] * (ep * slot)
+        for row, label in zip(plans[src].send_rows.tolist(), labels[src], strict=True):
+            assert buffer[row] is None
+            buffer[row] = label
+        sent.append(buffer)
+    for dst in range(ep):
+        # the all-to-all: slice dst of every source, in source order
+        received = [sent[src][dst * slot + i] for src in range(ep) for i in range(slot)]
+        rows = [received[r] for r in plans[dst].recv_rows.tolist()]
+        expected = [
+            (src, e, i)
+            for e in range(dst * local, (dst + 1) * local)
+            for src in range(ep)
+            for i in range(int(counts[src, e]))
+        ]
+        assert rows == expected  # every pair for dst's experts, expert-major, nothing else
+        assert (
+            plans[dst].tokens_per_local_expert
+            == counts[:, dst * local : (dst + 1) * local].sum(0).tolist()
+        )
+
+
+# ----- on gloo ranks -----------------------------------------------------------------
+
+
+CASES = {
+    "dropless-swiglu-z-loss": dict(moe_z_loss_coeff=1e-2),
+    "capacity-shared-gate": dict(
+        moe_expert_capacity_factor=0.8,
+        moe_shared_expert_intermediate_size=4,
+        moe_shared_expert_gate=True,
+    ),
+    "sigmoid-bias-top3-gelu": dict(
+        moe_router_score_function="sigmoid",
+        moe_router_enable_expert_bias=True,
+        moe_router_topk=3,
+        activation="gelu",
+        add_bias_linear=True,
+        moe_router_load_balancing_type="seq_aux_loss",
+    ),
+    # the bias sends every pair to experts 0 and 1: the other ranks' experts get nothing
+    "all-to-rank-0": dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True),
+}
+
+
+def _layers(config_one, config_ep, group, case):
+    torch.manual_seed(0)
+    whole = MoELayer(config_one)
+    torch.manual_seed(0)
+    part = MoELayer(config_ep, ep_group=group)
+    for layer in (whole, part):
+        with torch.no_grad():
+            for bias in (layer.experts.fc1_bias, layer.experts.fc2_bias):
+                if bias is not None:
+                    full = _randn(E, bias.shape[1], seed=7)
+                    first = layer.experts.first
+                    bias.copy_(full[first : first + bias.shape[0]])
+            if layer.router.expert_bias is not None:
+                layer.router.expert_bias.copy_(_randn(E, seed=8) * 0.3)
+                if case == "all-to-rank-0":
+                    layer.router.expert_bias[:2] = 100.0
+    return whole, part
+
+
+def _summed(t, group):
+    t = t.clone()
+    comm.all_reduce(t, group)
+    return t
+
+
+def _check_expert_parallel(ep, dispatcher, case):
+    ps.initialize_model_parallel(expert_model_parallel_size=ep)
+    group = ps.get_expert_model_parallel_group()
+    members = ps.get_group_ranks("ep")
+    me = members.index(dist.get_rank())
+    overrides = CASES[case]
+    config_ep = _config(
+        **overrides, expert_model_parallel_size=ep, moe_token_dispatcher_type=dispatcher
+    )
+    whole, part = _layers(_config(**overrides), config_ep, group, case)
+    batches = [_randn(S, B, H, seed=100 + r) for r in members]
+    grads = [_randn(S, B, H, seed=200 + r) for r in members]
+    # the reference: every member's batch through the whole layer, gradients summed
+    outputs, input_grads, losses = [], [], []
+    for x, g in zip(batches, grads, strict=True):
+        x = x.clone().requires_grad_()
+        out, _ = whole(x)
+        (out * g).sum().backward()
+        outputs.append(out.detach())
+        input_grads.append(x.grad)
+        losses.append(dict(whole.losses))
+    x = batches[me].clone().requires_grad_()
+    out, _ = part(x)
+    (out * grads[me]).sum().backward()
+    torch.testing.assert_close(out, outputs[me], **TOL)
+    torch.testing.assert_close(x.grad, input_grads[me], **TOL)
+    assert part.losses.keys() == losses[me].keys()
+    for name, value in part.losses.items():
+        torch.testing.assert_close(value, losses[me][name], **TOL)
+    local = slice(part.experts.first, part.experts.first + E // ep)
+    for name in ("fc1", "fc2", "fc1_bias", "fc2_bias"):
+        mine, theirs = getattr(part.experts, name), getattr(whole.experts, name)
+        if mine is not None:
+            torch.testing.assert_close(mine.grad, theirs.grad[local], **TOL)
+    replicated = [("router.weight", part.router.weight, whole.router.weight)]
+    if part.shared_expert is not None:
+        replicated += [
+            (name, p, dict(whole.shared_expert.named_parameters())[name])
+            for name, p in part.shared_expert.named_parameters()
+        ]
+    for name, mine, theirs in replicated:
+        summed = _summed(mine.grad, group)
+        torch.testing.assert_close(summed, theirs.grad, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+    if case == "all-to-rank-0":  # the case routes as it says
+        routing = whole.router(batches[me].reshape(-1, H))
+        assert set(routing.experts.unique().tolist()) == {0, 1}
+    ps.destroy_model_parallel()
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
+@distributed(world_size=2)
+def test_two_expert_parallel_ranks_equal_one_process(dispatcher, case):
+    _check_expert_parallel(2, dispatcher, case)
+
+
+@pytest.mark.parametrize("ep", [2, 4])
+@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
+@distributed(world_size=4)
+def test_four_ranks_equal_one_process(ep, dispatcher):
+    # ep 2: two expert-parallel groups of two side by side; ep 4: one group of four
+    for case in ("dropless-swiglu-z-loss", "capacity-shared-gate", "all-to-rank-0"):
+        _check_expert_parallel(ep, dispatcher, case)
+
+
+@pytest.mark.parametrize("kind", ["aux_loss", "seq_aux_loss"])
+@distributed(world_size=2)
+def test_sequence_split_over_ranks_equals_whole_sequences(kind):
+    """Two ranks holding halves of the same sequences (as sequence or context parallelism
+    leaves them), experts split over the same two ranks: the losses count the tokens of
+    both halves, so the two ranks' losses add up to the whole sequences' loss, and their
+    summed router gradient is the whole's."""
+    group = dist.group.WORLD
+    rank = dist.get_rank()
+    overrides = dict(moe_router_load_balancing_type=kind, moe_z_loss_coeff=1e-2)
+    torch.manual_seed(0)
+    whole = MoELayer(_config(**overrides))
+    torch.manual_seed(0)
+    part = MoELayer(_config(**overrides, expert_model_parallel_size=2), group, group)
+    x_all, g_all = _randn(2 * S, B, H, seed=5), _randn(2 * S, B, H, seed=6)
+    x_ref = x_all.clone().requires_grad_()
+    out_ref, _ = whole(x_ref)
+    (out_ref * g_all).sum().backward()
+    half = slice(rank * S, (rank + 1) * S)
+    x = x_all[half].clone().requires_grad_()
+    out, _ = part(x)
+    (out * g_all[half]).sum().backward()
+    torch.testing.assert_close(out, out_ref[half], **TOL)
+    torch.testing.assert_close(x.grad, x_ref.grad[half], **TOL)
+    torch.testing.assert_close(
+        _summed(part.router.weight.grad, group), whole.router.weight.grad, **TOL
+    )
+    balance = "load_balancing_loss" if kind == "aux_loss" else "seq_load_balancing_loss"
+    torch.testing.assert_close(_summed(part.losses[balance], group), whole.losses[balance], **TOL)
+    # each rank's z-loss is the mean over its half: their mean is the whole's
+    torch.testing.assert_close(
+        _summed(part.losses["z_loss"], group) / 2, whole.losses["z_loss"], **TOL
+    )
+    local = slice(part.experts.first, part.experts.first + E // 2)
+    torch.testing.assert_close(part.experts.fc1.grad, whole.experts.fc1.grad[local], **TOL)
+
+
+@distributed(world_size=2)
+def test_expert_parallel_layer_needs_its_group():
+    with pytest.raises(
+        ValueError, match="expert_model_parallel_size is 1 but the expert-parallel group has 2"
+    ):
+        MoELayer(_config(), ep_group=dist.group.WORLD)
