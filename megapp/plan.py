@@ -5,7 +5,9 @@
 --global-batch-size 1536 --seq-length 2048 --top-k 5`` prints the fastest layouts that fit
 (memory per device, iteration time, throughput, MFU, bubble) and the ``torchrun`` line of
 each. The search is :class:`~megapp.planning.search.Planner`'s; ``--gpu`` takes a device
-profile or a CPU machine's (:func:`~megapp.planning.profiles.load_profile`).
+profile or a CPU machine's (:func:`~megapp.planning.profiles.load_profile`). Context
+parallelism is searched for sequences over
+:data:`~megapp.planning.layout_space.LONG_SEQUENCE` tokens, or at the sizes ``--cp`` gives.
 """
 
 from __future__ import annotations
@@ -16,8 +18,8 @@ import sys
 from collections.abc import Sequence
 
 from megapp.pipeline_parallel.catalog import SCHEDULES
-from megapp.planning.layout import Layout
-from megapp.planning.layout_space import Space, why_empty
+from megapp.planning.layout import CP_COMM_TYPES, Layout
+from megapp.planning.layout_space import LONG_SEQUENCE, MAX_AUTO_CP, Space, why_empty
 from megapp.planning.models import BYTE_VOCAB, ModelPreset, load_model
 from megapp.planning.profiles import load_profile, time_model
 from megapp.planning.search import Planner, PlanResult
@@ -106,6 +108,14 @@ def build_parser() -> argparse.ArgumentParser:
     add("--max-micro-batch-size", type=_positive, default=8)
     add("--max-chunks", type=_positive, default=8, help="virtual stages per rank")
     add("--schedules", nargs="+", choices=list(SCHEDULES), default=list(SCHEDULES))
+    add(
+        "--cp",
+        type=_positive,
+        nargs="+",
+        help=f"context-parallel sizes (default: 1, and for sequences over {LONG_SEQUENCE} "
+        f"tokens every divisor of --gpus up to {MAX_AUTO_CP})",
+    )
+    add("--cp-comm-types", nargs="+", choices=CP_COMM_TYPES, default=list(CP_COMM_TYPES))
     add("--run-flags", default=shlex.join(RUN_FLAGS), help="appended to every command (data)")
     add("--calibrate", action="store_true", help="measure this machine (--gpus processes)")
     add("--hardware-out", default="runs/calibration/hardware.json", help="--calibrate's file")
@@ -129,21 +139,34 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ValueError(f"--gpus {args.gpus} is not a whole number of {gpn}-GPU nodes")
         profile = profile.with_gpus_per_node(gpn)
         planner = Planner(model, profile, args.global_batch_size, args.gpus)
-        space = Space(args.max_micro_batch_size, args.max_chunks, tuple(args.schedules))
+        space = Space(
+            args.max_micro_batch_size,
+            args.max_chunks,
+            tuple(args.schedules),
+            cp=tuple(args.cp) if args.cp else None,
+            cp_comm_types=tuple(args.cp_comm_types),
+        )
         result = planner.plan(gpn, args.top_k, space)
     except (ArgumentsError, ValueError) as error:
         print(f"python -m megapp.plan: error: {' '.join(str(error).split())}", file=sys.stderr)
         return 2
     hardware = planner.hardware
+    cp = space.cp_sizes(model.seq_length, args.gpus)
+    cp_text = "" if cp == (1,) else ", cp " + " ".join(map(str, cp))
+    if cp != (1,) and planner.base.attention_dropout:
+        cp_text += f" (refused: attention dropout {planner.base.attention_dropout})"
     print(
         f"{args.model} on {args.gpus} × {hardware.name} ({gpn} per node), global batch "
-        f"{args.global_batch_size}, sequence {model.seq_length}: {result.enumerated} layouts, "
+        f"{args.global_batch_size}, sequence {model.seq_length}{cp_text}: "
+        f"{result.enumerated} layouts, "
         f"{result.over_memory} over {hardware.usable_memory / _GIB:.1f} GiB, "
         f"{result.invalid} refused, {result.deadlocks} deadlock on this transport, "
         f"{result.timed} simulated in {result.seconds:.1f} s"
     )
     if not result.enumerated:  # the arithmetic left nothing to check or fit
-        why = why_empty(planner.base, args.gpus, gpn, args.global_batch_size, space)
+        why = why_empty(
+            planner.base, args.gpus, gpn, args.global_batch_size, space, seq_length=model.seq_length
+        )
         print(f"python -m megapp.plan: error: no layout: {why}", file=sys.stderr)
         return 2
     if not result.best:

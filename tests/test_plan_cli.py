@@ -243,13 +243,26 @@ def test_nothing_fits_says_so(tmp_path, capsys):
         (
             ["--gpus", "1024", "--global-batch-size", "1531"],
             "global batch 1531 is not divisible by any data-parallel size that 1024 GPUs leave "
-            "(64, 128, 256, 512, 1024: GPUs / (tp × pp), tp dividing a node's 8 GPUs and the "
+            "(64, 128, 256, 512, 1024: GPUs / (tp × cp × pp), tp dividing a node's 8 GPUs and the "
             "model's 4 heads, pp up to its 4 layers); use a multiple of 64",
         ),
         (
             ["--gpus", "8", "--global-batch-size", "1", "--schedules", "zb-v", "--max-chunks", "1"],
             "the schedules zb-v run two chunks per pipeline rank, and no pipeline size that "
             "global batch 1 allows gives two (the model's 4 layers, at most 1 chunks per rank)",
+        ),
+        (
+            ["--gpus", "8", "--global-batch-size", "8", "--cp", "3"],
+            "no context-parallel size of 3 can run (p2p, all_gather, a2a): none divides the 8 GPUs",
+        ),
+        (
+            ["--gpus", "8", "--global-batch-size", "8", "--cp", "8", "--cp-comm-types", "a2a"],
+            "no context-parallel size of 8 can run (a2a): comm_type 'a2a' splits the attention "
+            "heads over the context-parallel ranks, but 4 query heads are not divisible by cp = 8",
+        ),
+        (
+            ["--gpus", "8", "--global-batch-size", "8", "--cp", "8", "--seq-length", "200"],
+            "no context-parallel size of 8 can run (p2p, all_gather, a2a): ",
         ),
     ],
 )
@@ -259,6 +272,53 @@ def test_an_empty_space_says_which_rule_left_nothing(argv, message, capsys):
     err = capsys.readouterr().err
     assert err.startswith(f"python -m megapp.plan: error: no layout: {message}")
     assert err.count("\n") == 1
+
+
+def test_context_parallelism_is_searched_for_long_sequences_only():
+    """Up to LONG_SEQUENCE tokens the default space has cp 1 alone (the short queries stay
+    as fast as before); beyond it every cp that divides the GPUs and passes the rules:
+    the sequence splits into 2·cp chunks (s/cp over tp with sequence parallelism) and a2a
+    splits each tensor-parallel rank's heads."""
+    short = Planner(MODEL, H100, 16, 8)
+    assert {x.cp for x in layouts(short.base, 8, 8, 16, seq_length=512)} == {1}
+    long = dataclasses.replace(MODEL, flags=(*FLAGS, "--attention-dropout", "0"))
+    long = long.with_seq_length(16388)  # 4 · 4097: no cp 4 (8 chunks), s/cp at cp 2 = 2 · 4097
+    planner = Planner(long, H100, 16, 8)
+    space = list(layouts(planner.base, 8, 8, 16, Space(max_micro_batch_size=1), seq_length=16388))
+    assert {x.cp for x in space} == {1, 2}
+    assert {x.cp_comm_type for x in space if x.cp > 1} == {"p2p", "all_gather", "a2a"}
+    assert {x.tp for x in space if x.cp == 2 and x.sequence_parallel} == {2}
+    for layout in space:
+        assert layout.world_size == 8 and 16388 % (2 * layout.cp) == 0
+        assert layout.cp > 1 or layout.cp_comm_type == "p2p"  # cp 1 once
+    plain = Space(max_micro_batch_size=1, max_chunks=1, schedules=("1f1b",))
+    wide = list(layouts(planner.base, 16, 8, 16, plain, seq_length=16384))
+    assert {x.cp for x in wide} == {1, 2, 4, 8, 16}
+    for layout in wide:
+        if layout.cp_comm_type == "a2a" and layout.cp > 1:
+            assert (8 // layout.tp) % layout.cp == 0
+        if layout.sequence_parallel:
+            assert (16384 // layout.cp) % layout.tp == 0
+    assert (4, 4, "a2a") not in {(x.tp, x.cp, x.cp_comm_type) for x in wide}  # 2 heads each
+    assert (2, 4, "a2a") in {(x.tp, x.cp, x.cp_comm_type) for x in wide}
+    model = long.with_seq_length(16384)
+    for layout in wide[:: max(1, len(wide) // 40)]:  # pretrain_gpt.py takes what it lists
+        pretrain_config(layout, model.flags, 16)
+    dropout = list(layouts(short.base, 16, 8, 16, seq_length=16384))  # GPT's 0.1: cp refused
+    assert {x.cp for x in dropout} == {1}
+
+
+def test_a_long_sequence_plans_context_parallelism():
+    """One 64K-token sequence per iteration on 8 GPUs (no data parallelism): attention is
+    most of the work, and splitting the sequence over cp ranks, whose ring transfers hide
+    under it, beats splitting the layers (tp's all-reduces) or the model (pp's bubble)."""
+    long = dataclasses.replace(MODEL, flags=(*FLAGS, "--attention-dropout", "0"))
+    long = long.with_seq_length(65536)
+    space = Space(max_micro_batch_size=1, max_chunks=1, schedules=("1f1b",))
+    result = Planner(long, H100, 1, 8).plan(8, 3, space)
+    assert result.best and all(planned.layout.cp > 1 for planned in result.best)
+    assert result.best[0].layout.cp == 8 and result.best[0].layout.cp_comm_type == "p2p"
+    assert result.enumerated > result.invalid + result.over_memory + result.timed
 
 
 def test_tensor_parallel_groups_stay_within_a_node():

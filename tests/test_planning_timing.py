@@ -260,3 +260,129 @@ def test_asynchronous_schedules_pay_one_flush_per_run_and_step_among_their_actio
     steps = [e for e in pipedream.timeline.events if e.name.startswith("U")]
     assert len(steps) == 4 * k * m
     assert pipedream.seconds > two_bw.seconds  # m optimizer steps per iteration
+
+
+CP_MODEL = [*MODEL, "--attention-dropout", "0"]  # context parallelism runs no dropout
+
+
+def cp_costs(layout: Layout, hardware: Hardware = PLAIN, gbs: int = 16):
+    cfg = config(layout, gbs, CP_MODEL)
+    return action_costs(cfg.gpt_config(VOCAB), shape_of(cfg), hardware)
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        Layout(cp=2),
+        Layout(cp=4, cp_comm_type="all_gather"),
+        Layout(tp=2, cp=2, dp=2, sequence_parallel=True, cp_comm_type="a2a"),
+        Layout(cp=2, pp=2, vpp=2, schedule="zb-v", recompute="selective"),
+    ],
+    ids=lambda layout: layout.name,
+)
+def test_context_parallel_flops_sum_to_the_training_count(layout):
+    """Each cp rank runs its s/cp tokens' matmuls and their queries' attention over the
+    whole sequence: summed over tp × cp × dp ranks, the model's FLOPs (the rerun apart)."""
+    cfg = config(layout, model=CP_MODEL)
+    costs = action_costs(cfg.gpt_config(VOCAB), shape_of(cfg), PLAIN)
+    tables = (costs.flops_forward, costs.flops_input_grad, costs.flops_weight_grad)
+    per_replica = sum(sum(map(sum, table)) for table in tables)
+    ranks = layout.tp * layout.cp * cfg.data_parallel_size
+    total = per_replica * cfg.num_microbatches * ranks
+    step = predict_step_time(cfg, VOCAB, PLAIN)
+    assert total - step.breakdown["recompute_flops"] == pytest.approx(model_flops(16), rel=1e-12)
+    assert step.tflops_per_gpu * 1e12 * step.seconds * layout.world_size == pytest.approx(
+        model_flops(16), rel=1e-12
+    )
+
+
+def test_ring_traffic_by_hand():
+    """p2p at cp = 4, nothing overlapped: per layer cp − 1 messages of one rank's keys and
+    values forward (2·n·b·h·2 bytes, bf16), and backward the keys again and cp hops of
+    their gradients' accumulator in float32; the attention core's FLOPs are those of the
+    rank's n queries against the whole sequence."""
+    costs, one = cp_costs(Layout(cp=4)), cp_costs(Layout())
+    n, h = 128 // 4, 256
+    keys = 1e-6 + 2 * n * h * 2 / 100e9
+    accumulator = 1e-6 + 2 * n * h * 4 / 100e9
+    assert costs.cp_forward[0][0] == pytest.approx(8 * 3 * keys)
+    assert costs.cp_backward[0][0] == pytest.approx(8 * (3 * keys + 4 * accumulator))
+    assert costs.cp_calls_forward[0][0] == 8 * 3 and costs.cp_calls_backward[0][0] == 8 * 7
+    assert costs.flops_forward[0][0] == pytest.approx(one.flops_forward[0][0] / 4)
+    assert costs.context_parallel[0][0] == pytest.approx(8 * (6 * keys + 4 * accumulator))
+
+
+def test_ring_transfers_hide_under_the_attention_of_their_step():
+    """With overlap, a ring step's transfer costs only what its share of the attention core
+    does not cover; the backward's last accumulator hop covers nothing."""
+    gpt = config(Layout(cp=4), model=CP_MODEL).gpt_config(VOCAB)
+    core = layer_flops(gpt, 128, 1)[1]
+    for bandwidth in (1e15, 1e6):  # the core covers the transfer, or barely dents it
+        hardware = dataclasses.replace(
+            PLAIN, overlap_communication=True, intra_node_bandwidth=bandwidth
+        )
+        costs = cp_costs(Layout(cp=4), hardware)
+        step = core / 4 / hardware.gemm_flops
+        keys = 1e-6 + 2 * 32 * 256 * 2 / bandwidth
+        accumulator = 1e-6 + 2 * 32 * 256 * 4 / bandwidth
+        forward = 3 * max(0.0, keys - step)
+        backward = max(0.0, keys - 2 * step) + 2 * max(0.0, keys + accumulator - 2 * step)
+        backward += max(0.0, accumulator - 2 * step) + accumulator
+        assert costs.cp_forward[0][0] == pytest.approx(8 * forward)
+        assert costs.cp_backward[0][0] == pytest.approx(8 * backward)
+    assert forward > 0  # the slow link leaves most of it exposed
+
+
+def test_all_gather_and_a2a_volumes():
+    """all_gather: an all-gather of the whole sequence's keys and values forward, a
+    reduce-scatter backward; a2a: three all-to-alls of the rank's q, k and v and the
+    output's, each way, per rank 1/cp of the sequence. Neither overlaps."""
+    link = Link(100e9, 1e-6)
+    gathered = cp_costs(Layout(cp=4, cp_comm_type="all_gather"))
+    per_layer = link.all_gather(2 * 128 * 256 * 2, 4)
+    assert gathered.cp_forward[0][0] == pytest.approx(8 * per_layer)
+    assert gathered.cp_backward[0][0] == pytest.approx(8 * per_layer)
+    ulysses = cp_costs(Layout(cp=4, cp_comm_type="a2a"))
+    q = 32 * 256 * 2
+    per_layer = 2 * link.all_to_all(q, 4) + link.all_to_all(2 * q, 4)
+    assert ulysses.cp_forward[0][0] == pytest.approx(8 * per_layer)
+    assert ulysses.cp_calls_forward[0][0] == 8 * 3
+    overlapped = dataclasses.replace(PLAIN, overlap_communication=True)
+    assert cp_costs(Layout(cp=4, cp_comm_type="a2a"), overlapped).cp_forward[0][0] == (
+        pytest.approx(8 * per_layer)
+    )
+
+
+def test_context_parallel_links_and_the_gradient_reduction():
+    """The cp group rides NVLink while tp·cp fits a node, InfiniBand beyond; the gradients
+    are reduced over dp × cp ranks, as dp alone of the same count reduces them."""
+    near = cp_costs(Layout(tp=2, cp=4, cp_comm_type="all_gather"))
+    far = cp_costs(Layout(tp=4, cp=4, cp_comm_type="all_gather"))  # 16 > 8 per node
+    assert far.cp_forward[0][0] > 4 * near.cp_forward[0][0]
+    assert cp_costs(Layout(cp=2, dp=2)).grad_reduce == pytest.approx(
+        cp_costs(Layout(dp=4)).grad_reduce
+    )
+    sharded, plain = cp_costs(Layout(cp=4, zero_stage=1)), cp_costs(Layout(dp=4, zero_stage=1))
+    assert sharded.optimizer == pytest.approx(plain.optimizer)  # a quarter each
+
+
+def test_processes_sharing_cores_price_each_cp_transfer_as_a_collective_call():
+    """On a CPU machine's profile every ring step or cp collective costs the fitted CPU
+    time of a collective call, in the action that makes it, and the shared-cores
+    simulation runs the cp ranks as peers of their pipeline rank."""
+    from megapp.planning.profiles import predict_step_time as predict_on
+    from megapp.planning.shared_cores import CpuProfile, SharedCores
+
+    cfg = config(Layout(cp=2), model=CP_MODEL)
+    gpt = cfg.gpt_config(VOCAB)
+    machine = CpuProfile(GLOO, SharedCores(cores=2, collective_overhead=1e-3))
+    plain, charged = (
+        action_costs(gpt, shape_of(cfg), GLOO),
+        machine.action_costs(gpt, shape_of(cfg)),
+    )
+    assert charged.forward[0][0] - plain.forward[0][0] == pytest.approx(8 * 1 * 1e-3)
+    assert charged.input_grad[0][0] - plain.input_grad[0][0] == pytest.approx(8 * 3 * 1e-3)
+    assert charged.cp_forward[0][0] - plain.cp_forward[0][0] == pytest.approx(8 * 1e-3)
+    two = predict_on(cfg, VOCAB, machine)
+    four = predict_on(config(Layout(cp=4), model=CP_MODEL), VOCAB, machine)
+    assert four.seconds > two.seconds / 2  # four processes take turns on two cores

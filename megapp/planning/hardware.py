@@ -219,6 +219,13 @@ class Link:
             return 0.0
         return (ranks - 1) * (self.latency + nbytes / ranks / self.bandwidth)
 
+    def all_to_all(self, nbytes: float, ranks: int) -> float:
+        """Seconds of an all-to-all of each rank's ``nbytes``: it keeps ``1/n`` and sends
+        every other rank its share, ``n-1`` exchanges moving ``(n-1)/n`` of the buffer."""
+        if ranks <= 1:
+            return 0.0
+        return (ranks - 1) * (self.latency + nbytes / ranks / self.bandwidth)
+
 
 def group_link(hardware: Hardware, span: int) -> Link:
     """The link a group uses whose members lie within ``span`` consecutive ranks: NVLink

@@ -1,25 +1,60 @@
-"""The layouts a planner searches: every split of N devices into tensor, pipeline and data
-parallel sizes with virtual stages, micro-batch sizes, recompute, ZeRO stages, sequence
-parallelism and schedules that the arithmetic allows."""
+"""The layouts a planner searches: every split of N devices into tensor, context, pipeline
+and data parallel sizes with virtual stages, micro-batch sizes, recompute, ZeRO stages,
+sequence parallelism and schedules that the arithmetic allows."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from megapp.context_parallel.a2a import check_heads
+from megapp.context_parallel.layout import check_sequence_length
 from megapp.models.gpt import GPTConfig
 from megapp.pipeline_parallel.catalog import SCHEDULE_KINDS, SCHEDULES
-from megapp.planning.layout import RECOMPUTE, Layout
+from megapp.planning.layout import CP_COMM_TYPES, RECOMPUTE, Layout
+
+LONG_SEQUENCE = 8192
+"""Sequences longer than this get context parallelism searched by default; at or below it
+one rank's attention is a small share of its layer's work (a GPT-3 175B layer at 2048
+tokens: 6%), and every cp size multiplies the space."""
+
+MAX_AUTO_CP = 16
+"""The largest context-parallel size searched by default (Llama 3.1 405B's 128K-token
+stage ran cp 16)."""
 
 
 @dataclass(frozen=True)
 class Space:
     """Limits of the search: micro-batch sizes (powers of two) up to
-    ``max_micro_batch_size``, up to ``max_chunks`` virtual stages per rank, ``schedules``."""
+    ``max_micro_batch_size``, up to ``max_chunks`` virtual stages per rank, ``schedules``,
+    context-parallel sizes ``cp`` (None: :func:`auto_cp_sizes`) with the communication
+    ``cp_comm_types`` each."""
 
     max_micro_batch_size: int = 8
     max_chunks: int = 8
     schedules: tuple[str, ...] = tuple(SCHEDULES)
+    cp: tuple[int, ...] | None = None
+    cp_comm_types: tuple[str, ...] = CP_COMM_TYPES
+
+    def __post_init__(self) -> None:
+        if self.cp is not None and (not self.cp or min(self.cp) < 1):
+            raise ValueError(f"context-parallel sizes must be >= 1, got {self.cp}")
+        unknown = [kind for kind in self.cp_comm_types if kind not in CP_COMM_TYPES]
+        if unknown or not self.cp_comm_types:
+            raise ValueError(f"cp_comm_types must name some of {CP_COMM_TYPES}, got {unknown}")
+
+    def cp_sizes(self, seq_length: int | None, gpus: int) -> tuple[int, ...]:
+        """The context-parallel sizes to search: ``cp`` as given, or :func:`auto_cp_sizes`."""
+        return self.cp if self.cp is not None else auto_cp_sizes(seq_length, gpus)
+
+
+def auto_cp_sizes(seq_length: int | None, gpus: int) -> tuple[int, ...]:
+    """The default context-parallel sizes: 1 alone for sequences up to
+    :data:`LONG_SEQUENCE` tokens (or an unknown length), else every divisor of ``gpus`` up
+    to :data:`MAX_AUTO_CP`."""
+    if seq_length is None or seq_length <= LONG_SEQUENCE:
+        return (1,)
+    return tuple(d for d in _divisors(gpus) if d <= MAX_AUTO_CP)
 
 
 def _divisors(n: int) -> list[int]:
@@ -37,6 +72,48 @@ def _splits(base: GPTConfig, gpus: int, gpus_per_node: int) -> list[tuple[int, i
         for pp in _divisors(gpus // tp)
         if pp <= layers
     ]
+
+
+def cp_refusal(
+    base: GPTConfig, seq_length: int, tp: int, cp: int, comm_type: str, sp: bool
+) -> str | None:
+    """Why context parallelism of ``cp`` ranks by ``comm_type`` cannot run the model ``base``
+    on sequences of ``seq_length`` under tensor parallelism ``tp`` (``sp``: with sequence
+    parallelism), in the words of the rule's owner; None when it can."""
+    if cp == 1:
+        return None
+    try:
+        check_sequence_length(seq_length, cp)
+        if comm_type == "a2a":
+            check_heads(base.num_attention_heads // tp, cp)
+    except ValueError as error:
+        return str(error)
+    if sp and (seq_length // cp) % tp:
+        return (
+            f"sequence parallelism splits each cp rank's {seq_length // cp} tokens over tp = "
+            f"{tp}, which does not divide them"
+        )
+    if base.attention_dropout:
+        return f"attention dropout ({base.attention_dropout}) is not supported with cp > 1"
+    return None
+
+
+def _cp_choices(
+    base: GPTConfig, seq_length: int | None, tp: int, sp: bool, rest: int, space: Space
+) -> list[tuple[int, str]]:
+    """Every (cp, comm type) of ``space`` whose cp divides the ``rest`` of the devices that
+    tp leaves and whose rules pass (cp 1 once, with the default communication)."""
+    choices = []
+    for cp in space.cp_sizes(seq_length, rest * tp):
+        if rest % cp:
+            continue
+        if cp == 1:
+            choices.append((1, CP_COMM_TYPES[0]))
+            continue
+        for kind in space.cp_comm_types:
+            if seq_length is not None and not cp_refusal(base, seq_length, tp, cp, kind, sp):
+                choices.append((cp, kind))
+    return choices
 
 
 def _schedule_names(layers: int, pp: int, space: Space) -> list[tuple[int, list]]:
@@ -58,24 +135,39 @@ def layouts(
     gpus_per_node: int,
     global_batch_size: int,
     space: Space = Space(),
+    *,
+    seq_length: int | None = None,
 ) -> Iterator[Layout]:
     """Every layout of ``gpus`` devices the arithmetic allows (sizes that divide, a whole
-    number of microbatches, whole chunks of layers); the schedules' own rules are left to
+    number of microbatches, whole chunks of layers, context parallelism's rules for
+    sequences of ``seq_length``: :func:`cp_refusal`); the schedules' own rules are left to
     :func:`~megapp.planning.layout.pretrain_config`. :func:`why_empty` says which rule
     left none."""
     for tp, pp in _splits(base, gpus, gpus_per_node):
-        dp = gpus // (tp * pp)
-        if global_batch_size % dp:
-            continue
-        for vpp, names in _schedule_names(base.num_layers, pp, space):
-            for mbs in (1 << i for i in range(space.max_micro_batch_size.bit_length())):
-                if mbs > space.max_micro_batch_size or global_batch_size % (mbs * dp):
-                    continue
-                for recompute in RECOMPUTE:
-                    for zero in range(4) if dp > 1 else [0]:
-                        for sp in (False, True) if tp > 1 else [False]:
-                            for name in names:
-                                yield Layout(tp, pp, dp, vpp, mbs, name, sp, recompute, zero)
+        rest, sps = gpus // (tp * pp), (False, True) if tp > 1 else (False,)
+        by_sp = {sp: _cp_choices(base, seq_length, tp, sp, rest, space) for sp in sps}
+        for cp, kind in dict.fromkeys(c for sp in sps for c in by_sp[sp]):  # in order, once
+            dp = rest // cp
+            if global_batch_size % dp:
+                continue
+            for vpp, names in _schedule_names(base.num_layers, pp, space):
+                for mbs in (1 << i for i in range(space.max_micro_batch_size.bit_length())):
+                    if mbs > space.max_micro_batch_size or global_batch_size % (mbs * dp):
+                        continue
+                    sizes = dict(tp=tp, pp=pp, dp=dp, vpp=vpp, micro_batch_size=mbs)
+                    for recompute in RECOMPUTE:
+                        for zero in range(4) if dp * cp > 1 else [0]:
+                            for sp in (sp for sp in sps if (cp, kind) in by_sp[sp]):
+                                for name in names:
+                                    yield Layout(
+                                        **sizes,
+                                        schedule=name,
+                                        sequence_parallel=sp,
+                                        recompute=recompute,
+                                        zero_stage=zero,
+                                        cp=cp,
+                                        cp_comm_type=kind,
+                                    )
 
 
 def why_empty(
@@ -84,16 +176,47 @@ def why_empty(
     gpus_per_node: int,
     global_batch_size: int,
     space: Space = Space(),
+    *,
+    seq_length: int | None = None,
 ) -> str:
     """Which rule of :func:`layouts` left no layout (tp = pp = 1 and one sample per
-    microbatch always pass theirs): the data-parallel sizes the global batch must divide,
-    or the V-shaped schedules' two chunks per pipeline rank."""
+    microbatch always pass theirs): context parallelism's (when no size of ``space.cp``
+    can run), the data-parallel sizes the global batch must divide, or the V-shaped
+    schedules' two chunks per pipeline rank."""
     splits = _splits(base, gpus, gpus_per_node)
-    sizes = sorted({gpus // (tp * pp) for tp, pp in splits})
+    shapes = [
+        (tp, pp, cp)
+        for tp, pp in splits
+        for sp in ((False, True) if tp > 1 else (False,))
+        for cp, _ in _cp_choices(base, seq_length, tp, sp, gpus // (tp * pp), space)
+    ]
+    if not shapes:
+        sizes = space.cp_sizes(seq_length, gpus)
+        reasons = sorted(
+            {
+                cp_refusal(base, seq_length, 1, cp, kind, False) or ""
+                for cp in sizes
+                for kind in space.cp_comm_types
+                if seq_length is not None and cp > 1 and not gpus % cp
+            }
+            - {""}
+        )
+        dividing = [cp for cp in sizes if not gpus % cp]
+        if not dividing:
+            why = f"none divides the {gpus} GPUs"
+        elif seq_length is None:
+            why = "the sequence length is unknown"
+        else:
+            why = "; ".join(reasons) or "no tensor- and pipeline-parallel size leaves room"
+        return (
+            f"no context-parallel size of {', '.join(map(str, sizes))} can run "
+            f"({', '.join(space.cp_comm_types)}): {why}"
+        )
+    sizes = sorted({gpus // (tp * pp * cp) for tp, pp, cp in shapes})
     if all(global_batch_size % dp for dp in sizes):
         return (
             f"global batch {global_batch_size} is not divisible by any data-parallel size "
-            f"that {gpus} GPUs leave ({', '.join(map(str, sizes))}: GPUs / (tp × pp), tp "
+            f"that {gpus} GPUs leave ({', '.join(map(str, sizes))}: GPUs / (tp × cp × pp), tp "
             f"dividing a node's {gpus_per_node} GPUs and the model's "
             f"{base.num_attention_heads} heads, pp up to its {base.num_layers} layers); use "
             f"a multiple of {sizes[0]}"

@@ -96,10 +96,12 @@ class Planner:
     def gpt(self, layout: Layout) -> GPTConfig | None:
         """The model under ``layout`` as ``pretrain_gpt.py`` builds it: the layout's
         settings named after GPTConfig fields replaced in the model's (None where the
-        model's own rules refuse the tensor-parallel size)."""
-        key = (layout.tp, layout.sequence_parallel, layout.recompute)
+        model's own rules refuse the tensor- or context-parallel size)."""
+        key = (layout.tp, layout.sequence_parallel, layout.recompute, layout.cp)
+        key += (layout.cp_comm_type,)
         if key not in self._gpts:
-            model_only = Layout(tp=key[0], sequence_parallel=key[1], recompute=key[2])
+            names = ("tp", "sequence_parallel", "recompute", "cp", "cp_comm_type")
+            model_only = Layout(**dict(zip(names, key, strict=True)))
             settings = model_only.settings(self.base.num_layers)
             fields = {name: value for _, name, value in settings if name in _GPT_FIELDS}
             try:
@@ -109,14 +111,15 @@ class Planner:
         return self._gpts[key]
 
     def state_fits(self, layout: Layout, gpt: GPTConfig, placement) -> bool:
-        """Whether every rank's model state alone fits in memory (a bound on the total)."""
-        key = (layout.tp, layout.dp, layout.zero_stage, placement)
+        """Whether every rank's model state alone fits in memory (a bound on the total);
+        ZeRO shards it over the data- and context-parallel ranks."""
+        key = (layout.tp, layout.dp * layout.cp, layout.zero_stage, placement)
         if key not in self._states:
             stages = layout.pp * layout.vpp
             ranges = split_layers(gpt.num_layers, stages)
             per_stage = [chunk_parameters(gpt, s, stages, len(ranges[s])) for s in range(stages)]
             params = max(sum(per_stage[s] for s in row) for row in placement)
-            state = model_state(params, gpt.params_dtype, layout.dp, layout.zero_stage)
+            state = model_state(params, gpt.params_dtype, key[1], layout.zero_stage)
             self._states[key] = state.total <= self.hardware.usable_memory
         return self._states[key]
 
@@ -126,6 +129,7 @@ class Planner:
         return (
             *(layout.tp, layout.pp, layout.dp, layout.vpp, layout.micro_batch_size),
             *(layout.sequence_parallel, layout.recompute, layout.zero_stage),
+            *(layout.cp, layout.cp_comm_type),
             _kind(layout).v_shaped,
         )
 
@@ -208,9 +212,13 @@ class Planner:
         start = time.perf_counter()
         result = PlanResult(best=[])
         bounded: list[tuple[float, int, Layout]] = []
-        found = layouts(self.base, self.gpus, gpus_per_node, self.gbs, space)
+        seq = self.model.seq_length
+        found = layouts(self.base, self.gpus, gpus_per_node, self.gbs, space, seq_length=seq)
         for layout in found:
             result.enumerated += 1
+            if self.gpt(layout) is None:  # the model's own rules refuse it
+                result.invalid += 1
+                continue
             bound = self.bound(layout)
             if bound is None:
                 result.over_memory += 1

@@ -62,13 +62,14 @@ def step_time(
         sum(map(sum, t))
         for t in (costs.flops_forward, costs.flops_input_grad, costs.flops_weight_grad)
     )
-    hardware_flops = (
-        replica_flops * config.parallel.tensor_model_parallel_size * config.data_parallel_size
-    )
+    par = config.parallel
+    ranks = par.tensor_model_parallel_size * par.context_parallel_size * config.data_parallel_size
+    hardware_flops = replica_flops * ranks
     breakdown = {
         "pipeline": timeline.makespan / iterations,
         "busiest_rank": max(costs.busy(r, m, config.schedule.splits_backward) for r in range(p)),
         "tensor_parallel": m * max(sum(row) for row in costs.tensor_parallel),
+        "context_parallel": m * max(sum(row) for row in costs.context_parallel),
         "p2p_message": costs.p2p,
         "data_parallel": costs.grad_reduce[slowest],
         "optimizer": costs.optimizer[slowest],

@@ -18,6 +18,10 @@ core ``core`` = q·kᵀ and p·v, as :func:`~megapp.training.flops.gpt_training_
   ``[s, b, h]`` activation in forward and two in backward (with sequence parallelism an
   all-gather and a reduce-scatter for each, the same bytes), the embedding's all-reduce,
   the output layer's and the cross-entropy's; a full-recompute rerun repeats the forward's.
+- context-parallel attention (``cp`` ranks, ``T = s/cp·b`` tokens each, the attention
+  core's FLOPs those of its ``s/cp`` queries against the whole sequence): the keys and
+  values each mechanism moves (docs/context_parallel.md) over the cp group's link,
+  NVLink while ``tp·cp`` fits a node (:func:`context_parallel_seconds`);
 - ZeRO-3 all-gathers a chunk's weights for each microbatch's forward and its layers'
   again for its backward; ZeRO-2 and -3 reduce-scatter the chunk's fp32 gradients after
   each microbatch's backward. Where the hardware overlaps communication (NCCL streams,
@@ -26,7 +30,8 @@ core ``core`` = q·kᵀ and p·v, as :func:`~megapp.training.flops.gpt_training_
 Pipeline messages (``[s, b, h]``, ``/tp`` with sequence parallelism) cost a latency plus
 bytes over the pipeline group's link, a wait for the receiver;
 :func:`~megapp.pipeline_parallel.simulate.simulate` then gives every rank's timeline. After
-its last action a rank reduces its gradients over the data-parallel group (ZeRO 0:
+its last action a rank reduces its gradients over the data- and context-parallel ranks
+(``dp·cp``; ZeRO 0:
 all-reduce of fp32 gradients; 1-2: reduce-scatter, then an all-gather of the updated
 16-bit weights; ZeRO-2's per-microbatch reductions are in the actions already), sums the
 tied embedding over the first and last stage, and steps the optimizer at the device's
@@ -49,7 +54,7 @@ import torch
 from megapp.models.gpt import GPTConfig
 from megapp.pipeline_parallel.catalog import asynchronous_run
 from megapp.pipeline_parallel.network import Rules
-from megapp.pipeline_parallel.partition import split_layers
+from megapp.pipeline_parallel.partition import split_layers, stage_layer_ranges
 from megapp.pipeline_parallel.schedules import Schedule
 from megapp.pipeline_parallel.simulate import CostModel, Timeline, simulate
 from megapp.planning.hardware import Hardware, group_link
@@ -95,11 +100,23 @@ class ActionCosts:
     grad_reduce: list[float]  # data-parallel reduction at the end, before overlap
     tail: list[float]  # exposed after the last action: reduction, sums, optimizer, gathers
     optimizer: list[float]
+    cp_forward: Table | None = None  # exposed seconds of cp attention's transfers in F
+    cp_backward: Table | None = None  # in I (and so in B), a recompute's rerun included
+    cp_calls_forward: Table | None = None  # cp transfers posted in F (ring steps, collectives)
+    cp_calls_backward: Table | None = None  # in I (and so in B)
 
     @property
     def tensor_parallel(self) -> Table:
         """Seconds of tp collectives in F + I of one microbatch."""
         pairs = zip(self.tp_forward, self.tp_backward, strict=True)
+        return [[f + b for f, b in zip(rf, rb, strict=True)] for rf, rb in pairs]
+
+    @property
+    def context_parallel(self) -> Table:
+        """Exposed seconds of cp attention's transfers in F + I of one microbatch."""
+        if self.cp_forward is None or self.cp_backward is None:
+            return [[0.0] * len(row) for row in self.forward]
+        pairs = zip(self.cp_forward, self.cp_backward, strict=True)
         return [[f + b for f, b in zip(rf, rb, strict=True)] for rf, rb in pairs]
 
     def busy(self, rank: int, num_microbatches: int, split_backward: bool = True) -> float:
@@ -146,11 +163,71 @@ def _width(dtype: torch.dtype) -> int:
 
 
 def layer_flops(gpt: GPTConfig, seq_length: int, micro_batch_size: int) -> tuple[float, float]:
-    """Forward FLOPs of one layer for one microbatch on one tensor-parallel rank:
-    ``(linear, attention_core)`` of :func:`~megapp.training.flops.layer_flops`."""
+    """Forward FLOPs of one layer for one microbatch on one tensor- and context-parallel
+    rank: ``(linear, attention_core)`` of :func:`~megapp.training.flops.layer_flops` for its
+    ``s/cp`` tokens, whose queries see the whole sequence of ``seq_length``."""
     linear, core = layer_flops_per_token(gpt, seq_length)
-    tokens, tp = seq_length * micro_batch_size, gpt.tensor_model_parallel_size
+    tokens = seq_length // gpt.context_parallel_size * micro_batch_size
+    tp = gpt.tensor_model_parallel_size
     return tokens * linear / tp, tokens * core / tp
+
+
+def context_parallel_seconds(
+    gpt: GPTConfig, seq_length: int, micro_batch_size: int, hardware: Hardware
+) -> tuple[float, float, int, int]:
+    """Exposed seconds of one layer's context-parallel transfers in its forward and its
+    backward on one rank, and the transfers each posts (ring steps or collective calls).
+
+    Per rank, with ``n = s/cp`` tokens, ``w`` bytes per element and ``h_kv`` the key/value
+    width of the rank's tensor-parallel heads (docs/context_parallel.md), over the cp
+    group's link (:func:`~megapp.planning.hardware.group_link` of ``tp·cp`` ranks):
+
+    - ``p2p``: ``cp − 1`` ring steps forward, each sending ``2·n·b·h_kv·w`` while the step's
+      attention (``1/cp`` of the core's FLOPs) runs: exposed ``max(0, transfer − compute)``
+      per step. Backward: the keys and values again (``cp − 1`` steps) and an accumulator
+      of their gradients (``cp`` hops, in float32 for 16-bit models); step ``t`` overlaps
+      the next keys and the accumulator of step ``t − 1`` with its ``2/cp`` of the core's
+      FLOPs, the last hop overlaps nothing.
+    - ``all_gather``: an all-gather of the whole sequence's ``2·s·b·h_kv·w`` forward, a
+      reduce-scatter of its gradient backward; neither overlaps.
+    - ``a2a``: three all-to-alls forward (``n·b·h``, ``2·n·b·h_kv·f``, ``n·b·h`` for the
+      rank's heads, ``f`` the key/value repeats) and three backward; none overlaps.
+
+    Without ``hardware.overlap_communication`` nothing overlaps."""
+    cp = gpt.context_parallel_size
+    if cp == 1:
+        return 0.0, 0.0, 0, 0
+    from megapp.context_parallel.a2a import kv_repeats
+
+    tp, d = gpt.tensor_model_parallel_size, gpt.kv_channels
+    heads, groups = gpt.num_attention_heads // tp, gpt.num_query_groups // tp
+    link = group_link(hardware, tp * cp)
+    w = _width(gpt.params_dtype)
+    n, b = seq_length // cp, micro_batch_size
+    kind = gpt.cp_comm_type
+    if kind == "all_gather":
+        gathered = 2 * seq_length * b * groups * d * w
+        return link.all_gather(gathered, cp), link.all_gather(gathered, cp), 1, 1
+    if kind == "a2a":
+        q_bytes = n * b * heads * d * w
+        kv_bytes = 2 * n * b * groups * kv_repeats(groups, cp) * d * w
+        seconds = 2 * link.all_to_all(q_bytes, cp) + link.all_to_all(kv_bytes, cp)
+        return seconds, seconds, 3, 3
+    core = layer_flops(gpt, seq_length, micro_batch_size)[1] / hardware.gemm_flops
+    step = core / cp  # every ring step attends over the same number of pairs
+    keys = link.message(2 * n * b * groups * d * w)
+    accumulator = link.message(2 * n * b * groups * d * max(w, 4))
+
+    def exposed(transfer: float, compute: float) -> float:
+        if not hardware.overlap_communication:
+            return transfer
+        return max(0.0, transfer - compute)
+
+    forward = (cp - 1) * exposed(keys, step)
+    backward = sum(
+        exposed(keys * (t < cp - 1) + accumulator * (t > 0), 2 * step) for t in range(cp)
+    )
+    return forward, backward + accumulator, cp - 1, 2 * cp - 1
 
 
 def _chunk_tp_seconds(
@@ -162,7 +239,7 @@ def _chunk_tp_seconds(
     if tp == 1:
         return 0.0, 0.0, 0, 0
     link = group_link(hardware, tp)
-    tokens = shape.seq_length * shape.micro_batch_size
+    tokens = shape.seq_length // gpt.context_parallel_size * shape.micro_batch_size
     act = tokens * gpt.hidden_size * _width(gpt.params_dtype)
     if gpt.sequence_parallel:  # an all-gather and a reduce-scatter move one all-reduce's bytes
         pair = 2 * link.all_gather(act, tp)
@@ -188,18 +265,25 @@ def action_costs(gpt: GPTConfig, shape: Shape, hardware: Hardware) -> ActionCost
     """Seconds of every action of one microbatch on every ``[rank][chunk]`` of
     ``shape.placement``, layers split evenly over the virtual stages as megapp builds them."""
     p, num_stages = len(shape.placement), sum(len(row) for row in shape.placement)
-    tp, dp = gpt.tensor_model_parallel_size, shape.dp
+    tp, cp = gpt.tensor_model_parallel_size, gpt.context_parallel_size
+    dp = shape.dp * cp  # the ranks that reduce the gradients and share ZeRO's shards
     dp_link = group_link(hardware, tp * dp)
     pp_link = group_link(hardware, tp * dp * p)
-    ranges = split_layers(gpt.num_layers, num_stages)
-    tokens = shape.seq_length * shape.micro_batch_size
+    ranges = shape_layer_ranges(gpt, shape)
+    tokens = shape.seq_length // cp * shape.micro_batch_size
     width = _width(gpt.params_dtype)
     vocab = pad_vocab_size(gpt.vocab_size, tp, multiple=gpt.make_vocab_size_divisible_by)
     logits = 2.0 * tokens * gpt.hidden_size * vocab / tp
     loss_seconds = 5 * 4 * tokens * vocab / tp / hardware.memory_bandwidth  # fp32 passes
     lin, core = layer_flops(gpt, shape.seq_length, shape.micro_batch_size)
     rerun = {"full": lin + core, "selective": core}.get(gpt.recompute_granularity, 0.0)
+    cp_f, cp_b, cp_calls_f, cp_calls_b = context_parallel_seconds(
+        gpt, shape.seq_length, shape.micro_batch_size, hardware
+    )
+    if gpt.recompute_granularity in ("full", "selective"):  # the rerun moves them again
+        cp_b, cp_calls_b = cp_b + cp_f, cp_calls_b + cp_calls_f
     names = ("f", "i", "w", "b", "ff", "fi", "fw", "tpf", "tpb", "cf", "cb")
+    names += ("cpf", "cpb", "ccf", "ccb")
     tables: dict[str, Table] = {k: [] for k in names}
     params: list[float] = []
     buckets: list[int] = []  # data-parallel gradient buckets per rank (per chunk, as DDP)
@@ -208,7 +292,7 @@ def action_costs(gpt: GPTConfig, shape: Shape, hardware: Hardware) -> ActionCost
 
     def chunk(stage: int) -> tuple[int, tuple[float, ...]]:
         """Parameters and (F, I, W, B seconds, F, I, W FLOPs, tp seconds in F, in I, tp
-        calls in F, in I) of one chunk."""
+        calls in F, in I, cp seconds in F, in I, cp transfers in F, in I) of one chunk."""
         layers, first, last = len(ranges[stage]), stage == 0, stage == num_stages - 1
         chunk_params = chunk_parameters(gpt, stage, num_stages, layers)
         f = layers * (lin + core) + logits * last
@@ -217,11 +301,12 @@ def action_costs(gpt: GPTConfig, shape: Shape, hardware: Hardware) -> ActionCost
         tp_f, tp_b, calls_f, calls_b = _chunk_tp_seconds(gpt, shape, layers, first, last, hardware)
         fixed = hardware.action_overhead + layers * hardware.layer_overhead
         loss = loss_seconds * last
-        f_s = f / hardware.gemm_flops + fixed + tp_f + 3 / 5 * loss
+        f_s = f / hardware.gemm_flops + fixed + tp_f + layers * cp_f + 3 / 5 * loss
         rerun_passes = (
             layers * hardware.layer_overhead if gpt.recompute_granularity == "full" else 0
         )
-        i_s = i / hardware.gemm_flops + fixed + rerun_passes + tp_b + 2 / 5 * loss
+        i_s = i / hardware.gemm_flops + fixed + rerun_passes + tp_b + layers * cp_b
+        i_s += 2 / 5 * loss
         w_s = w / hardware.gemm_flops + fixed
         # ZeRO-3 gathers the chunk before its forward and the layers before backward;
         # ZeRO-2/3 reduce-scatter the chunk's fp32 gradients after every backward.
@@ -235,7 +320,9 @@ def action_costs(gpt: GPTConfig, shape: Shape, hardware: Hardware) -> ActionCost
         i_s = _with_transfer(i_s, gather_b, hardware)
         w_s = _with_transfer(w_s, scatter, hardware)
         b_s = i_s + w_s - fixed  # one action, not two
-        return chunk_params, (f_s, i_s, w_s, b_s, f, i, w, tp_f, tp_b, calls_f, calls_b)
+        cp_seconds = (layers * cp_f, layers * cp_b, layers * cp_calls_f, layers * cp_calls_b)
+        values = (f_s, i_s, w_s, b_s, f, i, w, tp_f, tp_b, calls_f, calls_b, *cp_seconds)
+        return chunk_params, values
 
     for rank in range(p):
         rows: dict[str, list[float]] = {k: [] for k in tables}
@@ -296,6 +383,23 @@ def action_costs(gpt: GPTConfig, shape: Shape, hardware: Hardware) -> ActionCost
         grad_reduce=reduce,
         tail=tail,
         optimizer=optimizer,
+        cp_forward=tables["cpf"],
+        cp_backward=tables["cpb"],
+        cp_calls_forward=tables["ccf"],
+        cp_calls_backward=tables["ccb"],
+    )
+
+
+def shape_layer_ranges(gpt: GPTConfig, shape: Shape) -> list[range]:
+    """The layers of every virtual stage of ``shape``'s placement: even, or with the first
+    and last pipeline ranks' counts the model's config gives."""
+    p, v = len(shape.placement), len(shape.placement[0])
+    first = gpt.num_layers_in_first_pipeline_stage if p > 1 else None
+    last = gpt.num_layers_in_last_pipeline_stage if p > 1 else None
+    if first is None and last is None:
+        return split_layers(gpt.num_layers, p * v)
+    return stage_layer_ranges(
+        gpt.num_layers, p, v, first=first, last=last, placement=shape.placement
     )
 
 

@@ -8,7 +8,8 @@ message end and a tensor-parallel collective call take beyond their bytes. A
 fitted rates, and is the :class:`~megapp.planning.timing.TimeModel` of such a machine:
 
 - every action costs what it costs on a device (:func:`~megapp.planning.timing.action_costs`)
-  plus ``collective_overhead`` per tensor-parallel collective call it makes, and a pipeline
+  plus ``collective_overhead`` per tensor-parallel collective call (and context-parallel
+  transfer, priced like one) it makes, and a pipeline
   message ``message_overhead`` more (CPU profiles overlap no communication with compute, so
   the overheads add);
 - with ``cores`` the schedule runs in :func:`~megapp.planning.shared_cores.simulate.simulate_shared`
@@ -111,8 +112,9 @@ class CpuProfile:
 
 
 def with_overheads(costs: ActionCosts, sharing: SharedCores) -> ActionCosts:
-    """``costs`` with ``sharing``'s CPU time per tensor-parallel collective call (in the
-    action that calls it) and per pipeline message."""
+    """``costs`` with ``sharing``'s CPU time per tensor-parallel collective call and per
+    context-parallel transfer (a ring step or a collective; in the action that makes it),
+    and per pipeline message."""
     per_call, per_message = sharing.collective_overhead, sharing.message_overhead
     if per_call == 0 and per_message == 0:
         return costs
@@ -122,8 +124,7 @@ def with_overheads(costs: ActionCosts, sharing: SharedCores) -> ActionCosts:
         return [[t + c * per_call for t, c in zip(rt, rc, strict=True)] for rt, rc in pairs]
 
     forward, backward = costs.collectives_forward, costs.collectives_backward
-    return dataclasses.replace(
-        costs,
+    changed = dict(
         forward=plus(costs.forward, forward),
         input_grad=plus(costs.input_grad, backward),
         whole_backward=plus(costs.whole_backward, backward),
@@ -131,6 +132,15 @@ def with_overheads(costs: ActionCosts, sharing: SharedCores) -> ActionCosts:
         tp_backward=plus(costs.tp_backward, backward),
         p2p=costs.p2p + per_message,
     )
+    cp_tables = (costs.cp_forward, costs.cp_backward, costs.cp_calls_forward)
+    if all(table is not None for table in (*cp_tables, costs.cp_calls_backward)):
+        forward, backward = costs.cp_calls_forward, costs.cp_calls_backward  # ring steps too
+        changed["forward"] = plus(changed["forward"], forward)
+        changed["input_grad"] = plus(changed["input_grad"], backward)
+        changed["whole_backward"] = plus(changed["whole_backward"], backward)
+        changed["cp_forward"] = plus(costs.cp_forward, forward)
+        changed["cp_backward"] = plus(costs.cp_backward, backward)
+    return dataclasses.replace(costs, **changed)
 
 
 def profile_from_dict(data: dict) -> Hardware | CpuProfile:
