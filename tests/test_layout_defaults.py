@@ -70,7 +70,7 @@ def test_groups_that_contradict_the_layout_are_refused():
         Optimizer(chunks, lr=1e-3, norm_group=dist.group.WORLD)
     with pytest.raises(ValueError, match="tp_group has 4 ranks, but this layout's tensor-par"):
         Optimizer(chunks, lr=1e-3, tp_group=dist.group.WORLD)
-    with pytest.raises(ValueError, match=r"groups.dp has 1 ranks but the model chunk is replic"):
+    with pytest.raises(ValueError, match=r"groups.dp_cp has 1 ranks but the model chunk is rep"):
         train_step(forward_step, iter([]), chunks, Optimizer(chunks, lr=1e-3),
                    num_microbatches=1, groups=TrainGroups())  # fmt: skip
     ps.destroy_model_parallel()
