@@ -64,10 +64,13 @@ def test_runs_are_distinct():
     assert len(keys) == len(set(keys))
 
 
-@pytest.mark.parametrize("run", [r for r in RUNS if r.cp == 1], ids=lambda r: r.name)
-def test_published_layout_builds_or_is_refused_for_its_layer_split(run: PublishedRun):
-    """megapp builds every published layout it can express; Llama 3.1 405B's 126 layers
-    over 16 stages need the uneven first and last stages megapp's layout does not give."""
+@pytest.mark.parametrize("run", RUNS, ids=lambda r: r.name)
+def test_published_layout_builds(run: PublishedRun):
+    """megapp builds every published layout: Llama 3.1 405B's 126 layers over 16 stages
+    with the source's one layer fewer on the first and last (and not without it), its
+    long-context stage with cp 16 all-gathering keys and values."""
+    from megapp.ablation.published import model_flags
+
     preset = MODELS[run.model].with_seq_length(run.seq_length)
     layout = Layout(
         tp=run.tp,
@@ -76,14 +79,17 @@ def test_published_layout_builds_or_is_refused_for_its_layer_split(run: Publishe
         vpp=run.vpp,
         micro_batch_size=run.micro_batch_size or 1,
         sequence_parallel=bool(run.sequence_parallel),
+        cp=run.cp,
+        cp_comm_type=run.cp_comm_type or "p2p",
     )
-    if preset.num_layers % run.pp:
+    if run.stage_layers is not None:
         with pytest.raises(ArgumentsError, match="not divisible by --pipeline-model-parallel"):
             pretrain_config(layout, preset.flags, run.global_batch_size)
-        return
-    config = pretrain_config(layout, preset.flags, run.global_batch_size)
+        assert (preset.num_layers - sum(run.stage_layers)) % (run.pp - 2) == 0
+    config = pretrain_config(layout, model_flags(run, preset), run.global_batch_size)
     assert config.data_parallel_size == run.dp
     assert config.model.seq_length == run.seq_length
+    assert config.parallel.context_parallel_size == run.cp
 
 
 def _compare_tool():
@@ -92,13 +98,29 @@ def _compare_tool():
     return published
 
 
+LONG_CONTEXT = next(r for r in RUNS if r.cp > 1)
+
+
+def test_the_long_context_run_is_predicted_within_a_factor_of_two():
+    """Llama 3.1 405B's 128K-token stage (tp 8 × cp 16 × pp 16, 380 TFLOP/s), never used to
+    set any constant of the model: predicted within a factor of two. Below, for known
+    reasons (docs/planning.md): one chunk per rank, where the run interleaved one layer
+    per chunk, leaves a 1F1B bubble of 15/31 at 16 microbatches; and megapp's attention,
+    which materializes the all-gather's scores, fits no recompute setting in 80 GB, so the
+    heaviest (full) is assumed."""
+    row = _compare_tool().compare(LONG_CONTEXT, pick=False)
+    assert row.layout.startswith("tp8.cp16-all_gather.pp16.dp8.v1.mb1.")
+    assert row.predicted is not None and 0.5 < row.ratio < 2.0
+    assert "over memory" in row.note and row.memory > row.capacity
+    assert "sp" in row.assumed.split(", ") and "cp p2p" not in row.assumed
+
+
 @pytest.mark.slow  # plans three published runs
-def test_compare_fills_what_a_source_leaves_open_and_says_what_it_cannot_model():
+def test_compare_fills_what_a_source_leaves_open():
     tool = _compare_tool()
     mt_nlg = next(r for r in RUNS if r.gpu == "a100-40gb")
-    cp16 = next(r for r in RUNS if r.cp > 1)
     uneven = next(r for r in RUNS if r.model == "llama3.1-405b" and r.cp == 1)
-    rows = [tool.compare(run, pick=False) for run in (mt_nlg, cp16, uneven)]
+    rows = [tool.compare(run, pick=False) for run in (mt_nlg, uneven)]
     first = rows[0]
     assert first.capacity == 40 * 2**30
     assert first.memory is not None and first.memory < first.capacity
@@ -106,7 +128,6 @@ def test_compare_fills_what_a_source_leaves_open_and_says_what_it_cannot_model()
     assert first.layout.startswith("tp8.pp35.dp8.") and ".full." in first.layout
     assert first.predicted is not None and first.ratio == first.predicted / 126
     assert first.hiding_tp is not None and first.hiding_tp > first.predicted
-    assert rows[1].predicted is None and "context parallelism" in rows[1].note
-    assert rows[2].predicted is None and "megapp refuses" in rows[2].note
+    assert rows[1].predicted is not None and rows[1].layout.endswith("(7, ..., 7 layers)")
     table = tool.markdown(rows).splitlines()
     assert len(table) == 2 + len(rows) and all(line.count("|") == 13 for line in table)

@@ -9,15 +9,15 @@ The command line of ``tools/ablate.py`` (also ``python -m megapp.ablation``):
     python tools/ablate.py --config sweep.toml --out runs/ablation --slurm   # array job
     python tools/ablation_report.py runs/ablation                            # the report
 
-The cross product of the axes (tp, pp, vpp, schedule, micro batch, recompute, ZeRO stage,
-sequence parallelism) is checked as ``pretrain_gpt.py`` checks its flags; refused points
-are listed with the reason. Each point runs as ``torchrun --standalone --nproc-per-node N
-pretrain_gpt.py ...`` (dropout off, a loss every iteration, one profiled iteration) with a
-time limit, ``--repeats`` times in rounds over the points; its record
-(``points/<name>.json``) holds the measured iteration time, tokens/s, memory per rank,
-bubble, communication time, losses, the planner's prediction and the parity with the
-single-process reference of its update rule (flushed schedules, or PipeDream-2BW;
-PipeDream has none). Finished points are not run again. A TOML file's
+The cross product of the axes (tp, cp and its communication, pp, vpp, schedule, micro
+batch, recompute, ZeRO stage, sequence parallelism) is checked as ``pretrain_gpt.py``
+checks its flags; refused points are listed with the reason. Each point runs as ``torchrun
+--standalone --nproc-per-node N pretrain_gpt.py ...`` (dropout off, a loss every
+iteration, one profiled iteration) with a time limit, ``--repeats`` times in rounds over
+the points; its record (``points/<name>.json``) holds the measured iteration time,
+tokens/s, memory per rank, bubble, communication time, losses, the planner's prediction
+and the parity with the single-process reference of its update rule (flushed schedules, or
+PipeDream-2BW; PipeDream has none). Finished points are not run again. A TOML file's
 top-level keys are the fields of :class:`megapp.ablation.points.SweepSpec`; flags override
 them.
 """
@@ -48,9 +48,10 @@ from megapp.ablation.sweep import (
     run_sweep,
     write_manifest,
 )
+from megapp.planning.layout import CP_COMM_TYPES
 
-AXES = ("tp", "pp", "vpp", "micro_batch_size", "zero_stage")
-WORD_AXES = ("schedule", "recompute")
+AXES = ("tp", "cp", "pp", "vpp", "micro_batch_size", "zero_stage")
+WORD_AXES = ("schedule", "recompute", "cp_comm_type")
 
 
 def parse_args(argv: list[str] | None = None, prog: str | None = None) -> argparse.Namespace:
@@ -73,7 +74,11 @@ def parse_args(argv: list[str] | None = None, prog: str | None = None) -> argpar
     for name in AXES:
         parser.add_argument("--" + name.replace("_", "-"), type=int, nargs="+")
     for name in WORD_AXES:
-        parser.add_argument("--" + name, nargs="+", help="'none' for the default")
+        flag = "--" + name.replace("_", "-")
+        if name == "cp_comm_type":
+            parser.add_argument(flag, nargs="+", choices=CP_COMM_TYPES, help="with cp > 1")
+        else:
+            parser.add_argument(flag, nargs="+", help="'none' for the default")
     parser.add_argument("--sequence-parallel", nargs="+", choices=("off", "on"))
     parser.add_argument("--rtol", type=float, default=DEFAULT_RTOL, help="parity tolerance")
     parser.add_argument("--retry-failed", action="store_true", help="rerun failed points")

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from megapp.planning.layout import PIPEDREAM_VSYNC, Layout, pretrain_config
+from megapp.planning.layout import CP_COMM_TYPES, PIPEDREAM_VSYNC, Layout, pretrain_config
 from megapp.training.config import PretrainConfig
 
 try:
@@ -47,6 +47,8 @@ class SweepSpec:
     profile (name or JSON file) for the predicted step time (None: no time prediction).
     ``repeats``: launches per point, in rounds over all points (so a machine that slows
     for a while slows every point alike); a point's time is the median of its launches'.
+    ``cp`` and ``cp_comm_type``: context-parallel sizes and their communication (one point
+    per size at cp 1, whatever the communication).
     """
 
     model_flags: tuple[str, ...]
@@ -70,6 +72,8 @@ class SweepSpec:
     recompute: tuple[str | None, ...] = (None,)
     zero_stage: tuple[int, ...] = (0,)
     sequence_parallel: tuple[bool, ...] = (False,)
+    cp: tuple[int, ...] = (1,)
+    cp_comm_type: tuple[str, ...] = ("p2p",)
 
     @property
     def world_size(self) -> int:
@@ -206,6 +210,8 @@ def expand(spec: SweepSpec) -> Expansion:
     out = Expansion()
     axes = itertools.product(
         spec.tp,
+        spec.cp,
+        spec.cp_comm_type,
         spec.pp,
         spec.vpp,
         spec.schedule,
@@ -214,26 +220,37 @@ def expand(spec: SweepSpec) -> Expansion:
         spec.zero_stage,
         spec.sequence_parallel,
     )
-    for tp, pp, vpp, schedule, mbs, recompute, zero, sp in axes:
+    seen: set[tuple] = set()
+    for tp, cp, comm_type, pp, vpp, schedule, mbs, recompute, zero, sp in axes:
+        if cp == 1:
+            comm_type = CP_COMM_TYPES[0]  # no communication to vary: one point, the default
+        point = (tp, cp, comm_type, pp, vpp, schedule, mbs, recompute, zero, sp)
+        if point in seen:
+            continue
+        seen.add(point)
+        context = f" cp{cp} {comm_type}" if cp > 1 else ""
         description = (
-            f"tp{tp} pp{pp} vpp{vpp} {schedule or 'default'} mb{mbs} "
+            f"tp{tp}{context} pp{pp} vpp{vpp} {schedule or 'default'} mb{mbs} "
             f"{recompute or 'norecompute'} z{zero}{' sp' if sp else ''}"
         )
-        if spec.world_size % (tp * pp):
-            reason = f"world size {spec.world_size} is not divisible by tp × pp = {tp * pp}"
+        if spec.world_size % (tp * cp * pp):
+            names = "tp × cp × pp" if cp > 1 else "tp × pp"
+            reason = f"world size {spec.world_size} is not divisible by {names} = {tp * cp * pp}"
             out.dropped.append(Dropped(None, description, reason))
             continue
         try:
             layout = Layout(
                 tp=tp,
                 pp=pp,
-                dp=spec.world_size // (tp * pp),
+                dp=spec.world_size // (tp * cp * pp),
                 vpp=vpp,
                 micro_batch_size=mbs,
                 schedule=schedule,
                 sequence_parallel=sp,
                 recompute=recompute,
                 zero_stage=zero,
+                cp=cp,
+                cp_comm_type=comm_type,
             )
         except ValueError as error:
             out.dropped.append(Dropped(None, description, str(error)))
@@ -264,8 +281,8 @@ def _as_tuple(name: str, value: Any) -> tuple:
 
 
 _INTEGERS = ("global_batch_size", "train_iters", "nproc", "nnodes", "seed", "repeats")
-_INTEGERS += ("profile_iteration", "tp", "pp", "vpp", "micro_batch_size", "zero_stage")
-_WORDS = ("model", "hardware", "schedule", "recompute")
+_INTEGERS += ("profile_iteration", "tp", "pp", "vpp", "micro_batch_size", "zero_stage", "cp")
+_WORDS = ("model", "hardware", "schedule", "recompute", "cp_comm_type")
 
 
 def _kind_error(name: str, item: Any) -> str | None:

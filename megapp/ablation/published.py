@@ -21,9 +21,12 @@ for its fastest layout. It prints one markdown table row per run:
 - the predicted memory of the fullest GPU against the GPU's memory.
 
 What a source leaves open is filled in and listed under "assumed": sequence parallelism
-with tp > 1, the distributed optimizer with dp > 1, and the micro-batch size (1 to 8) and
+with tp > 1, the distributed optimizer with dp > 1 (or cp > 1: it shards over dp × cp),
+the ring (``p2p``) for context parallelism, and the micro-batch size (1 to 8) and
 recompute (none, selective, full) megapp predicts fastest among those whose predicted
-memory fits, as a tuned run would have them. An A100 40GB is the A100 profile with 40 GiB.
+memory fits, as a tuned run would have them. A run whose source splits the layers
+unevenly over the pipeline (``stage_layers``) runs with
+``--decoder-first/last-pipeline-num-layers``. An A100 40GB is the A100 profile with 40 GiB.
 FP8 runs are predicted in 16-bit, so their ratio is not a test of the model. The planner's
 search takes minutes past a thousand GPUs; ``--pick-max-gpus`` bounds where it runs.
 """
@@ -66,6 +69,19 @@ def peak_memory(config: PretrainConfig, vocab_size: int) -> float:
     return peak_bytes(predict_memory(config, vocab_size))
 
 
+def model_flags(run: PublishedRun, model: ModelPreset) -> tuple[str, ...]:
+    """The model's flags for ``run``: the preset's, with the source's uneven first and last
+    pipeline stages where it gives them."""
+    if run.stage_layers is None:
+        return model.flags
+    first, last = run.stage_layers
+    return (
+        *model.flags,
+        *("--decoder-first-pipeline-num-layers", str(first)),
+        *("--decoder-last-pipeline-num-layers", str(last)),
+    )
+
+
 def published_layout(
     run: PublishedRun, model: ModelPreset, hardware: Hardware
 ) -> tuple[Layout, PretrainConfig, list[str]]:
@@ -80,11 +96,24 @@ def published_layout(
         assumed.append("sp" if sp else "no sp")
     zero = run.distributed_optimizer
     if zero is None:
-        zero = run.dp > 1
+        zero = run.dp * run.cp > 1
         assumed.append("distributed optimizer" if zero else "no ZeRO")
+    comm_type = run.cp_comm_type
+    if comm_type is None:
+        comm_type = "p2p"
+        if run.cp > 1:
+            assumed.append("cp p2p")
     base = Layout(
-        tp=run.tp, pp=run.pp, dp=run.dp, vpp=run.vpp, sequence_parallel=sp, zero_stage=int(zero)
+        tp=run.tp,
+        pp=run.pp,
+        dp=run.dp,
+        vpp=run.vpp,
+        sequence_parallel=sp,
+        zero_stage=int(zero),
+        cp=run.cp,
+        cp_comm_type=comm_type,
     )
+    flags = model_flags(run, model)
     per_replica = run.global_batch_size // run.dp
     sizes = [run.micro_batch_size] if run.micro_batch_size else MICRO_BATCH_SIZES
     stated = run.recompute is not None
@@ -97,7 +126,7 @@ def published_layout(
     ]
     best = None
     for layout in candidates:
-        config = pretrain_config(layout, model.flags, run.global_batch_size)
+        config = pretrain_config(layout, flags, run.global_batch_size)
         fits = peak_memory(config, model.vocab_size) <= hardware.usable_memory
         if len(candidates) > 1 and not fits:
             continue
@@ -106,7 +135,7 @@ def published_layout(
             best = (seconds, layout, config)
     if best is None:  # nothing fits: the heaviest recompute at the smallest microbatch
         layout = candidates[len(recomputes) - 1]
-        best = (0.0, layout, pretrain_config(layout, model.flags, run.global_batch_size))
+        best = (0.0, layout, pretrain_config(layout, flags, run.global_batch_size))
     _, layout, config = best
     if not run.micro_batch_size:
         assumed.append(f"mb{layout.micro_batch_size}")
@@ -144,22 +173,27 @@ def compare(run: PublishedRun, pick: bool) -> Row:
     model = MODELS[run.model].with_seq_length(run.seq_length)
     row = Row(run, capacity=hardware.memory_bytes)
     seconds = None
-    if run.cp > 1:
-        row.note = f"context parallelism (cp {run.cp}) is not modelled"
+    try:
+        layout, config, assumed = published_layout(run, model, hardware)
+    except (ArgumentsError, ValueError) as error:
+        row.note = f"megapp refuses the layout: {' '.join(str(error).split())}"
     else:
-        try:
-            layout, config, assumed = published_layout(run, model, hardware)
-        except (ArgumentsError, ValueError) as error:
-            row.note = f"megapp refuses the layout: {' '.join(str(error).split())}"
-        else:
-            step = predict_step_time(config, model.vocab_size, hardware)
-            seconds = step.seconds
-            recompute = step.breakdown["recompute_flops"] / step.seconds / run.gpus / 1e12
-            row.predicted = step.tflops_per_gpu + (recompute if run.counts_recompute else 0.0)
-            hidden = step.seconds - step.breakdown["tensor_parallel"]
-            row.hiding_tp = row.predicted * step.seconds / hidden
-            row.memory = peak_memory(config, model.vocab_size)
-            row.layout, row.assumed = layout.name, ", ".join(assumed)
+        step = predict_step_time(config, model.vocab_size, hardware)
+        seconds = step.seconds
+        recompute = step.breakdown["recompute_flops"] / step.seconds / run.gpus / 1e12
+        row.predicted = step.tflops_per_gpu + (recompute if run.counts_recompute else 0.0)
+        hidden = step.seconds - step.breakdown["tensor_parallel"]
+        row.hiding_tp = row.predicted * step.seconds / hidden
+        row.memory = peak_memory(config, model.vocab_size)
+        row.layout, row.assumed = layout.name, ", ".join(assumed)
+        if run.stage_layers is not None:
+            row.layout += " ({}, ..., {} layers)".format(*run.stage_layers)
+        if row.memory > hardware.usable_memory:
+            row.note = (
+                "over memory: megapp's context-parallel attention materializes its scores"
+                if run.cp > 1
+                else "over memory"
+            )
     if run.precision == "fp8":
         row.note = "; ".join(filter(None, [row.note, "FP8 run, predicted in 16-bit"]))
     if pick:

@@ -178,7 +178,8 @@ def parity_summary(point_records: Sequence[PointRecord]) -> list[str]:
     return lines
 
 
-AXES = ("tp", "pp", "vpp", "schedule", "micro_batch_size", "recompute", "zero_stage")
+AXES = ("tp", "cp", "cp_comm_type", "pp", "vpp", "schedule", "micro_batch_size", "recompute")
+AXES += ("zero_stage",)
 
 
 def sweep_section(manifest: dict, point_records: Sequence[PointRecord]) -> list[str]:
@@ -197,7 +198,8 @@ def sweep_section(manifest: dict, point_records: Sequence[PointRecord]) -> list[
         "| --- | --- |",
     ]
     for axis in (*AXES, "sequence_parallel"):
-        lines.append(f"| {axis} | {', '.join(str(v) for v in spec[axis])} |")
+        if axis in spec:  # a sweep recorded before the axis existed has none
+            lines.append(f"| {axis} | {', '.join(str(v) for v in spec[axis])} |")
     notes = {part for r in point_records for part in (r.predicted.note or "").split("; ")}
     source = f"hardware profile `{spec['hardware']}`" if spec.get("hardware") else None
     lines += ["", f"Predicted step time on: {source or 'no hardware profile (--hardware)'}."]

@@ -18,9 +18,11 @@ class PublishedRun:
     (``a100-80gb``), ``tflops_per_gpu``: achieved TFLOP/s per GPU, ``peak_fraction``: that
     throughput as a fraction of the GPU's peak where the source states it (MFU when
     recompute is not counted), ``step_time``: seconds per
-    iteration where stated, ``cp``: context-parallel size, ``recompute``: "full",
-    "selective", "none" or None (not stated), ``precision``: the matmul precision the
-    throughput was measured in."""
+    iteration where stated, ``cp``: context-parallel size, ``cp_comm_type``: how its ranks
+    exchanged keys and values (megapp's ``--cp-comm-type`` name) where stated,
+    ``stage_layers``: the first and the last pipeline rank's layers where the source splits
+    the layers unevenly, ``recompute``: "full", "selective", "none" or None (not stated),
+    ``precision``: the matmul precision the throughput was measured in."""
 
     source: str
     model: str
@@ -33,6 +35,8 @@ class PublishedRun:
     dp: int
     tflops_per_gpu: float
     cp: int = 1
+    cp_comm_type: str | None = None
+    stage_layers: tuple[int, int] | None = None
     vpp: int = 1
     micro_batch_size: int | None = None
     recompute: str | None = None
@@ -64,6 +68,11 @@ MT_NLG = (
 LLAMA3 = (
     "Dubey et al. 2024 (arXiv:2407.21783) 405B pre-training layouts, as presented by "
     "Balaji at SC'24 and listed at glennklockwood.com/garden/llama-3.1"
+)
+LLAMA3_STAGES = (
+    "one layer fewer on the first and the last pipeline stage (Dubey et al. 2024, "
+    "Sec. 3.3.2: 7, then 8 on each of 14, then 7 = 126); their interleaved chunks, the "
+    "first holding only the embedding, are not expressible: one chunk per rank"
 )
 NEMO_H100_FP8 = (
     "NeMo Framework performance summary, NeMo 2.0 on DGX-H100 "
@@ -185,7 +194,8 @@ RUNS: tuple[PublishedRun, ...] = (
         pp=16,
         dp=64,
         tflops_per_gpu=430,
-        derived="batch = 16M tokens / 8192; dp = GPUs / (tp × cp × pp)",
+        stage_layers=(7, 7),
+        derived=f"batch = 16M tokens / 8192; dp = GPUs / (tp × cp × pp); {LLAMA3_STAGES}",
     ),
     PublishedRun(
         source=LLAMA3,
@@ -198,7 +208,8 @@ RUNS: tuple[PublishedRun, ...] = (
         pp=16,
         dp=128,
         tflops_per_gpu=400,
-        derived="batch = 16M tokens / 8192; dp = GPUs / (tp × cp × pp)",
+        stage_layers=(7, 7),
+        derived=f"batch = 16M tokens / 8192; dp = GPUs / (tp × cp × pp); {LLAMA3_STAGES}",
     ),
     PublishedRun(
         source=LLAMA3,
@@ -211,10 +222,13 @@ RUNS: tuple[PublishedRun, ...] = (
         pp=16,
         dp=8,
         cp=16,
+        cp_comm_type="all_gather",
+        stage_layers=(7, 7),
         tflops_per_gpu=380,
         derived=(
             "sequence: the 128K long-context stage; batch = 16M tokens / 131072; "
-            "dp = GPUs / (tp × cp × pp)"
+            "dp = GPUs / (tp × cp × pp); all-gathered keys and values (Dubey et al. 2024, "
+            f"Sec. 3.3.2); {LLAMA3_STAGES}"
         ),
     ),
     PublishedRun(
