@@ -438,6 +438,10 @@ def test_same_seed_same_experts_under_any_expert_parallel_size():
         (dict(moe_router_topk=0), "moe_router_topk must be an integer >= 1"),
         (dict(expert_model_parallel_size=0), "expert_model_parallel_size must be an integer"),
         (dict(moe_z_loss_coeff=-1.0), "moe_z_loss_coeff must be >= 0"),
+        (
+            dict(expert_tensor_parallel_size=4),
+            "moe_ffn_hidden_size (6) is not divisible by expert_tensor_parallel_size (4)",
+        ),
     ],
 )  # fmt: skip
 def test_bad_config_raises_one_line_errors(overrides, message):
@@ -451,6 +455,8 @@ def test_layer_rejects_bad_input():
         ValueError, match=r"expert_model_parallel_size is 2 but the expert-parallel group has 1"
     ):
         MoELayer(_config(expert_model_parallel_size=2))
+    with pytest.raises(ValueError, match=r"expert_tensor_parallel_size is 2 but the expert tensor"):
+        MoELayer(_config(expert_tensor_parallel_size=2))
     layer = MoELayer(_config())
     with pytest.raises(ValueError, match=r"MoELayer takes \[s, b, 8\] tokens, got \(4, 8\)"):
         layer(torch.zeros(4, H, dtype=F64))

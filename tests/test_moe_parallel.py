@@ -19,11 +19,12 @@ from megapp import comm
 from megapp import parallel_state as ps
 from megapp.moe import MoEConfig, MoELayer
 from megapp.moe.permutation import all_to_all_plan
+from megapp.param_attributes import shard
 from megapp.testing import distributed
 
 F64 = torch.float64
 TOL = {"rtol": 1e-10, "atol": 1e-12}
-S, B, H, E, FFN = 6, 2, 8, 8, 6
+S, B, H, E, FFN = 6, 2, 8, 8, 8
 
 
 def _config(**overrides) -> MoEConfig:
@@ -108,18 +109,25 @@ CASES = {
 }
 
 
-def _layers(config_one, config_ep, group, case):
+def _layers(config_one, config_ep, ep_group, etp_group, case):
     torch.manual_seed(0)
     whole = MoELayer(config_one)
     torch.manual_seed(0)
-    part = MoELayer(config_ep, ep_group=group)
+    part = MoELayer(config_ep, ep_group=ep_group, etp_group=etp_group)
+    etp, etp_rank = comm.world_size(etp_group), comm.rank(etp_group)
+    stride = 2 if config_one.activation == "swiglu" else 1
     for layer in (whole, part):
         with torch.no_grad():
-            for bias in (layer.experts.fc1_bias, layer.experts.fc2_bias):
-                if bias is not None:
-                    full = _randn(E, bias.shape[1], seed=7)
-                    first = layer.experts.first
-                    bias.copy_(full[first : first + bias.shape[0]])
+            experts, first = layer.experts, layer.experts.first
+            for bias, width, parts in [
+                (experts.fc1_bias, config_one.fc1_width, stride),
+                (experts.fc2_bias, H, 0),
+            ]:
+                if bias is not None:  # nonzero, each rank its experts' share
+                    full = _randn(E, width, seed=7)[first : first + bias.shape[0]]
+                    if parts and layer is part:
+                        full = shard(full, 1, etp_rank, etp, parts)
+                    bias.copy_(full)
             if layer.router.expert_bias is not None:
                 layer.router.expert_bias.copy_(_randn(E, seed=8) * 0.3)
                 if case == "all-to-rank-0":
@@ -133,16 +141,23 @@ def _summed(t, group):
     return t
 
 
-def _check_expert_parallel(ep, dispatcher, case):
-    ps.initialize_model_parallel(expert_model_parallel_size=ep)
-    group = ps.get_expert_model_parallel_group()
-    members = ps.get_group_ranks("ep")
+def _check_expert_parallel(ep, dispatcher, case, tp=1, etp=None):
+    grid = ps.initialize_model_parallel(
+        tp, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp
+    )
+    ep_group = ps.get_expert_model_parallel_group()
+    etp_group = ps.get_expert_tensor_parallel_group()
+    exchange = ps.get_expert_tensor_and_model_parallel_group()  # every rank a token may visit
+    members = ps.get_group_ranks("tp_ep")
     me = members.index(dist.get_rank())
     overrides = CASES[case]
     config_ep = _config(
-        **overrides, expert_model_parallel_size=ep, moe_token_dispatcher_type=dispatcher
+        **overrides,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=grid.etp,
+        moe_token_dispatcher_type=dispatcher,
     )
-    whole, part = _layers(_config(**overrides), config_ep, group, case)
+    whole, part = _layers(_config(**overrides), config_ep, ep_group, etp_group, case)
     batches = [_randn(S, B, H, seed=100 + r) for r in members]
     grads = [_randn(S, B, H, seed=200 + r) for r in members]
     # the reference: every member's batch through the whole layer, gradients summed
@@ -163,10 +178,24 @@ def _check_expert_parallel(ep, dispatcher, case):
     for name, value in part.losses.items():
         torch.testing.assert_close(value, losses[me][name], **TOL)
     local = slice(part.experts.first, part.experts.first + E // ep)
-    for name in ("fc1", "fc2", "fc1_bias", "fc2_bias"):
+    etp_rank, stride = (
+        ps.get_expert_tensor_parallel_rank(),
+        2 if part.config.activation == "swiglu" else 1,
+    )
+    # each expert's shard: fc1 (and its bias) by columns, fc2 by rows, fc2's bias whole
+    for name, dim, parts in [
+        ("fc1", 2, stride),
+        ("fc2", 1, 1),
+        ("fc1_bias", 1, stride),
+        ("fc2_bias", 1, 0),
+    ]:
         mine, theirs = getattr(part.experts, name), getattr(whole.experts, name)
-        if mine is not None:
-            torch.testing.assert_close(mine.grad, theirs.grad[local], **TOL)
+        if mine is None:
+            continue
+        expected = theirs.grad[local]
+        if parts:
+            expected = shard(expected, dim, etp_rank, grid.etp, parts)
+        torch.testing.assert_close(mine.grad, expected, **TOL, msg=lambda m, n=name: f"{n}: {m}")
     replicated = [("router.weight", part.router.weight, whole.router.weight)]
     if part.shared_expert is not None:
         replicated += [
@@ -174,7 +203,7 @@ def _check_expert_parallel(ep, dispatcher, case):
             for name, p in part.shared_expert.named_parameters()
         ]
     for name, mine, theirs in replicated:
-        summed = _summed(mine.grad, group)
+        summed = _summed(mine.grad, exchange)
         torch.testing.assert_close(summed, theirs.grad, **TOL, msg=lambda m, n=name: f"{n}: {m}")
     if case == "all-to-rank-0":  # the case routes as it says
         routing = whole.router(batches[me].reshape(-1, H))
@@ -198,6 +227,24 @@ def test_four_ranks_equal_one_process(ep, dispatcher):
         _check_expert_parallel(ep, dispatcher, case)
 
 
+@pytest.mark.parametrize(
+    "tp, ep, etp",
+    [
+        (2, 1, None),  # each expert split over the tp ranks (etp = tp), all experts on each
+        (4, 1, None),
+        (2, 2, None),  # 2 × 2: experts over ep, each split over etp
+        (2, 2, 1),  # experts whole, the tp ranks exchange tokens as ep ranks
+    ],
+)
+@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
+@distributed(world_size=4)
+def test_expert_tensor_parallel_equals_one_process(tp, ep, etp, dispatcher):
+    """Each rank of the token-exchange group (tp_ep) holds its own tokens, as with sequence
+    parallelism; experts split over etp ranks give the single-process layer's numbers."""
+    for case in ("dropless-swiglu-z-loss", "sigmoid-bias-top3-gelu", "all-to-rank-0"):
+        _check_expert_parallel(ep, dispatcher, case, tp=tp, etp=etp)
+
+
 @pytest.mark.parametrize("kind", ["aux_loss", "seq_aux_loss"])
 @distributed(world_size=2)
 def test_sequence_split_over_ranks_equals_whole_sequences(kind):
@@ -211,7 +258,8 @@ def test_sequence_split_over_ranks_equals_whole_sequences(kind):
     torch.manual_seed(0)
     whole = MoELayer(_config(**overrides))
     torch.manual_seed(0)
-    part = MoELayer(_config(**overrides, expert_model_parallel_size=2), group, group)
+    config = _config(**overrides, expert_model_parallel_size=2)
+    part = MoELayer(config, ep_group=group, sequence_group=group)
     x_all, g_all = _randn(2 * S, B, H, seed=5), _randn(2 * S, B, H, seed=6)
     x_ref = x_all.clone().requires_grad_()
     out_ref, _ = whole(x_ref)

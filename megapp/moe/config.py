@@ -74,6 +74,8 @@ class MoEConfig:
     shapes (``torch._grouped_mm``); otherwise, or with False, a loop over the experts."""
     expert_model_parallel_size: int = 1
     """Ranks that split the experts; must divide ``num_moe_experts``."""
+    expert_tensor_parallel_size: int = 1
+    """Ranks that split each expert's matrices; must divide ``moe_ffn_hidden_size``."""
     init_method_std: float = 0.02
     """Standard deviation of the normal weight initialization."""
     params_dtype: torch.dtype = torch.float32
@@ -84,9 +86,13 @@ class MoEConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        ep = self.expert_model_parallel_size
-        if not isinstance(ep, int) or ep < 1:
-            raise ValueError(f"expert_model_parallel_size must be an integer >= 1, got {ep!r}")
+        ep, etp = self.expert_model_parallel_size, self.expert_tensor_parallel_size
+        for name, value in (
+            ("expert_model_parallel_size", ep),
+            ("expert_tensor_parallel_size", etp),
+        ):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         for name, value, allowed in (
             ("activation", self.activation, ACTIVATIONS),
             ("moe_router_score_function", self.moe_router_score_function, SCORE_FUNCTIONS),
@@ -107,6 +113,12 @@ class MoEConfig:
                 f"num_moe_experts ({self.num_moe_experts}) is not divisible by "
                 f"expert_model_parallel_size ({ep}); every expert-parallel rank holds the same "
                 "number of experts"
+            )
+        if self.moe_ffn_hidden_size % etp:
+            raise ValueError(
+                f"moe_ffn_hidden_size ({self.moe_ffn_hidden_size}) is not divisible by "
+                f"expert_tensor_parallel_size ({etp}); every rank holds the same share of an "
+                "expert"
             )
         if self.moe_router_enable_expert_bias and self.moe_router_score_function != "sigmoid":
             raise ValueError(

@@ -40,6 +40,7 @@ from megapp.moe.permutation import (
 )
 from megapp.moe.router import Routing
 from megapp.tensor_parallel.mappings import (
+    gather_first,
     gather_from_sequence_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
 )
@@ -86,13 +87,6 @@ class Dispatched:
     plan: AllToAllPlan | None = None
 
 
-def _gather_counts(counts: torch.Tensor, group: Group) -> torch.Tensor:
-    """Every rank's ``counts`` ``[E]`` (int64) as ``[ep, E]``."""
-    out = counts.new_empty(comm.world_size(group) * counts.numel())
-    comm.all_gather_into(out, counts.contiguous(), group)
-    return out.view(comm.world_size(group), -1)
-
-
 class AllToAllDispatcher:
     """Pairs to experts by all-to-all over ``group`` (``None``: one rank, no communication)."""
 
@@ -106,7 +100,8 @@ class AllToAllDispatcher:
         rows = permute(x, perm)
         if self.ep == 1:
             return Dispatched(rows, perm.tokens_per_expert.tolist(), perm, routing.probs)
-        plan = all_to_all_plan(_gather_counts(perm.tokens_per_expert, self.group), self.rank)
+        counts = gather_first(perm.tokens_per_expert, self.group).view(self.ep, -1)
+        plan = all_to_all_plan(counts, self.rank)
         if plan.slot == 0:  # no rank routes any pair: every rank skips the exchange alike
             return Dispatched(rows, plan.tokens_per_local_expert, perm, routing.probs, plan)
         send = rows.new_zeros(self.ep * plan.slot, x.shape[-1])
@@ -135,21 +130,16 @@ class AllGatherDispatcher:
         self.ep, self.rank = comm.world_size(group), comm.rank(group)
         self.local = num_experts // self.ep
 
-    def _gather(self, t: torch.Tensor) -> torch.Tensor:
-        out = t.new_empty(self.ep * t.shape[0], *t.shape[1:])
-        comm.all_gather_into(out, t.contiguous(), self.group)
-        return out
-
     def dispatch(self, x: torch.Tensor, routing: Routing) -> Dispatched:
         if self.ep == 1:
             return AllToAllDispatcher(self.num_experts).dispatch(x, routing)
         every_x = gather_from_sequence_parallel_region(x, self.group)  # [ep·T, h]
         every_probs = gather_from_sequence_parallel_region(routing.probs, self.group)
-        experts = self._gather(routing.experts)
+        experts = gather_first(routing.experts, self.group)
         first = self.rank * self.local
         mine = (experts >= first) & (experts < first + self.local)
         if routing.kept is not None:
-            mine &= self._gather(routing.kept)
+            mine &= gather_first(routing.kept, self.group)
         # other ranks' experts are left out; ours are numbered from 0
         perm = sort_by_expert((experts - first).clamp(0, self.local - 1), mine, self.local)
         rows = permute(every_x, perm)

@@ -8,7 +8,9 @@ are added inside, so there is no bias left to fuse). Per token::
 
 Under expert parallelism (``ep_group`` of ``config.expert_model_parallel_size`` ranks) each
 rank holds ``E / ep`` experts and routes its own tokens; the pairs travel to the experts'
-ranks and back (:mod:`~megapp.moe.dispatch`). The router and the shared expert are
+ranks and back (:mod:`~megapp.moe.dispatch`). With expert tensor parallelism
+(``etp_group``) each of those experts is split over the group's ranks, which hold different
+tokens (:mod:`~megapp.moe.experts`). The router and the shared expert are
 replicated like any dense weight. After a training forward, :attr:`MoELayer.losses` holds
 this layer's auxiliary losses without their coefficients, and :func:`layer_losses` collects
 them from every MoE layer of a model.
@@ -36,6 +38,7 @@ class MoELayer(nn.Module):
     Args:
         config: the layer's :class:`~megapp.moe.config.MoEConfig`.
         ep_group: the expert-parallel group (``None``: every expert on this rank).
+        etp_group: the expert tensor-parallel group (``None``: whole experts).
         sequence_group: the ranks that hold the other parts of this rank's sequences
             (sequence or context parallelism; Megatron-Core's tp × cp group), over which the
             load-balancing loss counts tokens. ``None``: each rank's sequences are whole.
@@ -50,6 +53,7 @@ class MoELayer(nn.Module):
         self,
         config: MoEConfig,
         ep_group: Group = None,
+        etp_group: Group = None,
         sequence_group: Group = None,
         layer_number: int = 1,
     ):
@@ -63,7 +67,7 @@ class MoELayer(nn.Module):
         self.config, self.layer_number = config, layer_number
         self.ep_group, self.sequence_group = ep_group, sequence_group
         self.router = Router(config)
-        self.experts = GroupedExperts(config, comm.rank(ep_group))
+        self.experts = GroupedExperts(config, comm.rank(ep_group), etp_group)
         if config.moe_shared_expert_intermediate_size is not None:
             self.shared_expert = SharedExpert(config)
         else:

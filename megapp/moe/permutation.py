@@ -12,8 +12,9 @@ Under expert parallelism rank ``r`` of ``ep`` holds experts ``[r·L, (r+1)·L)``
 :func:`all_to_all_plan` lays the rows out for an all-to-all of equal slices: every
 (source, destination) slice is padded to the largest one, the ``slot`` rows; the
 receiving rank takes its rows out in local-expert-major order (expert ``l`` from source 0,
-1, ..., then expert ``l + 1``), and the return trip uses the same rows the other way, so
-the un-permutation is exact.
+1, ..., then expert ``l + 1``; :func:`expert_major_rows`), and the return trip uses the
+same rows the other way, so the un-permutation is exact. Expert tensor parallelism gathers
+the rows of its ranks in the same expert-major layout.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ __all__ = [
     "Permutation",
     "all_to_all_plan",
     "combine_slots",
+    "expert_major_rows",
     "permute",
     "sort_by_expert",
     "unpermute",
@@ -118,13 +120,22 @@ def all_to_all_plan(counts: torch.Tensor, rank: int) -> AllToAllPlan:
     first = torch.cumsum(mine, 0) - mine  # where each destination's pairs start
     within = torch.arange(destination.numel()) - first[destination]
     send_rows = destination * slot + within
-    # receive: from source i, expert l's rows follow experts 0..l-1 of this rank in i's slice
     received = counts[:, rank * local : (rank + 1) * local]  # [source, local expert]
-    offsets = torch.cumsum(received, 1) - received
-    pieces = [
-        torch.arange(int(received[i, l])) + i * slot + int(offsets[i, l])
-        for l in range(local)
-        for i in range(ep)
-    ]
-    recv_rows = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64)
+    recv_rows = expert_major_rows(received, slot)
     return AllToAllPlan(slot, send_rows, recv_rows, received.sum(dim=0).tolist())
+
+
+def expert_major_rows(counts: torch.Tensor, slot: int) -> torch.Tensor:
+    """Rows of a buffer of ``sources`` slices of ``slot`` rows each, where slice ``i`` starts
+    with ``counts[i, l]`` rows for expert ``l`` for every ``l`` in turn (``counts``
+    ``[sources, L]``), listed expert-major: expert 0's rows from source 0, 1, ..., then
+    expert 1's."""
+    counts = counts.to(torch.int64).cpu()
+    sources, local = counts.shape
+    offsets = torch.cumsum(counts, 1) - counts
+    pieces = [
+        torch.arange(int(counts[i, l])) + i * slot + int(offsets[i, l])
+        for l in range(local)
+        for i in range(sources)
+    ]
+    return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64)
