@@ -102,7 +102,7 @@ def _balance(scores, k, coeff):
     """coeff · E · Σ_e f_e P_e of one set of tokens' scores [T, E]."""
     t = scores.shape[0]
     counts = torch.zeros(E, dtype=F64)
-    for row in scores:
+    for row in scores.detach():
         for e in sorted(range(E), key=lambda e: -float(row[e]))[:k]:
             counts[e] += 1
     return coeff * E * sum(counts[e] / (t * k) * scores[:, e].mean() for e in range(E))

@@ -18,7 +18,8 @@ Megatron-Core applies them. With one rank both are the plain permute / un-permut
   hold the same number of tokens.
 
 Backward is autograd through the index operations and the collectives: an all-to-all's
-gradient is the all-to-all of the gradients, an all-gather's a reduce-scatter.
+gradient is the all-to-all of the gradients, an all-gather's a reduce-scatter. Expert tensor
+parallelism happens inside the experts (:mod:`~megapp.moe.experts`), after dispatch.
 """
 
 from __future__ import annotations
@@ -129,10 +130,11 @@ class AllGatherDispatcher:
         self.num_experts, self.group = num_experts, group
         self.ep, self.rank = comm.world_size(group), comm.rank(group)
         self.local = num_experts // self.ep
+        self.one_rank = AllToAllDispatcher(num_experts)  # with ep 1 both are the same
 
     def dispatch(self, x: torch.Tensor, routing: Routing) -> Dispatched:
         if self.ep == 1:
-            return AllToAllDispatcher(self.num_experts).dispatch(x, routing)
+            return self.one_rank.dispatch(x, routing)
         every_x = gather_from_sequence_parallel_region(x, self.group)  # [ep·T, h]
         every_probs = gather_from_sequence_parallel_region(routing.probs, self.group)
         experts = gather_first(routing.experts, self.group)
@@ -147,7 +149,7 @@ class AllGatherDispatcher:
 
     def combine(self, out: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
         if self.ep == 1:
-            return AllToAllDispatcher(self.num_experts).combine(out, dispatched)
+            return self.one_rank.combine(out, dispatched)
         perm = dispatched.perm
         weights = dispatched.probs.reshape(-1).index_select(0, perm.pairs)
         dtype = torch.promote_types(out.dtype, weights.dtype)

@@ -172,7 +172,7 @@ class Router(nn.Module):
         losses: dict[str, torch.Tensor],
     ) -> torch.Tensor:
         config = self.config
-        kind, coeff, k = config.moe_router_load_balancing_type, config.moe_aux_loss_coeff, None
+        kind, coeff = config.moe_router_load_balancing_type, config.moe_aux_loss_coeff
         if kind == "none":
             return probs
         k = config.moe_router_topk
