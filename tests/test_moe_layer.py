@@ -82,6 +82,10 @@ def _choose(z, config, bias):
     return list(zip(top, weights, strict=True))
 
 
+def _value(p) -> float:
+    return float(p.detach()) if isinstance(p, torch.Tensor) else float(p)
+
+
 def _drop(choices, config):
     """Leave each expert the capacity pairs its rule keeps (reference of capacity.py)."""
     if config.moe_expert_capacity_factor is None:
@@ -91,7 +95,7 @@ def _drop(choices, config):
     )
     keep = set()
     for e in range(E):
-        pairs = [(t, float(p)) for t, c in enumerate(choices) for x, p in c if x == e]
+        pairs = [(t, _value(p)) for t, c in enumerate(choices) for x, p in c if x == e]
         if config.moe_token_drop_policy == "probs":
             pairs.sort(key=lambda pair: (-pair[1], pair[0]))
         keep |= {(t, e) for t, _ in pairs[:capacity]}
@@ -317,7 +321,7 @@ def test_expert_bias_moves_towards_balance():
     layer.router.expert_bias.copy_(torch.tensor([100.0, 0, 0, 0]))
     routing = layer.router(x.reshape(-1, H))
     assert bool((routing.experts == 0).any(dim=1).all())
-    assert float(routing.probs.max()) <= 1.0
+    assert float(routing.probs.detach().max()) <= 1.0
 
 
 # ----- capacity ----------------------------------------------------------------------
