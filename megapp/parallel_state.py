@@ -244,9 +244,14 @@ class TrainGroups:
     that together hold one copy of the model (tp × pp) for one context-parallel slice.
     ``dp`` splits the batch (its ranks read different samples); ``cp`` splits every
     sequence; ``dp_cp``, the ranks that hold the same weights, reduces the gradients (it
-    is ``dp`` without context parallelism). ``pp_channels``: the pipeline's
+    is ``dp`` without context parallelism). ``tp_cp``: the ranks holding the parts of
+    one sequence (``tp`` without context parallelism). ``pp_channels``: the pipeline's
     one-way groups (:mod:`~megapp.pipeline_parallel.channels`), where the layout has them
-    (NCCL, or ``strict_p2p``)."""
+    (NCCL, or ``strict_p2p``). The expert layout's groups, for mixture-of-experts layers:
+    ``ep`` (different experts), ``expt_tp`` (the shards of one expert), ``expt_dp`` (the
+    replicas of one expert shard: its gradients are reduced there) and ``tp_ep_pp`` (one
+    copy of every expert); without an expert layout ``ep`` is None and the others are
+    their dense twins."""
 
     tp: comm.Group = None
     pp: comm.Group = None
@@ -256,12 +261,27 @@ class TrainGroups:
     cp: comm.Group = None
     dp_cp: comm.Group = None
     pp_channels: Channels | None = None
+    tp_cp: comm.Group = None
+    ep: comm.Group = None
+    expt_tp: comm.Group = None
+    expt_dp: comm.Group = None
+    tp_ep_pp: comm.Group = None
 
     def __post_init__(self) -> None:
         if self.dp_cp is None:
             if comm.world_size(self.cp) > 1:
                 raise ValueError("TrainGroups with a context-parallel group needs dp_cp too")
             self.dp_cp = self.dp
+        if self.tp_cp is None:
+            if comm.world_size(self.cp) > 1:
+                raise ValueError("TrainGroups with a context-parallel group needs tp_cp too")
+            self.tp_cp = self.tp
+        if comm.world_size(self.ep) > 1 and self.expt_dp is None:
+            raise ValueError("TrainGroups with an expert-parallel group needs expt_dp too")
+        twins = {"expt_tp": self.tp, "expt_dp": self.dp_cp, "tp_ep_pp": self.mp}
+        for name, twin in twins.items():
+            if getattr(self, name) is None:
+                setattr(self, name, twin)
 
     @classmethod
     def from_parallel_state(cls) -> TrainGroups:
@@ -277,6 +297,11 @@ class TrainGroups:
             cp=state.groups.get("cp"),
             dp_cp=state.groups.get("dp_cp", state.groups["dp"]),
             pp_channels=state.channels,
+            tp_cp=state.groups.get("tp_cp", state.groups["tp"]),
+            ep=state.groups.get("ep"),
+            expt_tp=state.groups["expt_tp"],
+            expt_dp=state.groups["expt_dp"],
+            tp_ep_pp=state.groups["tp_ep_pp"],
         )
 
 

@@ -10,6 +10,9 @@ conversion tools read the marks:
   dimension are real, the rest is padding for the layout;
 - **sequence parallel** (:func:`mark_sequence_parallel`): replicated over tensor-parallel
   ranks that each saw only their part of the sequence, so the gradient is a partial sum;
+- **expert parallel** (:func:`mark_expert_parallel`): one of the experts of a
+  mixture-of-experts layer, which the expert-parallel ranks split among them: it is
+  replicated over the expert-data-parallel group only, where its gradient is reduced;
 - **tied embedding** (:func:`mark_tied_embedding`): one of the two copies of the word
   embedding on the first and last pipeline stage; the last stage's is a *duplicate*.
 
@@ -28,9 +31,11 @@ from megapp.comm import Group
 __all__ = [
     "gather_tensor_parallel",
     "is_duplicate",
+    "is_expert_parallel",
     "is_sequence_parallel",
     "is_tensor_parallel",
     "is_tied_embedding",
+    "mark_expert_parallel",
     "mark_sequence_parallel",
     "mark_tied_embedding",
     "partition",
@@ -58,6 +63,15 @@ def set_unpadded_size(param: nn.Parameter, rows: int) -> None:
 def mark_sequence_parallel(param: nn.Parameter, enabled: bool = True) -> None:
     """Each tensor-parallel rank computed ``param``'s gradient from its sequence shard only."""
     param.sequence_parallel = enabled
+
+
+def mark_expert_parallel(param: nn.Parameter) -> None:
+    """``param`` holds this rank's experts (or their expert-tensor-parallel shards)."""
+    param.expert_parallel = True
+
+
+def is_expert_parallel(param: torch.Tensor) -> bool:
+    return getattr(param, "expert_parallel", False)
 
 
 def mark_tied_embedding(param: nn.Parameter, duplicate: bool) -> None:

@@ -22,7 +22,12 @@ from torch import nn
 from megapp import parallel_state as ps
 from megapp.fusions.extension import cpu_ops_available
 from megapp.models import GPTConfig, GPTModel
-from megapp.param_attributes import gather_tensor_parallel, is_sequence_parallel, unshard
+from megapp.param_attributes import (
+    gather_tensor_parallel,
+    is_expert_parallel,
+    is_sequence_parallel,
+    unshard,
+)
 from megapp.planning.hardware import Hardware
 from megapp.training import train_step
 from megapp.training.arguments import config_from_flags
@@ -53,7 +58,13 @@ def gpt_config(**overrides) -> GPTConfig:
 
 
 def single_process(config: GPTConfig) -> GPTConfig:
-    return dataclasses.replace(config, tensor_model_parallel_size=1, sequence_parallel=False)
+    return dataclasses.replace(
+        config,
+        tensor_model_parallel_size=1,
+        sequence_parallel=False,
+        expert_model_parallel_size=1,
+        expert_tensor_parallel_size=None,
+    )
 
 
 def global_batch(step: int, dp: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
@@ -74,6 +85,10 @@ def masked_mean(per_token: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 def _reference_run(config: GPTConfig, steps: int, dp: int, lr: float, wd: float, clip: float):
     model = GPTModel(single_process(config), seed=SEED)
+    batches_per_step = MICROBATCHES * dp
+    for module in model.modules():  # the auxiliary losses averaged as the main loss is
+        if hasattr(module, "aux_loss_scale"):
+            module.aux_loss_scale = 1.0 / batches_per_step
     decay = [p for n, p in model.named_parameters() if not (n.endswith(".bias") or p.ndim == 1)]
     rest = [p for n, p in model.named_parameters() if n.endswith(".bias") or p.ndim == 1]
     opt = torch.optim.AdamW(
@@ -171,15 +186,32 @@ def train_layout(
     schedule=None,
     strict_p2p=False,
     cp=1,
+    ep=1,
+    etp=None,
     **config,
 ):
     """Train STEPS steps under the layout (and pipeline ``schedule``, a name; default 1F1B
     or interleaved; ``strict_p2p``: messages under NCCL's rules; ``cp`` context-parallel
-    ranks, with ``cp_comm_type`` in ``config``); return (chunks, losses, grad norms, step-1
-    grads)."""
-    ps.initialize_model_parallel(tp, pp, vpp, context_parallel_size=cp, strict_p2p=strict_p2p)
+    ranks, with ``cp_comm_type`` in ``config``; ``ep`` expert-parallel and ``etp`` expert
+    tensor-parallel ranks for a model with ``num_moe_experts`` in ``config``); return
+    (chunks, losses, grad norms, step-1 grads)."""
+    ps.initialize_model_parallel(
+        tp,
+        pp,
+        vpp,
+        context_parallel_size=cp,
+        strict_p2p=strict_p2p,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
+    )
+    experts = {"expert_model_parallel_size": ep, "expert_tensor_parallel_size": etp}
     setup = build_training_setup(
-        gpt_config(tensor_model_parallel_size=tp, context_parallel_size=cp, **config),
+        gpt_config(
+            tensor_model_parallel_size=tp,
+            context_parallel_size=cp,
+            **(experts if ep > 1 or etp is not None else {}),
+            **config,
+        ),
         OptimizerArgs(
             lr=LR, weight_decay=WD, clip_grad=CLIP, lr_decay_style="constant", lr_decay_iters=STEPS
         ),
@@ -218,15 +250,29 @@ def _gathered(chunks, what, tp_group) -> dict[str, torch.Tensor]:
         for name, p in model.named_parameters():
             ref = reference_name(model, name)
             vocab = VOCAB if ref in ("embedding.word_embeddings.weight", "output_weight") else None
+            if is_expert_parallel(p):
+                out[ref] = _whole_experts(what(chunk, p).detach().clone(), p)
+                continue
             out[ref] = full_tensor(what(chunk, p).detach().clone(), p, tp_group, vocab)
     return out
+
+
+def _whole_experts(t: torch.Tensor, param: torch.nn.Parameter) -> torch.Tensor:
+    """Every expert of ``t`` (an expert parameter, or its gradient): the expert
+    tensor-parallel shards joined, then the expert-parallel ranks' experts stacked."""
+    full = gather_tensor_parallel(t, param, ps.get_expert_tensor_parallel_group())
+    ep_group = ps.get_expert_model_parallel_group()
+    if ep_group is None:
+        return full
+    return gather(full, ep_group, dim=0)
 
 
 def check_against_reference(chunks, losses, norms, first_grads, config_kw):
     """:func:`train_layout`'s results against :func:`reference_run` of the same model: every
     step's loss and gradient norm, step 1's gradients, and the parameters at the end."""
     dp = ps.get_data_parallel_world_size()
-    single = {k: v for k, v in config_kw.items() if k not in ("sequence_parallel", "cp_comm_type")}
+    layout = ("sequence_parallel", "cp_comm_type")
+    single = {k: v for k, v in config_kw.items() if k not in layout}
     reference, ref_losses, ref_norms, ref_grads = reference_run(
         gpt_config(**single), STEPS, dp, LR, WD, CLIP
     )

@@ -9,7 +9,10 @@ backward; on other microbatches gradients only accumulate (no sync).
 
 The reduction averages over the data-parallel group: an all-reduce, or with
 the distributed optimizer a reduce-scatter that leaves each rank the summed
-slice it owns. Buckets marked late (parameters that must first be summed over
+slice it owns. Experts of a mixture-of-experts layer (marked expert parallel) are
+replicated over the expert-data-parallel group only: they sit in a buffer of their own,
+divided by the same data-parallel size and summed over that group (see
+:class:`DistributedDataParallel`). Buckets marked late (parameters that must first be summed over
 another group) are reduced by :meth:`sync_late_grads` after that sum.
 
 ZeRO stages (one value, :data:`ZERO_STAGES`): 0 all-reduces whole gradients; 1 (the
@@ -37,7 +40,7 @@ from megapp.distributed.buffers import Bucket, ParamAndGradBuffer
 from megapp.distributed.sharded_grads import ShardedGrads
 from megapp.distributed.sharded_params import ShardedParams, layer_units
 from megapp.parallel_state import layout_group
-from megapp.param_attributes import is_sequence_parallel, is_tied_embedding
+from megapp.param_attributes import is_expert_parallel, is_sequence_parallel, is_tied_embedding
 
 ZERO_STAGES = (0, 1, 2, 3)
 """0: plain data parallelism; 1: optimizer states sharded over data-parallel ranks (the
@@ -66,6 +69,17 @@ class DistributedDataParallel(nn.Module):
         overlap_grad_reduce: start a bucket's reduction as soon as it is ready; False
             reduces everything in :meth:`finish_grad_sync`.
         is_late: which parameters are reduced last (default :func:`needs_other_group_sum`).
+        expert_dp_group: the expert-data-parallel group, over which expert parameters
+            are reduced (``None``: ``dp_group``, right without an expert layout).
+
+    Expert gradients: every rank's loss is its share of the data-parallel mean (dense
+    gradients are divided by ``dp`` and summed). An expert shard's gradient on one rank
+    already sums the contributions of every token routed to it from the ranks of its
+    expert (tensor-)parallel group, and those groups tile the ranks of the expert-data-
+    parallel group: dividing by the same ``dp`` and summing over ``expert_dp_group`` gives
+    the mean over all replicas, the single-process gradient. Expert parameters are not
+    sharded by the ZeRO stages yet: a model with experts and ``zero_stage`` >= 1 is
+    refused.
     """
 
     def __init__(
@@ -77,6 +91,7 @@ class DistributedDataParallel(nn.Module):
         zero_stage: int = 0,
         overlap_grad_reduce: bool = True,
         is_late: Callable[[nn.Parameter], bool] = needs_other_group_sum,
+        expert_dp_group: Group = None,
     ):
         super().__init__()
         if zero_stage not in ZERO_STAGES:
@@ -91,6 +106,21 @@ class DistributedDataParallel(nn.Module):
         self.zero_stage = zero_stage
         self.overlap_grad_reduce = overlap_grad_reduce
         params = [p for p in module.parameters() if p.requires_grad][::-1]
+        experts = [p for p in params if is_expert_parallel(p)]
+        params = [p for p in params if not is_expert_parallel(p)]
+        if experts and zero_stage >= 1:
+            raise ValueError(
+                f"ZeRO stage {zero_stage} does not shard expert parameters yet; train "
+                "mixture-of-experts models with zero stage 0 (no --use-distributed-optimizer)"
+            )
+        self.expert_dp_group = dp_group if expert_dp_group is None else expert_dp_group
+        self.expert_dp_size = comm.world_size(self.expert_dp_group)
+        self.expert_buffer = (
+            ParamAndGradBuffer(experts, bucket_size=bucket_size, dp_size=self.expert_dp_size)
+            if experts
+            else None
+        )
+        self._expert_buckets = {id(b) for b in self.expert_buffer.buckets} if experts else set()
         sharded = zero_stage >= 2 and self.dp_size > 1
         stage3 = zero_stage == 3 and sharded
         units, unit_of = layer_units(module) if stage3 else ({}, None)
@@ -113,8 +143,11 @@ class DistributedDataParallel(nn.Module):
         self.sequence_parallel_params = [p for p in self.buffer.params if is_sequence_parallel(p)]
         self.tied_embedding_params = [p for p in self.buffer.params if is_tied_embedding(p)]
         self.grad_sync = True
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
+        hooked = params + experts
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in hooked]
         self.buffer.reset()
+        if self.expert_buffer is not None:
+            self.expert_buffer.reset()
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
@@ -123,7 +156,8 @@ class DistributedDataParallel(nn.Module):
     def _on_grad(self, param: nn.Parameter) -> None:
         if param.grad is None:  # a split backward's I deferred this weight: nothing came
             return
-        if self.sharded is not None:
+        expert = is_expert_parallel(param)
+        if self.sharded is not None and not expert:
             self.sharded.accumulate(param)
             param.grad = None
             return
@@ -131,7 +165,7 @@ class DistributedDataParallel(nn.Module):
         param.grad = None  # the buffer holds it now
         if not (self.grad_sync and self.overlap_grad_reduce):
             return
-        bucket = self.buffer.bucket_of[id(param)]
+        bucket = (self.expert_buffer if expert else self.buffer).bucket_of[id(param)]
         bucket.pending.discard(id(param))
         if not bucket.pending and not bucket.late:
             self._start(bucket)
@@ -150,7 +184,26 @@ class DistributedDataParallel(nn.Module):
             self.grad_sync = before
 
     # ----- reduction -------------------------------------------------------
+    @property
+    def expert_params(self) -> list[nn.Parameter]:
+        """The expert parameters, reduced over the expert-data-parallel group."""
+        return [] if self.expert_buffer is None else self.expert_buffer.params
+
+    def _start_experts(self, bucket: Bucket) -> None:
+        if bucket.work is not None:
+            return
+        grads = self.expert_buffer.grad_data[bucket.start : bucket.end]
+        if self.dp_size > 1:
+            grads.div_(self.dp_size)  # the same 1/dp share as the dense gradients
+        if self.expert_dp_size == 1:
+            bucket.work = _DONE
+            return
+        bucket.work = comm.all_reduce(grads, self.expert_dp_group, async_op=True)
+
     def _start(self, bucket: Bucket) -> None:
+        if id(bucket) in self._expert_buckets:
+            self._start_experts(bucket)
+            return
         if bucket.work is not None or self.dp_size == 1:
             return
         grads = self.buffer.grad_data[bucket.start : bucket.end]
@@ -163,13 +216,16 @@ class DistributedDataParallel(nn.Module):
             bucket.work = comm.all_reduce(grads, self.dp_group, async_op=True)
 
     def _finish(self, late: bool) -> None:
+        experts = [] if self.expert_buffer is None else self.expert_buffer.buckets
         if self.sharded is not None:
             self.sharded.finish(late)
-            return
-        for bucket in self.buffer.buckets:
+            buckets = experts
+        else:
+            buckets = [*self.buffer.buckets, *experts]
+        for bucket in buckets:
             if bucket.late == late:
                 self._start(bucket)
-        for bucket in self.buffer.buckets:
+        for bucket in buckets:
             if bucket.late == late and bucket.work is not None:
                 bucket.work.wait()
                 bucket.work = True  # done; not started again until reset
@@ -194,7 +250,7 @@ class DistributedDataParallel(nn.Module):
         group, so every rank of it must call this for the same parameters in the same
         order. Otherwise ``param.main_grad`` itself.
         """
-        if self.zero_stage == 0 or self.dp_size == 1:
+        if self.zero_stage == 0 or self.dp_size == 1 or is_expert_parallel(param):
             return param.main_grad
         bucket = self.buffer.bucket_of[id(param)]
         own = self._owned(bucket)
@@ -252,17 +308,31 @@ class DistributedDataParallel(nn.Module):
         if self.sharded is not None:
             return self.sharded.grad_bytes()
         data = self.buffer.grad_data
-        return data.numel() * data.element_size()
+        experts = 0 if self.expert_buffer is None else self.expert_buffer.grad_data.numel()
+        return (data.numel() + experts) * data.element_size()
 
     def zero_grad_buffer(self) -> None:
         """Zero ``main_grad`` and re-arm the buckets; call before each iteration."""
-        for p in self.buffer.params:
+        for p in [*self.buffer.params, *self.expert_params]:
             p.grad = None
         self.buffer.reset()
+        if self.expert_buffer is not None:
+            self.expert_buffer.reset()
         if self.sharded is not None:
             self.sharded.reset()
         if self.sharded_params is not None:
             self.sharded_params.reset()
+
+
+class _Done:
+    """A reduction with nothing to wait for (an expert-data-parallel group of one rank)."""
+
+    @staticmethod
+    def wait() -> None:
+        return None
+
+
+_DONE = _Done()
 
 
 @contextlib.contextmanager

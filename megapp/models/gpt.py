@@ -47,7 +47,7 @@ from megapp.tensor_parallel.mappings import scatter_to_sequence_parallel_region
 from megapp.tensor_parallel.random import get_rng_tracker
 from megapp.tensor_parallel.utils import pad_vocab_size
 from megapp.transformer.block import TransformerBlock
-from megapp.transformer.config import TransformerConfig
+from megapp.transformer.config import ExpertGroups, TransformerConfig
 
 # Offsets of each part's initialization seed from the model seed.
 _WORD_SEED, _POSITION_SEED, _OUTPUT_SEED, _LAYER_SEED = 0, 1, 2, 3
@@ -184,6 +184,7 @@ class GPTModel(nn.Module):
         tp_group: Group = None,
         seed: int = 1234,
         cp_group: Group = None,
+        expert_groups: ExpertGroups | None = None,
     ):
         super().__init__()
         if comm.world_size(tp_group) != config.tensor_model_parallel_size:
@@ -203,6 +204,7 @@ class GPTModel(nn.Module):
             tp_group=tp_group,
             init_seed=seed + _LAYER_SEED,
             cp_group=cp_group,
+            expert_groups=expert_groups,
         )
         self.output_weight = None
         if post_process:
@@ -312,6 +314,7 @@ def build_gpt_chunks(
     schedule: str | Schedule | None = None,
     stages: Sequence[int] | None = None,
     cp_group: Group = None,
+    expert_groups: ExpertGroups | None = None,
 ) -> list[GPTModel]:
     """This pipeline rank's model chunks: chunk ``c`` is the virtual stage ``schedule``
     (a name or a :class:`~megapp.pipeline_parallel.schedules.Schedule`) places there,
@@ -362,6 +365,7 @@ def build_gpt_chunks(
             tp_group=tp_group,
             seed=seed,
             cp_group=cp_group,
+            expert_groups=expert_groups,
         )
         mark_chunk_stage(chunk, stage, placement)
         chunks.append(chunk)

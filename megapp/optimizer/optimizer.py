@@ -40,7 +40,7 @@ from megapp.optimizer.clip_grads import (
 )
 from megapp.optimizer.grad_scaler import found_inf_in
 from megapp.optimizer.param_groups import default_no_decay
-from megapp.param_attributes import is_tied_embedding
+from megapp.param_attributes import is_expert_parallel, is_tied_embedding
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -176,6 +176,12 @@ class Optimizer:
         larger one must pass them (the distributed optimizer's norm group is then every
         rank). A wrong group gives a different gradient norm per rank, so the replicas
         would drift apart silently.
+        expert_norm_group: the group whose ranks together hold every expert once (Megatron's
+            expert tensor-model-pipeline group, etp × ep × pp; every rank with the
+            distributed optimizer): the experts' share of the norm is summed there, each
+            expert shard counted once (``expert_tp_group``: on its first expert
+            tensor-parallel rank where it is replicated over them). Needed only when the
+            chunks hold experts.
         per_stage: each pipeline stage steps on its own, at its own time (PipeDream,
             2BW): the norm is of this stage's gradients, over the tensor-parallel group.
             What cannot run so (:func:`check_per_stage_steps`) is refused here, on every
@@ -196,6 +202,8 @@ class Optimizer:
         norm_group: Group = None,
         per_stage: bool = False,
         pp_group: Group = None,
+        expert_norm_group: Group = None,
+        expert_tp_group: Group = None,
     ):
         self.chunks = list(chunks)
         stages = {c.zero_stage for c in self.chunks}
@@ -207,22 +215,31 @@ class Optimizer:
             self._check_per_stage(clip_grad, grad_scaler, pp_group)
         tp_group, norm_group = _norm_groups(self.distributed, tp_group, norm_group, per_stage)
         self.clip_grad, self.grad_scaler, self.norm_group = clip_grad, grad_scaler, norm_group
-        tp_rank = comm.rank(tp_group)
+        tp_rank, etp_rank = comm.rank(tp_group), comm.rank(expert_tp_group)
+        self.expert_norm_group = expert_norm_group
+        alone = not dist.is_initialized() or dist.get_world_size() == 1
+        if any(c.expert_params for c in self.chunks) and expert_norm_group is None and not alone:
+            raise ValueError(
+                "the model has experts but no expert_norm_group was given: the gradient "
+                "norm would miss the other expert-parallel ranks' experts"
+            )
         self.slices: list[_Slice] = []
         decay, no_decay = [], []
         for chunk in self.chunks:
             names = {id(p): n for n, p in chunk.module.named_parameters()}
             rank = chunk.dp_rank if self.distributed else 0
             world = chunk.dp_size if self.distributed else 1
-            for p in chunk.buffer.params:
-                part = chunk.buffer.param_shard(p, rank) if world > 1 else (0, p.numel())
+            for p in [*chunk.buffer.params, *chunk.expert_params]:
+                expert = is_expert_parallel(p)
+                sharded = world > 1 and not expert  # experts are not sharded (ZeRO 0 only)
+                part = chunk.buffer.param_shard(p, rank) if sharded else (0, p.numel())
                 if part is None:
                     continue
                 lo, hi = part
                 flat = chunk.owned_weights(p, lo, hi)
                 separate = flat.dtype != torch.float32
                 master = flat.float() if separate else flat
-                counted = counts_in_norm(p, tp_rank)
+                counted = counts_in_norm(p, etp_rank if expert else tp_rank)
                 self.slices.append(_Slice(p, lo, hi, master, counted, separate, chunk))
                 (no_decay if default_no_decay(names[id(p)], p) else decay).append(master)
         groups = [
@@ -279,8 +296,7 @@ class Optimizer:
             self.grad_scaler.update(found_inf)
             if found_inf:
                 return StepResult(False, float("nan"))
-        counted = [g for g, s in zip(grads, self.slices, strict=True) if s.counted]
-        grad_norm = get_grad_norm(counted, group=self.norm_group)
+        grad_norm = self._grad_norm(grads)
         if self.clip_grad:
             clip_grad_by_total_norm_(grads, self.clip_grad, grad_norm)
         for s, g in zip(self.slices, grads, strict=True):
@@ -293,6 +309,18 @@ class Optimizer:
         if self.distributed:
             self._all_gather_params()
         return StepResult(True, grad_norm)
+
+    def _grad_norm(self, grads: list[torch.Tensor]) -> float:
+        """The global L2 norm: the dense gradients' squares summed over ``norm_group``, the
+        experts' over ``expert_norm_group``, each element once."""
+        pairs = list(zip(grads, self.slices, strict=True))
+        dense = [g for g, s in pairs if s.counted and not is_expert_parallel(s.param)]
+        experts = [g for g, s in pairs if s.counted and is_expert_parallel(s.param)]
+        if self.expert_norm_group is None:
+            return get_grad_norm(dense + experts, group=self.norm_group)
+        dense_norm = get_grad_norm(dense, group=self.norm_group)
+        expert_norm = get_grad_norm(experts, group=self.expert_norm_group)
+        return (dense_norm**2 + expert_norm**2) ** 0.5
 
     def _all_gather_params(self) -> None:
         works = []

@@ -18,6 +18,7 @@ from megapp.optimizer import ConstantGradScaler, DynamicGradScaler, LRScheduler,
 from megapp.parallel_state import TrainGroups
 from megapp.pipeline_parallel.schedules import Schedule
 from megapp.training.flag_groups import OptimizerArgs, PrecisionArgs
+from megapp.transformer.config import ExpertGroups
 
 ChunkBuilder = Callable[[TrainGroups], list[nn.Module]]
 """``groups -> this rank's model chunks`` (chunk ``c`` is its ``c``-th virtual stage)."""
@@ -103,6 +104,7 @@ def build_training_setup(
             schedule=schedule,
             stages=stages,
             cp_group=groups.cp,
+            expert_groups=ExpertGroups(groups.ep, groups.expt_tp, groups.tp_cp),
         )
     else:
         modules = model(groups)
@@ -112,9 +114,15 @@ def build_training_setup(
             dp_group=groups.dp_cp,  # the replicas of these weights
             bucket_size=bucket_size,
             zero_stage=zero_stage,
+            expert_dp_group=groups.expt_dp,  # the replicas of the experts
         )
         for module in modules
     ]
+    # Every rank of the expert norm group sums the experts' share, whether its stage has
+    # experts or not: asked of a mixture-of-experts model (or chunks holding experts).
+    experts = any(c.expert_params for c in chunks)
+    if isinstance(model, GPTConfig):
+        experts = model.num_moe_experts is not None
     # The ranks that together hold every gradient once: sharded, every rank holds a slice.
     sharded = zero_stage >= 1 and dist.is_initialized()
     adamw = Optimizer(
@@ -129,6 +137,8 @@ def build_training_setup(
         norm_group=dist.group.WORLD if sharded else groups.mp,
         per_stage=per_stage_steps,
         pp_group=groups.pp,
+        expert_norm_group=groups.tp_ep_pp if experts else None,
+        expert_tp_group=groups.expt_tp,
     )
     scheduler = LRScheduler(
         adamw,

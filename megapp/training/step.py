@@ -45,6 +45,15 @@ def _scaled(forward_step_func: ForwardStepFunc, scale: float) -> ForwardStepFunc
     return step
 
 
+def set_aux_loss_scale(chunks: Sequence, scale: float) -> None:
+    """Give every mixture-of-experts layer's auxiliary losses the gradient ``scale`` in
+    backward (layers with an ``aux_loss_scale``; dense models have none)."""
+    for chunk in chunks:
+        for module in chunk.modules():
+            if hasattr(module, "aux_loss_scale"):
+                module.aux_loss_scale = scale
+
+
 def train_step(
     forward_step_func: ForwardStepFunc,
     data_iterators: Iterator | Sequence[Iterator],
@@ -78,6 +87,10 @@ def train_step(
     scaler = optimizer.grad_scaler
     scale = float(scaler.scale) if scaler is not None else 1.0
     step_func = _scaled(forward_step_func, scale) if scaler is not None else forward_step_func
+    # The auxiliary losses are scaled as the main loss is: by the loss scale, averaged over
+    # the microbatches; a sequence's ranks' losses add up to the sequence's, and the dp × cp
+    # mean divides by cp, which the factor cp undoes.
+    set_aux_loss_scale(chunks, scale * comm.world_size(groups.cp) / num_microbatches)
     hooks = PipelineHooks(before_backward=lambda c, is_last: chunks[c].set_grad_sync(is_last))
     result = forward_backward(
         step_func,

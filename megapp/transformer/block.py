@@ -10,7 +10,7 @@ from torch.func import functional_call
 
 from megapp.tensor_parallel.mappings import Group
 from megapp.tensor_parallel.random import checkpoint
-from megapp.transformer.config import TransformerConfig
+from megapp.transformer.config import ExpertGroups, TransformerConfig
 from megapp.transformer.layer import TransformerLayer, build_norm
 
 
@@ -20,12 +20,13 @@ def _build_layer(
     tp_group: Group,
     init_seed: int | None,
     cp_group: Group,
+    expert_groups: ExpertGroups | None,
 ) -> TransformerLayer:
     if init_seed is None:
-        return TransformerLayer(config, number, tp_group, cp_group)
+        return TransformerLayer(config, number, tp_group, cp_group, expert_groups)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(init_seed + number)
-        return TransformerLayer(config, number, tp_group, cp_group)
+        return TransformerLayer(config, number, tp_group, cp_group, expert_groups)
 
 
 def _tensors(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -65,11 +66,12 @@ class TransformerBlock(nn.Module):
         tp_group: Group = None,
         init_seed: int | None = None,
         cp_group: Group = None,
+        expert_groups: ExpertGroups | None = None,
     ):
         """``init_seed``: build layer ``l`` from the default generator seeded with
         ``init_seed + l`` (restored afterwards), so a layer's initial weights do not
         depend on which pipeline chunk builds it; ``None`` draws from the generator
-        as it stands."""
+        as it stands. ``expert_groups``: the groups of mixture-of-experts layers."""
         super().__init__()
         self.config = config
         num_layers = config.num_layers if num_layers is None else num_layers
@@ -79,7 +81,7 @@ class TransformerBlock(nn.Module):
                 f"{config.num_layers} layers"
             )
         self.layers = nn.ModuleList(
-            _build_layer(config, first_layer + i, tp_group, init_seed, cp_group)
+            _build_layer(config, first_layer + i, tp_group, init_seed, cp_group, expert_groups)
             for i in range(num_layers)
         )
         self.final_layernorm = build_norm(config) if post_layer_norm else None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import torch
 
@@ -13,6 +14,18 @@ _GRANULARITIES = (None, "selective", "full")
 _METHODS = (None, "uniform", "block")
 _ATTENTION_BACKENDS = ("sdpa", "fused_softmax")
 _CP_COMM_TYPES = ("p2p", "all_gather", "a2a")
+
+
+class ExpertGroups(NamedTuple):
+    """The groups a mixture-of-experts layer talks to (``None``: that dimension is 1)."""
+
+    ep: Any = None
+    """Ranks holding different experts."""
+    etp: Any = None
+    """Ranks splitting each expert's matrices."""
+    sequence: Any = None
+    """Ranks holding the other parts of this rank's sequences (tp × cp when the tokens are
+    split over them), over which the load-balancing loss counts tokens."""
 
 
 @dataclass
@@ -80,6 +93,41 @@ class TransformerConfig:
     ``all_gather`` or ``a2a`` (Ulysses)."""
     params_dtype: torch.dtype = torch.float32
     """Dtype of the parameters."""
+    num_moe_experts: int | None = None
+    """Routed experts per mixture-of-experts layer (None: a dense model). Every ``moe_*`` field
+    below, and the two expert sizes, are :class:`~megapp.moe.config.MoEConfig`'s, checked
+    there (:meth:`moe_config`)."""
+    moe_layer_freq: int = 1
+    """Every n-th layer is a mixture-of-experts layer (layers ``l`` with ``l % n == 0``)."""
+    moe_ffn_hidden_size: int | None = None
+    """Inner width of one expert; None: ``ffn_hidden_size``."""
+    moe_router_topk: int = 2
+    """Experts each token goes to."""
+    moe_router_score_function: str = "softmax"
+    """``softmax`` or ``sigmoid``."""
+    moe_router_pre_softmax: bool = False
+    """Softmax over all experts before the top k."""
+    moe_router_load_balancing_type: str = "aux_loss"
+    """``aux_loss``, ``seq_aux_loss`` or ``none``."""
+    moe_aux_loss_coeff: float = 0.0
+    """Coefficient of the load-balancing loss."""
+    moe_z_loss_coeff: float | None = None
+    """Coefficient of the router z-loss (None: none)."""
+    moe_expert_capacity_factor: float | None = None
+    """None: dropless; otherwise each expert's capacity factor."""
+    moe_token_drop_policy: str = "probs"
+    """Which pairs past capacity are dropped: ``probs`` or ``position``."""
+    moe_shared_expert_intermediate_size: int | None = None
+    """Inner width of the shared expert (None: none)."""
+    moe_token_dispatcher_type: str = "alltoall"
+    """``alltoall`` or ``allgather``."""
+    moe_grouped_gemm: bool = True
+    """Run the local experts as one grouped matmul where torch has it."""
+    expert_model_parallel_size: int = 1
+    """Ranks that split the experts."""
+    expert_tensor_parallel_size: int | None = None
+    """Ranks that split each expert; None: the tensor-parallel size (Megatron-Core's
+    default)."""
 
     def __post_init__(self) -> None:
         sizes = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups")
@@ -173,6 +221,40 @@ class TransformerConfig:
         if self.sequence_parallel and tp == 1:
             raise ValueError("sequence_parallel needs tensor_model_parallel_size > 1")
         self._check_context_parallel()
+        self._check_experts()
+
+    def _check_experts(self) -> None:
+        if self.expert_tensor_parallel_size is None:
+            self.expert_tensor_parallel_size = self.tensor_model_parallel_size
+        if self.num_moe_experts is None:
+            if self.expert_model_parallel_size != 1:
+                raise ValueError("expert_model_parallel_size > 1 needs num_moe_experts")
+            return
+        if not isinstance(self.moe_layer_freq, int) or self.moe_layer_freq < 1:
+            raise ValueError(f"moe_layer_freq must be an integer >= 1, got {self.moe_layer_freq}")
+        if self.moe_ffn_hidden_size is None:
+            self.moe_ffn_hidden_size = self.ffn_hidden_size
+        if self.tensor_model_parallel_size > 1 and not self.sequence_parallel:
+            # Megatron-Core's rule: each tp rank must route its own, different tokens
+            raise ValueError(
+                "mixture-of-experts layers with tensor_model_parallel_size > 1 need "
+                "sequence_parallel (each tensor-parallel rank routes its own tokens)"
+            )
+        self.moe_config()  # MoEConfig checks the rest
+
+    def is_moe_layer(self, layer_number: int) -> bool:
+        """Whether layer ``layer_number`` (0-based) is a mixture-of-experts layer."""
+        return self.num_moe_experts is not None and layer_number % self.moe_layer_freq == 0
+
+    def moe_config(self) -> Any:
+        """The :class:`~megapp.moe.config.MoEConfig` of this model's expert layers."""
+        from dataclasses import fields
+
+        from megapp.moe.config import MoEConfig  # only mixture-of-experts models import it
+
+        names = {f.name for f in fields(MoEConfig)}
+        values = {n: getattr(self, n) for n in names if hasattr(self, n)}
+        return MoEConfig(**values)
 
     def _check_context_parallel(self) -> None:
         cp, tp = self.context_parallel_size, self.tensor_model_parallel_size

@@ -36,7 +36,7 @@ from megapp.tensor_parallel.layers import (
     init_method_normal,
 )
 from megapp.tensor_parallel.random import checkpoint, get_rng_tracker
-from megapp.transformer.config import TransformerConfig
+from megapp.transformer.config import ExpertGroups, TransformerConfig
 
 __all__ = [
     "ParallelAttention",
@@ -250,6 +250,35 @@ class ParallelMLP(nn.Module):
 # ----- the layer -----
 
 
+def build_moe(config: TransformerConfig, layer_number: int, groups: ExpertGroups) -> nn.Module:
+    """The mixture-of-experts MLP of layer ``layer_number``, its parameters marked: the
+    experts as expert parallel (reduced over the expert-data-parallel group; an
+    expert-tensor-parallel shard as a tensor-parallel one, split like the dense MLP), the
+    router and shared expert as sequence parallel when the tokens are split over the
+    tensor-parallel ranks."""
+    from megapp.moe.layer import MoELayer  # dense models never import the experts
+    from megapp.param_attributes import (
+        mark_expert_parallel,
+        mark_sequence_parallel,
+        set_tensor_parallel,
+    )
+
+    moe = MoELayer(config.moe_config(), groups.ep, groups.etp, groups.sequence, layer_number)
+    etp = config.expert_tensor_parallel_size
+    stride = 2 if config.activation == "swiglu" else 1
+    experts = moe.experts
+    for name, dim, parts in (("fc1", 2, stride), ("fc2", 1, 1), ("fc1_bias", 1, stride)):
+        if getattr(experts, name) is not None:
+            set_tensor_parallel(getattr(experts, name), dim, parts, etp)
+    for param in experts.parameters():
+        mark_expert_parallel(param)
+    if config.sequence_parallel:
+        for module in (moe.router, moe.shared_expert):
+            for param in module.parameters() if module is not None else ():
+                mark_sequence_parallel(param)
+    return moe
+
+
 def build_norm(config: TransformerConfig) -> nn.Module:
     norm = LayerNorm if config.normalization == "LayerNorm" else RMSNorm
     return norm(
@@ -262,6 +291,9 @@ def build_norm(config: TransformerConfig) -> nn.Module:
 
 class TransformerLayer(nn.Module):
     """One layer on ``[s, b, h]`` (``[s/tp, b, h]`` with sequence parallelism).
+
+    With ``config.num_moe_experts`` the MLP of every ``moe_layer_freq``-th layer is a
+    mixture of experts (:func:`build_moe`, over ``expert_groups``).
 
     Each sublayer's output bias, dropout and residual add run as one fused op
     that keeps no mask (it is regenerated from a seed). Each norm's output,
@@ -277,13 +309,17 @@ class TransformerLayer(nn.Module):
         layer_number: int,
         tp_group: Group = None,
         cp_group: Group = None,
+        expert_groups: ExpertGroups | None = None,
     ):
         super().__init__()
         self.config, self.layer_number = config, layer_number
         self.input_layernorm = build_norm(config)
         self.self_attention = ParallelAttention(config, tp_group, cp_group)
         self.pre_mlp_layernorm = build_norm(config)
-        self.mlp = ParallelMLP(config, tp_group)
+        if config.is_moe_layer(layer_number):
+            self.mlp = build_moe(config, layer_number, expert_groups or ExpertGroups())
+        else:
+            self.mlp = ParallelMLP(config, tp_group)
         self.recompute_saved_inputs = True
 
     @property
