@@ -26,6 +26,11 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
+NO_DROPOUT = ("--hidden-dropout", "0", "--attention-dropout", "0")
+"""Every point runs without dropout, so that its losses equal the single-process run's
+(and context parallelism, which refuses attention dropout, runs): the job's and the
+check's flags end with these."""
+
 DEFAULT_RUN_FLAGS = ("--lr", "1e-3", "--eval-iters", "0")
 """Run flags a spec gets unless it gives its own ``run_flags``: a constant learning rate
 (no warmup to fit into a few iterations) and no evaluation."""
@@ -107,7 +112,8 @@ class SweepSpec:
             *("--global-batch-size", str(self.global_batch_size)),
             *("--train-iters", str(self.train_iters)),
             *("--seed", str(self.seed)),
-            *("--hidden-dropout", "0", "--attention-dropout", "0", "--log-interval", "1"),
+            *NO_DROPOUT,
+            *("--log-interval", "1"),
         ]
 
 
@@ -201,7 +207,7 @@ def is_reference(spec: SweepSpec, layout: Layout) -> bool:
 def check_point(spec: SweepSpec, layout: Layout) -> PretrainConfig:
     """The config ``pretrain_gpt.py`` builds for ``layout``; raises ValueError with its
     message where the job would refuse to start."""
-    flags = [*spec.model_flags, *spec.data_flags]
+    flags = [*spec.model_flags, *spec.data_flags, *NO_DROPOUT]
     return pretrain_config(layout, flags, spec.global_batch_size)
 
 
