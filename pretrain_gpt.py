@@ -50,6 +50,7 @@ from megapp.training.data_iterators import get_batch, masked_token_mean, split_b
 from megapp.training.flops import gpt_config_training_flops
 from megapp.training.initialize import check_memory
 from megapp.training.pretrain import pretrain
+from megapp.transformer.config import ExpertGroups
 
 
 def model_provider(
@@ -65,6 +66,7 @@ def model_provider(
         seed=config.training.seed,
         schedule=config.schedule,
         cp_group=groups.cp,
+        expert_groups=ExpertGroups(groups.ep, groups.expt_tp, groups.tp_cp),
     )
 
 

@@ -78,6 +78,19 @@ class MoELayer(nn.Module):
         )
         self.aux_loss_scale = 1.0
         self.losses: dict[str, torch.Tensor] = {}
+        self.reset_loss_sums()
+
+    def reset_loss_sums(self) -> None:
+        """Start summing the losses of the training forwards again (a training step's
+        microbatches); :meth:`mean_losses` is their mean."""
+        self.loss_sums: dict[str, torch.Tensor] = {}
+        self.loss_forwards = 0
+
+    def mean_losses(self) -> dict[str, float]:
+        """The mean of each loss over the training forwards since :meth:`reset_loss_sums`
+        (a recomputed forward counts again, with the same values)."""
+        n = self.loss_forwards
+        return {name: float(total) / n for name, total in self.loss_sums.items()} if n else {}
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
         """``x`` ``[s, b, h]`` -> ``(out [s, b, h], None)``."""
@@ -88,6 +101,9 @@ class MoELayer(nn.Module):
         tokens = x.reshape(s * b, h)
         routing = self.router(tokens, b, self.sequence_group, self.aux_loss_scale)
         self.losses = routing.losses
+        for name, value in routing.losses.items():
+            self.loss_sums[name] = self.loss_sums.get(name, 0.0) + value.detach()
+        self.loss_forwards += bool(routing.losses)
         dispatched = self.dispatcher.dispatch(tokens, routing)
         expert_out = self.experts(dispatched.rows, dispatched.tokens_per_expert)
         out = self.dispatcher.combine(expert_out, dispatched)

@@ -64,6 +64,7 @@ _OTHER_NAMES = {
     "num_microbatches": "the number of microbatches",
     "num_layers_in_first_pipeline_stage": "--decoder-first-pipeline-num-layers",
     "num_layers_in_last_pipeline_stage": "--decoder-last-pipeline-num-layers",
+    "num_moe_experts": "--num-experts",
 }
 _FLAGS = {
     f.name: flag_name(f) for group in GROUPS.values() for f in dataclasses.fields(group)
@@ -239,8 +240,17 @@ class PretrainConfig:
         name, vpp = self._schedule_chunks(pp, vpp)
         vpp = vpp if vpp != 1 else None  # one chunk per rank: no virtual stages
         cp = par.context_parallel_size
-        grid = ProcessGrid(self.world_size, tp, pp, vpp, context_parallel_size=cp)
+        grid = ProcessGrid(
+            self.world_size,
+            tp,
+            pp,
+            vpp,
+            context_parallel_size=cp,
+            expert_model_parallel_size=par.expert_model_parallel_size,
+            expert_tensor_parallel_size=par.expert_tensor_parallel_size,
+        )
         self._check_sequence_split(cp, tp)
+        self._check_experts()
         self._set("virtual_pipeline_model_parallel_size", vpp)
         self._set("data_parallel_size", grid.dp)
         check_layer_split(
@@ -283,6 +293,36 @@ class PretrainConfig:
             decay_steps=decay,
             decay_style=opt.lr_decay_style,
         )
+
+    def _check_experts(self) -> None:
+        """What mixture-of-experts training does not run yet, named by its flags (the
+        model's and the layout's own rules are checked by their owners)."""
+        par = self.parallel
+        ep = par.expert_model_parallel_size
+        if self.model.num_experts is None:
+            if ep > 1 or par.expert_tensor_parallel_size is not None:
+                raise ArgumentsError(
+                    "--expert-model-parallel-size and --expert-tensor-parallel-size split "
+                    "experts: give --num-experts N"
+                )
+            return
+        if par.zero_stage > 0:
+            raise ArgumentsError(
+                f"--zero-stage {par.zero_stage} (or --use-distributed-optimizer) does not shard "
+                "expert parameters yet; train --num-experts models without it"
+            )
+        ckpt = self.checkpoint
+        if ep > 1 and (ckpt.save is not None or ckpt.load is not None):
+            raise ArgumentsError(
+                "--save/--load with --expert-model-parallel-size > 1: checkpoints do not "
+                "gather the experts over expert-parallel ranks yet; use "
+                "--expert-model-parallel-size 1 to checkpoint"
+            )
+        if ckpt.load_hf is not None or ckpt.save_hf is not None:
+            raise ArgumentsError(
+                "--load-hf/--save-hf do not convert mixture-of-experts models yet; drop "
+                "--num-experts or the Hugging Face flags"
+            )
 
     def _check_sequence_split(self, cp: int, tp: int) -> None:
         """Each context-parallel rank holds two equal chunks of every sequence, and sequence

@@ -99,6 +99,39 @@ class ModelArgs:
     attention_backend: str = arg("sdpa", "", choices=("sdpa", "fused_softmax"))
     init_method_std: float = arg(0.02, "std of the normal weight initialization")
     make_vocab_size_divisible_by: int = arg(128, "pad the vocabulary to a multiple of this × tp")
+    num_experts: int | None = arg(
+        None, "routed experts per mixture-of-experts layer (default: a dense model)", kind=int
+    )
+    moe_layer_freq: int = arg(1, "every n-th layer is a mixture of experts (layers 0, n, ...)")
+    moe_ffn_hidden_size: int | None = arg(
+        None, "inner width of one expert; default --ffn-hidden-size", kind=int
+    )
+    moe_router_topk: int = arg(2, "experts each token goes to")
+    moe_router_score_function: str = arg("softmax", "", choices=("softmax", "sigmoid"))
+    moe_router_pre_softmax: bool = arg(False, "softmax over all experts before the top k")
+    moe_router_load_balancing_type: str = arg(
+        "aux_loss",
+        "aux_loss (Switch/GShard), seq_aux_loss (per sequence, DeepSeek-V3) or none",
+        choices=("aux_loss", "seq_aux_loss", "none"),
+    )
+    moe_aux_loss_coeff: float = arg(0.0, "coefficient of the load-balancing loss")
+    moe_z_loss_coeff: float | None = arg(
+        None, "coefficient of the router z-loss (default: none)", kind=float
+    )
+    moe_expert_capacity_factor: float | None = arg(
+        None, "each expert's capacity factor; default dropless", kind=float
+    )
+    moe_token_drop_policy: str = arg(
+        "probs", "which pairs past capacity are dropped", choices=("probs", "position")
+    )
+    moe_shared_expert_intermediate_size: int | None = arg(
+        None, "inner width of the shared expert every token goes through", kind=int
+    )
+    moe_token_dispatcher_type: str = arg(
+        "alltoall",
+        "how tokens reach the experts' ranks: alltoall, or allgather (small ep)",
+        choices=("alltoall", "allgather"),
+    )
     recompute_granularity: str | None = arg(None, "", choices=("full", "selective"))
     recompute_method: str | None = arg(None, "", choices=("uniform", "block"))
     recompute_num_layers: int | None = arg(None, "layers per recomputed group", kind=int)
@@ -149,6 +182,7 @@ class ModelArgs:
             "layernorm_epsilon": self.norm_epsilon,
             "rope_scaling_factor": self.rope_scaling_factor if self.use_rope_scaling else None,
             "share_embeddings_and_output_weights": not self.untie_embeddings_and_output_weights,
+            "num_moe_experts": self.num_experts,
         }
 
 

@@ -18,6 +18,7 @@ from megapp.distributed import DistributedDataParallel
 from megapp.launcher_watch import exit_with_launcher
 from megapp.optimizer.clip_grads import counts_in_norm
 from megapp.parallel_state import TrainGroups
+from megapp.param_attributes import is_expert_parallel
 from megapp.tensor_parallel.random import model_parallel_manual_seed
 from megapp.training.config import PretrainConfig
 from megapp.training.flag_groups import ArgumentsError
@@ -134,6 +135,8 @@ def initialize_distributed(config: PretrainConfig) -> torch.device:
             timeout=timeout,
             context_parallel_size=parallel.context_parallel_size,
             strict_p2p=parallel.strict_p2p,
+            expert_model_parallel_size=parallel.expert_model_parallel_size,
+            expert_tensor_parallel_size=parallel.expert_tensor_parallel_size,
         )
     groups = TrainGroups.from_parallel_state()
     model_parallel_manual_seed(config.training.seed, comm.rank(groups.tp), comm.rank(groups.pp))
@@ -141,11 +144,23 @@ def initialize_distributed(config: PretrainConfig) -> torch.device:
 
 
 def count_parameters(chunks: Sequence[DistributedDataParallel], groups: TrainGroups) -> int:
-    """Parameters of the whole model, each element once (tp replicas and tied copies once)."""
+    """Parameters of the whole model, each element once (tp replicas and tied copies once;
+    experts summed over the expert layout's ranks that hold one copy of each)."""
     tp_rank = comm.rank(groups.tp)
-    mine = sum(
-        p.numel() for c in chunks for p in c.module.parameters() if counts_in_norm(p, tp_rank)
+    params = [p for c in chunks for p in c.module.parameters()]
+    dense = sum(
+        p.numel() for p in params if not is_expert_parallel(p) and counts_in_norm(p, tp_rank)
     )
-    total = torch.tensor([mine], dtype=torch.float64, device=chunks[0].buffer.params[0].device)
+    total = torch.tensor([dense], dtype=torch.float64, device=chunks[0].buffer.params[0].device)
     comm.all_reduce(total, groups.mp)
-    return int(total.item())
+    # every rank of a mixture-of-experts model joins, whether its stage has experts or not
+    configs = [getattr(c.module, "config", None) for c in chunks]
+    if all(getattr(config, "num_moe_experts", None) is None for config in configs):
+        return int(total.item())
+    etp_rank = comm.rank(groups.expt_tp)
+    experts = sum(
+        p.numel() for p in params if is_expert_parallel(p) and counts_in_norm(p, etp_rank)
+    )
+    expert_total = torch.tensor([experts], dtype=torch.float64, device=total.device)
+    comm.all_reduce(expert_total, groups.tp_ep_pp)
+    return int(total.item() + expert_total.item())

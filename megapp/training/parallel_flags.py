@@ -24,6 +24,14 @@ class ParallelArgs:
         "sequence for heads)",
         choices=("p2p", "all_gather", "a2a"),
     )
+    expert_model_parallel_size: int = arg(
+        1, "ranks that split the experts of mixture-of-experts layers (needs --num-experts)"
+    )
+    expert_tensor_parallel_size: int | None = arg(
+        None,
+        "ranks that split each expert's matrices; default --tensor-model-parallel-size",
+        kind=int,
+    )
     num_layers_per_virtual_pipeline_stage: int | None = arg(
         None, "layers per virtual stage; interleaves the pipeline schedule", kind=int
     )
@@ -95,6 +103,8 @@ class ParallelArgs:
                 "microbatch_group_size_per_virtual_pipeline_stage",
                 "ddp_bucket_size",
                 "pipeline_flush_interval",
+                "expert_model_parallel_size",
+                "expert_tensor_parallel_size",
             ),
         )
         by_layers = self.num_layers_per_virtual_pipeline_stage is not None

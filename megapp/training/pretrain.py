@@ -16,7 +16,7 @@ import contextlib
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -94,6 +94,7 @@ class _Interval:
     skipped: int = 0
     nan: int = 0
     profiled: bool = False  # an iteration of it measured memory
+    moe_sums: dict = field(default_factory=dict)  # auxiliary losses, summed per name
 
 
 class Trainer:
@@ -150,6 +151,8 @@ class Trainer:
                 elif not result.skipped:
                     interval.advanced += 1
                     interval.loss_sum += result.loss
+                    for name, value in result.moe_losses.items():
+                        interval.moe_sums[name] = interval.moe_sums.get(name, 0.0) + value
                 if state.iteration % logging.log_interval == 0:
                     self.log(interval, lr, result.grad_norm)
                     interval = _Interval()
@@ -252,9 +255,14 @@ class Trainer:
         }
         if interval.profiled:  # its per-operator memory bookkeeping slowed it down
             record["profiled"] = True
+        # a mixture-of-experts model's auxiliary losses, as Megatron prints them
+        moe = {name: value / interval.advanced for name, value in interval.moe_sums.items()}
+        record.update(moe)
         if self.writer is not None:
             self.writer.write(record)
-            print(format_train_line(record, config.training.train_iters), flush=True)
+            line = format_train_line(record, config.training.train_iters)
+            line += "".join(f" {name}: {value:.6E} |" for name, value in moe.items())
+            print(line, flush=True)
 
     def evaluate(self, split: str, where: str) -> None:
         iterators = self.valid_iterators if split == "valid" else self.test_iterators

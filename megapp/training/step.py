@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
+import torch
+
 from megapp import comm
 from megapp.distributed.ddp import DistributedDataParallel, finalize_model_grads
 from megapp.optimizer.optimizer import Optimizer
@@ -26,6 +28,10 @@ class TrainStepResult:
     """True when inf/nan gradients made the loss scaler skip the update."""
     events: list = field(default_factory=list)
     """This rank's pipeline timeline, when recording was asked for."""
+    moe_losses: dict = field(default_factory=dict)
+    """A mixture-of-experts model's auxiliary losses without their coefficients
+    (``load_balancing_loss``, ``z_loss``, ...), averaged over the microbatches, the layers
+    and the data-parallel replicas; empty for a dense model."""
 
 
 def _scaled(forward_step_func: ForwardStepFunc, scale: float) -> ForwardStepFunc:
@@ -45,13 +51,48 @@ def _scaled(forward_step_func: ForwardStepFunc, scale: float) -> ForwardStepFunc
     return step
 
 
+_MOE_LOSSES = ("load_balancing_loss", "seq_load_balancing_loss", "z_loss")
+
+
+def moe_losses(chunks: Sequence, groups: TrainGroups) -> dict[str, float]:
+    """Every mixture-of-experts layer's auxiliary losses, averaged over the step's
+    microbatches, the layers and data-parallel replicas (a collective over every rank of a
+    mixture-of-experts model; nothing for a dense one). A balancing loss is a share on each
+    rank of a sequence (they add up to the sequence's); a z-loss is the rank's own mean."""
+    configs = [getattr(chunk.module, "config", None) for chunk in chunks]
+    config = next((c for c in configs if getattr(c, "num_moe_experts", None)), None)
+    if config is None:
+        return {}
+    sums = torch.zeros(2 * len(_MOE_LOSSES), dtype=torch.float64)
+    for chunk in chunks:
+        for module in chunk.modules():
+            if not hasattr(module, "mean_losses"):
+                continue
+            for name, value in module.mean_losses().items():
+                if name in _MOE_LOSSES:
+                    sums[_MOE_LOSSES.index(name)] += float(value)
+                    sums[len(_MOE_LOSSES) + _MOE_LOSSES.index(name)] = 1.0
+    if torch.distributed.is_initialized():
+        comm.all_reduce(sums, torch.distributed.group.WORLD)
+    layers = sum(config.is_moe_layer(n) for n in range(config.num_layers))
+    dp = comm.world_size(groups.dp)
+    shares = {"z_loss": dp * comm.world_size(groups.tp_cp)}
+    return {
+        name: float(sums[i]) / (layers * shares.get(name, dp))
+        for i, name in enumerate(_MOE_LOSSES)
+        if sums[len(_MOE_LOSSES) + i] > 0
+    }
+
+
 def set_aux_loss_scale(chunks: Sequence, scale: float) -> None:
     """Give every mixture-of-experts layer's auxiliary losses the gradient ``scale`` in
-    backward (layers with an ``aux_loss_scale``; dense models have none)."""
+    backward, and start its sums of them (layers with an ``aux_loss_scale``; dense models
+    have none)."""
     for chunk in chunks:
         for module in chunk.modules():
             if hasattr(module, "aux_loss_scale"):
                 module.aux_loss_scale = scale
+                module.reset_loss_sums()
 
 
 def train_step(
@@ -110,10 +151,11 @@ def train_step(
     stepped = optimizer.step()
     if stepped.updated and lr_scheduler is not None:
         lr_scheduler.step()
+    aux = moe_losses(chunks, groups)
     loss = result.loss.detach().double().reshape(1) / scale
     if comm.world_size(groups.dp_cp) > 1:  # each cp rank's loss is cp × its share
         comm.all_reduce(loss, groups.dp_cp)
         loss /= comm.world_size(groups.dp_cp)
     return TrainStepResult(
-        float(loss.item()), stepped.grad_norm, not stepped.updated, result.events
+        float(loss.item()), stepped.grad_norm, not stepped.updated, result.events, aux
     )
