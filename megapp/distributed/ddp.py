@@ -121,6 +121,7 @@ class DistributedDataParallel(nn.Module):
             else None
         )
         self._expert_buckets = {id(b) for b in self.expert_buffer.buckets} if experts else set()
+        self._expert_ids = {id(p) for p in experts}
         sharded = zero_stage >= 2 and self.dp_size > 1
         stage3 = zero_stage == 3 and sharded
         units, unit_of = layer_units(module) if stage3 else ({}, None)
@@ -156,7 +157,7 @@ class DistributedDataParallel(nn.Module):
     def _on_grad(self, param: nn.Parameter) -> None:
         if param.grad is None:  # a split backward's I deferred this weight: nothing came
             return
-        expert = is_expert_parallel(param)
+        expert = id(param) in self._expert_ids
         if self.sharded is not None and not expert:
             self.sharded.accumulate(param)
             param.grad = None
@@ -250,7 +251,7 @@ class DistributedDataParallel(nn.Module):
         group, so every rank of it must call this for the same parameters in the same
         order. Otherwise ``param.main_grad`` itself.
         """
-        if self.zero_stage == 0 or self.dp_size == 1 or is_expert_parallel(param):
+        if self.zero_stage == 0 or self.dp_size == 1 or id(param) in self._expert_ids:
             return param.main_grad
         bucket = self.buffer.bucket_of[id(param)]
         own = self._owned(bucket)

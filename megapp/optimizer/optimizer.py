@@ -249,6 +249,7 @@ class Optimizer:
         groups = [g for g in groups if g["params"]]
         self.optimizer = build_adamw(groups, lr=lr, betas=betas, eps=eps)
         self._slice_of = {id(s.param): s for s in self.slices}
+        self._expert_slices = [is_expert_parallel(s.param) for s in self.slices]
 
     @property
     def distributed(self) -> bool:
@@ -313,11 +314,12 @@ class Optimizer:
     def _grad_norm(self, grads: list[torch.Tensor]) -> float:
         """The global L2 norm: the dense gradients' squares summed over ``norm_group``, the
         experts' over ``expert_norm_group``, each element once."""
-        pairs = list(zip(grads, self.slices, strict=True))
-        dense = [g for g, s in pairs if s.counted and not is_expert_parallel(s.param)]
-        experts = [g for g, s in pairs if s.counted and is_expert_parallel(s.param)]
         if self.expert_norm_group is None:
-            return get_grad_norm(dense + experts, group=self.norm_group)
+            counted = [g for g, s in zip(grads, self.slices, strict=True) if s.counted]
+            return get_grad_norm(counted, group=self.norm_group)
+        pairs = list(zip(grads, self.slices, self._expert_slices, strict=True))
+        dense = [g for g, s, expert in pairs if s.counted and not expert]
+        experts = [g for g, s, expert in pairs if s.counted and expert]
         dense_norm = get_grad_norm(dense, group=self.norm_group)
         expert_norm = get_grad_norm(experts, group=self.expert_norm_group)
         return (dense_norm**2 + expert_norm**2) ** 0.5
