@@ -38,7 +38,7 @@ def case(world, layout, config, *, slow=False, name=""):
 
 CASES = [
     # (world, train_layout arguments, model config beyond MOE)
-    case(2, {"ep": 2}, {}, name="dp2"),
+    case(2, {"ep": 2}, {}, slow=True, name="dp2"),
     case(4, {"ep": 4}, {"moe_token_dispatcher_type": "allgather"}, name="dp4-allgather"),
     case(4, {"tp": 2, "ep": 2}, SP, name="sp"),
     case(4, {"pp": 2, "ep": 2}, {"activation": "swiglu", "add_bias_linear": False}),
@@ -47,6 +47,8 @@ CASES = [
     case(4, {"cp": 2, "ep": 2}, {"cp_comm_type": "p2p"}, slow=True),
     case(4, {"ep": 2}, {"moe_shared_expert_intermediate_size": 8}, slow=True, name="shared"),
     case(8, {"tp": 2, "pp": 2, "ep": 2}, {**SP, "moe_layer_freq": 1}, slow=True),
+    case(4, {"ep": 2, "zero_stage": 1}, {}, name="dp4-edp2-zero1"),
+    case(4, {"tp": 2, "ep": 2, "etp": 1, "zero_stage": 1}, SP, slow=True, name="sp-edp2-zero1"),
 ]
 
 
@@ -59,10 +61,11 @@ def test_moe_training_matches_single_process(world_size, layout, config):
     check_against_reference(chunks, losses, norms, first_grads, config)
 
 
-def test_zero_sharding_of_experts_is_refused_in_one_line():
+@pytest.mark.parametrize("stage", [2, 3])
+def test_zero_sharding_of_expert_gradients_is_refused_in_one_line(stage):
     model = GPTModel(gpt_config(**MOE))
-    with pytest.raises(ValueError, match=r"^ZeRO stage 1 does not shard expert parameters"):
-        DistributedDataParallel(model, dp_group=None, zero_stage=1)
+    with pytest.raises(ValueError, match=rf"^ZeRO stage {stage} does not shard expert gradients"):
+        DistributedDataParallel(model, dp_group=None, zero_stage=stage)
 
 
 def test_moe_with_tensor_parallelism_needs_sequence_parallelism():

@@ -77,9 +77,9 @@ class DistributedDataParallel(nn.Module):
     already sums the contributions of every token routed to it from the ranks of its
     expert (tensor-)parallel group, and those groups tile the ranks of the expert-data-
     parallel group: dividing by the same ``dp`` and summing over ``expert_dp_group`` gives
-    the mean over all replicas, the single-process gradient. Expert parameters are not
-    sharded by the ZeRO stages yet: a model with experts and ``zero_stage`` >= 1 is
-    refused.
+    the mean over all replicas, the single-process gradient. ZeRO stage 1 shards the
+    experts' optimizer states over ``expert_dp_group`` (a reduce-scatter there); stages 2
+    and 3 do not shard expert parameters yet and are refused for a model with experts.
     """
 
     def __init__(
@@ -108,13 +108,14 @@ class DistributedDataParallel(nn.Module):
         params = [p for p in module.parameters() if p.requires_grad][::-1]
         experts = [p for p in params if is_expert_parallel(p)]
         params = [p for p in params if not is_expert_parallel(p)]
-        if experts and zero_stage >= 1:
+        if experts and zero_stage >= 2:
             raise ValueError(
-                f"ZeRO stage {zero_stage} does not shard expert parameters yet; train "
-                "mixture-of-experts models with zero stage 0 (no --use-distributed-optimizer)"
+                f"ZeRO stage {zero_stage} does not shard expert gradients or weights yet; train "
+                "mixture-of-experts models with zero stage 0 or 1"
             )
         self.expert_dp_group = dp_group if expert_dp_group is None else expert_dp_group
         self.expert_dp_size = comm.world_size(self.expert_dp_group)
+        self.expert_dp_rank = comm.rank(self.expert_dp_group)
         self.expert_buffer = (
             ParamAndGradBuffer(experts, bucket_size=bucket_size, dp_size=self.expert_dp_size)
             if experts
@@ -196,10 +197,15 @@ class DistributedDataParallel(nn.Module):
         grads = self.expert_buffer.grad_data[bucket.start : bucket.end]
         if self.dp_size > 1:
             grads.div_(self.dp_size)  # the same 1/dp share as the dense gradients
+        group = self.expert_dp_group
         if self.expert_dp_size == 1:
             bucket.work = _DONE
-            return
-        bucket.work = comm.all_reduce(grads, self.expert_dp_group, async_op=True)
+        elif self.zero_stage >= 1:
+            lo, hi = bucket.shard(self.expert_dp_rank, self.expert_dp_size)
+            out = self.expert_buffer.grad_data[lo:hi]
+            bucket.work = comm.reduce_scatter_into(out, grads, group, async_op=True)
+        else:
+            bucket.work = comm.all_reduce(grads, group, async_op=True)
 
     def _start(self, bucket: Bucket) -> None:
         if id(bucket) in self._expert_buckets:
@@ -251,13 +257,21 @@ class DistributedDataParallel(nn.Module):
         group, so every rank of it must call this for the same parameters in the same
         order. Otherwise ``param.main_grad`` itself.
         """
-        if self.zero_stage == 0 or self.dp_size == 1 or id(param) in self._expert_ids:
+        expert = id(param) in self._expert_ids
+        buffer, group = self.buffer, self.dp_group
+        if expert:
+            buffer, group = self.expert_buffer, self.expert_dp_group
+        if self.zero_stage == 0 or comm.world_size(group) == 1:
             return param.main_grad
-        bucket = self.buffer.bucket_of[id(param)]
-        own = self._owned(bucket)
+        bucket = buffer.bucket_of[id(param)]
+        if expert:
+            lo, hi = bucket.shard(self.expert_dp_rank, self.expert_dp_size)
+            own = buffer.grad_data[lo:hi]
+        else:
+            own = self._owned(bucket)
         whole = own.new_empty(bucket.end - bucket.start)
-        comm.all_gather_into(whole, own, self.dp_group)
-        start, end = self.buffer.ranges[id(param)]
+        comm.all_gather_into(whole, own, group)
+        start, end = buffer.ranges[id(param)]
         return whole[start - bucket.start : end - bucket.start].view(param.shape)
 
     def resized_storages(self) -> list[torch.UntypedStorage]:

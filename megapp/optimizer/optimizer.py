@@ -229,10 +229,16 @@ class Optimizer:
             names = {id(p): n for n, p in chunk.module.named_parameters()}
             rank = chunk.dp_rank if self.distributed else 0
             world = chunk.dp_size if self.distributed else 1
+            # ZeRO-1 shards the experts over the expert-data-parallel group
+            erank = chunk.expert_dp_rank if self.distributed else 0
+            eworld = chunk.expert_dp_size if self.distributed else 1
             for p in [*chunk.buffer.params, *chunk.expert_params]:
                 expert = is_expert_parallel(p)
-                sharded = world > 1 and not expert  # experts are not sharded (ZeRO 0 only)
-                part = chunk.buffer.param_shard(p, rank) if sharded else (0, p.numel())
+                if expert:
+                    buffer, r, w = chunk.expert_buffer, erank, eworld
+                else:
+                    buffer, r, w = chunk.buffer, rank, world
+                part = buffer.param_shard(p, r) if w > 1 else (0, p.numel())
                 if part is None:
                     continue
                 lo, hi = part
@@ -336,6 +342,15 @@ class Optimizer:
                 full = chunk.buffer.param_data[bucket.start : bucket.end]
                 own = chunk.buffer.param_data[lo:hi].clone()
                 works.append(comm.all_gather_into(full, own, chunk.dp_group, async_op=True))
+        for chunk in self.chunks:  # the experts' slices, over the expert-data-parallel group
+            if chunk.expert_buffer is None or chunk.expert_dp_size == 1:
+                continue
+            buffer = chunk.expert_buffer
+            for bucket in buffer.buckets:
+                lo, hi = bucket.shard(chunk.expert_dp_rank, chunk.expert_dp_size)
+                full = buffer.param_data[bucket.start : bucket.end]
+                own = buffer.param_data[lo:hi].clone()
+                works.append(comm.all_gather_into(full, own, chunk.expert_dp_group, async_op=True))
         for work in works:
             work.wait()
 

@@ -306,10 +306,10 @@ class PretrainConfig:
                     "experts: give --num-experts N"
                 )
             return
-        if par.zero_stage > 0:
+        if par.zero_stage > 1:
             raise ArgumentsError(
-                f"--zero-stage {par.zero_stage} (or --use-distributed-optimizer) does not shard "
-                "expert parameters yet; train --num-experts models without it"
+                f"--zero-stage {par.zero_stage} does not shard expert gradients or weights yet; "
+                "train --num-experts models with --zero-stage 0 or 1"
             )
         ckpt = self.checkpoint
         if ep > 1 and (ckpt.save is not None or ckpt.load is not None):
@@ -317,6 +317,12 @@ class PretrainConfig:
                 "--save/--load with --expert-model-parallel-size > 1: checkpoints do not "
                 "gather the experts over expert-parallel ranks yet; use "
                 "--expert-model-parallel-size 1 to checkpoint"
+            )
+        if par.zero_stage > 0 and (ckpt.save is not None or ckpt.load is not None):
+            raise ArgumentsError(
+                "--save/--load with --num-experts and --zero-stage 1 (or "
+                "--use-distributed-optimizer): checkpoints do not hold the experts' optimizer "
+                "shards yet; checkpoint with --zero-stage 0"
             )
         if ckpt.load_hf is not None or ckpt.save_hf is not None:
             raise ArgumentsError(

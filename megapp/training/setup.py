@@ -137,7 +137,7 @@ def build_training_setup(
         norm_group=dist.group.WORLD if sharded else groups.mp,
         per_stage=per_stage_steps,
         pp_group=groups.pp,
-        expert_norm_group=groups.tp_ep_pp if experts else None,
+        expert_norm_group=(dist.group.WORLD if sharded else groups.tp_ep_pp) if experts else None,
         expert_tp_group=groups.expt_tp,
     )
     scheduler = LRScheduler(
