@@ -171,6 +171,9 @@ class GPTModel(nn.Module):
         given, else the logits shard ``[b, s, V_pad/tp]``.
       - ``rotary_offset``: the position of the first token for RoPE (generation with a
         key/value cache feeds tokens after the first).
+
+    ``expert_groups``: the groups of the mixture-of-experts layers (``config.num_moe_experts``),
+    :class:`~megapp.transformer.config.ExpertGroups`.
     """
 
     def __init__(
