@@ -28,6 +28,11 @@ MOE = {
     "moe_z_loss_coeff": 1e-3,
 }
 SP = {"sequence_parallel": True}
+FULL_RECOMPUTE = {
+    "recompute_granularity": "full",
+    "recompute_method": "uniform",
+    "recompute_num_layers": 2,
+}
 
 
 def case(world, layout, config, *, slow=False, name=""):
@@ -48,6 +53,7 @@ CASES = [
     case(4, {"ep": 2}, {"moe_shared_expert_intermediate_size": 8}, slow=True, name="shared"),
     case(8, {"tp": 2, "pp": 2, "ep": 2}, {**SP, "moe_layer_freq": 1}, slow=True),
     case(4, {"ep": 2, "zero_stage": 1}, {}, name="dp4-edp2-zero1"),
+    case(4, {"ep": 2}, FULL_RECOMPUTE, slow=True, name="dp4-full-recompute"),
     case(4, {"tp": 2, "ep": 2, "etp": 1, "zero_stage": 1}, SP, slow=True, name="sp-edp2-zero1"),
 ]
 
