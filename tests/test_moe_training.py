@@ -17,6 +17,7 @@ import torch
 from megapp.distributed import DistributedDataParallel
 from megapp.models import GPTModel
 from megapp.testing import distributed
+from megapp.training.flops import gpt_training_flops
 from tests.support import check_against_reference, gpt_config, train_layout
 
 MOE = {
@@ -84,3 +85,11 @@ def test_dense_and_moe_layers_alternate():
     kinds = [type(layer.mlp).__name__ for layer in model.decoder.layers]
     assert kinds == ["MoELayer", "ParallelMLP"] * 4
     assert torch.is_tensor(model.decoder.layers[0].mlp.experts.fc1)
+
+
+def test_model_flops_count_the_chosen_experts_and_the_router():
+    dense = gpt_config(num_layers=2)
+    moe = gpt_config(num_layers=2, num_moe_experts=8, moe_router_topk=2, moe_layer_freq=2)
+    h, f = dense.hidden_size, dense.ffn_hidden_size
+    extra = 3 * 10 * (2 * h * 8 + 4 * h * f)  # one MoE layer: a second MLP and the router
+    assert gpt_training_flops(moe, 8, 10) - gpt_training_flops(dense, 8, 10) == extra

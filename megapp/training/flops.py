@@ -49,13 +49,31 @@ def gpt_training_flops(config: GPTConfig, seq_length: int, tokens: int) -> float
     :func:`layer_flops` and the logits' ``2·h·V`` per token (``V`` the vocabulary padded as
     the model pads it), three times (backward costs twice the forward). For the standard
     GPT (a = g, d = h / a, f = 4h, no SwiGLU) with B sequences this equals
-    ``72·B·s·l·h²·(1 + s/(6h) + V/(12·l·h))``.
+    ``72·B·s·l·h²·(1 + s/(6h) + V/(12·l·h))``. Mixture-of-experts layers count
+    :func:`moe_mlp_flops` for their MLP.
     """
     linear, core = layer_flops(config, seq_length)
     step = config.make_vocab_size_divisible_by * config.tensor_model_parallel_size
     vocab = -(-config.vocab_size // step) * step
     per_token = config.num_layers * (linear + core) + 2 * config.hidden_size * vocab
+    if getattr(config, "num_moe_experts", None) is not None:
+        moe_layers = sum(config.is_moe_layer(n) for n in range(config.num_layers))
+        per_token += moe_layers * (moe_mlp_flops(config) - _mlp(config, config.ffn_hidden_size))
     return 3.0 * per_token * tokens
+
+
+def _mlp(config: TransformerConfig, width: int) -> int:
+    return (6 if config.activation == "swiglu" else 4) * config.hidden_size * width
+
+
+def moe_mlp_flops(config: TransformerConfig) -> int:
+    """Forward FLOPs per token of a mixture-of-experts MLP: the router ``2·h·E``, the ``k``
+    experts it picks (each an MLP of width ``moe_ffn_hidden_size``) and the shared expert;
+    a dropless count (capacity drops only lower it)."""
+    shared = config.moe_shared_expert_intermediate_size
+    experts = config.moe_router_topk * _mlp(config, config.moe_ffn_hidden_size)
+    router = 2 * config.hidden_size * config.num_moe_experts
+    return router + experts + (_mlp(config, shared) if shared else 0)
 
 
 gpt_config_training_flops = gpt_training_flops  # the name pretrain_gpt.py and the benchmarks use
