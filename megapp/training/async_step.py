@@ -28,7 +28,7 @@ from megapp.pipeline_parallel.compute import ForwardStepFunc
 from megapp.pipeline_parallel.schedules import Schedule
 from megapp.pipeline_parallel.weight_stash import WeightStash
 from megapp.training.config import PretrainConfig
-from megapp.training.step import TrainStepResult
+from megapp.training.step import TrainStepResult, set_aux_loss_scale
 
 
 def run_length(config: PretrainConfig, iteration: int) -> int:
@@ -79,6 +79,8 @@ def train_run(
     rates: list[float] = []
     for chunk in chunks:
         chunk.zero_grad_buffer()
+    # mixture-of-experts layers: their auxiliary losses averaged as each step's loss is
+    set_aux_loss_scale(chunks, comm.world_size(groups.cp) / run.microbatches_per_update)
 
     def update(step: int) -> None:
         finalize_model_grads(chunks, tp_group=groups.tp, embedding_group=None)
