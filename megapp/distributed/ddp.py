@@ -9,11 +9,11 @@ backward; on other microbatches gradients only accumulate (no sync).
 
 The reduction averages over the data-parallel group: an all-reduce, or with
 the distributed optimizer a reduce-scatter that leaves each rank the summed
-slice it owns. Experts of a mixture-of-experts layer (marked expert parallel) are
-replicated over the expert-data-parallel group only: they sit in a buffer of their own,
-divided by the same data-parallel size and summed over that group (see
-:class:`DistributedDataParallel`). Buckets marked late (parameters that must first be summed over
-another group) are reduced by :meth:`sync_late_grads` after that sum.
+slice it owns. Buckets marked late (parameters that must first be summed over
+another group) are reduced by :meth:`sync_late_grads` after that sum. Experts of a
+mixture-of-experts layer (marked expert parallel) are replicated over the
+expert-data-parallel group only: they sit in a buffer of their own, divided by the same
+data-parallel size and summed over that group (see :class:`DistributedDataParallel`).
 
 ZeRO stages (one value, :data:`ZERO_STAGES`): 0 all-reduces whole gradients; 1 (the
 distributed optimizer) reduce-scatters them once per step; 2 also keeps only this rank's
@@ -158,8 +158,7 @@ class DistributedDataParallel(nn.Module):
     def _on_grad(self, param: nn.Parameter) -> None:
         if param.grad is None:  # a split backward's I deferred this weight: nothing came
             return
-        expert = id(param) in self._expert_ids
-        if self.sharded is not None and not expert:
+        if self.sharded is not None:  # ZeRO-2/3: refused for a model with experts
             self.sharded.accumulate(param)
             param.grad = None
             return
@@ -167,6 +166,7 @@ class DistributedDataParallel(nn.Module):
         param.grad = None  # the buffer holds it now
         if not (self.grad_sync and self.overlap_grad_reduce):
             return
+        expert = id(param) in self._expert_ids
         bucket = (self.expert_buffer if expert else self.buffer).bucket_of[id(param)]
         bucket.pending.discard(id(param))
         if not bucket.pending and not bucket.late:
@@ -223,12 +223,11 @@ class DistributedDataParallel(nn.Module):
             bucket.work = comm.all_reduce(grads, self.dp_group, async_op=True)
 
     def _finish(self, late: bool) -> None:
-        experts = [] if self.expert_buffer is None else self.expert_buffer.buckets
-        if self.sharded is not None:
+        if self.sharded is not None:  # ZeRO-2/3: no experts
             self.sharded.finish(late)
-            buckets = experts
-        else:
-            buckets = [*self.buffer.buckets, *experts]
+            return
+        experts = [] if self.expert_buffer is None else self.expert_buffer.buckets
+        buckets = [*self.buffer.buckets, *experts]
         for bucket in buckets:
             if bucket.late == late:
                 self._start(bucket)
