@@ -65,6 +65,7 @@ from megapp.checkpointing.safe_reader import (
 from megapp.checkpointing.state import (
     STEP_KEY,
     OptimizerPieces,
+    Placement,
     model_shards,
     named_params,
     optimizer_step,
@@ -127,6 +128,8 @@ def _layout(chunks, optimizer, groups) -> dict[str, Any]:
         "dp": comm.world_size(groups.dp),
         "cp": comm.world_size(groups.cp),
         "vpp": len(chunks),
+        "ep": comm.world_size(getattr(groups, "ep", None)),
+        "etp": comm.world_size(getattr(groups, "expt_tp", groups.tp)),
         "distributed_optimizer": bool(optimizer is not None and optimizer.distributed),
     }
 
@@ -164,13 +167,13 @@ def _write_json(path: Path, data: dict) -> None:
         os.fsync(f.fileno())
 
 
-def _save_tensors(partial: Path, params, chunks, optimizer, tp_rank: int, tp_size: int, rank: int):
+def _save_tensors(partial: Path, params, optimizer, placement: Placement, rank: int):
     """Every tensor of the training state into the ``partial`` directory (collective)."""
-    state: dict[str, torch.Tensor] = model_shards(params, tp_rank, tp_size)
+    state: dict[str, torch.Tensor] = model_shards(params, placement)
     if optimizer is not None:
         pieces = OptimizerPieces(params, optimizer, optimizer.state_kinds())
         pieces.gather()
-        state.update(pieces.shards(tp_rank, tp_size))
+        state.update(pieces.shards(placement))
         state[STEP_KEY] = torch.tensor(optimizer_step(optimizer), dtype=torch.float64)
     for key, tensor in rng.capture().items():
         state[f"rng.{rank}.{key}"] = tensor
@@ -212,10 +215,9 @@ def save_checkpoint(
         partial.mkdir()
     _barrier()
 
-    tp_rank, tp_size = comm.rank(groups.tp), comm.world_size(groups.tp)
     params = named_params(chunks, optimizer)
     with full_weights(chunks):  # ZeRO-3: whole weights to save
-        _save_tensors(partial, params, chunks, optimizer, tp_rank, tp_size, rank)
+        _save_tensors(partial, params, optimizer, Placement.of(groups), rank)
 
     if rank == 0:
         scaler = optimizer.grad_scaler if optimizer is not None else None
@@ -289,11 +291,11 @@ def load_checkpoint(
     check_data_files(metadata, path)
     saved = metadata.state_dict_metadata
 
-    tp_rank, tp_size = comm.rank(groups.tp), comm.world_size(groups.tp)
+    placement = Placement.of(groups)
     params = named_params(chunks, optimizer)
     # ZeRO-3 chunks hold slices: the weights are whole from here until they are read.
     with full_weights(chunks):
-        state: dict[str, torch.Tensor] = model_shards(params, tp_rank, tp_size)
+        state: dict[str, torch.Tensor] = model_shards(params, placement)
         pieces = None
         load_optimizer = load_optimizer and optimizer is not None
         if load_optimizer:
@@ -303,11 +305,14 @@ def load_checkpoint(
             if "master" in kinds and not any(k.startswith("optimizer.master.") for k in saved):
                 kinds = tuple(k for k in kinds if k != "master")  # masters from the weights
             pieces = OptimizerPieces(params, optimizer, kinds)
-            state.update(pieces.shards(tp_rank, tp_size))
+            state.update(pieces.shards(placement))
             state[STEP_KEY] = torch.zeros((), dtype=torch.float64)
         rank = _rank_tag()
         saved_layout, layout = common.get("layout") or {}, _layout(chunks, optimizer, groups)
-        same_layout = all(saved_layout.get(k) == layout[k] for k in ("world_size", "tp", "pp"))
+        # checkpoints from before expert parallelism recorded no ep or etp: 1 and tp
+        saved_layout = {"ep": 1, "etp": saved_layout.get("tp"), **saved_layout}
+        keys = ("world_size", "tp", "pp", "ep", "etp")
+        same_layout = all(saved_layout.get(k) == layout[k] for k in keys)
         rng_states = rng.capture() if load_rng and same_layout else {}
         if any(f"rng.{rank}.{key}" not in saved for key in rng_states):
             rng_states = {}  # saved with other generators (e.g. without CUDA): keep our seeds

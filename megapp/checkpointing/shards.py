@@ -14,7 +14,11 @@ Two layouts need more than an offset:
   rank ``r`` is ``[k, r·n : (r+1)·n]`` of a global ``[s, N, ...]``;
 - a vocabulary padded to a multiple of the tensor-parallel size keeps only its
   real rows: the global tensor has ``unpadded_size`` rows whatever the padding,
-  and a rank whose rows are all padding holds nothing of it.
+  and a rank whose rows are all padding holds nothing of it;
+- a rank's ``L`` experts, stacked ``[L, ...]`` (and split over expert tensor
+  parallelism like any tensor-parallel weight), are rows ``[e·L, (e+1)·L)`` of
+  all ``E`` experts ``[E, ...]`` on expert-parallel rank ``e``: each expert is
+  stored under its global index, whatever the expert-parallel size.
 """
 
 from __future__ import annotations
@@ -29,7 +33,12 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from megapp.param_attributes import is_tensor_parallel, partition, unpadded_size
+from megapp.param_attributes import (
+    is_expert_parallel,
+    is_tensor_parallel,
+    partition,
+    unpadded_size,
+)
 
 
 class TensorShard(torch.Tensor):
@@ -138,3 +147,23 @@ def tensor_parallel_shard(
     if stride == 1:  # no extra dimension
         del local_shape[dim], offsets[dim], global_shape[dim]
     return TensorShard(tensor.view(local_shape), offsets, global_shape)
+
+
+def expert_parallel_shard(
+    tensor: torch.Tensor,
+    param: torch.nn.Parameter,
+    etp_rank: int,
+    etp_size: int,
+    ep_rank: int,
+    ep_size: int,
+) -> TensorShard:
+    """``tensor`` (an expert ``param`` ``[L, ...]`` or a state of its shape) as a piece of
+    every expert's ``[E, ...]``, ``E = L·ep_size``: its expert-tensor-parallel piece
+    (:func:`tensor_parallel_shard` over the etp ranks) moved to rows ``ep_rank·L``."""
+    if not is_expert_parallel(param):
+        raise ValueError(f"a {tuple(param.shape)} param that holds no experts")
+    shard = tensor_parallel_shard(tensor, param, etp_rank, etp_size)
+    local = shard.local.shape[0]  # the experts' dimension is never a partition dimension
+    offsets, shape = list(shard.offsets), list(shard.shape)
+    offsets[0], shape[0] = ep_rank * local, local * ep_size
+    return TensorShard(shard.local, offsets, shape)

@@ -13,6 +13,12 @@ data-parallel rank holds only a flat slice of them; they are gathered over the
 data-parallel group into whole tensor-parallel pieces before saving, and after loading
 each rank keeps its own slice again, so a checkpoint does not depend on whether the
 optimizer was distributed or on the data-parallel size.
+
+A mixture-of-experts layer's experts are saved under their global expert index
+(:func:`~megapp.checkpointing.shards.expert_parallel_shard`), split as the expert
+tensor-parallel group splits them, so a checkpoint loads under another
+expert-parallel size too; their distributed-optimizer slices are gathered over the
+expert-data-parallel group, which shards them.
 """
 
 from __future__ import annotations
@@ -25,8 +31,12 @@ import torch.distributed as dist
 from torch import nn
 
 from megapp import comm
-from megapp.checkpointing.shards import TensorShard, tensor_parallel_shard
-from megapp.param_attributes import is_duplicate, is_tied_embedding
+from megapp.checkpointing.shards import (
+    TensorShard,
+    expert_parallel_shard,
+    tensor_parallel_shard,
+)
+from megapp.param_attributes import is_duplicate, is_expert_parallel, is_tied_embedding
 
 MODEL = "model."
 OPTIMIZER = "optimizer."
@@ -41,6 +51,40 @@ def checkpoint_name(module: nn.Module, name: str, param: nn.Parameter) -> str:
     if len(parts) > 2 and parts[0] == "decoder" and parts[1] == "layers":
         parts[2] = str(module.decoder.layers[int(parts[2])].layer_number)
     return ".".join(parts)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """This rank's coordinates in the tensor-parallel split of dense weights and in the
+    expert-tensor-parallel and expert-parallel splits of experts."""
+
+    tp_rank: int = 0
+    tp_size: int = 1
+    etp_rank: int = 0
+    etp_size: int = 1
+    ep_rank: int = 0
+    ep_size: int = 1
+
+    @classmethod
+    def of(cls, groups) -> Placement:
+        """From a :class:`~megapp.parallel_state.TrainGroups`."""
+        etp, ep = getattr(groups, "expt_tp", groups.tp), getattr(groups, "ep", None)
+        return cls(
+            comm.rank(groups.tp),
+            comm.world_size(groups.tp),
+            comm.rank(etp),
+            comm.world_size(etp),
+            comm.rank(ep),
+            comm.world_size(ep),
+        )
+
+    def piece(self, tensor: torch.Tensor, param: nn.Parameter) -> TensorShard | None:
+        """``tensor`` (``param`` or a state of its shape) as a piece of the whole tensor."""
+        if is_expert_parallel(param):
+            return expert_parallel_shard(
+                tensor, param, self.etp_rank, self.etp_size, self.ep_rank, self.ep_size
+            )
+        return tensor_parallel_shard(tensor, param, self.tp_rank, self.tp_size)
 
 
 @dataclass
@@ -76,13 +120,13 @@ def named_params(chunks: Sequence[nn.Module], optimizer=None) -> list[_Chunk]:
     return out
 
 
-def model_shards(chunks: list[_Chunk], tp_rank: int, tp_size: int) -> dict[str, TensorShard]:
+def model_shards(chunks: list[_Chunk], placement: Placement) -> dict[str, TensorShard]:
     """``{"model.<name>": piece}`` over the parameters' own storage (saving reads it,
     loading writes it in place)."""
     state = {}
     for c in chunks:
         for p in c.params:
-            shard = tensor_parallel_shard(p.param.data, p.param, tp_rank, tp_size)
+            shard = placement.piece(p.param.data, p.param)
             if shard is not None:
                 state[MODEL + p.name] = shard
     return state
@@ -107,61 +151,77 @@ class OptimizerPieces:
 
     def __init__(self, chunks: list[_Chunk], optimizer, kinds: Sequence[str]):
         self.chunks, self.optimizer, self.kinds = chunks, optimizer, tuple(kinds)
-        self.flat: dict[int, torch.Tensor] = {}
+        self.flat: dict[tuple[int, bool], torch.Tensor] = {}
         self.tensors: dict[tuple[str, str], tuple[torch.Tensor, nn.Parameter]] = {}
         for c in chunks:
-            sharded = optimizer.distributed and c.chunk.dp_size > 1
-            if sharded:
-                numel = c.chunk.buffer.numel
-                device = c.chunk.buffer.params[0].device
-                flat = torch.zeros(len(self.kinds), numel, dtype=torch.float32, device=device)
-                self.flat[id(c)] = flat
             for p in c.params:
+                expert = is_expert_parallel(p.param)
+                buffer, dp_size, _ = _buffer_of(c.chunk, expert)
+                sharded = optimizer.distributed and dp_size > 1
+                key = (id(c), expert)
+                if sharded and key not in self.flat:
+                    self.flat[key] = torch.zeros(
+                        len(self.kinds),
+                        buffer.numel,
+                        dtype=torch.float32,
+                        device=buffer.params[0].device,
+                    )
                 for k, kind in enumerate(self.kinds):
                     if sharded:
-                        lo, hi = c.chunk.buffer.ranges[id(p.param)]
-                        tensor = self.flat[id(c)][k, lo:hi].view(p.param.shape)
+                        lo, hi = buffer.ranges[id(p.param)]
+                        tensor = self.flat[key][k, lo:hi].view(p.param.shape)
                     else:
                         if p.owned is None:
                             raise ValueError(f"the optimizer does not update {p.name}")
                         tensor = optimizer.state_of(p.param, kind).view(p.param.shape)
                     self.tensors[(kind, p.name)] = (tensor, p.param)
 
-    def _own_ranges(self, c: _Chunk):
+    def _own_ranges(self, c: _Chunk, expert: bool):
+        buffer = _buffer_of(c.chunk, expert)[0]
         for p in c.params:
-            if p.owned is None:
+            if p.owned is None or is_expert_parallel(p.param) != expert:
                 continue
-            start = c.chunk.buffer.ranges[id(p.param)][0]
+            start = buffer.ranges[id(p.param)][0]
             lo, hi = start + p.owned[0], start + p.owned[1]
             for k, kind in enumerate(self.kinds):
                 yield k, lo, hi, self.optimizer.state_of(p.param, kind)
 
-    def gather(self) -> None:
-        """Fill the flat tensors from every data-parallel rank's slices."""
-        works = []
+    def _flats(self):
         for c in self.chunks:
-            flat = self.flat.get(id(c))
-            if flat is None:
-                continue
-            for k, lo, hi, value in self._own_ranges(c):
+            for expert in (False, True):
+                flat = self.flat.get((id(c), expert))
+                if flat is not None:
+                    yield c, expert, flat
+
+    def gather(self) -> None:
+        """Fill the flat tensors from every (expert-)data-parallel rank's slices."""
+        works = []
+        for c, expert, flat in self._flats():
+            for k, lo, hi, value in self._own_ranges(c, expert):
                 flat[k, lo:hi] = value
-            works.append(comm.all_reduce(flat, c.chunk.dp_group, async_op=True))
+            group = _buffer_of(c.chunk, expert)[2]
+            works.append(comm.all_reduce(flat, group, async_op=True))
         for work in works:  # each element has exactly one owner, so the sum is exact
             work.wait()
 
     def scatter(self) -> None:
         """Copy this rank's slices out of the loaded flat tensors."""
-        for c in self.chunks:
-            flat = self.flat.get(id(c))
-            if flat is None:
-                continue
-            for k, lo, hi, value in self._own_ranges(c):
+        for c, expert, flat in self._flats():
+            for k, lo, hi, value in self._own_ranges(c, expert):
                 value.copy_(flat[k, lo:hi])
 
-    def shards(self, tp_rank: int, tp_size: int) -> dict[str, TensorShard]:
+    def shards(self, placement: Placement) -> dict[str, TensorShard]:
         state = {}
         for (kind, name), (tensor, param) in self.tensors.items():
-            shard = tensor_parallel_shard(tensor, param, tp_rank, tp_size)
+            shard = placement.piece(tensor, param)
             if shard is not None:
                 state[f"{OPTIMIZER}{kind}.{name}"] = shard
         return state
+
+
+def _buffer_of(chunk: nn.Module, expert: bool):
+    """The buffer holding a chunk's dense or expert parameters, the size of the group that
+    shards their optimizer states, and that group."""
+    if expert:
+        return chunk.expert_buffer, chunk.expert_dp_size, chunk.expert_dp_group
+    return chunk.buffer, chunk.dp_size, chunk.dp_group

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from megapp import comm
-from megapp.checkpointing.state import MODEL, model_shards, named_params
+from megapp.checkpointing.state import MODEL, Placement, model_shards, named_params
 from megapp.distributed.ddp import full_weights
 from megapp.models.gpt import GPTConfig
 from megapp.models.hf_config import exported_config, generation_config, gpt_config_from_hf
@@ -118,7 +118,7 @@ def load_hf(
     config = _config_of(chunks)
     read = 0
     with torch.no_grad(), full_weights(chunks):  # ZeRO-3 keeps what is written
-        for key, shard in model_shards(named_params(chunks), tp_rank, tp_size).items():
+        for key, shard in model_shards(named_params(chunks), Placement(tp_rank, tp_size)).items():
             name = key.removeprefix(MODEL)
             rows = hf_layout(config, model_type, name)
             check_shapes(folder, rows, list(shard.shape), name)
@@ -138,7 +138,7 @@ def _config_of(chunks: Sequence[nn.Module]) -> GPTConfig:
 def _pieces(chunks: Sequence[nn.Module], tp_rank: int, tp_size: int) -> dict[str, Any]:
     return {
         key.removeprefix(MODEL): shard
-        for key, shard in model_shards(named_params(chunks), tp_rank, tp_size).items()
+        for key, shard in model_shards(named_params(chunks), Placement(tp_rank, tp_size)).items()
     }
 
 

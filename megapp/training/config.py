@@ -312,18 +312,6 @@ class PretrainConfig:
                 "train --num-experts models with --zero-stage 0 or 1"
             )
         ckpt = self.checkpoint
-        if ep > 1 and (ckpt.save is not None or ckpt.load is not None):
-            raise ArgumentsError(
-                "--save/--load with --expert-model-parallel-size > 1: checkpoints do not "
-                "gather the experts over expert-parallel ranks yet; use "
-                "--expert-model-parallel-size 1 to checkpoint"
-            )
-        if par.zero_stage > 0 and (ckpt.save is not None or ckpt.load is not None):
-            raise ArgumentsError(
-                "--save/--load with --num-experts and --zero-stage 1 (or "
-                "--use-distributed-optimizer): checkpoints do not hold the experts' optimizer "
-                "shards yet; checkpoint with --zero-stage 0"
-            )
         if ckpt.load_hf is not None or ckpt.save_hf is not None:
             raise ArgumentsError(
                 "--load-hf/--save-hf do not convert mixture-of-experts models yet; drop "

@@ -1,0 +1,111 @@
+"""A mixture-of-experts checkpoint saved under one expert-parallel layout resumes under
+another: each expert is stored under its global index, its AdamW states too (gathered
+over the expert-data-parallel group under ZeRO-1), so the resumed run's losses and
+gradient norms equal the uninterrupted run's. Dropout is off and routing dropless, so
+the layouts differ by fp32 round-off only. The jobs are pretrain_gpt.py's main on the
+ranks of a reused gloo world (:mod:`megapp.testing.pretrain_world`).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from megapp.testing.pretrain_world import run_pretrain_in_world
+from megapp.training.metrics import read_records
+
+ITERS, SAVE_AT = 4, 2
+MODEL = (
+    "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 "
+    "--micro-batch-size 2 --global-batch-size 4 --lr 1e-3 --hidden-dropout 0 "
+    "--attention-dropout 0 --split 90,5,5 --eval-iters 0 --log-interval 1 "
+    f"--train-iters {ITERS} --num-experts 4 --moe-router-topk 2 --moe-aux-loss-coeff 1e-2 "
+    "--swiglu"
+).split()
+SOURCES = {
+    "ep2": (2, "--expert-model-parallel-size 2"),
+    "ep1 zero1": (2, "--use-distributed-optimizer"),
+}
+TARGETS = [
+    pytest.param("ep2", "ep 2->1", 1, "", id="ep 2->1"),
+    pytest.param(
+        "ep1 zero1",
+        "ep 1->2, zero1 edp 2->1",
+        2,
+        "--expert-model-parallel-size 2 --zero-stage 1",
+        id="ep 1->2, zero1 edp 2->1",
+    ),
+    pytest.param(
+        "ep2",
+        "ep 2->2 with etp 2",
+        4,
+        "--expert-model-parallel-size 2 --tensor-model-parallel-size 2 --sequence-parallel",
+        marks=pytest.mark.slow,
+        id="ep 2->2 with etp 2",
+    ),
+    pytest.param(
+        "ep1 zero1",
+        "ep 1->2, zero1 edp 2",
+        4,
+        "--expert-model-parallel-size 2 --expert-tensor-parallel-size 1 "
+        "--tensor-model-parallel-size 2 --sequence-parallel --use-distributed-optimizer",
+        marks=pytest.mark.slow,
+        id="ep 1->2, zero1 edp 2",
+    ),
+]
+
+
+def _train_records(path) -> dict[int, dict]:
+    return {r["iteration"]: r for r in read_records(path, "train")}
+
+
+def _data(corpus, root) -> list[str]:
+    return ["--data-path", str(corpus / "stdlib"), "--data-cache-path", str(root / "cache")]
+
+
+@pytest.fixture(scope="module")
+def sources(corpus, tmp_path_factory):
+    """Each source job's checkpoint directory and its uninterrupted training records."""
+    out = {}
+    for name, (nproc, layout) in SOURCES.items():
+        root = tmp_path_factory.mktemp(name.replace(" ", "_"))
+        job = run_pretrain_in_world(
+            nproc,
+            [
+                *MODEL,
+                *layout.split(),
+                *_data(corpus, root),
+                *("--save", str(root / "ckpt"), "--save-interval", str(SAVE_AT)),
+                *("--metrics-path", str(root / "metrics.jsonl")),
+            ],
+            cwd=root,
+        )
+        assert job.returncode == 0, job.stderr[-4000:]
+        out[name] = (root, _train_records(root / "metrics.jsonl"))
+    return out
+
+
+@pytest.mark.parametrize("source, name, nproc, layout", TARGETS)
+def test_a_moe_checkpoint_resumes_under_another_expert_layout(
+    sources, corpus, tmp_path, source, name, nproc, layout
+):
+    root, full = sources[source]
+    job = run_pretrain_in_world(
+        nproc,
+        [
+            *MODEL,
+            *layout.split(),
+            *_data(corpus, tmp_path),
+            *("--load", str(root / "ckpt"), "--ckpt-step", str(SAVE_AT)),
+            *("--metrics-path", str(tmp_path / "metrics.jsonl")),
+        ],
+        cwd=tmp_path,
+    )
+    assert job.returncode == 0, job.stderr[-4000:]
+    assert f"loaded checkpoint {root / 'ckpt' / 'iter_0000002'}" in job.stdout
+    resumed = _train_records(tmp_path / "metrics.jsonl")
+    assert sorted(resumed) == [3, 4]
+    for i in (3, 4):
+        for key in ("iteration", "consumed_samples", "learning_rate"):
+            assert resumed[i][key] == full[i][key], (name, i, key)
+        for key in ("lm_loss", "grad_norm", "load_balancing_loss"):
+            assert resumed[i][key] == pytest.approx(full[i][key], rel=1e-5), (name, i, key)
