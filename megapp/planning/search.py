@@ -13,7 +13,6 @@ from a :class:`~megapp.planning.timing.TimeModel`: devices of their own for a
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -37,7 +36,6 @@ from megapp.training.parallel_flags import ParallelArgs
 
 _GIB = 2**30
 _BUCKET = ParallelArgs().ddp_bucket_size
-_GPT_FIELDS = frozenset(f.name for f in dataclasses.fields(GPTConfig))
 _COUNTED = {
     "slower": "timed",
     "invalid": "invalid",
@@ -94,19 +92,18 @@ class Planner:
         self._schedules: dict[tuple, Schedule | str] = {}
 
     def gpt(self, layout: Layout) -> GPTConfig | None:
-        """The model under ``layout`` as ``pretrain_gpt.py`` builds it: the layout's
-        settings named after GPTConfig fields replaced in the model's (None where the
-        model's own rules refuse the tensor- or context-parallel size)."""
+        """The model under ``layout`` as ``pretrain_gpt.py`` builds it from the model's flags
+        and the layout's settings that reach the model (tensor and context parallelism,
+        sequence parallelism, recompute); None where its rules refuse them."""
         key = (layout.tp, layout.sequence_parallel, layout.recompute, layout.cp)
         key += (layout.cp_comm_type,)
         if key not in self._gpts:
             names = ("tp", "sequence_parallel", "recompute", "cp", "cp_comm_type")
             model_only = Layout(**dict(zip(names, key, strict=True)))
-            settings = model_only.settings(self.base.num_layers)
-            fields = {name: value for _, name, value in settings if name in _GPT_FIELDS}
             try:
-                self._gpts[key] = dataclasses.replace(self.base, **fields)
-            except ValueError:
+                config = pretrain_config(model_only, self.model.flags, 1)
+                self._gpts[key] = config.gpt_config(self.model.vocab_size)
+            except (ArgumentsError, ValueError):
                 self._gpts[key] = None
         return self._gpts[key]
 
