@@ -119,6 +119,17 @@ def test_expansion_keeps_valid_points_and_says_why_others_drop():
         assert "--hidden-dropout" in point.flags and "--log-interval" in point.flags
 
 
+def test_a_v_schedule_asked_for_with_one_chunk_is_the_two_chunk_point_once():
+    """zb-v runs two chunks per rank whatever the vpp axis says: the sweep runs that
+    layout once, named for what runs, and says why the other is left out."""
+    spec = small_spec(tp=(1,), pp=(2,), vpp=(1, 2), schedule=("zb-v",), recompute=(None,))
+    expansion = expand(spec)
+    name = "tp1.pp2.dp2.v2.mb2.zb-v.norecompute.z0"
+    assert [p.name for p in expansion.points] == [name]
+    (dropped,) = expansion.dropped
+    assert dropped.description == name and f"runs as {name}" in dropped.reason
+
+
 def test_world_size_must_divide():
     expansion = expand(small_spec(tp=(3,), pp=(1,), recompute=(None,)))
     assert not expansion.points

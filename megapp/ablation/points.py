@@ -11,6 +11,7 @@ points are compared with, one per rule that has one.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import itertools
 from collections.abc import Iterable, Mapping
@@ -227,6 +228,7 @@ def expand(spec: SweepSpec) -> Expansion:
         spec.sequence_parallel,
     )
     seen: set[tuple] = set()
+    layouts: set[Layout] = set()
     for tp, cp, comm_type, pp, vpp, schedule, mbs, recompute, zero, sp in axes:
         if cp == 1:
             comm_type = CP_COMM_TYPES[0]  # no communication to vary: one point, the default
@@ -262,11 +264,18 @@ def expand(spec: SweepSpec) -> Expansion:
             out.dropped.append(Dropped(None, description, str(error)))
             continue
         try:
-            check_point(spec, layout)
+            config = check_point(spec, layout)
         except ValueError as error:
             out.dropped.append(Dropped(layout, layout.name, str(error)))
             continue
-        out.points.append(point_for(spec, layout))
+        # a schedule that places its own chunks (the V) runs the count it needs
+        runs = dataclasses.replace(layout, vpp=config.virtual_pipeline_model_parallel_size or 1)
+        if runs in layouts:
+            reason = f"runs as {runs.name} (the schedule's own chunk count), already a point"
+            out.dropped.append(Dropped(layout, layout.name, reason))
+            continue
+        layouts.add(runs)
+        out.points.append(point_for(spec, runs))
     return out
 
 
