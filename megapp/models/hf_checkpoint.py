@@ -30,6 +30,7 @@ from megapp.models.hf_config import exported_config, generation_config, gpt_conf
 from megapp.models.hf_weights import (
     INDEX_FILE,
     SINGLE_FILE,
+    Experts,
     SafetensorsFolder,
     check_shapes,
     hf_layout,
@@ -112,20 +113,33 @@ def load_hf(
     model_type: str,
     tp_rank: int = 0,
     tp_size: int = 1,
+    *,
+    placement: Placement | None = None,
 ) -> int:
-    """Copy the Hugging Face weights into this rank's parameters; returns elements read."""
+    """Copy the Hugging Face weights into this rank's parameters; returns elements read.
+    ``placement`` (for a model with experts under expert parallelism) replaces
+    ``tp_rank`` and ``tp_size``."""
     folder = SafetensorsFolder(directory)
     config = _config_of(chunks)
+    placement = placement or Placement(tp_rank, tp_size)
     read = 0
     with torch.no_grad(), full_weights(chunks):  # ZeRO-3 keeps what is written
-        for key, shard in model_shards(named_params(chunks), Placement(tp_rank, tp_size)).items():
+        for key, shard in model_shards(named_params(chunks), placement).items():
             name = key.removeprefix(MODEL)
             rows = hf_layout(config, model_type, name)
-            check_shapes(folder, rows, list(shard.shape), name)
             region = tuple(
                 slice(o, o + n) for o, n in zip(shard.offsets, shard.local.shape, strict=True)
             )
-            values = read_region(folder, rows, region)
+            if isinstance(rows, Experts):
+                values = rows.read(folder, region)
+                if values.shape != shard.local.shape:
+                    raise ValueError(
+                        f"{rows.names[0].format(e=0)} and its kin do not fit megapp's {name} "
+                        f"of shape {list(shard.shape)}"
+                    )
+            else:
+                check_shapes(folder, rows, list(shard.shape), name)
+                values = read_region(folder, rows, region)
             shard.local.copy_(values.to(shard.local.dtype))
             read += values.numel()
     return read
@@ -135,10 +149,10 @@ def _config_of(chunks: Sequence[nn.Module]) -> GPTConfig:
     return getattr(chunks[0], "module", chunks[0]).config
 
 
-def _pieces(chunks: Sequence[nn.Module], tp_rank: int, tp_size: int) -> dict[str, Any]:
+def _pieces(chunks: Sequence[nn.Module], placement: Placement) -> dict[str, Any]:
     return {
         key.removeprefix(MODEL): shard
-        for key, shard in model_shards(named_params(chunks), Placement(tp_rank, tp_size)).items()
+        for key, shard in model_shards(named_params(chunks), placement).items()
     }
 
 
@@ -153,9 +167,12 @@ def save_hf(
     tokenizer_dir: str | None = None,
     source_dir: str | None = None,
     eod: int | None = None,
+    placement: Placement | None = None,
 ) -> None:
     """Write the model as a Hugging Face folder. Collective over ``group`` (all ranks holding
-    a part of the model; None: the default group when distributed, else this process).
+    a part of the model, experts included; None: the default group when distributed, else
+    this process). ``placement`` replaces ``tp_rank`` and ``tp_size`` under expert
+    parallelism.
 
     ``source_dir``: a folder with the ``config.json`` (and ``generation_config.json``) the
     model was imported with, written back; without one the config is made from the
@@ -170,11 +187,13 @@ def save_hf(
         generation = _read_json(os.path.join(source_dir, GENERATION_FILE))
     texts = {CONFIG_FILE: hf, GENERATION_FILE: generation or generation_config(hf)}
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if distributed and group is None:
+        group = torch.distributed.group.WORLD
     root = not distributed or comm.rank(group) == 0
     created = root and not os.path.exists(directory)
     try:
         with full_weights(chunks):  # ZeRO-3 gathers the weights whole
-            pieces = _pieces(chunks, tp_rank, tp_size)
+            pieces = _pieces(chunks, placement or Placement(tp_rank, tp_size))
             names = sorted(pieces)
             if distributed:
                 everyone = comm.all_gather_object(names, group)
@@ -279,6 +298,8 @@ def _assemble(name: str, parts: list[tuple[list[int], torch.Tensor]]) -> torch.T
 def _split_to_hf(config: GPTConfig, model_type: str, name: str, whole: torch.Tensor) -> dict:
     """The Hugging Face tensors (or their rows) that megapp's whole tensor ``name`` holds."""
     rows = hf_layout(config, model_type, name)
+    if isinstance(rows, Experts):
+        return rows.split(whole)
     out: dict[str, torch.Tensor] = {}
     parts = [whole[p] for p in range(len(rows.segments))] if len(rows.segments) > 1 else [whole]
     for segments, tensor in zip(rows.segments, parts, strict=True):

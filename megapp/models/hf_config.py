@@ -1,5 +1,6 @@
 """Hugging Face model configs to :class:`GPTConfig` and back: GPT-2, Llama 2/3/3.1, Mistral,
-Qwen2, and GPT-NeoX with sequential residuals (partial rotary, erf GeLU).
+Qwen2, GPT-NeoX with sequential residuals (partial rotary, erf GeLU), and the
+mixtures of experts Mixtral and Qwen2-MoE.
 
 ``gpt_config_from_hf(config.json's dict)`` builds the megapp model that computes what the
 Hugging Face model computes; ``hf_config_from_gpt(config, model_type)`` writes the
@@ -18,7 +19,8 @@ from typing import Any
 
 from megapp.models.gpt import GPTConfig
 
-MODEL_TYPES = ("gpt2", "gpt_neox", "llama", "mistral", "qwen2")
+MODEL_TYPES = ("gpt2", "gpt_neox", "llama", "mistral", "qwen2", "mixtral", "qwen2_moe")
+MOE_TYPES = ("mixtral", "qwen2_moe")
 # Hugging Face's GeLU names -> megapp's: the tanh approximation, or the exact erf form.
 GELU_NAMES = {"gelu_new": "gelu", "gelu_pytorch_tanh": "gelu", "gelu": "gelu_erf"}
 _HF_ARCHITECTURES = {
@@ -27,6 +29,8 @@ _HF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
 }
 # The fields that make a model what it is; the others (layout, dropout, recompute, dtype,
 # initialization, and RoPE models' max_position_embeddings) are a run's own.
@@ -51,6 +55,15 @@ MODEL_FIELDS = (
     "rope_original_max_position_embeddings",
     "vocab_size",
     "share_embeddings_and_output_weights",
+    "num_moe_experts",
+    "moe_layer_freq",
+    "moe_ffn_hidden_size",
+    "moe_router_topk",
+    "moe_router_score_function",
+    "moe_router_pre_softmax",
+    "moe_router_norm_topk_prob",
+    "moe_shared_expert_intermediate_size",
+    "moe_shared_expert_gate",
 )
 TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
@@ -187,7 +200,8 @@ def _llama_fields(hf: dict[str, Any], model_type: str, context: int | None) -> d
         rotary_percent=float(rope.get("partial_rotary_factor", 1.0)),
         max_position_embeddings=positions,
         add_bias_linear=bool(hf.get("attention_bias", False)) and model_type == "llama",
-        add_qkv_bias=model_type == "qwen2",
+        add_qkv_bias=model_type == "qwen2"
+        or (model_type == "qwen2_moe" and hf.get("qkv_bias", True)),
         hidden_dropout=0.0,
         attention_dropout=hf.get("attention_dropout", 0.0),
         init_method_std=hf.get("initializer_range", 0.02),
@@ -205,7 +219,50 @@ def _llama_fields(hf: dict[str, Any], model_type: str, context: int | None) -> d
         )
     elif rope["rope_type"] != "default":
         raise ValueError(f"{model_type} rope_type {rope['rope_type']!r} is not supported")
+    if model_type in MOE_TYPES:
+        fields.update(_moe_fields(hf, model_type))
     return fields
+
+
+def _moe_fields(hf: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """Mixtral: every layer a mixture of experts, softmax over all experts, the top k
+    renormalized, no shared expert. Qwen2-MoE: the same router with ``norm_topk_prob``
+    optional, a sigmoid-gated shared expert, and dense layers where
+    ``decoder_sparse_step`` and ``mlp_only_layers`` say."""
+    fields: dict[str, Any] = dict(
+        moe_router_topk=hf["num_experts_per_tok"],
+        moe_router_score_function="softmax",
+        moe_router_pre_softmax=True,
+    )
+    if model_type == "mixtral":
+        if hf.get("router_jitter_noise"):
+            raise ValueError("mixtral with router_jitter_noise is not supported")
+        return dict(
+            fields,
+            num_moe_experts=hf["num_local_experts"],
+            moe_ffn_hidden_size=hf["intermediate_size"],
+            moe_router_norm_topk_prob=True,
+        )
+    layers, step = hf["num_hidden_layers"], hf.get("decoder_sparse_step", 1)
+    dense = set(hf.get("mlp_only_layers") or ())
+    sparse = [i for i in range(layers) if i not in dense and (i + 1) % step == 0]
+    freq = next((f for f in range(1, layers + 1) if sparse == list(range(0, layers, f))), None)
+    if freq is None:
+        raise ValueError(
+            f"qwen2_moe with mixture-of-experts layers {sparse} (decoder_sparse_step {step}, "
+            f"mlp_only_layers {sorted(dense)}) is not supported; megapp's are every n-th "
+            "from layer 0"
+        )
+    shared = hf.get("shared_expert_intermediate_size") or None
+    return dict(
+        fields,
+        num_moe_experts=hf["num_experts"],
+        moe_layer_freq=freq,
+        moe_ffn_hidden_size=hf["moe_intermediate_size"],
+        moe_router_norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+        moe_shared_expert_intermediate_size=shared,
+        moe_shared_expert_gate=shared is not None,
+    )
 
 
 def model_differences(hf: dict[str, Any], config: GPTConfig) -> tuple[GPTConfig, list[str]]:
@@ -318,7 +375,10 @@ def hf_config_from_gpt(config: GPTConfig, model_type: str) -> dict[str, Any]:
         }
     _expect(config, model_type, normalization="RMSNorm", activation="swiglu")
     _expect(config, model_type, position_embedding_type="rope", add_bias_linear=False)
-    _expect(config, model_type, add_qkv_bias=model_type == "qwen2")
+    _expect(config, model_type, add_qkv_bias=model_type in ("qwen2", "qwen2_moe"))
+    if (model_type in MOE_TYPES) != (config.num_moe_experts is not None):
+        which = "without" if config.num_moe_experts is None else "with"
+        raise ValueError(f"{model_type} cannot express a model {which} experts")
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(config.rotary_base)}
     if config.rope_scaling is not None:
         rope = {"rope_type": "llama3", "rope_theta": float(config.rotary_base)}
@@ -343,6 +403,31 @@ def hf_config_from_gpt(config: GPTConfig, model_type: str) -> dict[str, Any]:
         "attention_bias": False,
         "mlp_bias": False,
         **({"sliding_window": None, "use_sliding_window": False} if model_type != "llama" else {}),
+        **(_hf_moe_fields(config, model_type) if model_type in MOE_TYPES else {}),
+    }
+
+
+def _hf_moe_fields(config: GPTConfig, model_type: str) -> dict[str, Any]:
+    """The mixture-of-experts keys of a Mixtral or Qwen2-MoE ``config.json``."""
+    _expect(config, model_type, moe_router_score_function="softmax", moe_router_pre_softmax=True)
+    common = {"num_experts_per_tok": config.moe_router_topk, "router_jitter_noise": 0.0}
+    if model_type == "mixtral":
+        _expect(config, model_type, moe_layer_freq=1, moe_router_norm_topk_prob=True)
+        _expect(config, model_type, moe_shared_expert_intermediate_size=None)
+        _expect(config, model_type, ffn_hidden_size=config.moe_ffn_hidden_size)
+        return {**common, "num_local_experts": config.num_moe_experts}
+    shared = config.moe_shared_expert_intermediate_size
+    _expect(config, model_type, moe_shared_expert_gate=shared is not None)
+    freq = config.moe_layer_freq
+    return {
+        **common,
+        "num_experts": config.num_moe_experts,
+        "moe_intermediate_size": config.moe_ffn_hidden_size,
+        "shared_expert_intermediate_size": shared or 0,
+        "norm_topk_prob": config.moe_router_norm_topk_prob,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [i for i in range(config.num_layers) if i % freq],
+        "qkv_bias": True,
     }
 
 

@@ -7,6 +7,12 @@ Face tensors (:class:`Rows`): a fused QKV takes, group by group, the query rows 
 group's heads, then its key rows, then its value rows; GPT-2's ``Conv1D`` weights are
 stored transposed. Import reads, with safetensors' slicing, only the rows and columns of
 this rank's pieces; export assembles one whole tensor at a time.
+
+A mixture-of-experts layer's experts are one megapp tensor over all ``E`` experts
+(:class:`Experts`): ``fc1`` ``[E, h, 2, f]`` holds each expert's gate and up
+projections transposed, ``fc2`` ``[E, f, h]`` its down projection transposed; import
+reads the experts of this rank's piece, export writes one Hugging Face tensor per
+expert and projection.
 """
 
 from __future__ import annotations
@@ -46,6 +52,37 @@ class Rows:
         object.__setattr__(self, "segments", parts)
 
 
+@dataclass(frozen=True)
+class Experts:
+    """A megapp expert tensor ``[E, ...]`` whose expert ``e`` is made of the Hugging Face
+    tensors ``names`` (format strings of ``e``), each ``[out, in]``: ``fc1``'s
+    ``[h, 2, f]`` stacks the first two (gate, up) transposed, ``fc2``'s ``[f, h]`` is the
+    one (down) transposed."""
+
+    names: tuple[str, ...]
+    count: int
+
+    def expert(self, folder: SafetensorsFolder, e: int) -> torch.Tensor:
+        """Expert ``e`` in megapp's layout."""
+        whole = tuple(slice(None) for _ in range(2))
+        tensors = [folder.read(name.format(e=e), whole).t() for name in self.names]
+        return torch.stack(tensors, dim=1) if len(tensors) > 1 else tensors[0]
+
+    def read(self, folder: SafetensorsFolder, region: tuple[slice, ...]) -> torch.Tensor:
+        """``region`` of the whole ``[E, ...]`` tensor, reading the experts it covers."""
+        chosen = range(*region[0].indices(self.count))
+        return torch.stack([self.expert(folder, e)[region[1:]] for e in chosen])
+
+    def split(self, whole: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The Hugging Face tensors of the whole ``[E, ...]`` tensor."""
+        out = {}
+        for e in range(self.count):
+            parts = whole[e].unbind(1) if len(self.names) > 1 else (whole[e],)
+            for name, part in zip(self.names, parts, strict=True):
+                out[name.format(e=e)] = part.t().contiguous()
+        return out
+
+
 def _whole(name: str, rows: int, transposed: bool = False) -> tuple[Segment, ...]:
     return (Segment(name, 0, rows, transposed),)
 
@@ -61,7 +98,7 @@ def _qkv(config: GPTConfig, q: str, k: str, v: str, transposed: bool, offsets=(0
     return Rows(tuple(segments))
 
 
-def hf_layout(config: GPTConfig, model_type: str, name: str) -> Rows:
+def hf_layout(config: GPTConfig, model_type: str, name: str) -> Rows | Experts:
     """How megapp's global tensor ``name`` (a checkpoint name, without ``model.``) is made of
     the Hugging Face tensors of a ``model_type`` model."""
     h, vocab = config.hidden_size, config.vocab_size
@@ -86,7 +123,38 @@ def hf_layout(config: GPTConfig, model_type: str, name: str) -> Rows:
         return _gpt2_layer(config, f"transformer.h.{layer}.", module, kind)
     if neox:
         return _neox_layer(config, f"gpt_neox.layers.{layer}.", module, kind)
+    if module.startswith("mlp.") and config.is_moe_layer(int(layer)):
+        return _moe_layer(config, model_type, f"model.layers.{layer}.", module[4:], kind)
     return _llama_layer(config, f"model.layers.{layer}.", module, kind)
+
+
+def _moe_layer(config: GPTConfig, model_type: str, p: str, module: str, kind: str):
+    """Mixtral's ``block_sparse_moe`` (experts ``w1``, ``w3``, ``w2``) or Qwen2-MoE's ``mlp``
+    (experts and the shared expert ``gate_proj``, ``up_proj``, ``down_proj``)."""
+    h, count = config.hidden_size, config.num_moe_experts
+    mixtral = model_type == "mixtral"
+    p += "block_sparse_moe." if mixtral else "mlp."
+    gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    if module == "router" and kind == "weight":
+        return Rows(_whole(f"{p}gate.weight", count))
+    if module == "experts" and kind in ("fc1", "fc2"):
+        e = p + "experts.{e}."
+        names = (
+            (f"{e}{gate}.weight", f"{e}{up}.weight") if kind == "fc1" else (f"{e}{down}.weight",)
+        )
+        return Experts(names, count)
+    shared = config.moe_shared_expert_intermediate_size
+    if not mixtral and shared is not None and kind in ("weight", "gate_weight"):
+        s = f"{p}shared_expert."
+        if module == "shared_expert" and kind == "gate_weight":
+            return Rows(_whole(f"{p}shared_expert_gate.weight", 1))
+        if module == "shared_expert.linear_fc1":
+            return Rows(
+                _whole(f"{s}gate_proj.weight", shared), _whole(f"{s}up_proj.weight", shared)
+            )
+        if module == "shared_expert.linear_fc2":
+            return Rows(_whole(f"{s}down_proj.weight", h))
+    raise KeyError(f"{p}{module}.{kind} has no Hugging Face counterpart in a {model_type} model")
 
 
 def _gpt2_layer(config: GPTConfig, p: str, module: str, kind: str) -> Rows:

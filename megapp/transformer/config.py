@@ -107,6 +107,9 @@ class TransformerConfig:
     """``softmax`` or ``sigmoid``."""
     moe_router_pre_softmax: bool = False
     """Softmax over all experts before the top k."""
+    moe_router_norm_topk_prob: bool = False
+    """With ``moe_router_pre_softmax``: the k chosen probabilities divided by their sum
+    (Mixtral; Qwen2-MoE's ``norm_topk_prob``)."""
     moe_router_load_balancing_type: str = "aux_loss"
     """``aux_loss``, ``seq_aux_loss`` or ``none``."""
     moe_aux_loss_coeff: float = 0.0
@@ -119,6 +122,8 @@ class TransformerConfig:
     """Which pairs past capacity are dropped: ``probs`` or ``position``."""
     moe_shared_expert_intermediate_size: int | None = None
     """Inner width of the shared expert (None: none)."""
+    moe_shared_expert_gate: bool = False
+    """The shared expert's output scaled per token by ``sigmoid(x · w)`` (Qwen2-MoE)."""
     moe_token_dispatcher_type: str = "alltoall"
     """``alltoall`` or ``allgather``."""
     moe_grouped_gemm: bool = True
