@@ -17,8 +17,10 @@ from megapp.models.generation import generate
 from megapp.models.gpt import build_gpt_chunks
 from megapp.models.hf_checkpoint import hf_gpt_config, load_hf, save_hf
 from megapp.testing import distributed
+from megapp.testing.pretrain_world import run_pretrain_in_world
 from megapp.transformer.config import ExpertGroups
 from tests.support import hf_tensors
+from tests.test_hf_pretrain import RUN, assert_same_model, convert_tool, tool_main
 
 transformers = pytest.importorskip("transformers")
 
@@ -185,3 +187,45 @@ def test_expert_layouts_import_match_transformers_and_export_bitwise(
         assert sorted(exported) == sorted(original)
         for key, tensor in original.items():
             assert torch.equal(exported[key], tensor), key
+
+
+def test_pretrain_under_ep2_to_checkpoint_to_hf_is_bitwise(corpus, tmp_path, capsys):
+    """HF Qwen2-MoE -> ``pretrain_gpt.py --load-hf`` with the experts over two ranks (one
+    step at learning rate 0) -> ``--save-hf`` and a checkpoint -> ``convert_hf.py export``:
+    both folders hold the original tensors bit for bit; the checkpoint and the original
+    folder generate the same tokens."""
+    torch.manual_seed(3)
+    config = _configs()["qwen2_moe"]
+    config.vocab_size = 300  # the byte tokenizer's 257 ids fit
+    source = tmp_path / "hf"
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(source)
+    status, flags, err = tool_main(capsys, "convert_hf", "flags", source)
+    assert status == 0, err
+    model_flags = flags.split()
+    assert "--moe-shared-expert-gate" in model_flags and "--moe-layer-freq" in model_flags
+    data = ["--data-path", str(corpus / "stdlib"), "--data-cache-path", str(tmp_path / "cache")]
+    job = run_pretrain_in_world(
+        2,
+        [
+            *model_flags,
+            *RUN,
+            *data,
+            *("--expert-model-parallel-size", "2"),
+            *("--load-hf", source, "--save", tmp_path / "ckpt"),
+            *("--save-hf", tmp_path / "from_ep2"),
+        ],
+        cwd=tmp_path,
+    )
+    assert job.returncode == 0, job.stderr[-4000:]
+    assert_same_model(tmp_path / "from_ep2", source)
+    out = tmp_path / "tool"
+    status, err = convert_tool(capsys, "export", tmp_path / "ckpt", "--output", out)
+    assert status == 0, err
+    assert_same_model(out, source)
+    args = ["--prompt", "def main(", "--max-new-tokens", "8", "--ids"]
+    from_hf = tool_main(
+        capsys, "generate", "--hf", source, "--tokenizer-type", "ByteTokenizer", *args
+    )
+    from_checkpoint = tool_main(capsys, "generate", "--load", tmp_path / "ckpt", *args)
+    assert from_hf[0] == 0 and from_checkpoint[0] == 0, (from_hf[2], from_checkpoint[2])
+    assert from_checkpoint[1] == from_hf[1]

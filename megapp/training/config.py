@@ -311,12 +311,6 @@ class PretrainConfig:
                 f"--zero-stage {par.zero_stage} does not shard expert gradients or weights yet; "
                 "train --num-experts models with --zero-stage 0 or 1"
             )
-        ckpt = self.checkpoint
-        if ckpt.load_hf is not None or ckpt.save_hf is not None:
-            raise ArgumentsError(
-                "--load-hf/--save-hf do not convert mixture-of-experts models yet; drop "
-                "--num-experts or the Hugging Face flags"
-            )
 
     def _check_sequence_split(self, cp: int, tp: int) -> None:
         """Each context-parallel rank holds two equal chunks of every sequence, and sequence

@@ -109,6 +109,9 @@ class ModelArgs:
     moe_router_topk: int = arg(2, "experts each token goes to")
     moe_router_score_function: str = arg("softmax", "", choices=("softmax", "sigmoid"))
     moe_router_pre_softmax: bool = arg(False, "softmax over all experts before the top k")
+    moe_router_norm_topk_prob: bool = arg(
+        False, "with --moe-router-pre-softmax, the k chosen probabilities divided by their sum"
+    )
     moe_router_load_balancing_type: str = arg(
         "aux_loss",
         "aux_loss (Switch/GShard), seq_aux_loss (per sequence, DeepSeek-V3) or none",
@@ -126,6 +129,9 @@ class ModelArgs:
     )
     moe_shared_expert_intermediate_size: int | None = arg(
         None, "inner width of the shared expert every token goes through", kind=int
+    )
+    moe_shared_expert_gate: bool = arg(
+        False, "scale the shared expert's output by sigmoid(x · w) per token (Qwen2-MoE)"
     )
     moe_token_dispatcher_type: str = arg(
         "alltoall",

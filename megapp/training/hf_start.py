@@ -74,9 +74,31 @@ def pretrain_flags(model: GPTConfig) -> list[str]:
         flags += ["--use-rope-scaling", "--rope-scaling-factor", repr(model.rope_scaling_factor)]
     if not model.share_embeddings_and_output_weights:
         flags.append("--untie-embeddings-and-output-weights")
+    if model.num_moe_experts is not None:
+        flags += _moe_flags(model)
     # the model's own dropout, not pretrain_gpt.py's default of 0.1
     flags += ["--hidden-dropout", repr(float(model.hidden_dropout))]
     flags += ["--attention-dropout", repr(float(model.attention_dropout))]
+    return flags
+
+
+def _moe_flags(model: GPTConfig) -> list[str]:
+    flags = [
+        *("--num-experts", str(model.num_moe_experts)),
+        *("--moe-layer-freq", str(model.moe_layer_freq)),
+        *("--moe-ffn-hidden-size", str(model.moe_ffn_hidden_size)),
+        *("--moe-router-topk", str(model.moe_router_topk)),
+        *("--moe-router-score-function", model.moe_router_score_function),
+    ]
+    if model.moe_router_pre_softmax:
+        flags.append("--moe-router-pre-softmax")
+    if model.moe_router_norm_topk_prob:
+        flags.append("--moe-router-norm-topk-prob")
+    if model.moe_shared_expert_intermediate_size is not None:
+        size = str(model.moe_shared_expert_intermediate_size)
+        flags += ["--moe-shared-expert-intermediate-size", size]
+    if model.moe_shared_expert_gate:
+        flags.append("--moe-shared-expert-gate")
     return flags
 
 
@@ -165,33 +187,38 @@ def _kept_model_type(directory: str) -> str:
 def load(config: Any, setup: Any, model_type: str) -> None:
     """Fill the chunks from ``--load-hf`` and restart the optimizer's master weights there."""
     directory = config.checkpoint.load_hf
-    tp_rank, tp = comm.rank(setup.groups.tp), comm.world_size(setup.groups.tp)
     try:
-        _hf().load_hf(setup.chunks, directory, model_type, tp_rank, tp)
+        _hf().load_hf(setup.chunks, directory, model_type, placement=_placement(setup.groups))
     except (OSError, ValueError, KeyError, ImportError) as error:
         raise ArgumentsError(f"--load-hf {directory}: {error}") from error
     setup.optimizer.copy_masters_from_weights()
     print_rank_0(f" > loaded the {model_type} weights of {directory}")
 
 
+def _placement(groups: Any) -> Any:
+    from megapp.checkpointing.state import Placement
+
+    return Placement.of(groups)
+
+
 def save(config: Any, setup: Any, model_type: str) -> None:
     """Write the model to ``--save-hf`` (collective; one data-parallel replica writes)."""
     directory = config.checkpoint.save_hf
     groups = setup.groups
-    if comm.rank(groups.dp_cp) == 0:
-        tp_rank, tp = comm.rank(groups.tp), comm.world_size(groups.tp)
+    # the experts of an expert-parallel model are spread over the data-parallel ranks too
+    experts = comm.world_size(groups.ep) > 1
+    if experts or comm.rank(groups.dp_cp) == 0:
         tokenizer_dir = config.checkpoint.load_hf or config.data.tokenizer_model
         source = source_dir(config)
         _hf().save_hf(
             setup.chunks,
             directory,
             model_type,
-            tp_rank,
-            tp,
-            groups.mp,
+            group=dist.group.WORLD if experts else groups.mp,
             tokenizer_dir=tokenizer_dir,
             source_dir=source,
             eod=None if source is not None else _eod(config),
+            placement=_placement(groups),
         )
     print_rank_0(f" > saved the model as a Hugging Face {model_type} folder in {directory}")
 

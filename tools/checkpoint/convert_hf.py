@@ -69,6 +69,15 @@ def flags(args: argparse.Namespace) -> str:
     return " ".join(printed)
 
 
+# the layout of this process, whatever the checkpoint's (experts whole, none split)
+ONE_PROCESS = dict(
+    tensor_model_parallel_size=1,
+    sequence_parallel=False,
+    expert_model_parallel_size=1,
+    expert_tensor_parallel_size=None,
+)
+
+
 def export(args: argparse.Namespace) -> str:
     kept = kept_hf_config(args.checkpoint)
     model_type = args.model_type
@@ -80,7 +89,7 @@ def export(args: argparse.Namespace) -> str:
             )
         model_type = read_hf_config(kept).get("model_type")
     fields, saved, iteration = read_saved_settings(args.checkpoint, args.iteration)
-    config = gpt_config_from_saved(fields, tensor_model_parallel_size=1, sequence_parallel=False)
+    config = gpt_config_from_saved(fields, **ONE_PROCESS)
     chunks = build_gpt_chunks(config)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the RNG streams of another layout are not restored

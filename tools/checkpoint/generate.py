@@ -94,6 +94,8 @@ def tokenizer_settings(args: argparse.Namespace, saved: dict) -> dict | None:
 
 def build_model(args: argparse.Namespace, tp: int, tp_group, tp_rank: int):
     layout = dict(tensor_model_parallel_size=tp, sequence_parallel=False)
+    # every expert on every rank (a checkpoint may have split them over ranks)
+    layout.update(expert_model_parallel_size=1, expert_tensor_parallel_size=None)
     layout.update(hidden_dropout=0.0, attention_dropout=0.0)
     if args.hf is not None:
         if args.max_position_embeddings is not None:
