@@ -41,6 +41,22 @@ LAYOUT = shlex.split(
     "--decoder-first-pipeline-num-layers 2 --decoder-last-pipeline-num-layers 6 "
     "--recompute-granularity full --recompute-method block --recompute-num-layers 2"
 )
+EXPERTS = shlex.split(
+    "--num-experts 8 --moe-layer-freq 2 --moe-ffn-hidden-size 96 --moe-router-topk 3 "
+    "--moe-router-pre-softmax --moe-router-norm-topk-prob "
+    "--moe-router-load-balancing-type seq_aux_loss --moe-aux-loss-coeff 0.01 "
+    "--moe-z-loss-coeff 0.001 --moe-expert-capacity-factor 1.5 --moe-token-drop-policy position "
+    "--moe-shared-expert-intermediate-size 64 --moe-shared-expert-gate "
+    "--moe-token-dispatcher-type allgather "
+    "--expert-model-parallel-size 4 --expert-tensor-parallel-size 1"
+)
+"""Mixture-of-experts flags that move every expert field off its default but one."""
+SIGMOID_ROUTER = shlex.split("--moe-router-score-function sigmoid")
+"""DeepSeek-V3's router, which takes no pre-softmax: the last expert field, in a second run."""
+NOT_FLAGS = {
+    # the local experts' kernel: one grouped matmul or a loop over experts, the same numbers
+    "moe_grouped_gemm",
+}
 RUN = shlex.split("--micro-batch-size 1 --lr 1e-4 --train-iters 1 --use-default-corpus")
 FROM_OTHER_GROUPS = {
     "params_dtype",  # --bf16 / --fp16
@@ -54,21 +70,26 @@ def test_every_gpt_field_comes_from_the_flags():
     """Each GPTConfig field is a flag of its own name passed as it is, a Megatron spelling
     translated by ModelArgs, or set from another group; the flags above move every field
     off its default, so a field no flag reaches would fail here, by name."""
-    config = config_from_flags([*SHAPE, *LAYOUT, *RUN], world_size=8)
-    gpt = config.gpt_config(VOCAB)
-    translated = config.model.gpt_fields_spelled_otherwise
+    sigmoid = [f for f in EXPERTS if not f.startswith(("--moe-router-pre", "--moe-router-norm"))]
+    runs = [[*SHAPE, *EXPERTS, *LAYOUT, *RUN], [*SHAPE, *sigmoid, *SIGMOID_ROUTER, *LAYOUT, *RUN]]
+    configs = [config_from_flags(flags, world_size=8) for flags in runs]
     own_name = {f.name for group in (ModelArgs, ParallelArgs) for f in dataclasses.fields(group)}
     for field in dataclasses.fields(GPTConfig):
-        value = getattr(gpt, field.name)
-        if field.name in translated:
-            assert value == translated[field.name], field.name
-        elif field.name in own_name:
-            group = config.model if hasattr(config.model, field.name) else config.parallel
-            assert value == getattr(group, field.name), field.name
-        else:
-            assert field.name in FROM_OTHER_GROUPS, f"no flag sets GPTConfig.{field.name}"
-        if field.default is not dataclasses.MISSING:
-            assert value != field.default, f"the flags leave GPTConfig.{field.name} at its default"
+        if field.name in NOT_FLAGS:
+            continue
+        moved = False
+        for config in configs:
+            value = getattr(config.gpt_config(VOCAB), field.name)
+            translated = config.model.gpt_fields_spelled_otherwise
+            if field.name in translated:
+                assert value == translated[field.name], field.name
+            elif field.name in own_name:
+                group = config.model if hasattr(config.model, field.name) else config.parallel
+                assert value == getattr(group, field.name), field.name
+            else:
+                assert field.name in FROM_OTHER_GROUPS, f"no flag sets GPTConfig.{field.name}"
+            moved |= field.default is dataclasses.MISSING or value != field.default
+        assert moved, f"the flags leave GPTConfig.{field.name} at its default"
 
 
 @pytest.fixture(scope="module")
