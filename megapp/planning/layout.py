@@ -1,7 +1,8 @@
 """A parallel layout as a planner enumerates it, and the ``pretrain_gpt.py`` flags that run it.
 
 A :class:`Layout` names one point of the space a researcher ablates: tensor, context,
-pipeline and data-parallel sizes (with the context-parallel ranks' communication), chunks
+pipeline and data-parallel sizes (with the context-parallel ranks' communication), expert
+parallelism for mixture-of-experts models, chunks
 per pipeline rank, micro-batch size, schedule, sequence parallelism, recompute and ZeRO
 stage. :func:`pretrain_config` turns a layout plus the
 model's flags into the checked :class:`~megapp.training.config.PretrainConfig` that
@@ -48,7 +49,9 @@ class Layout:
     :data:`PIPEDREAM_VSYNC` for PipeDream with vertical sync, or None for Megatron's
     default (1F1B, interleaved with several chunks). ``cp``: context-parallel ranks, which
     split every sequence; ``cp_comm_type``: one of :data:`CP_COMM_TYPES` (it changes
-    nothing while cp is 1)."""
+    nothing while cp is 1). ``ep``: ranks that split the experts of a mixture-of-experts
+    layer; ``etp``: ranks that split each expert's matrices (None: tp); both need a model
+    with ``--num-experts`` beyond their defaults."""
 
     tp: int = 1
     pp: int = 1
@@ -61,9 +64,11 @@ class Layout:
     zero_stage: int = 0
     cp: int = 1
     cp_comm_type: str = "p2p"
+    ep: int = 1
+    etp: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "dp", "vpp", "micro_batch_size", "cp"):
+        for name in ("tp", "pp", "dp", "vpp", "micro_batch_size", "cp", "ep"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.recompute not in RECOMPUTE:
@@ -76,6 +81,18 @@ class Layout:
             raise ValueError(
                 f"cp_comm_type must be one of {CP_COMM_TYPES}, got {self.cp_comm_type!r}"
             )
+        if self.etp is not None and self.etp < 1:
+            raise ValueError(f"etp must be >= 1 or None, got {self.etp}")
+
+    @property
+    def expert_tp(self) -> int:
+        """Ranks that split each expert's matrices: ``etp``, or tp when it is None."""
+        return self.tp if self.etp is None else self.etp
+
+    @property
+    def expert_dp(self) -> int:
+        """Copies of each expert (the ranks that reduce its gradients): world / (etp·ep·pp)."""
+        return self.world_size // (self.expert_tp * self.ep * self.pp)
 
     @property
     def world_size(self) -> int:
@@ -84,9 +101,12 @@ class Layout:
     @property
     def name(self) -> str:
         """A short label, e.g. ``tp2.pp2.dp2.v1.mb1.1f1b.sp.selective.z1``; with context
-        parallelism its size and communication follow tp: ``tp2.cp4-p2p.pp2...``."""
+        parallelism its size and communication follow tp: ``tp2.cp4-p2p.pp2...``; with
+        expert parallelism ep (and etp where it is not tp) follows them: ``tp2.ep8.etp1...``."""
         parts = [f"tp{self.tp}"]
         parts += [f"cp{self.cp}-{self.cp_comm_type}"] if self.cp > 1 else []
+        parts += [f"ep{self.ep}"] if self.ep > 1 else []
+        parts += [f"etp{self.etp}"] if self.etp is not None else []
         parts += [f"pp{self.pp}", f"dp{self.dp}", f"v{self.vpp}"]
         parts += [f"mb{self.micro_batch_size}", self.schedule or "default"]
         parts += ["sp"] if self.sequence_parallel else []
@@ -105,6 +125,10 @@ class Layout:
         if self.cp > 1:
             out.append(("parallel", "context_parallel_size", self.cp))
             out.append(("parallel", "cp_comm_type", self.cp_comm_type))
+        if self.ep > 1:
+            out.append(("parallel", "expert_model_parallel_size", self.ep))
+        if self.etp is not None:
+            out.append(("parallel", "expert_tensor_parallel_size", self.etp))
         if self.vpp > 1:
             per_stage = num_layers // (self.pp * self.vpp)
             if per_stage * self.pp * self.vpp != num_layers:

@@ -12,7 +12,8 @@ shaped models of Narayanan et al. 2021 (Table 1, layouts in Megatron-LM's
 ``examples/sc21/run_table_1.sh``), GPT-3 175B (Brown et al. 2020; Megatron-LM's
 ``examples/gpt3/train_gpt3_175b_distributed.sh``), the H100 weak-scaling models of
 Megatron-LM's README (``images/model_table.png``: vocabulary 131072, sequence 4096,
-untied embeddings), Llama 2 (Touvron et al. 2023) and Llama 3 (Dubey et al. 2024).
+untied embeddings), Llama 2 (Touvron et al. 2023), Llama 3 (Dubey et al. 2024) and
+Mixtral 8x7B (Jiang et al. 2024), a mixture of experts.
 """
 
 from __future__ import annotations
@@ -229,6 +230,18 @@ MODELS: dict[str, ModelPreset] = {
         LLAMA3_VOCAB,
         "Llama 3.1 405B (Dubey et al. 2024, Table 3)",
         405e9,
+    ),
+    "mixtral-8x7b": ModelPreset(
+        (
+            *_llama(32, 4096, 32, 8, 14336, 4096, 1e6),
+            "--num-experts",
+            "8",
+            "--moe-router-topk",
+            "2",
+        ),
+        LLAMA2_VOCAB,
+        "Mixtral 8x7B: 8 experts, 2 per token, in every layer (Jiang et al. 2024)",
+        46.7e9,
     ),
 }
 
