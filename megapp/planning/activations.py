@@ -21,6 +21,13 @@ Everything except the norms' inputs is split over the tensor-parallel ranks. Ful
 recompute keeps only the input of each recomputed group of layers. Rotary embedding
 adds its fp32 angles once per chunk (:func:`rotary_bytes`).
 
+A mixture-of-experts layer (:func:`moe_activation_bytes`) keeps, in place of the dense
+MLP's matmul output, the router's fp32 logits and probabilities (``2·T·E``, ``T`` the
+tokens the rank routes: ``s·b``, ``/tp`` under sequence parallelism), and for the
+``R = T·k`` routed rows (dropless, balanced: as many arrive as leave) the permuted input
+``R·h``, the experts' first matmul output ``R·f_e/etp`` (``2·`` for SwiGLU) and the experts'
+output ``R·h`` that the combine weights by the probabilities.
+
 Under context parallelism ``s`` is the ``s/cp`` tokens of a sequence one rank holds, and
 attention is the mechanism's of ``megapp.context_parallel`` whatever the backend
 (:func:`context_parallel_attention_bytes`, with the volumes of docs/context_parallel.md).
@@ -56,6 +63,32 @@ def layer_activation_bytes(
         else:
             attention += 4 * b * heads * s
     return norms + attention + s * b * fc1 * w
+
+
+def moe_routed_rows(config: TransformerConfig, seq_length: int, micro_batch_size: int) -> int:
+    """Rows one rank's experts take per mixture-of-experts layer: its ``T`` tokens (``s·b``,
+    ``/tp`` under sequence parallelism) times ``k``, the load balanced."""
+    tokens = seq_length * micro_batch_size
+    if config.sequence_parallel:
+        tokens //= config.tensor_model_parallel_size
+    return tokens * config.moe_router_topk
+
+
+def moe_activation_bytes(config: TransformerConfig, seq_length: int, micro_batch_size: int) -> int:
+    """Bytes a mixture-of-experts layer keeps beyond a dense layer of the same model
+    (:func:`layer_activation_bytes` counts the dense MLP's matmul output, taken off here);
+    0 for a dense model."""
+    if config.num_moe_experts is None:
+        return 0
+    s, b, h = seq_length, micro_batch_size, config.hidden_size
+    w = torch.empty((), dtype=config.params_dtype).element_size()
+    moe = config.moe_config()
+    rows = moe_routed_rows(config, s, b)
+    tokens = rows // config.moe_router_topk
+    router = 2 * tokens * config.num_moe_experts * 4
+    experts = rows * (2 * h + moe.fc1_width // moe.expert_tensor_parallel_size) * w
+    dense = config.ffn_hidden_size * (2 if config.activation == "swiglu" else 1)
+    return router + experts - s * b * dense // config.tensor_model_parallel_size * w
 
 
 def _qkv_elements(config: TransformerConfig, *, keep=("q", "k", "v"), expand_kv=True) -> int:

@@ -25,6 +25,11 @@ activation and working terms are those of ``s/cp`` tokens, with attention's own
 (:func:`~megapp.planning.activations.context_parallel_attention_bytes` held,
 :func:`attention_working_bytes` while it runs); weights are replicated over the cp ranks
 and ZeRO shards over the ``dp × cp`` ranks that reduce the gradients.
+
+A mixture-of-experts model's experts shard their optimizer states over the expert-data-
+parallel ranks (world / (etp·ep·pp)); its layers keep the routed rows' activations
+(:func:`~megapp.planning.activations.moe_activation_bytes`), and a forward's working
+memory includes the dispatch's send and receive buffers of the routed rows.
 """
 
 from __future__ import annotations
@@ -45,13 +50,17 @@ from megapp.planning.activations import (
     context_parallel_attention_bytes,
     full_recompute_layer_bytes,
     layer_activation_bytes,
+    moe_activation_bytes,
+    moe_routed_rows,
     rotary_bytes,
 )
 from megapp.planning.model_state import (
     ModelState,
+    chunk_expert_parameters,
     chunk_parameters,
     layer_parameters,
     model_state,
+    moe_layer_count,
 )
 from megapp.tensor_parallel.utils import pad_vocab_size
 
@@ -113,6 +122,7 @@ def chunk_activation_bytes(
         held = num_layers * full_recompute_layer_bytes(config, s, b)
     else:
         held = num_layers * layer_activation_bytes(config, s, b)
+        held += moe_layer_count(config, num_layers) * moe_activation_bytes(config, s, b)
     held += rotary_bytes(config, s) if num_layers else 0
     if first:
         held += 8 * s * b  # the token ids the embedding's backward reads
@@ -212,6 +222,8 @@ def chunk_working_bytes(
     if op is Op.FORWARD:
         attention = attention_working_bytes(config, s, b, backward=False)
         work = max(s * b * fc1 * w, attention) if num_layers else 0
+        if config.num_moe_experts is not None and num_layers:  # dispatch's send and receive
+            work = max(work, 2 * moe_routed_rows(config, s, b) * h * w)
         if last:
             work = max(work, s * b * _vocab_shard(config) * w // 4)
         return work + tokens * h * w  # the output until its send completes
@@ -288,7 +300,15 @@ def predict_memory(config, vocab_size: int) -> list[RankMemory]:
     out = []
     for rank, stages in enumerate(schedule.placement):
         params = sum(chunk_parameters(model, st, num_stages, layers[st]) for st in stages)
-        state = model_state(params, model.params_dtype, dp, zero)
+        experts = sum(chunk_expert_parameters(model, layers[st]) for st in stages)
+        state = model_state(params - experts, model.params_dtype, dp, zero)
+        if experts:  # the experts' copies: world / (etp · ep · pp) ranks
+            edp = config.world_size // (
+                config.parallel.expert_model_parallel_size
+                * model.expert_tensor_parallel_size
+                * config.parallel.pipeline_model_parallel_size
+            )
+            state += model_state(experts, model.params_dtype, edp, zero)
         if zero >= 2 and dp > 1:  # embedding gradients are summed over stages first: whole
             late = _embedding_parameters(model, stages, num_stages)
             state = ModelState(

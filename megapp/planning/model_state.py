@@ -12,6 +12,10 @@ gradient per parameter, Adam's two fp32 moments and, for 16-bit weights, fp32 ma
 weights; ZeRO stage 1 shards the optimizer states over the data-parallel ranks, stage 2
 also the gradients, stage 3 also the weights (``tools/benchmarks/zero_memory.py`` measures them
 equal to the byte).
+
+A mixture-of-experts layer holds, in place of the dense MLP, the router (``E·h``, whole),
+the shared expert (split over tp) and ``E/ep`` experts split over etp; the experts' optimizer
+states are sharded over the expert-data-parallel ranks (world / (etp·ep·pp)) instead.
 """
 
 from __future__ import annotations
@@ -26,18 +30,59 @@ from megapp.pipeline_parallel.partition import split_layers
 from megapp.tensor_parallel.utils import pad_vocab_size
 
 
-def layer_parameters(config: GPTConfig) -> int:
-    """Parameters of one transformer layer on one tensor-parallel rank."""
+def _mlp_parameters(config: GPTConfig, width: int, split: int) -> int:
+    """One MLP of inner ``width`` split over ``split`` ranks (row-parallel bias whole)."""
+    h = config.hidden_size
+    fc1_out = width * (2 if config.activation == "swiglu" else 1) // split
+    fc1 = fc1_out * h + (fc1_out if config.add_bias_linear else 0)
+    return fc1 + width // split * h + (h if config.add_bias_linear else 0)
+
+
+def layer_parameters(config: GPTConfig, moe: bool | None = None) -> int:
+    """Parameters of one transformer layer on one tensor-parallel rank. ``moe``: the layer
+    is a mixture-of-experts layer (None: whether the model has experts), whose MLP is the
+    router (``E·h``, whole on every rank), the shared expert (split over tp) and the rank's
+    experts (:func:`expert_parameters`)."""
     tp, h = config.tensor_model_parallel_size, config.hidden_size
     d, heads, groups = config.kv_channels, config.num_attention_heads, config.num_query_groups
     norm = h * (2 if config.normalization == "LayerNorm" else 1)
     qkv_out = (heads + 2 * groups) * d // tp
     qkv = qkv_out * h + (qkv_out if config.add_bias_linear or config.add_qkv_bias else 0)
     proj = heads * d // tp * h + (h if config.add_bias_linear else 0)
-    fc1_out = config.ffn_hidden_size * (2 if config.activation == "swiglu" else 1) // tp
-    fc1 = fc1_out * h + (fc1_out if config.add_bias_linear else 0)
-    fc2 = config.ffn_hidden_size // tp * h + (h if config.add_bias_linear else 0)
-    return 2 * norm + qkv + proj + fc1 + fc2
+    if moe is None:
+        moe = config.num_moe_experts is not None
+    if not moe:
+        return 2 * norm + qkv + proj + _mlp_parameters(config, config.ffn_hidden_size, tp)
+    shared = config.moe_shared_expert_intermediate_size
+    mlp = config.num_moe_experts * h + expert_parameters(config)
+    if shared:
+        mlp += _mlp_parameters(config, shared, tp) + (h if config.moe_shared_expert_gate else 0)
+    return 2 * norm + qkv + proj + mlp
+
+
+def expert_parameters(config: GPTConfig) -> int:
+    """Parameters of the experts one rank holds in one mixture-of-experts layer: ``E/ep``
+    experts, each an MLP of ``moe_ffn_hidden_size`` split over etp (0 for a dense model)."""
+    if config.num_moe_experts is None:
+        return 0
+    moe = config.moe_config()
+    return moe.num_local_experts * _mlp_parameters(
+        config, moe.moe_ffn_hidden_size, moe.expert_tensor_parallel_size
+    )
+
+
+def moe_layer_count(config: GPTConfig, num_layers: int) -> int:
+    """Mixture-of-experts layers among a chunk's ``num_layers`` layers: every
+    ``moe_layer_freq``-th, counted from the chunk's first (exact for a frequency of 1)."""
+    if config.num_moe_experts is None:
+        return 0
+    return -(-num_layers // config.moe_layer_freq)
+
+
+def chunk_expert_parameters(config: GPTConfig, num_layers: int) -> int:
+    """The experts' share of a chunk of ``num_layers`` layers on one rank (their gradients
+    are reduced, and their optimizer states sharded, over the expert-data-parallel ranks)."""
+    return moe_layer_count(config, num_layers) * expert_parameters(config)
 
 
 def chunk_parameters(config: GPTConfig, stage: int, num_stages: int, num_layers: int) -> int:
@@ -46,7 +91,9 @@ def chunk_parameters(config: GPTConfig, stage: int, num_stages: int, num_layers:
     tp, h = config.tensor_model_parallel_size, config.hidden_size
     vocab = pad_vocab_size(config.vocab_size, tp, multiple=config.make_vocab_size_divisible_by)
     first, last = stage == 0, stage == num_stages - 1
-    total = num_layers * layer_parameters(config)
+    moe = moe_layer_count(config, num_layers)
+    total = (num_layers - moe) * layer_parameters(config, False)
+    total += moe * layer_parameters(config, True) if moe else 0
     if first:
         total += vocab // tp * h
         if config.position_embedding_type == "learned_absolute":
@@ -88,6 +135,11 @@ class ModelState:
     @property
     def total(self) -> float:
         return self.weights + self.grads + self.optimizer
+
+    def __add__(self, other: ModelState) -> ModelState:
+        return ModelState(
+            self.weights + other.weights, self.grads + other.grads, self.optimizer + other.optimizer
+        )
 
 
 def model_state(

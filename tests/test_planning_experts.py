@@ -1,0 +1,64 @@
+"""The planner's mixture-of-experts arithmetic: parameters per rank against a built model,
+the all-to-all volumes, the searched expert layouts and the sweep's ep axis."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from megapp.models import GPTConfig, build_gpt_chunks
+from megapp.planning.layout import Layout, pretrain_config
+from megapp.planning.model_state import expert_parameters, layer_parameters, rank_parameters
+from megapp.tensor_parallel.random import model_parallel_manual_seed
+
+MOE = dict(
+    num_layers=4,
+    hidden_size=64,
+    num_attention_heads=4,
+    vocab_size=257,
+    max_position_embeddings=32,
+    ffn_hidden_size=96,
+    activation="swiglu",
+    num_moe_experts=8,
+    moe_router_topk=2,
+    moe_ffn_hidden_size=48,
+    moe_layer_freq=2,
+    params_dtype=torch.float32,
+    make_vocab_size_divisible_by=128,
+)
+
+
+def test_rank_parameters_count_the_built_experts():
+    config = GPTConfig(**MOE)
+    torch.manual_seed(0)
+    model_parallel_manual_seed(0)
+    (chunk,) = build_gpt_chunks(config)
+    built = sum(p.numel() for p in chunk.parameters())
+    assert rank_parameters(config, [0], 1) == built
+    expert = 64 * 96 + 96 + 48 * 64 + 64  # fc1 (h × 2·48, SwiGLU) and fc2 (48 × h), biases
+    assert expert_parameters(config) == 8 * expert
+    dense = 64 * 192 + 192 + 96 * 64 + 64
+    assert layer_parameters(config, True) - layer_parameters(config, False) == (
+        8 * 64 + 8 * expert - dense  # the router, 8 experts, no dense MLP
+    )
+    # ep 2 holds half of every MoE layer's experts: two MoE layers of four, 4 experts less each
+    split = dataclasses.replace(config, expert_model_parallel_size=2)
+    assert rank_parameters(split, [0], 1) == built - 2 * 4 * expert
+
+
+MIXTRAL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4"]
+MIXTRAL += ["--seq-length", "32", "--max-position-embeddings", "32"]
+MIXTRAL += ["--num-experts", "8", "--moe-router-topk", "2"]
+
+
+def test_a_layout_carries_ep_to_its_flags_and_the_config():
+    layout = Layout(tp=2, dp=4, ep=4, sequence_parallel=True)
+    assert layout.name.startswith("tp2.ep4.pp1.dp4")
+    assert Layout(tp=2, dp=4).name == "tp2.pp1.dp4.v1.mb1.default.norecompute.z0"
+    assert "--expert-model-parallel-size" in layout.flags(4)
+    assert "--expert-tensor-parallel-size" not in layout.flags(4)
+    assert Layout(tp=2, dp=4, ep=4, etp=1).flags(4)[-2:] == ["--expert-tensor-parallel-size", "1"]
+    config = pretrain_config(layout, MIXTRAL, 8)
+    assert config.parallel.expert_model_parallel_size == 4
+    assert layout.expert_dp == 1
