@@ -62,3 +62,25 @@ def test_a_layout_carries_ep_to_its_flags_and_the_config():
     config = pretrain_config(layout, MIXTRAL, 8)
     assert config.parallel.expert_model_parallel_size == 4
     assert layout.expert_dp == 1
+
+
+def test_all_to_all_volume_and_link():
+    from megapp.planning.hardware import PROFILES
+    from megapp.planning.timing import all_to_all_bytes, moe_layer_seconds
+
+    config = GPTConfig(
+        **{**MOE, "params_dtype": torch.bfloat16},
+        tensor_model_parallel_size=2,
+        sequence_parallel=True,
+        expert_model_parallel_size=4,
+    )
+    # s = 32 tokens × b = 2, split over tp 2 under sequence parallelism, k = 2 copies of h = 64
+    assert all_to_all_bytes(config, 32, 2) == 32 * 2 // 2 * 2 * 64 * 2
+    h100 = PROFILES["h100"]
+    nvlink = 3 * (
+        h100.intra_node_latency + all_to_all_bytes(config, 32, 2) / 4 / h100.intra_node_bandwidth
+    )
+    # dispatch and combine over etp × ep = 8 ranks: one node
+    assert moe_layer_seconds(config, 32, 2, h100)[1] == 2 * nvlink
+    wide = dataclasses.replace(config, expert_model_parallel_size=8)
+    assert moe_layer_seconds(wide, 32, 2, h100)[1] > 2 * nvlink  # 16 ranks: InfiniBand

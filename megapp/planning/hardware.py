@@ -66,6 +66,9 @@ class Hardware:
     usable_fraction: float = 0.9  # share of memory_bytes a job may fill
     overlap_communication: bool = True  # collectives run beside compute (NCCL streams)
     transport: str = "nccl"  # point-to-point rules of the pipeline's messages: nccl or gloo
+    # the busiest expert rank's routed rows over the balanced share (1.0: balanced); it
+    # scales the experts' compute and the all-to-alls of mixture-of-experts layers
+    moe_load_imbalance: float = 1.0
 
     def __post_init__(self) -> None:
         if self.transport not in ("nccl", "gloo"):
@@ -78,6 +81,8 @@ class Hardware:
                 raise ValueError(f"hardware {self.name!r}: {name} must be > 0")
         if self.gpus_per_node < 1:
             raise ValueError(f"hardware {self.name!r}: gpus_per_node must be >= 1")
+        if self.moe_load_imbalance < 1:
+            raise ValueError(f"hardware {self.name!r}: moe_load_imbalance must be >= 1")
         if not 0 < self.usable_fraction <= 1:
             raise ValueError(f"hardware {self.name!r}: usable_fraction must be in (0, 1]")
 

@@ -22,6 +22,14 @@ core ``core`` = q·kᵀ and p·v, as :func:`~megapp.training.flops.gpt_training_
   core's FLOPs those of its ``s/cp`` queries against the whole sequence): the keys and
   values each mechanism moves (docs/context_parallel.md) over the cp group's link,
   NVLink while ``tp·cp`` fits a node (:func:`context_parallel_seconds`);
+- mixture-of-experts layers (:func:`moe_layer_seconds`): the router's and the ``k``
+  experts' FLOPs in place of the dense MLP's (per token as
+  :func:`~megapp.training.flops.gpt_training_flops` counts them, the experts' share scaled by
+  ``Hardware.moe_load_imbalance``), and per layer an all-to-all dispatch and combine in
+  forward and again in backward, each of ``T·k·h`` elements per rank, of which
+  ``(ep−1)/ep`` leaves it, over NVLink while the ep group's ``etp·ep`` ranks fit a node;
+  nothing overlaps them. The experts' gradients reduce over the expert-data-parallel
+  ranks, the rest over ``dp·cp``;
 - ZeRO-3 all-gathers a chunk's weights for each microbatch's forward and its layers'
   again for its backward; ZeRO-2 and -3 reduce-scatter the chunk's fp32 gradients after
   each microbatch's backward. Where the hardware overlaps communication (NCCL streams,
@@ -58,11 +66,17 @@ from megapp.pipeline_parallel.partition import split_layers, stage_layer_ranges
 from megapp.pipeline_parallel.schedules import Schedule
 from megapp.pipeline_parallel.simulate import CostModel, Timeline, simulate
 from megapp.planning.hardware import Hardware, group_link
-from megapp.planning.model_state import chunk_parameters, layer_parameters
+from megapp.planning.model_state import (
+    chunk_expert_parameters,
+    chunk_parameters,
+    layer_parameters,
+    moe_layer_count,
+)
 from megapp.planning.step_time import StepTime, step_time
 from megapp.tensor_parallel.utils import pad_vocab_size
 from megapp.training.config import PretrainConfig
 from megapp.training.flops import layer_flops as layer_flops_per_token
+from megapp.training.flops import moe_mlp_flops
 
 Table = list[list[float]]
 
@@ -170,6 +184,35 @@ def layer_flops(gpt: GPTConfig, seq_length: int, micro_batch_size: int) -> tuple
     tokens = seq_length // gpt.context_parallel_size * micro_batch_size
     tp = gpt.tensor_model_parallel_size
     return tokens * linear / tp, tokens * core / tp
+
+
+def all_to_all_bytes(gpt: GPTConfig, seq_length: int, micro_batch_size: int) -> float:
+    """Bytes one rank's dispatch (or combine) all-to-all carries in one mixture-of-experts
+    layer: its ``T`` routed tokens (``s/cp·b``, ``/tp`` under sequence parallelism) ``k``
+    times, ``T·k·h`` elements; ``(ep−1)/ep`` of it leaves the rank."""
+    tokens = seq_length // gpt.context_parallel_size * micro_batch_size
+    if gpt.sequence_parallel:
+        tokens //= gpt.tensor_model_parallel_size
+    return tokens * gpt.moe_router_topk * gpt.hidden_size * _width(gpt.params_dtype)
+
+
+def moe_layer_seconds(
+    gpt: GPTConfig, seq_length: int, micro_batch_size: int, hardware: Hardware
+) -> tuple[float, float]:
+    """What a mixture-of-experts layer adds to a dense one for one microbatch on one rank:
+    forward FLOPs (router and ``k`` experts less the dense MLP, the experts' scaled by the
+    load imbalance; negative where the experts are narrower) and the seconds of its dispatch
+    and combine all-to-alls in one pass (forward; backward moves the same)."""
+    tokens = seq_length // gpt.context_parallel_size * micro_batch_size
+    tp, ep = gpt.tensor_model_parallel_size, gpt.expert_model_parallel_size
+    experts = moe_mlp_flops(gpt) - 2 * gpt.hidden_size * gpt.num_moe_experts
+    router = 2 * gpt.hidden_size * gpt.num_moe_experts
+    per_token = router + experts * hardware.moe_load_imbalance
+    dense = (6 if gpt.activation == "swiglu" else 4) * gpt.hidden_size * gpt.ffn_hidden_size
+    flops = tokens * (per_token - dense) / tp
+    link = group_link(hardware, gpt.expert_tensor_parallel_size * ep)
+    volume = all_to_all_bytes(gpt, seq_length, micro_batch_size) * hardware.moe_load_imbalance
+    return flops, 2 * link.all_to_all(volume, ep)
 
 
 def context_parallel_seconds(
@@ -288,6 +331,11 @@ def action_costs(gpt: GPTConfig, shape: Shape, hardware: Hardware) -> ActionCost
     params: list[float] = []
     buckets: list[int] = []  # data-parallel gradient buckets per rank (per chunk, as DDP)
     layer_params = layer_parameters(gpt)
+    moe_lin, a2a = 0.0, 0.0
+    if gpt.num_moe_experts is not None:
+        moe_lin, a2a = moe_layer_seconds(gpt, shape.seq_length, shape.micro_batch_size, hardware)
+    moe_rerun = moe_lin if gpt.recompute_granularity == "full" else 0.0
+    experts: list[float] = []  # expert parameters per rank, reduced over the expert dp ranks
     chunks: dict[tuple[int, bool, bool], tuple[int, tuple[float, ...]]] = {}
 
     def chunk(stage: int) -> tuple[int, tuple[float, ...]]:
@@ -295,18 +343,20 @@ def action_costs(gpt: GPTConfig, shape: Shape, hardware: Hardware) -> ActionCost
         calls in F, in I, cp seconds in F, in I, cp transfers in F, in I) of one chunk."""
         layers, first, last = len(ranges[stage]), stage == 0, stage == num_stages - 1
         chunk_params = chunk_parameters(gpt, stage, num_stages, layers)
-        f = layers * (lin + core) + logits * last
-        i = layers * (lin + 2 * core + rerun) + logits * last
-        w = layers * lin + logits * last
+        moe = moe_layer_count(gpt, layers)
+        f = layers * (lin + core) + moe * moe_lin + logits * last
+        i = layers * (lin + 2 * core + rerun) + moe * (moe_lin + moe_rerun) + logits * last
+        w = layers * lin + moe * moe_lin + logits * last
         tp_f, tp_b, calls_f, calls_b = _chunk_tp_seconds(gpt, shape, layers, first, last, hardware)
         fixed = hardware.action_overhead + layers * hardware.layer_overhead
         loss = loss_seconds * last
         f_s = f / hardware.gemm_flops + fixed + tp_f + layers * cp_f + 3 / 5 * loss
+        f_s += moe * a2a
         rerun_passes = (
             layers * hardware.layer_overhead if gpt.recompute_granularity == "full" else 0
         )
         i_s = i / hardware.gemm_flops + fixed + rerun_passes + tp_b + layers * cp_b
-        i_s += 2 / 5 * loss
+        i_s += 2 / 5 * loss + moe * a2a * (2 if gpt.recompute_granularity == "full" else 1)
         w_s = w / hardware.gemm_flops + fixed
         # ZeRO-3 gathers the chunk before its forward and the layers before backward;
         # ZeRO-2/3 reduce-scatter the chunk's fp32 gradients after every backward.
@@ -327,6 +377,9 @@ def action_costs(gpt: GPTConfig, shape: Shape, hardware: Hardware) -> ActionCost
     for rank in range(p):
         rows: dict[str, list[float]] = {k: [] for k in tables}
         rank_params = rank_buckets = 0
+        experts.append(
+            sum(chunk_expert_parameters(gpt, len(ranges[st])) for st in shape.placement[rank])
+        )
         for stage in shape.placement[rank]:
             key = (len(ranges[stage]), stage == 0, stage == num_stages - 1)
             if key not in chunks:  # chunks of one kind cost the same: compute once
@@ -347,20 +400,28 @@ def action_costs(gpt: GPTConfig, shape: Shape, hardware: Hardware) -> ActionCost
     tied = gpt.share_embeddings_and_output_weights and p > 1 and not v_shaped
     embedding_sum = pp_link.all_reduce(4 * vocab // tp * gpt.hidden_size, 2) if tied else 0.0
     reduce, tail, optimizer = [], [], []
+    # the copies of each expert: world / (etp · ep · pp), spanning as many ranks as dp · cp
+    edp = tp * dp // (gpt.expert_tensor_parallel_size * gpt.expert_model_parallel_size)
     for rank in range(p):
-        grads, weights = 4 * params[rank], width * params[rank]
+        dense = params[rank] - experts[rank]
         calls = buckets[rank] - 1  # every bucket's collective beyond one pays its ring steps
         if shape.zero_stage == 0:
-            end = dp_link.all_reduce(grads, dp) + calls * dp_link.all_reduce(0.0, dp)
+            end = dp_link.all_reduce(4 * dense, dp) + calls * dp_link.all_reduce(0.0, dp)
+            end += dp_link.all_reduce(4 * experts[rank], edp) if experts[rank] else 0.0
         elif shape.zero_stage == 1:
-            end = dp_link.all_gather(grads, dp) + calls * dp_link.all_gather(0.0, dp)
+            end = dp_link.all_gather(4 * dense, dp) + calls * dp_link.all_gather(0.0, dp)
+            end += dp_link.all_gather(4 * experts[rank], edp) if experts[rank] else 0.0
         else:
             end = 0.0  # reduced microbatch by microbatch inside the actions
         window = sum(tables["w"][rank]) + sum(tables["i"][rank])  # the last microbatch
         last_bucket = end * min(1.0, shape.bucket_size / max(params[rank], 1))
         exposed = max(end - window, last_bucket) if hardware.overlap_communication else end
-        gather = dp_link.all_gather(weights, dp) if shape.zero_stage in (1, 2) else 0.0
-        owned = params[rank] / (dp if shape.zero_stage >= 1 else 1)
+        gather = 0.0
+        if shape.zero_stage in (1, 2):
+            gather = dp_link.all_gather(width * dense, dp)
+            gather += dp_link.all_gather(width * experts[rank], edp) if experts[rank] else 0.0
+        owned = dense / (dp if shape.zero_stage >= 1 else 1)
+        owned += experts[rank] / (edp if shape.zero_stage >= 1 else 1)
         step = owned * _optimizer_bytes(width) / hardware.memory_bandwidth
         ends = rank in (0, p - 1)
         reduce.append(end)
