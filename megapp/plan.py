@@ -116,6 +116,13 @@ def build_parser() -> argparse.ArgumentParser:
         f"tokens every divisor of --gpus up to {MAX_AUTO_CP})",
     )
     add("--cp-comm-types", nargs="+", choices=CP_COMM_TYPES, default=list(CP_COMM_TYPES))
+    add(
+        "--ep",
+        type=_positive,
+        nargs="+",
+        help="expert-parallel sizes of a --num-experts model (default: every divisor of its "
+        "experts that the layout's ranks allow; a dense model runs ep 1 alone)",
+    )
     add("--run-flags", default=shlex.join(RUN_FLAGS), help="appended to every command (data)")
     add("--calibrate", action="store_true", help="measure this machine (--gpus processes)")
     add("--hardware-out", default="runs/calibration/hardware.json", help="--calibrate's file")
@@ -145,6 +152,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             tuple(args.schedules),
             cp=tuple(args.cp) if args.cp else None,
             cp_comm_types=tuple(args.cp_comm_types),
+            ep=tuple(args.ep) if args.ep else None,
         )
         result = planner.plan(gpn, args.top_k, space)
     except (ArgumentsError, ValueError) as error:

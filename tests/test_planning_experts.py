@@ -84,3 +84,24 @@ def test_all_to_all_volume_and_link():
     assert moe_layer_seconds(config, 32, 2, h100)[1] == 2 * nvlink
     wide = dataclasses.replace(config, expert_model_parallel_size=8)
     assert moe_layer_seconds(wide, 32, 2, h100)[1] > 2 * nvlink  # 16 ranks: InfiniBand
+
+
+def _planner_base(name: str) -> GPTConfig:
+    from megapp.planning.models import MODELS
+
+    model = MODELS[name]
+    return pretrain_config(Layout(), model.flags, 1).gpt_config(model.vocab_size)
+
+
+def test_the_search_yields_expert_layouts_for_moe_models_only():
+    from megapp.planning.layout_space import Space, layouts
+
+    space = Space(max_micro_batch_size=1, max_chunks=1, schedules=("1f1b",))
+    mixtral = {layout.ep for layout in layouts(_planner_base("mixtral-8x7b"), 16, 8, 16, space)}
+    assert mixtral == {1, 2, 4, 8}
+    dense = {layout.ep for layout in layouts(_planner_base("llama3-8b"), 16, 8, 16, space)}
+    assert dense == {1}
+    chosen = Space(max_micro_batch_size=1, max_chunks=1, schedules=("1f1b",), ep=(2, 3))
+    assert {layout.ep for layout in layouts(_planner_base("mixtral-8x7b"), 16, 8, 16, chosen)} == {
+        2
+    }

@@ -1,5 +1,6 @@
 """The layouts a planner searches: every split of N devices into tensor, context, pipeline
-and data parallel sizes with virtual stages, micro-batch sizes, recompute, ZeRO stages,
+and data parallel sizes (and expert parallel sizes for mixture-of-experts models) with
+virtual stages, micro-batch sizes, recompute, ZeRO stages,
 sequence parallelism and schedules that the arithmetic allows."""
 
 from __future__ import annotations
@@ -28,15 +29,19 @@ class Space:
     """Limits of the search: micro-batch sizes (powers of two) up to
     ``max_micro_batch_size``, up to ``max_chunks`` virtual stages per rank, ``schedules``,
     context-parallel sizes ``cp`` (None: :func:`auto_cp_sizes`) with the communication
-    ``cp_comm_types`` each."""
+    ``cp_comm_types`` each, expert-parallel sizes ``ep`` (None: :func:`expert_sizes`; a
+    dense model runs ep 1 alone whatever this says)."""
 
     max_micro_batch_size: int = 8
     max_chunks: int = 8
     schedules: tuple[str, ...] = tuple(SCHEDULES)
     cp: tuple[int, ...] | None = None
     cp_comm_types: tuple[str, ...] = CP_COMM_TYPES
+    ep: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
+        if self.ep is not None and (not self.ep or min(self.ep) < 1):
+            raise ValueError(f"expert-parallel sizes must be >= 1, got {self.ep}")
         if self.cp is not None and (not self.cp or min(self.cp) < 1):
             raise ValueError(f"context-parallel sizes must be >= 1, got {self.cp}")
         unknown = [kind for kind in self.cp_comm_types if kind not in CP_COMM_TYPES]
@@ -55,6 +60,17 @@ def auto_cp_sizes(seq_length: int | None, gpus: int) -> tuple[int, ...]:
     if seq_length is None or seq_length <= LONG_SEQUENCE:
         return (1,)
     return tuple(d for d in _divisors(gpus) if d <= MAX_AUTO_CP)
+
+
+def expert_sizes(base: GPTConfig, tp: int, rest: int, space: Space) -> list[int]:
+    """The expert-parallel sizes to search with tensor parallelism ``tp`` and ``rest`` =
+    GPUs / (tp·pp) ranks left (cp·dp): 1 for a dense model; else those of ``space.ep`` (by
+    default every divisor of the experts) for which the expert grid (etp = tp) tiles the
+    ranks, as :class:`~megapp.process_grid.ProcessGrid` requires."""
+    if base.num_moe_experts is None:
+        return [1]
+    sizes = space.ep if space.ep is not None else _divisors(base.num_moe_experts)
+    return [ep for ep in sizes if not base.num_moe_experts % ep and not (tp * rest) % (tp * ep)]
 
 
 def _divisors(n: int) -> list[int]:
@@ -150,6 +166,7 @@ def layouts(
             dp = rest // cp
             if global_batch_size % dp:
                 continue
+            eps = expert_sizes(base, tp, rest, space)
             for vpp, names in _schedule_names(base.num_layers, pp, space):
                 for mbs in (1 << i for i in range(space.max_micro_batch_size.bit_length())):
                     if mbs > space.max_micro_batch_size or global_batch_size % (mbs * dp):
@@ -158,7 +175,7 @@ def layouts(
                     for recompute in RECOMPUTE:
                         for zero in range(4) if dp * cp > 1 else [0]:
                             for sp in (sp for sp in sps if (cp, kind) in by_sp[sp]):
-                                for name in names:
+                                for name, ep in ((n, e) for n in names for e in eps):
                                     yield Layout(
                                         **sizes,
                                         schedule=name,
@@ -167,6 +184,7 @@ def layouts(
                                         zero_stage=zero,
                                         cp=cp,
                                         cp_comm_type=kind,
+                                        ep=ep,
                                     )
 
 

@@ -94,14 +94,18 @@ class Planner:
     def gpt(self, layout: Layout) -> GPTConfig | None:
         """The model under ``layout`` as ``pretrain_gpt.py`` builds it from the model's flags
         and the layout's settings that reach the model (tensor and context parallelism,
-        sequence parallelism, recompute); None where its rules refuse them."""
+        sequence parallelism, recompute, expert parallelism); None where its rules refuse
+        them."""
         key = (layout.tp, layout.sequence_parallel, layout.recompute, layout.cp)
-        key += (layout.cp_comm_type,)
+        key += (layout.cp_comm_type, layout.ep, layout.etp)
         if key not in self._gpts:
-            names = ("tp", "sequence_parallel", "recompute", "cp", "cp_comm_type")
-            model_only = Layout(**dict(zip(names, key, strict=True)))
+            names = ("tp", "sequence_parallel", "recompute", "cp", "cp_comm_type", "ep", "etp")
+            # enough data-parallel ranks for one copy of the expert grid
+            model_only = Layout(
+                **dict(zip(names, key, strict=True)), dp=layout.ep * layout.expert_tp
+            )
             try:
-                config = pretrain_config(model_only, self.model.flags, 1)
+                config = pretrain_config(model_only, self.model.flags, model_only.dp)
                 self._gpts[key] = config.gpt_config(self.model.vocab_size)
             except (ArgumentsError, ValueError):
                 self._gpts[key] = None
@@ -111,6 +115,7 @@ class Planner:
         """Whether every rank's model state alone fits in memory (a bound on the total);
         ZeRO shards it over the data- and context-parallel ranks."""
         key = (layout.tp, layout.dp * layout.cp, layout.zero_stage, placement)
+        key += (layout.ep, layout.etp)
         if key not in self._states:
             stages = layout.pp * layout.vpp
             ranges = split_layers(gpt.num_layers, stages)
@@ -126,7 +131,7 @@ class Planner:
         return (
             *(layout.tp, layout.pp, layout.dp, layout.vpp, layout.micro_batch_size),
             *(layout.sequence_parallel, layout.recompute, layout.zero_stage),
-            *(layout.cp, layout.cp_comm_type),
+            *(layout.cp, layout.cp_comm_type, layout.ep, layout.etp),
             _kind(layout).v_shaped,
         )
 
