@@ -162,6 +162,24 @@ def test_context_parallel_axes():
     assert not odd.points and "not divisible by 2 × context-parallel size" in odd.dropped[0].reason
 
 
+def test_expert_parallel_axis():
+    """ep is an axis like cp: its points run --expert-model-parallel-size, and what the job
+    refuses (ep beyond the experts, a dense model, tp without sequence parallelism) drops."""
+    moe = (*MODEL, "--num-experts", "4", "--moe-router-topk", "2")
+    spec = small_spec(model_flags=moe, tp=(1, 2), pp=(1,), ep=(1, 2, 8), recompute=(None,))
+    expansion = expand(spec)
+    names = [p.name for p in expansion.points]
+    assert "tp1.ep2.pp1.dp4.v1.mb2.default.norecompute.z0" in names
+    assert "tp1.pp1.dp4.v1.mb2.default.norecompute.z0" in names
+    point = next(p for p in expansion.points if ".ep2." in p.name)
+    assert flag_value(point.flags, "--expert-model-parallel-size") == "2"
+    reasons = [d.reason for d in expansion.dropped]
+    assert any("--expert-model-parallel-size" in r for r in reasons)  # ep 8
+    assert any("--sequence-parallel" in r for r in reasons)  # tp 2 without it
+    dense = expand(small_spec(tp=(1,), pp=(1,), ep=(2,)))
+    assert not dense.points and "give --num-experts" in dense.dropped[0].reason
+
+
 def test_toml_spec(tmp_path):
     path = tmp_path / "sweep.toml"
     path.write_text(

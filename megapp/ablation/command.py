@@ -9,7 +9,7 @@ The command line of ``tools/ablate.py`` (also ``python -m megapp.ablation``):
     python tools/ablate.py --config sweep.toml --out runs/ablation --slurm   # array job
     python tools/ablation_report.py runs/ablation                            # the report
 
-The cross product of the axes (tp, cp and its communication, pp, vpp, schedule, micro
+The cross product of the axes (tp, cp and its communication, ep, pp, vpp, schedule, micro
 batch, recompute, ZeRO stage, sequence parallelism) is checked as ``pretrain_gpt.py``
 checks its flags; refused points are listed with the reason. Each point runs as ``torchrun
 --standalone --nproc-per-node N pretrain_gpt.py ...`` (dropout off, a loss every
@@ -50,7 +50,7 @@ from megapp.ablation.sweep import (
 )
 from megapp.planning.layout import CP_COMM_TYPES
 
-AXES = ("tp", "cp", "pp", "vpp", "micro_batch_size", "zero_stage")
+AXES = ("tp", "cp", "ep", "pp", "vpp", "micro_batch_size", "zero_stage")
 WORD_AXES = ("schedule", "recompute", "cp_comm_type")
 
 

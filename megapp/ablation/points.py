@@ -54,7 +54,8 @@ class SweepSpec:
     ``repeats``: launches per point, in rounds over all points (so a machine that slows
     for a while slows every point alike); a point's time is the median of its launches'.
     ``cp`` and ``cp_comm_type``: context-parallel sizes and their communication (one point
-    per size at cp 1, whatever the communication).
+    per size at cp 1, whatever the communication). ``ep``: expert-parallel sizes (a model
+    with ``--num-experts``; expert tensor parallelism is tp's).
     """
 
     model_flags: tuple[str, ...]
@@ -80,6 +81,7 @@ class SweepSpec:
     sequence_parallel: tuple[bool, ...] = (False,)
     cp: tuple[int, ...] = (1,)
     cp_comm_type: tuple[str, ...] = ("p2p",)
+    ep: tuple[int, ...] = (1,)
 
     @property
     def world_size(self) -> int:
@@ -226,17 +228,19 @@ def expand(spec: SweepSpec) -> Expansion:
         spec.recompute,
         spec.zero_stage,
         spec.sequence_parallel,
+        spec.ep,
     )
     seen: set[tuple] = set()
     layouts: set[Layout] = set()
-    for tp, cp, comm_type, pp, vpp, schedule, mbs, recompute, zero, sp in axes:
+    for tp, cp, comm_type, pp, vpp, schedule, mbs, recompute, zero, sp, ep in axes:
         if cp == 1:
             comm_type = CP_COMM_TYPES[0]  # no communication to vary: one point, the default
-        point = (tp, cp, comm_type, pp, vpp, schedule, mbs, recompute, zero, sp)
+        point = (tp, cp, comm_type, pp, vpp, schedule, mbs, recompute, zero, sp, ep)
         if point in seen:
             continue
         seen.add(point)
         context = f" cp{cp} {comm_type}" if cp > 1 else ""
+        context += f" ep{ep}" if ep > 1 else ""
         description = (
             f"tp{tp}{context} pp{pp} vpp{vpp} {schedule or 'default'} mb{mbs} "
             f"{recompute or 'norecompute'} z{zero}{' sp' if sp else ''}"
@@ -259,6 +263,7 @@ def expand(spec: SweepSpec) -> Expansion:
                 zero_stage=zero,
                 cp=cp,
                 cp_comm_type=comm_type,
+                ep=ep,
             )
         except ValueError as error:
             out.dropped.append(Dropped(None, description, str(error)))
@@ -297,6 +302,7 @@ def _as_tuple(name: str, value: Any) -> tuple:
 
 _INTEGERS = ("global_batch_size", "train_iters", "nproc", "nnodes", "seed", "repeats")
 _INTEGERS += ("profile_iteration", "tp", "pp", "vpp", "micro_batch_size", "zero_stage", "cp")
+_INTEGERS += ("ep",)
 _WORDS = ("model", "hardware", "schedule", "recompute", "cp_comm_type")
 
 

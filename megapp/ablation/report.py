@@ -178,8 +178,8 @@ def parity_summary(point_records: Sequence[PointRecord]) -> list[str]:
     return lines
 
 
-AXES = ("tp", "cp", "cp_comm_type", "pp", "vpp", "schedule", "micro_batch_size", "recompute")
-AXES += ("zero_stage",)
+AXES = ("tp", "cp", "cp_comm_type", "ep", "pp", "vpp", "schedule", "micro_batch_size")
+AXES += ("recompute", "zero_stage")
 
 
 def sweep_section(manifest: dict, point_records: Sequence[PointRecord]) -> list[str]:
