@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib
+import json
 import os
 import pickle
 import shlex
@@ -425,6 +427,54 @@ def hf_tensors(directory) -> dict[str, torch.Tensor]:
         if name.endswith(".safetensors"):
             out.update(safetensors.torch.load_file(os.path.join(directory, name)))
     return out
+
+
+# --- Hugging Face round trips through pretrain_gpt.py and the checkpoint tools -------
+
+HF_RUN = [
+    *("--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "4"),
+    *("--lr", "0", "--min-lr", "0", "--train-iters", "1", "--eval-iters", "0"),
+    "--log-interval",
+    "1",
+]
+"""One step at learning rate 0: the weights stay what they were."""
+
+
+def tool_main(capsys, tool: str, *args) -> tuple[int, str, list[str]]:
+    """``tools/checkpoint/<tool>.py args`` run in this process: (exit status, stdout,
+    stderr lines)."""
+    module = importlib.import_module(f"tools.checkpoint.{tool}")
+    capsys.readouterr()  # what ran before is not the tool's
+    try:
+        status = module.main([str(a) for a in args])
+    except SystemExit as stop:
+        status = stop.code
+    out, err = capsys.readouterr()
+    return status, out, err.strip().splitlines()
+
+
+def assert_same_model(exported, original):
+    """The same tensors, bitwise, the same config files, and the usual file mode."""
+    ours, theirs = hf_tensors(exported), hf_tensors(original)
+    assert sorted(ours) == sorted(theirs)
+    for name, tensor in theirs.items():
+        assert torch.equal(ours[name], tensor), name
+    for name in ("config.json", "generation_config.json"):
+        assert read_json(exported / name) == read_json(original / name), name
+    mask = os.umask(0)
+    os.umask(mask)
+    for path in exported.iterdir():
+        assert path.stat().st_mode & 0o777 == 0o666 & ~mask, path.name
+
+
+def read_json(path):
+    return json.loads(path.read_text())
+
+
+def convert_tool(capsys, *args):
+    """tools/checkpoint/convert_hf.py run in this process: (exit status, stderr lines)."""
+    status, _, err = tool_main(capsys, "convert_hf", *args)
+    return status, err
 
 
 # --- the planner's hardware with round numbers ----------------------------------------------

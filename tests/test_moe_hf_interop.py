@@ -19,8 +19,8 @@ from megapp.models.hf_checkpoint import hf_gpt_config, load_hf, save_hf
 from megapp.testing import distributed
 from megapp.testing.pretrain_world import run_pretrain_in_world
 from megapp.transformer.config import ExpertGroups
-from tests.support import hf_tensors
-from tests.test_hf_pretrain import RUN, assert_same_model, convert_tool, tool_main
+from tests.support import HF_RUN as RUN
+from tests.support import assert_same_model, convert_tool, hf_tensors, tool_main
 
 transformers = pytest.importorskip("transformers")
 
