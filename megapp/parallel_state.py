@@ -295,7 +295,7 @@ class TrainGroups:
             embedding=state.groups.get("embedding"),
             mp=state.groups["mp"],
             cp=state.groups.get("cp"),
-            dp_cp=state.groups.get("dp_cp", state.groups["dp"]),
+            dp_cp=state.groups.get("dp_cp"),  # without cp: dp (__post_init__)
             pp_channels=state.channels,
             tp_cp=state.groups.get("tp_cp", state.groups["tp"]),
             ep=state.groups.get("ep"),

@@ -31,11 +31,13 @@ from megapp.param_attributes import (
     unshard,
 )
 from megapp.planning.hardware import Hardware
+from megapp.testing.pretrain_world import run_pretrain_in_world
 from megapp.training import train_step
 from megapp.training.arguments import config_from_flags
 from megapp.training.config import PretrainConfig
 from megapp.training.data_iterators import masked_token_mean, split_batch
 from megapp.training.flag_groups import OptimizerArgs
+from megapp.training.metrics import read_records
 from megapp.training.setup import build_training_setup
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -508,3 +510,38 @@ PRETRAIN_BASE = (
 def args_for(extra: str = "", world_size: int = 8, base: str = PRETRAIN_BASE) -> PretrainConfig:
     """The checked config of ``base`` plus ``extra`` flags for a job of ``world_size``."""
     return config_from_flags(shlex.split(f"{base} {extra}"), world_size)
+
+
+# --- checkpoints saved by pretrain_gpt.py jobs, for resuming under other layouts ----------
+
+
+def train_records(path) -> dict[int, dict]:
+    """A metrics file's training records by iteration."""
+    return {r["iteration"]: r for r in read_records(path, "train")}
+
+
+def data_flags(corpus, root) -> list[str]:
+    """The test corpus, with its index cache under ``root``."""
+    return ["--data-path", str(corpus / "stdlib"), "--data-cache-path", str(root / "cache")]
+
+
+def checkpoint_sources(sources, model, save_at, corpus, tmp_path_factory):
+    """Each source job (name -> (ranks, layout flags)) of ``model`` run whole, saving every
+    ``save_at`` iterations: name -> (its directory, its training records by iteration)."""
+    out = {}
+    for name, (nproc, layout) in sources.items():
+        root = tmp_path_factory.mktemp(name.replace(" ", "_"))
+        job = run_pretrain_in_world(
+            nproc,
+            [
+                *model,
+                *layout.split(),
+                *data_flags(corpus, root),
+                *("--save", str(root / "ckpt"), "--save-interval", str(save_at)),
+                *("--metrics-path", str(root / "metrics.jsonl")),
+            ],
+            cwd=root,
+        )
+        assert job.returncode == 0, job.stderr[-4000:]
+        out[name] = (root, train_records(root / "metrics.jsonl"))
+    return out

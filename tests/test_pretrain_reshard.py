@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 
 from megapp.testing.pretrain_world import run_pretrain_in_world
-from megapp.training.metrics import read_records
+from tests.support import checkpoint_sources, data_flags, train_records
 
 ITERS, SAVE_AT = 4, 2
 MODEL = (
@@ -43,30 +43,10 @@ TARGETS = [
 KEYS = ("iteration", "consumed_samples", "lm_loss", "grad_norm", "learning_rate")
 
 
-def _train_records(path) -> dict[int, dict]:
-    return {r["iteration"]: r for r in read_records(path, "train")}
-
-
 @pytest.fixture(scope="module")
 def sources(corpus, tmp_path_factory):
     """Each source job's checkpoint directory and its training records."""
-    out = {}
-    for name, (nproc, layout) in SOURCES.items():
-        root = tmp_path_factory.mktemp(name.replace(" ", "_"))
-        job = run_pretrain_in_world(
-            nproc,
-            [
-                *MODEL,
-                *layout.split(),
-                *("--data-path", str(corpus / "stdlib"), "--data-cache-path", str(root / "cache")),
-                *("--save", str(root / "ckpt"), "--save-interval", str(SAVE_AT)),
-                *("--metrics-path", str(root / "metrics.jsonl")),
-            ],
-            cwd=root,
-        )
-        assert job.returncode == 0, job.stderr[-4000:]
-        out[name] = (root, _train_records(root / "metrics.jsonl"))
-    return out
+    return checkpoint_sources(SOURCES, MODEL, SAVE_AT, corpus, tmp_path_factory)
 
 
 @pytest.mark.slow  # pretrain_gpt.py jobs: checkpoints load across layouts in test_checkpoint
@@ -86,7 +66,7 @@ def test_a_checkpoint_resumes_under_another_layout(
         [
             *MODEL,
             *layout.split(),
-            *("--data-path", str(corpus / "stdlib"), "--data-cache-path", str(tmp_path / "cache")),
+            *data_flags(corpus, tmp_path),
             *("--load", str(root / "ckpt"), "--ckpt-step", str(SAVE_AT)),
             *("--metrics-path", str(tmp_path / "metrics.jsonl")),
         ],
@@ -94,7 +74,7 @@ def test_a_checkpoint_resumes_under_another_layout(
     )
     assert job.returncode == 0, job.stderr[-4000:]
     assert f"loaded checkpoint {root / 'ckpt' / 'iter_0000002'}" in job.stdout
-    resumed = _train_records(tmp_path / "metrics.jsonl")
+    resumed = train_records(tmp_path / "metrics.jsonl")
     assert sorted(resumed) == [3, 4]
     for i in (3, 4):
         for key in ("iteration", "consumed_samples", "learning_rate"):

@@ -228,6 +228,7 @@ class GPTModel(nn.Module):
         if pre_process and not post_process and config.share_embeddings_and_output_weights:
             mark_tied_embedding(self.embedding.word_embeddings.weight, duplicate=False)
         self._freqs: torch.Tensor | None = None
+        self._cp_freqs: torch.Tensor | None = None
 
     def _padded_vocab(self) -> int:
         config = self.config
@@ -259,8 +260,11 @@ class GPTModel(nn.Module):
             self._freqs = rotary_freqs(
                 whole, config.rotary_dim, config.rotary_base, device, config.rope_scaling
             )
-        if cp > 1:
-            return split(self._freqs[:whole], cp, comm.rank(self.cp_group))
+        if cp > 1:  # this rank's rows, picked once per sequence length, not per microbatch
+            cached = self._cp_freqs
+            if cached is None or cached.shape[0] != seq or cached.device != device:
+                self._cp_freqs = split(self._freqs[:whole], cp, comm.rank(self.cp_group))
+            return self._cp_freqs
         return self._freqs[offset:whole]
 
     def forward(
