@@ -61,6 +61,18 @@ def gpt_config(**overrides) -> GPTConfig:
     return GPTConfig(**base)
 
 
+# A mixture-of-experts model on top: every second layer's MLP routes each token to 2 of 4
+# experts (dropless), with the load-balancing and z losses on.
+MOE_CONFIG = {
+    "num_moe_experts": 4,
+    "moe_router_topk": 2,
+    "moe_ffn_hidden_size": 8,
+    "moe_layer_freq": 2,
+    "moe_aux_loss_coeff": 1e-2,
+    "moe_z_loss_coeff": 1e-3,
+}
+
+
 def single_process(config: GPTConfig) -> GPTConfig:
     return dataclasses.replace(
         config,
