@@ -180,6 +180,60 @@ def test_expert_parallel_axis():
     assert not dense.points and "give --num-experts" in dense.dropped[0].reason
 
 
+MOE = (*MODEL, "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32")
+
+
+def test_a_model_with_experts_gets_one_dense_twin_per_layout():
+    """Each layout the points use, at ep 1, runs the dense twin once: the model without
+    any expert flag and with --ffn-hidden-size = top-k × the expert width (+ the shared
+    expert's); every mixture-of-experts point names its twin."""
+    shared = (*MOE, "--moe-shared-expert-intermediate-size", "16", "--moe-shared-expert-gate")
+    spec = small_spec(model_flags=(*shared, "--moe-aux-loss-coeff=0.01"), tp=(1,), pp=(1, 2))
+    spec = replace(spec, ep=(1, 2, 4), recompute=(None,))
+    expansion = expand(spec)
+    moe = [p for p in expansion.points if not p.dense_twin]
+    twins = [p for p in expansion.points if p.dense_twin]
+    assert len(moe) == 5 and [p.name for p in twins] == [  # ep 4 × pp 2 leaves no room
+        "dense-tp1.pp1.dp4.v1.mb2.default.norecompute.z0",
+        "dense-tp1.pp2.dp2.v1.mb2.default.norecompute.z0",
+    ]
+    assert expansion.points[-2:] == twins  # after the others
+    for point in moe:
+        assert point.twin == f"dense-{replace(point.layout, ep=1).name}"
+    for twin in twins:
+        assert twin.layout.ep == 1 and twin.world_size == 4
+        assert flag_value(twin.flags, "--ffn-hidden-size") == str(2 * 32 + 16)
+        assert flag_value(twin.flags, "--num-layers") == "4"
+        assert not [f for f in twin.flags if "expert" in f or f.startswith("--moe")]
+    assert len({p.key for p in expansion.points}) == 7
+    assert expansion.twin.description().startswith(
+        "the same model, without experts, with every MLP top-2 × the expert width 32 + "
+        "the shared expert's 16 = 80 wide"
+    )
+    assert not any(p.dense_twin or p.twin for p in expand(small_spec()).points)
+    with pytest.raises(ValueError, match="a dense model has no dense twin: give --num-exp"):
+        points_of.twin_spec(small_spec())
+
+
+def test_a_dense_twin_of_every_other_layer_keeps_the_mean_active_width():
+    """With --moe-layer-freq 2 one --ffn-hidden-size cannot give the dense and the expert
+    layers their own widths: the twin's MLPs take the mean (the same MLP work per
+    token), unless the dense layers are already as wide as the active experts."""
+    every_other = (*MOE, "--moe-layer-freq", "2", "--ffn-hidden-size", "256")
+    spec = small_spec(model_flags=every_other, tp=(1,), pp=(1,), recompute=(None,))
+    twin = expand(spec).twin
+    assert (twin.moe_layers, twin.active_width, twin.dense_width) == (2, 64, 256)
+    assert not twin.exact and twin.ffn_hidden_size == (2 * 64 + 2 * 256) // 4
+    (point,) = (p for p in expand(spec).points if p.dense_twin)
+    assert point.flags.count("--ffn-hidden-size") == 1
+    assert flag_value(point.flags, "--ffn-hidden-size") == "160"
+    assert "the mean over its 4 layers" in twin.description()
+    same = (*MOE, "--moe-layer-freq", "2", "--ffn-hidden-size", "64")
+    twin = expand(small_spec(model_flags=same, tp=(1,), pp=(1,))).twin
+    assert twin.exact and twin.ffn_hidden_size == 64
+    assert "as wide as its other 2 layers' MLPs" in twin.description()
+
+
 def test_toml_spec(tmp_path):
     path = tmp_path / "sweep.toml"
     path.write_text(
@@ -331,6 +385,47 @@ def test_repeats_run_in_rounds_and_time_each_point_by_the_fastest_launch(tmp_pat
     result = run_sweep(small_spec(repeats=4, tp=(1,), recompute=(None,)), tmp_path, launcher=more)
     assert more.calls == names
     assert result.records[0].measured.iteration_seconds == pytest.approx(0.08)
+
+
+def test_dense_twins_run_as_points_and_the_report_divides_by_them(tmp_path):
+    """The twin runs with the others (and its repeats), is marked in its record, gets no
+    parity verdict; the report's column is each point's tokens/s over its twin's."""
+    spec = small_spec(model_flags=MOE, tp=(1,), pp=(1,), ep=(1, 2), recompute=(None,))
+    spec = replace(spec, repeats=2)
+    twin = "dense-tp1.pp1.dp4.v1.mb2.default.norecompute.z0"
+    ep2 = "tp1.ep2.pp1.dp4.v1.mb2.default.norecompute.z0"
+    other = [x + 0.1 for x in LOSSES]  # another model
+    speed = {twin: 50.0, ep2: 200.0}
+    launcher = FakeLauncher(
+        losses_of=lambda name: other if name == twin else LOSSES,
+        ms_of=lambda name, launch: speed.get(name, 100.0),
+    )
+    sweep = tmp_path / "sweep"
+    result = run_sweep(spec, sweep, launcher=launcher)
+    assert launcher.calls.count(twin) == 2
+    by_name = {r.name: r for r in records.load_all(sweep / "points")}
+    assert by_name[twin].dense_twin and not by_name[twin].reference
+    assert by_name[twin].parity is None and by_name[ep2].twin == twin
+    assert all(r.parity.status == PASS for r in result.records if not r.dense_twin)
+    manifest = json.loads((sweep / "sweep.json").read_text())
+    assert twin in manifest["points"] and "every MLP top-2" in manifest["dense_twin"]
+    ratios = ablation_report.dense_ratios(list(by_name.values()))
+    assert ratios == {
+        "tp1.pp1.dp4.v1.mb2.default.norecompute.z0": pytest.approx(0.5),
+        ep2: pytest.approx(0.25),
+    }
+    table = ablation_report.layout_table(list(by_name.values()))
+    assert "| tokens/s | tokens/s vs dense | peak MiB" in table[0]
+    assert table[1].count("---") == 13
+    row = next(line for line in table if line.startswith(f"| `{ep2}`"))
+    assert "| 200.0 (200–200) | 1280 | 0.25 |" in row
+    assert "| dense twin |" in next(line for line in table if line.startswith(f"| `{twin}`"))
+    note = " ".join(ablation_report.twin_note(manifest, list(by_name.values())))
+    assert "over those of its dense twin" in note and "every MLP top-2" in note
+    # a sweep without experts has neither the column nor the note
+    dense = run_sweep(small_spec(tp=(1,), pp=(1,)), tmp_path / "dense", launcher=FakeLauncher())
+    assert "vs dense" not in ablation_report.layout_table(dense.records)[0]
+    assert not ablation_report.twin_note({}, dense.records)
 
 
 def test_a_repeat_that_fails_or_trains_another_model_is_not_counted(tmp_path):

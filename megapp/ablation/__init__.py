@@ -8,6 +8,7 @@ checked to train the single-process model.
 * :mod:`~megapp.ablation.records`: what a point measured, read from its metrics file;
 * :mod:`~megapp.ablation.predict`: the planner's figures for the same layout;
 * :mod:`~megapp.ablation.parity`: the alarm when a layout trains another model;
+* :mod:`~megapp.ablation.twins`: the dense twin a model with experts is measured against;
 * :mod:`~megapp.ablation.sweep`: running (and resuming) a sweep; :mod:`~megapp.ablation.slurm`
   the same as a SLURM array;
 * :mod:`~megapp.ablation.report` and :mod:`~megapp.ablation.plots`: the markdown report;

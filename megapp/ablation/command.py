@@ -17,7 +17,10 @@ iteration, one profiled iteration) with a time limit, ``--repeats`` times in rou
 the points; its record (``points/<name>.json``) holds the measured iteration time,
 tokens/s, memory per rank, bubble, communication time, losses, the planner's prediction
 and the parity with the single-process reference of its update rule (flushed schedules, or
-PipeDream-2BW; PipeDream has none). Finished points are not run again. A TOML file's
+PipeDream-2BW; PipeDream has none). A model with experts also runs its dense twin (the
+same model with dense MLPs of the experts' active width, :mod:`megapp.ablation.twins`)
+under each layout its points use, at ep 1, for the report's tokens/s against a dense
+model. Finished points are not run again. A TOML file's
 top-level keys are the fields of :class:`megapp.ablation.points.SweepSpec`; flags override
 them.
 """
@@ -187,7 +190,7 @@ def summary(point_records: list[records.PointRecord]) -> None:
     for r in point_records:
         m = r.measured
         time_text = f"{m.iteration_seconds * 1e3:8.1f} ms" if m.iteration_seconds else "       -   "
-        parity = r.parity.status if r.parity else "-"
+        parity = r.parity.status if r.parity else "twin" if r.dense_twin else "-"
         print(f"  {r.status:7s} {time_text}  parity {parity:7s} {r.name}")
         if r.error:
             print("          " + r.error.splitlines()[-1][:150])

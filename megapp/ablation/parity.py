@@ -83,12 +83,12 @@ def apply_parity(
 ) -> None:
     """Set every finished record's ``parity`` against the reference of its update rule
     among ``references`` (``unknown`` without a finished one, ``n/a`` for PipeDream); a
-    failed run gets no verdict."""
+    failed run gets no verdict, nor does a dense twin, which trains another model."""
     by_rule = references_by_rule(references)
     for record in records:
         rule = rule_of(record)
         reference = by_rule.get(rule)
-        if record.status != OK:
+        if record.status != OK or record.dense_twin:
             record.parity = None
         elif rule == PIPEDREAM:
             record.parity = Parity(NOT_APPLICABLE, tolerance=rtol)

@@ -6,7 +6,10 @@ and checks every point with :func:`megapp.planning.layout.pretrain_config`, the 
 ``pretrain_gpt.py`` runs at start-up, so a refused point is dropped with the message the
 job would have printed instead of costing a launch. :func:`update_rule` says which update
 rule a schedule trains under, and :func:`reference_layouts` the single-process runs the
-points are compared with, one per rule that has one.
+points are compared with, one per rule that has one. A model with experts also gets its
+dense twin (:mod:`megapp.ablation.twins`) under each layout its points use, with ep 1:
+points of their own, run once per distinct layout, that the report divides the
+mixture-of-experts points' tokens/s by.
 """
 
 from __future__ import annotations
@@ -19,8 +22,10 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from megapp.ablation.twins import DenseTwin, dense_twin
 from megapp.planning.layout import CP_COMM_TYPES, PIPEDREAM_VSYNC, Layout, pretrain_config
 from megapp.training.config import PretrainConfig
+from megapp.training.flag_groups import ModelArgs
 
 try:
     import tomllib
@@ -123,15 +128,19 @@ class SweepSpec:
 @dataclass(frozen=True)
 class Point:
     """One layout of the sweep and the flags that run it. ``key`` identifies a finished
-    run: the same key means the same command, so its record can be reused."""
+    run: the same key means the same command, so its record can be reused.
+    ``dense_twin``: the point runs the dense twin of the sweep's model (named
+    ``dense-<layout>``); ``twin``: the name of a mixture-of-experts point's dense twin."""
 
     layout: Layout
     flags: tuple[str, ...]
     world_size: int
+    dense_twin: bool = False
+    twin: str | None = None
 
     @property
     def name(self) -> str:
-        return self.layout.name
+        return f"dense-{self.layout.name}" if self.dense_twin else self.layout.name
 
     @property
     def key(self) -> str:
@@ -150,10 +159,12 @@ class Dropped:
 
 @dataclass
 class Expansion:
-    """The runnable points and the dropped ones, in cross-product order."""
+    """The runnable points and the dropped ones, in cross-product order; a model with
+    experts has its dense ``twin`` and the twins' points follow the others."""
 
     points: list[Point] = field(default_factory=list)
     dropped: list[Dropped] = field(default_factory=list)
+    twin: DenseTwin | None = None
 
 
 def point_for(spec: SweepSpec, layout: Layout) -> Point:
@@ -212,6 +223,44 @@ def check_point(spec: SweepSpec, layout: Layout) -> PretrainConfig:
     message where the job would refuse to start."""
     flags = [*spec.model_flags, *spec.data_flags, *NO_DROPOUT]
     return pretrain_config(layout, flags, spec.global_batch_size)
+
+
+def model_of(spec: SweepSpec) -> ModelArgs:
+    """The model ``spec``'s flags give (as ``pretrain_gpt.py`` parses them)."""
+    return check_point(spec, Layout(micro_batch_size=spec.micro_batch_size[0])).model
+
+
+def twin_spec(spec: SweepSpec) -> SweepSpec:
+    """``spec`` with the dense twin of its model, at ep 1; ValueError for a dense model."""
+    twin = dense_twin(model_of(spec))
+    model_flags = twin.model_flags(spec.model_flags)
+    return dataclasses.replace(spec, model_flags=model_flags, ep=(1,))
+
+
+def spec_of(spec: SweepSpec, point: Point) -> SweepSpec:
+    """The spec ``point`` runs: ``spec``, or for a dense twin :func:`twin_spec`."""
+    return twin_spec(spec) if point.dense_twin else spec
+
+
+def add_dense_twins(spec: SweepSpec, expansion: Expansion) -> None:
+    """Give every point of ``expansion`` (a model with experts) its dense twin: the twin's
+    model under the point's layout at ep 1, one point per distinct layout, after the
+    others. A twin layout the job refuses is dropped, and its points have no twin."""
+    expansion.twin = dense_twin(model_of(spec))
+    dense = twin_spec(spec)
+    twins: dict[str, Point] = {}
+    for i, point in enumerate(expansion.points):
+        layout = dataclasses.replace(point.layout, ep=1, etp=None)
+        try:
+            check_point(dense, layout)
+        except ValueError as error:
+            reason = f"dense twin: {error}"
+            expansion.dropped.append(Dropped(layout, f"dense twin of {point.name}", reason))
+            continue
+        twin = dataclasses.replace(point_for(dense, layout), dense_twin=True)
+        twins.setdefault(twin.name, twin)
+        expansion.points[i] = dataclasses.replace(point, twin=twin.name)
+    expansion.points.extend(twins.values())
 
 
 def expand(spec: SweepSpec) -> Expansion:
@@ -281,6 +330,8 @@ def expand(spec: SweepSpec) -> Expansion:
             continue
         layouts.add(runs)
         out.points.append(point_for(spec, runs))
+    if out.points and model_of(spec).num_experts is not None:
+        add_dense_twins(spec, out)
     return out
 
 

@@ -108,7 +108,9 @@ class Parity:
 
 @dataclass
 class PointRecord:
-    """Everything the sweep knows about one point (saved as ``points/<name>.json``)."""
+    """Everything the sweep knows about one point (saved as ``points/<name>.json``).
+    ``dense_twin``: the point ran the dense twin of a mixture-of-experts model; ``twin``:
+    the name of a mixture-of-experts point's dense twin."""
 
     name: str
     key: str
@@ -123,6 +125,8 @@ class PointRecord:
     measured: Measured = field(default_factory=Measured)
     predicted: Prediction = field(default_factory=Prediction)
     parity: Parity | None = None
+    dense_twin: bool = False
+    twin: str | None = None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)

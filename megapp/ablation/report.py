@@ -7,7 +7,8 @@ The command line of ``tools/ablation_report.py`` (also ``python -m megapp.ablati
 
 The report opens with the parity alarm when a layout's losses left those of the
 single-process run of its update rule, then a table per layout (time, tokens/s, memory per
-pipeline rank, bubble, communication, prediction errors, parity), the plots (throughput,
+pipeline rank, bubble, communication, prediction errors, parity; a model with experts also
+its tokens/s over its dense twin's), the plots (throughput,
 memory, predicted against measured, the timelines of the fastest and slowest layout, loss
 curves), the failed points with their errors and the points the sweep refused.
 """
@@ -62,6 +63,8 @@ def memory_error(record: PointRecord) -> float | None:
 def parity_cell(record: PointRecord) -> str:
     if record.reference:
         return "reference"
+    if record.dense_twin:
+        return "dense twin"
     parity = record.parity
     if parity is None:
         return "-"
@@ -78,25 +81,45 @@ def iteration_cell(seconds: float | None, launches: Sequence[float]) -> str:
     return f"{seconds * 1e3:.1f} ({min(launches) * 1e3:.0f}–{max(launches) * 1e3:.0f})"
 
 
+def dense_ratios(point_records: Sequence[PointRecord]) -> dict[str, float | None]:
+    """Each mixture-of-experts point's tokens/s over its dense twin's, by name (None where
+    either has no time); empty for a sweep without experts."""
+    by_name = {r.name: r for r in point_records}
+    out: dict[str, float | None] = {}
+    for r in point_records:
+        if r.twin is None:
+            continue
+        twin = by_name.get(r.twin)
+        ours = r.measured.tokens_per_second
+        theirs = twin.measured.tokens_per_second if twin and twin.status == OK else None
+        out[r.name] = ours / theirs if ours and theirs and r.status == OK else None
+    return out
+
+
 def layout_table(point_records: Sequence[PointRecord]) -> list[str]:
-    """One row per layout, fastest first; failed points last."""
+    """One row per layout, fastest first; failed points last. A sweep with experts has a
+    column of each point's tokens/s over its dense twin's."""
+    ratios = dense_ratios(point_records)
+    vs_dense = " tokens/s vs dense |" if ratios else ""
     head = (
-        "| layout | status | iteration (ms) | tokens/s | peak MiB per pipeline rank "
+        f"| layout | status | iteration (ms) | tokens/s |{vs_dense} peak MiB per pipeline rank "
         "| predicted MiB | bubble | comm (ms) | predicted (ms) | time error | memory error "
         "| parity (max rel. diff) |"
     )
-    lines = [head, "|" + " --- |" * 12]
+    lines = [head, "|" + " --- |" * (13 if ratios else 12)]
     order = sorted(point_records, key=lambda r: r.measured.iteration_seconds or float("inf"))
     for r in order:
         m = r.measured
         peaks = " / ".join(f"{p / MIB:.1f}" for p in m.peak_per_stage()) or "-"
         predicted = r.predicted.memory_per_stage or []
         predicted_peaks = " / ".join(f"{p / MIB:.1f}" for p in predicted) or "-"
+        ratio = [fmt(ratios.get(r.name), ".2f")] if ratios else []
         cells = [
             f"`{r.name}`",
             r.status,
             iteration_cell(m.iteration_seconds, m.launch_seconds),
             fmt(m.tokens_per_second, ".0f"),
+            *ratio,
             peaks,
             predicted_peaks,
             fmt(m.bubble, ".2f"),
@@ -180,6 +203,23 @@ def parity_summary(point_records: Sequence[PointRecord]) -> list[str]:
 
 AXES = ("tp", "cp", "cp_comm_type", "ep", "pp", "vpp", "schedule", "micro_batch_size")
 AXES += ("recompute", "zero_stage")
+
+
+def twin_note(manifest: dict, point_records: Sequence[PointRecord]) -> list[str]:
+    """What the dense twin is and what the ratio says; nothing for a sweep without
+    experts."""
+    if not dense_ratios(point_records):
+        return []
+    what = manifest.get("dense_twin", "a dense model of the same active size")
+    return [
+        "Tokens/s vs dense: the point's tokens/s over those of its dense twin "
+        "(`dense-<layout>`: the same layout at ep 1, the same batch, iterations and "
+        f"processes), {what}. The twin does the work a token's experts do, so a ratio "
+        "below 1 is the time the experts cost beyond their arithmetic: the router, "
+        "sorting tokens to their experts and back, small per-expert products and, with "
+        "ep > 1, the all-to-all.",
+        "",
+    ]
 
 
 def sweep_section(manifest: dict, point_records: Sequence[PointRecord]) -> list[str]:
@@ -313,6 +353,7 @@ def write_report(sweep_dir: Path, out: Path, command: str) -> Path:
         "longest any rank waited in collectives in the profiled iteration. Errors: "
         "predicted / measured − 1.",
         "",
+        *twin_note(manifest, point_records),
     ]
     for caption, path in make_plots(point_records, out):
         lines += [f"## {caption}", "", f"![{caption}]({path.name})", ""]

@@ -4,7 +4,8 @@ round after round, for its time, then the parity check of every layout against t
 reference of its rule.
 
 A sweep directory holds ``points/<name>.json`` (one :class:`PointRecord` per point, the
-references' with ``reference: true``), ``runs/<name>/`` (each point's metrics file and
+references' with ``reference: true``, a mixture-of-experts model's dense twins' with
+``dense_twin: true``), ``runs/<name>/`` (each point's metrics file and
 log) and ``sweep.json`` (the spec, the dropped points and the command). A record whose
 key equals the point's (the same command) is not run again, so an interrupted sweep
 continues where it stopped; a failed point runs again only with ``retry_failed``. The
@@ -33,6 +34,7 @@ from megapp.ablation.points import (
     is_reference,
     point_for,
     reference_layouts,
+    spec_of,
 )
 from megapp.ablation.predict import predict
 from megapp.ablation.records import FAILED, OK, TIMEOUT, Measured, PointRecord, Prediction
@@ -74,13 +76,14 @@ def run_dir(out_dir: Path, point: Point) -> Path:
 
 def finished(out_dir: Path, point: Point, retry_failed: bool) -> PointRecord | None:
     """The saved record of ``point`` if it ran with the same command (and succeeded, or
-    failed and ``retry_failed`` is off), else None."""
+    failed and ``retry_failed`` is off), else None; its dense twin is the point's now."""
     path = record_path(out_dir, point)
     if not path.is_file():
         return None
     record = records.load(path)
     if record.key != point.key or (retry_failed and record.status != OK):
         return None
+    record.twin = point.twin
     return record
 
 
@@ -106,7 +109,9 @@ def collect(
         status=OK,
         wall_seconds=seconds,
         log=str(log.relative_to(out_dir)),
-        reference=is_reference(spec, point.layout),
+        reference=not point.dense_twin and is_reference(spec, point.layout),
+        dense_twin=point.dense_twin,
+        twin=point.twin,
     )
     try:
         measured = measure_if_there(metrics, spec.profiled_iteration)
@@ -135,7 +140,7 @@ def with_prediction(spec: SweepSpec, point: Point, record: PointRecord) -> Point
     """``record`` with the planner's current prediction for ``point`` (cheap: no run), so a
     resumed sweep also refreshes the predictions of the points it reuses."""
     try:
-        record.predicted = predict(check_point(spec, point.layout), spec.hardware)
+        record.predicted = predict(check_point(spec_of(spec, point), point.layout), spec.hardware)
     except ValueError as error:
         record.predicted = Prediction(note=f"no prediction: {error}")
     return record
@@ -248,8 +253,9 @@ def finish(point_records: Sequence[PointRecord], out_dir: Path, rtol: float) -> 
 
 
 def write_manifest(spec: SweepSpec, out_dir: Path, expansion: Expansion, command: str) -> None:
-    """``sweep.json``: the spec, the references (the flushed one first), the points, the
-    dropped points with their reasons, and the command that ran the sweep."""
+    """``sweep.json``: the spec, the references (the flushed one first), the points (a
+    model with experts: its dense twins among them, and what the twin is), the dropped
+    points with their reasons, and the command that ran the sweep."""
     out_dir.mkdir(parents=True, exist_ok=True)
     manifest = {
         "command": command,
@@ -259,4 +265,6 @@ def write_manifest(spec: SweepSpec, out_dir: Path, expansion: Expansion, command
         "dropped": [{"point": d.description, "reason": d.reason} for d in expansion.dropped],
         "written": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
+    if expansion.twin is not None:
+        manifest["dense_twin"] = expansion.twin.description()
     (out_dir / "sweep.json").write_text(json.dumps(manifest, indent=1))
