@@ -18,6 +18,7 @@ from megapp.pipeline_parallel import forward_backward
 from megapp.pipeline_parallel.catalog import SCHEDULE_KINDS, build_schedule
 from megapp.pipeline_parallel.messages import Message, ScheduleError, Step, communication_plan
 from megapp.pipeline_parallel.network import Network, Rules
+from megapp.pipeline_parallel.schedule_search import search_schedule
 from megapp.pipeline_parallel.schedules import Action, Op, Schedule
 from megapp.pipeline_parallel.simulate import CostModel, simulate
 from megapp.planning.hardware import load_hardware
@@ -63,6 +64,35 @@ def test_every_schedule_completes_under_nccl_rules_with_gloos_bubble(stages):
         assert nccl.peak_in_flight == gloo.peak_in_flight, label
         count += 1
     assert count > 300
+
+
+@pytest.mark.parametrize(
+    "stages",
+    [
+        pytest.param(range(2, 4), id="p2-3"),
+        pytest.param(range(4, 6), id="p4-5", marks=pytest.mark.slow),
+    ],
+)
+def test_the_searched_schedule_completes_under_nccl_rules_with_gloos_bubble(stages):
+    """``auto``: the schedule searched under NCCL's rules, looped with one or two chunks
+    per rank or the V, runs on gloo with the same bubble and no more activations."""
+    count = 0
+    for p in stages:
+        for m in range(1, 4 * p + 1):
+            for v, v_shape in ((1, False), (2, False), (2, True)):
+                label = f"auto p={p} m={m} v={v}{' V' if v_shape else ''}"
+                try:
+                    found = search_schedule(
+                        p, m, _costs(Rules.NCCL, v), num_chunks=v, v_shape=v_shape
+                    )
+                except ValueError:
+                    continue  # no schedule for this p, m, v
+                nccl = simulate(found.schedule, _costs(Rules.NCCL, v))
+                gloo = simulate(found.schedule, _costs(Rules.GLOO, v))
+                assert nccl.bubble_fraction == pytest.approx(gloo.bubble_fraction, abs=0.01), label
+                assert nccl.peak_in_flight == gloo.peak_in_flight, label
+                count += 1
+    assert count >= 20 * len(stages)
 
 
 @pytest.mark.parametrize(
