@@ -112,6 +112,8 @@ def published_layout(
         zero_stage=int(zero),
         cp=run.cp,
         cp_comm_type=comm_type,
+        ep=run.ep,
+        etp=run.etp,
     )
     flags = model_flags(run, model)
     per_replica = run.global_batch_size // run.dp

@@ -12,8 +12,11 @@ shaped models of Narayanan et al. 2021 (Table 1, layouts in Megatron-LM's
 ``examples/sc21/run_table_1.sh``), GPT-3 175B (Brown et al. 2020; Megatron-LM's
 ``examples/gpt3/train_gpt3_175b_distributed.sh``), the H100 weak-scaling models of
 Megatron-LM's README (``images/model_table.png``: vocabulary 131072, sequence 4096,
-untied embeddings), Llama 2 (Touvron et al. 2023), Llama 3 (Dubey et al. 2024) and
-Mixtral 8x7B (Jiang et al. 2024), a mixture of experts.
+untied embeddings), Llama 2 (Touvron et al. 2023), Llama 3 (Dubey et al. 2024) and the
+mixtures of experts Mixtral 8x7B (Jiang et al. 2024), Qwen3-235B-A22B (Qwen team 2025, as
+Megatron-MoE-ModelZoo's ``model_configs/benchmarking/Qwen3-235B-A22B.yaml`` gives it) and
+DeepSeek-V3 (DeepSeek-AI 2024, arXiv:2412.19437), the last two approximated where megapp
+lacks a feature (each preset's description says where).
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ GPT2_VOCAB = 50257
 MCORE_VOCAB = 131072
 LLAMA2_VOCAB = 32000
 LLAMA3_VOCAB = 128256
+QWEN3_VOCAB = 151936
+DEEPSEEK_V3_VOCAB = 129280
 BYTE_VOCAB = 257
 """megapp's byte tokenizer: 256 bytes and an end-of-document id."""
 
@@ -242,6 +247,37 @@ MODELS: dict[str, ModelPreset] = {
         LLAMA2_VOCAB,
         "Mixtral 8x7B: 8 experts, 2 per token, in every layer (Jiang et al. 2024)",
         46.7e9,
+    ),
+    "qwen3-235b-a22b": ModelPreset(
+        (
+            *_llama(94, 4096, 64, 4, 12288, 4096, 1e6),
+            *("--kv-channels", "128"),
+            *("--num-experts", "128", "--moe-router-topk", "8"),
+            *("--moe-ffn-hidden-size", "1536"),
+        ),
+        QWEN3_VOCAB,
+        "Qwen3-235B-A22B: 128 experts of width 1536, 8 per token, in every layer; 64 heads "
+        "of 128 with 4 key/value groups (Qwen team 2025); without the per-head query/key "
+        "RMSNorm, which megapp does not have (2 × 128 weights a layer)",
+        235e9,
+    ),
+    "deepseek-v3": ModelPreset(
+        (
+            *_llama(61, 7168, 96, 48, 18432, 4096, 1e4),
+            *("--kv-channels", "128"),
+            *("--num-experts", "256", "--moe-router-topk", "8"),
+            *("--moe-ffn-hidden-size", "2048"),
+            *("--moe-shared-expert-intermediate-size", "2048"),
+        ),
+        DEEPSEEK_V3_VOCAB,
+        "DeepSeek-V3: 256 routed experts of width 2048, 8 per token, and one shared expert "
+        "(DeepSeek-AI 2024, arXiv:2412.19437). Approximated: multi-head latent attention "
+        "as 96 heads of 128 in 48 key/value groups, the stand-in whose forward FLOPs per "
+        "token at 4096 tokens (projections and s×s scores) are MLA's within 3%; the first "
+        "three layers, dense (width 18432) in the model, as mixture-of-experts layers like "
+        "the other 58: the same FLOPs per token (18432 = 9 × 2048 active), 3 × 255 experts' "
+        "weights more; no multi-token-prediction module",
+        671e9,
     ),
 }
 

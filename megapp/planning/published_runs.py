@@ -4,7 +4,8 @@ One :class:`PublishedRun` per measured configuration, each with the source its n
 were read from. A field the source does not state is None (``recompute``,
 ``micro_batch_size``, ``peak_fraction``); a value derived from stated ones says so in
 ``derived``.
-``model`` names a preset of :data:`megapp.planning.models.MODELS`.
+``model`` names a preset of :data:`megapp.planning.models.MODELS`. Runs the planner
+cannot express are listed in :data:`NOT_EXPRESSED` with the reason.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ class PublishedRun:
     (``a100-80gb``), ``tflops_per_gpu``: achieved TFLOP/s per GPU, ``peak_fraction``: that
     throughput as a fraction of the GPU's peak where the source states it (MFU when
     recompute is not counted), ``step_time``: seconds per
-    iteration where stated, ``cp``: context-parallel size, ``cp_comm_type``: how its ranks
+    iteration where stated, ``cp``: context-parallel size, ``ep`` and ``etp``: for
+    mixture-of-experts models the expert-parallel ranks and the ranks that split each
+    expert (None: tp), ``cp_comm_type``: how its ranks
     exchanged keys and values (megapp's ``--cp-comm-type`` name) where stated,
     ``stage_layers``: the first and the last pipeline rank's layers where the source splits
     the layers unevenly, ``recompute``: "full", "selective", "none" or None (not stated),
@@ -36,6 +39,8 @@ class PublishedRun:
     tflops_per_gpu: float
     cp: int = 1
     cp_comm_type: str | None = None
+    ep: int = 1
+    etp: int | None = None
     stage_layers: tuple[int, int] | None = None
     vpp: int = 1
     micro_batch_size: int | None = None
@@ -82,6 +87,62 @@ BRIDGE_H100_FP8 = (
     "Megatron-Bridge docs/performance-summary.md, 25.11 NeMo container, DGX-H100 "
     "(NVIDIA-NeMo/Megatron-Bridge)"
 )
+
+MOE_ZOO_QWEN3 = (
+    "Megatron-MoE-ModelZoo best_practice/qwen3/readme.md, H100 table "
+    "(github.com/yanring/Megatron-MoE-ModelZoo, commit e8650517d6; Megatron-Core dev, "
+    "DeepEP or all-to-all dispatcher, BF16)"
+)
+BRIDGE_H100_2509 = (
+    "Megatron-Bridge docs/performance-summary.md, 25.09 NeMo container, DGX-H100 "
+    "(NVIDIA-NeMo/Megatron-Bridge commit fa0315ae2; FP8, layouts in "
+    "scripts/performance/configs)"
+)
+QWEN3_STAGES = (
+    "94 layers over {chunks} virtual stages, the embedding and the loss each counted as a "
+    "layer (--account-for-embedding/loss-in-pipeline-split), leave the first and the last "
+    "virtual stage one layer fewer; chunks of equal size cannot interleave that, so megapp "
+    "runs one chunk per rank, {first} layers on the first and the last"
+)
+DEEPSEEK_V3_STAGES = (
+    "the recipe's --pipeline-model-parallel-layout 'Et|(tt|)*30mL' (the embedding and one "
+    "layer, 30 chunks of two, the multi-token-prediction module and the loss) puts 7, "
+    "8 on each of 6, then 6 layers on the pipeline ranks; megapp runs them as one chunk "
+    "per rank"
+)
+
+
+def _qwen3_zoo(
+    tp: int, ep: int, pp: int, vpp: int, tflops: float, seconds: float, stages: tuple[int, int]
+) -> PublishedRun:
+    dp = 256 // (tp * pp)
+    return PublishedRun(
+        source=MOE_ZOO_QWEN3,
+        model="qwen3-235b-a22b",
+        gpu="h100-80gb",
+        gpus=256,
+        global_batch_size=2048,
+        seq_length=4096,
+        tp=tp,
+        pp=pp,
+        dp=dp,
+        ep=ep,
+        etp=1,
+        tflops_per_gpu=tflops,
+        stage_layers=stages,
+        micro_batch_size=1,
+        distributed_optimizer=True,
+        sequence_parallel=True,
+        step_time=seconds,
+        counts_recompute=False,
+        derived=(
+            f"published vpp {vpp}; etp 1, the distributed optimizer and sequence "
+            "parallelism from model_configs/benchmarking/Qwen3-235B-A22B.yaml; the "
+            "fine-grained recompute of norms and the expert activation (where stated) has "
+            "no megapp equivalent and is left to the tool; "
+            + QWEN3_STAGES.format(chunks=pp * vpp, first=stages[0])
+        ),
+    )
 
 
 def _narayanan(
@@ -265,6 +326,82 @@ RUNS: tuple[PublishedRun, ...] = (
         counts_recompute=False,
         derived="dp = GPUs / (tp × pp)",
     ),
+    _qwen3_zoo(tp=2, ep=32, pp=8, vpp=4, tflops=245, seconds=19.7, stages=(11, 11)),
+    _qwen3_zoo(tp=2, ep=8, pp=32, vpp=3, tflops=200, seconds=24.2, stages=(2, 2)),
+    _qwen3_zoo(tp=4, ep=8, pp=8, vpp=4, tflops=167, seconds=29.0, stages=(11, 11)),
+    PublishedRun(
+        source=BRIDGE_H100_FP8,
+        model="qwen3-235b-a22b",
+        gpu="h100-80gb",
+        gpus=256,
+        global_batch_size=2048,
+        seq_length=4096,
+        tp=2,
+        pp=8,
+        dp=16,
+        ep=32,
+        etp=1,
+        tflops_per_gpu=233,
+        stage_layers=(11, 11),
+        micro_batch_size=1,
+        precision="fp8",
+        counts_recompute=False,
+        derived=(
+            "dropless, experts force-balanced; 1575 tokens/s per GPU; dp = GPUs / (tp × pp); "
+            "etp 1 as the 25.09 recipe sets it; " + QWEN3_STAGES.format(chunks=32, first=11)
+        ),
+    ),
+    PublishedRun(
+        source=BRIDGE_H100_2509,
+        model="deepseek-v3",
+        gpu="h100-80gb",
+        gpus=1024,
+        global_batch_size=8192,
+        seq_length=4096,
+        tp=2,
+        pp=8,
+        dp=64,
+        ep=64,
+        etp=1,
+        tflops_per_gpu=338,
+        stage_layers=(7, 6),
+        micro_batch_size=1,
+        precision="fp8",
+        counts_recompute=False,
+        derived=(
+            "dropless, experts force-balanced; 1297 tokens/s per GPU; 338 with per-tensor "
+            "FP8 scaling (330 with DeepSeek's 128×128 blocks); published vpp 4; "
+            "dp = GPUs / (tp × pp); etp 1 from scripts/performance/configs/deepseek/"
+            f"deepseek_v3_llm_pretrain.yaml; {DEEPSEEK_V3_STAGES}"
+        ),
+    ),
 )
 
-__all__ = ["RUNS", "PublishedRun"]
+NOT_EXPRESSED: tuple[tuple[str, str], ...] = (
+    (
+        f"Qwen3-235B-A22B on 256 H100, tp 2 × ep 8 × dp 128 with FSDP, micro-batch 4, full "
+        f"recompute, 276 TFLOP/s BF16 ({MOE_ZOO_QWEN3})",
+        "fully sharded weights and gradients: a published run here states only whether "
+        "the optimizer states were sharded (the distributed optimizer, ZeRO-1)",
+    ),
+    (
+        f"Qwen3-235B-A22B on 256 H100, tp 2 × ep 32 × pp 8 × vpp 4 with the 1F1B all-to-all "
+        f"overlap, 276 TFLOP/s BF16 ({MOE_ZOO_QWEN3})",
+        "the layout is the 245 TFLOP/s run's; megapp has no all-to-all hidden behind another "
+        "microbatch's compute, so it would predict the same",
+    ),
+    (
+        f"Qwen3-235B-A22B on 256 H100 with token dropping, 178 TFLOP/s ({BRIDGE_H100_2509})",
+        "dropped tokens under a capacity factor are not priced",
+    ),
+    (
+        "Mixtral 8x7B, 468 TFLOP/s BF16 on H100 (Megatron-LM "
+        "megatron/core/transformer/moe/README.md before commit 0888a06d26)",
+        "the figure names no layout; the README's reference layouts (MCore v0.8) name no "
+        "throughput",
+    ),
+)
+"""Published mixture-of-experts runs left out of :data:`RUNS`: what the source gives, and
+why megapp cannot predict it as published."""
+
+__all__ = ["NOT_EXPRESSED", "RUNS", "PublishedRun"]
