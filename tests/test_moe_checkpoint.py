@@ -1,6 +1,7 @@
 """A mixture-of-experts checkpoint saved under one expert-parallel layout resumes under
 another: each expert is stored under its global index, its AdamW states too (gathered
-over the expert-data-parallel group under ZeRO-1), so the resumed run's losses and
+over the expert-data-parallel group from ZeRO-1 on; under ZeRO-3 the expert weights
+too), so the resumed run's losses and
 gradient norms equal the uninterrupted run's. Dropout is off and routing dropless, so
 the layouts differ by fp32 round-off only. The jobs are pretrain_gpt.py's main on the
 ranks of a reused gloo world (:mod:`megapp.testing.pretrain_world`).
@@ -21,6 +22,11 @@ MODEL = (
     f"--train-iters {ITERS} --num-experts 4 --moe-router-topk 2 --moe-aux-loss-coeff 1e-2 "
     "--swiglu"
 ).split()
+# dp 2 and expert dp 2: ZeRO-3 slices the dense weights and the experts' over 2 ranks each
+ZERO3_EDP2 = (
+    "--expert-model-parallel-size 2 --expert-tensor-parallel-size 1 "
+    "--tensor-model-parallel-size 2 --sequence-parallel --zero-stage 3"
+)
 SOURCES = {
     "ep2": (2, "--expert-model-parallel-size 2"),
     "ep1 zero1": (2, "--use-distributed-optimizer"),
@@ -51,6 +57,14 @@ TARGETS = [
         marks=pytest.mark.slow,
         id="ep 1->2, zero1 edp 2",
     ),
+    pytest.param(
+        "ep2",
+        "ep 2->2, zero3 edp 2",
+        4,
+        ZERO3_EDP2,
+        marks=pytest.mark.slow,
+        id="ep 2->2, zero3 edp 2",
+    ),
 ]
 
 
@@ -64,7 +78,22 @@ def sources(corpus, tmp_path_factory):
 def test_a_moe_checkpoint_resumes_under_another_expert_layout(
     sources, corpus, tmp_path, source, name, nproc, layout
 ):
-    root, full = sources[source]
+    _resume(*sources[source], corpus, tmp_path, name, nproc, layout)
+
+
+@pytest.mark.slow
+def test_a_moe_checkpoint_saved_under_expert_zero3_resumes_under_expert_zero2(
+    corpus, tmp_path, tmp_path_factory
+):
+    source = {"zero3": (4, ZERO3_EDP2)}
+    root, full = checkpoint_sources(source, MODEL, SAVE_AT, corpus, tmp_path_factory)["zero3"]
+    layout = ZERO3_EDP2.replace("--zero-stage 3", "--zero-stage 2")
+    _resume(root, full, corpus, tmp_path, "zero3->zero2 edp 2", 4, layout)
+
+
+def _resume(root, full, corpus, tmp_path, name, nproc, layout):
+    """Resume the checkpoint of iteration SAVE_AT under ``layout``; its last iterations
+    must be the uninterrupted run's ``full`` records."""
     job = run_pretrain_in_world(
         nproc,
         [

@@ -13,7 +13,8 @@ slice it owns. Buckets marked late (parameters that must first be summed over
 another group) are reduced by :meth:`sync_late_grads` after that sum. Experts of a
 mixture-of-experts layer (marked expert parallel) are replicated over the
 expert-data-parallel group only: they sit in a buffer of their own, divided by the same
-data-parallel size and summed over that group (see :class:`DistributedDataParallel`).
+data-parallel size and summed over that group (see :class:`DistributedDataParallel`);
+every ZeRO stage shards them over that group.
 
 ZeRO stages (one value, :data:`ZERO_STAGES`): 0 all-reduces whole gradients; 1 (the
 distributed optimizer) reduce-scatters them once per step; 2 also keeps only this rank's
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -77,9 +79,10 @@ class DistributedDataParallel(nn.Module):
     already sums the contributions of every token routed to it from the ranks of its
     expert (tensor-)parallel group, and those groups tile the ranks of the expert-data-
     parallel group: dividing by the same ``dp`` and summing over ``expert_dp_group`` gives
-    the mean over all replicas, the single-process gradient. ZeRO stage 1 shards the
-    experts' optimizer states over ``expert_dp_group`` (a reduce-scatter there); stages 2
-    and 3 do not shard expert parameters yet and are refused for a model with experts.
+    the mean over all replicas, the single-process gradient. Every ZeRO stage shards the
+    experts over ``expert_dp_group`` as it shards the rest over ``dp_group``: stage 1 their
+    optimizer states (a reduce-scatter there), 2 their gradients too, 3 their weights too,
+    each with a :class:`ShardedGrads` and :class:`ShardedParams` of the expert buffer.
     """
 
     def __init__(
@@ -108,38 +111,69 @@ class DistributedDataParallel(nn.Module):
         params = [p for p in module.parameters() if p.requires_grad][::-1]
         experts = [p for p in params if is_expert_parallel(p)]
         params = [p for p in params if not is_expert_parallel(p)]
-        if experts and zero_stage >= 2:
-            raise ValueError(
-                f"ZeRO stage {zero_stage} does not shard expert gradients or weights yet; train "
-                "mixture-of-experts models with zero stage 0 or 1"
-            )
         self.expert_dp_group = dp_group if expert_dp_group is None else expert_dp_group
         self.expert_dp_size = comm.world_size(self.expert_dp_group)
         self.expert_dp_rank = comm.rank(self.expert_dp_group)
-        self.expert_buffer = (
-            ParamAndGradBuffer(experts, bucket_size=bucket_size, dp_size=self.expert_dp_size)
-            if experts
-            else None
-        )
-        self._expert_buckets = {id(b) for b in self.expert_buffer.buckets} if experts else set()
-        self._expert_ids = {id(p) for p in experts}
         sharded = zero_stage >= 2 and self.dp_size > 1
         stage3 = zero_stage == 3 and sharded
-        units, unit_of = layer_units(module) if stage3 else ({}, None)
+        experts_sharded = bool(experts) and zero_stage >= 2 and self.expert_dp_size > 1
+        experts_stage3 = zero_stage == 3 and experts_sharded
+        units, unit_of = layer_units(module) if stage3 or experts_stage3 else ({}, None)
         self.buffer = ParamAndGradBuffer(
             params,
             bucket_size=bucket_size,
             dp_size=self.dp_size,
             is_late=is_late,
             allocate_grads=not sharded,
-            unit_of=unit_of,
+            unit_of=unit_of if stage3 else None,
             bucket_storage=stage3,
         )
+        self.expert_buffer = (
+            ParamAndGradBuffer(
+                experts,
+                bucket_size=bucket_size,
+                dp_size=self.expert_dp_size,
+                allocate_grads=not experts_sharded,
+                unit_of=unit_of if experts_stage3 else None,
+                bucket_storage=experts_stage3,
+            )
+            if experts
+            else None
+        )
+        self._expert_buckets = {id(b) for b in self.expert_buffer.buckets} if experts else set()
+        self._expert_ids = {id(p) for p in experts}
         self.sharded = (
             ShardedGrads(self.buffer, dp_group, self.buffer.grad_dtype) if sharded else None
         )
         self.sharded_params = (
             ShardedParams(self.buffer, dp_group, units, unit_of) if stage3 else None
+        )
+        # ZeRO-2/3 of the experts: over their own group, with the dense 1/dp scaling
+        self.expert_sharded = (
+            ShardedGrads(
+                self.expert_buffer,
+                self.expert_dp_group,
+                self.expert_buffer.grad_dtype,
+                divide_by=self.dp_size,
+            )
+            if experts_sharded
+            else None
+        )
+        self.expert_sharded_params = (
+            ShardedParams(self.expert_buffer, self.expert_dp_group, units, unit_of)
+            if experts_stage3
+            else None
+        )
+        self._dense_side = _Side(
+            self.buffer, dp_group, self.dp_rank, self.dp_size, self.sharded, self.sharded_params
+        )
+        self._expert_side = _Side(
+            self.expert_buffer,
+            self.expert_dp_group,
+            self.expert_dp_rank,
+            self.expert_dp_size,
+            self.expert_sharded,
+            self.expert_sharded_params,
         )
         # What finalize_model_grads sums over another group first, read once from the marks.
         self.sequence_parallel_params = [p for p in self.buffer.params if is_sequence_parallel(p)]
@@ -158,15 +192,16 @@ class DistributedDataParallel(nn.Module):
     def _on_grad(self, param: nn.Parameter) -> None:
         if param.grad is None:  # a split backward's I deferred this weight: nothing came
             return
-        if self.sharded is not None:  # ZeRO-2/3: refused for a model with experts
-            self.sharded.accumulate(param)
+        expert = id(param) in self._expert_ids
+        sharded = self.expert_sharded if expert else self.sharded
+        if sharded is not None:  # ZeRO-2/3
+            sharded.accumulate(param)
             param.grad = None
             return
         param.main_grad.add_(param.grad)
         param.grad = None  # the buffer holds it now
         if not (self.grad_sync and self.overlap_grad_reduce):
             return
-        expert = id(param) in self._expert_ids
         bucket = (self.expert_buffer if expert else self.buffer).bucket_of[id(param)]
         bucket.pending.discard(id(param))
         if not bucket.pending and not bucket.late:
@@ -223,11 +258,12 @@ class DistributedDataParallel(nn.Module):
             bucket.work = comm.all_reduce(grads, self.dp_group, async_op=True)
 
     def _finish(self, late: bool) -> None:
-        if self.sharded is not None:  # ZeRO-2/3: no experts
-            self.sharded.finish(late)
-            return
-        experts = [] if self.expert_buffer is None else self.expert_buffer.buckets
-        buckets = [*self.buffer.buckets, *experts]
+        buckets = []
+        for buffer, sharded in self._grad_stores():
+            if sharded is not None:  # ZeRO-2/3
+                sharded.finish(late)
+            else:
+                buckets += buffer.buckets
         for bucket in buckets:
             if bucket.late == late:
                 self._start(bucket)
@@ -240,8 +276,8 @@ class DistributedDataParallel(nn.Module):
         """Start the buckets not started yet, and wait for all but the late ones. (Backward
         is over: ZeRO-3 frees whatever weights are still whole.)"""
         self._finish(late=False)
-        if self.sharded_params is not None:
-            self.sharded_params.reset()
+        for weights in self._weight_stores():
+            weights.reset()
 
     def sync_late_grads(self) -> None:
         """Reduce the late buckets (after their other-group sums)."""
@@ -256,86 +292,110 @@ class DistributedDataParallel(nn.Module):
         group, so every rank of it must call this for the same parameters in the same
         order. Otherwise ``param.main_grad`` itself.
         """
-        expert = id(param) in self._expert_ids
-        buffer, group = self.buffer, self.dp_group
-        if expert:
-            buffer, group = self.expert_buffer, self.expert_dp_group
-        if self.zero_stage == 0 or comm.world_size(group) == 1:
+        side = self._side(param)
+        if self.zero_stage == 0 or side.size == 1:
             return param.main_grad
-        bucket = buffer.bucket_of[id(param)]
-        if expert:
-            lo, hi = bucket.shard(self.expert_dp_rank, self.expert_dp_size)
-            own = buffer.grad_data[lo:hi]
+        bucket = side.buffer.bucket_of[id(param)]
+        if side.grads is not None:
+            own = side.grads.owned(bucket)
         else:
-            own = self._owned(bucket)
+            lo, hi = bucket.shard(side.rank, side.size)
+            own = side.buffer.grad_data[lo:hi]
         whole = own.new_empty(bucket.end - bucket.start)
-        comm.all_gather_into(whole, own, group)
-        start, end = buffer.ranges[id(param)]
+        comm.all_gather_into(whole, own, side.group)
+        start, end = side.buffer.ranges[id(param)]
         return whole[start - bucket.start : end - bucket.start].view(param.shape)
+
+    def _side(self, param: nn.Parameter) -> _Side:
+        """Where ``param`` lives: the expert buffer and group, or the dense ones."""
+        return self._expert_side if id(param) in self._expert_ids else self._dense_side
+
+    def _grad_stores(self) -> list[tuple[ParamAndGradBuffer, ShardedGrads | None]]:
+        """Each buffer (dense, then the experts' if any) with its ZeRO-2 slice store."""
+        stores = [(self.buffer, self.sharded)]
+        if self.expert_buffer is not None:
+            stores.append((self.expert_buffer, self.expert_sharded))
+        return stores
+
+    def _weight_stores(self) -> list[ShardedParams]:
+        """The ZeRO-3 weight slices of the dense and the expert buffer (those sharded)."""
+        stores = (self.sharded_params, self.expert_sharded_params)
+        return [s for s in stores if s is not None]
 
     def resized_storages(self) -> list[torch.UntypedStorage]:
         """Storages this chunk resizes in place between uses (ZeRO-3's weight buckets, freed
         to zero bytes at rest), for memory accounting; none without ZeRO-3."""
-        if self.sharded_params is None:
-            return []
-        return [b.param_data.untyped_storage() for b in self.buffer.buckets]
+        buckets = [b for weights in self._weight_stores() for b in weights.buffer.buckets]
+        return [b.param_data.untyped_storage() for b in buckets]
 
     def owned_weights(self, param: nn.Parameter, lo: int, hi: int) -> torch.Tensor:
         """The weights of elements ``[lo, hi)`` of ``param`` (flat) that this rank updates:
         a view of the parameter, or of its ZeRO-3 slice."""
-        if self.sharded_params is None:
+        side = self._side(param)
+        if side.weights is None:
             return param.data.view(-1)[lo:hi]
-        bucket, span = self._in_slice(param, lo, hi)
-        return self.sharded_params.shard_of(bucket)[span]
+        bucket, span = self._in_slice(side, param, lo, hi)
+        return side.weights.shard_of(bucket)[span]
 
-    def full_weights(self):
-        """A context in which every weight is whole (ZeRO-3 gathers them; what is written
-        into them is kept); otherwise nothing to do."""
-        if self.sharded_params is None:
-            return contextlib.nullcontext()
-        return self.sharded_params.gathered()
-
-    def _owned(self, bucket: Bucket) -> torch.Tensor:
-        """This rank's slice of ``bucket``'s reduced gradient (distributed optimizer)."""
-        if self.sharded is not None:
-            return self.sharded.owned(bucket)
-        lo, hi = bucket.shard(self.dp_rank, self.dp_size)
-        return self.buffer.grad_data[lo:hi]
+    @contextlib.contextmanager
+    def full_weights(self) -> Iterator[None]:
+        """A context in which every weight is whole (ZeRO-3 gathers them, the experts' too;
+        what is written into them is kept); otherwise nothing to do."""
+        with contextlib.ExitStack() as stack:
+            for weights in self._weight_stores():
+                stack.enter_context(weights.gathered())
+            yield
 
     def owned_grad(self, param: nn.Parameter, lo: int, hi: int) -> torch.Tensor:
         """The reduced gradient of elements ``[lo, hi)`` of ``param`` (flat), which this rank
         updates: a slice of ``main_grad``, or of the ZeRO-2 slice store."""
-        if self.sharded is None:
+        side = self._side(param)
+        if side.grads is None:
             return param.main_grad.view(-1)[lo:hi]
-        bucket, span = self._in_slice(param, lo, hi)
-        return self.sharded.owned(bucket)[span]
+        bucket, span = self._in_slice(side, param, lo, hi)
+        return side.grads.owned(bucket)[span]
 
-    def _in_slice(self, param: nn.Parameter, lo: int, hi: int) -> tuple[Bucket, slice]:
+    @staticmethod
+    def _in_slice(side: _Side, param: nn.Parameter, lo: int, hi: int) -> tuple[Bucket, slice]:
         """``param``'s bucket, and where its elements ``[lo, hi)`` sit in this rank's slice
         of that bucket (they must be ones this rank owns)."""
-        bucket = self.buffer.bucket_of[id(param)]
-        offset = self.buffer.ranges[id(param)][0] - bucket.shard(self.dp_rank, self.dp_size)[0]
+        bucket = side.buffer.bucket_of[id(param)]
+        offset = side.buffer.ranges[id(param)][0] - bucket.shard(side.rank, side.size)[0]
         return bucket, slice(offset + lo, offset + hi)
 
     def grad_bytes(self) -> int:
         """Bytes of gradient storage this chunk holds now."""
-        if self.sharded is not None:
-            return self.sharded.grad_bytes()
-        data = self.buffer.grad_data
-        experts = 0 if self.expert_buffer is None else self.expert_buffer.grad_data.numel()
-        return (data.numel() + experts) * data.element_size()
+        total = 0
+        for buffer, sharded in self._grad_stores():
+            if sharded is not None:
+                total += sharded.grad_bytes()
+            else:
+                total += buffer.grad_data.numel() * buffer.grad_data.element_size()
+        return total
 
     def zero_grad_buffer(self) -> None:
         """Zero ``main_grad`` and re-arm the buckets; call before each iteration."""
         for p in [*self.buffer.params, *self.expert_params]:
             p.grad = None
-        self.buffer.reset()
-        if self.expert_buffer is not None:
-            self.expert_buffer.reset()
-        if self.sharded is not None:
-            self.sharded.reset()
-        if self.sharded_params is not None:
-            self.sharded_params.reset()
+        for buffer, sharded in self._grad_stores():
+            buffer.reset()
+            if sharded is not None:
+                sharded.reset()
+        for weights in self._weight_stores():
+            weights.reset()
+
+
+@dataclass
+class _Side:
+    """The dense or the expert half of a chunk: its buffer, the group that reduces (and
+    from stage 1 shards) it, this rank's place there, and its ZeRO-2/3 stores (or None)."""
+
+    buffer: ParamAndGradBuffer | None  # None: a chunk without experts
+    group: Group
+    rank: int
+    size: int
+    grads: ShardedGrads | None
+    weights: ShardedParams | None
 
 
 class _Done:

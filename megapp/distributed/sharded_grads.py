@@ -12,6 +12,10 @@ instead of one per step.
 Buckets marked late (gradients that must first be summed over another group: tied
 embedding copies, sequence-parallel replicas) keep whole gradients for the step, as
 under ZeRO-1, and are reduce-scattered into the slice store once, after that sum.
+
+The buffer and group are the chunk's dense ones, or its experts' and the expert-data-parallel
+group; the experts' gradients are divided by the dense data-parallel size all the same
+(``divide_by``: see :class:`~megapp.distributed.ddp.DistributedDataParallel`).
 """
 
 from __future__ import annotations
@@ -25,11 +29,27 @@ from megapp.distributed.buffers import Bucket, ParamAndGradBuffer
 
 
 class ShardedGrads:
-    """The gradient storage of one chunk's buffer under ZeRO-2 (see the module docstring)."""
+    """The gradient storage of one chunk's buffer under ZeRO-2 (see the module docstring).
 
-    def __init__(self, buffer: ParamAndGradBuffer, dp_group: Group, dtype: torch.dtype):
+    Args:
+        buffer: built with ``allocate_grads=False``; its buckets are sliced over ``dp_group``.
+        dp_group: the ranks that sum the gradients and each keep one slice.
+        dtype: the gradients' dtype.
+        divide_by: every gradient is divided by this before the sum (``None``: the size of
+            ``dp_group``, the mean over it).
+    """
+
+    def __init__(
+        self,
+        buffer: ParamAndGradBuffer,
+        dp_group: Group,
+        dtype: torch.dtype,
+        *,
+        divide_by: int | None = None,
+    ):
         self.buffer, self.dp_group, self.dtype = buffer, dp_group, dtype
         self.dp_size, self.dp_rank = comm.world_size(dp_group), comm.rank(dp_group)
+        self.divide_by = self.dp_size if divide_by is None else divide_by
         device = buffer.params[0].device
         self.offsets: dict[int, int] = {}  # id(bucket) -> start in the slice store
         size = 0
@@ -77,7 +97,7 @@ class ShardedGrads:
 
     def _start(self, bucket: Bucket) -> None:
         scratch = self.scratch[id(bucket)]
-        scratch.div_(self.dp_size)  # the data-parallel mean
+        scratch.div_(self.divide_by)  # the data-parallel mean
         out = torch.empty_like(self.owned(bucket))
         work = comm.reduce_scatter_into(out, scratch, self.dp_group, async_op=True)
         self.in_flight[id(bucket)] = (work, out)

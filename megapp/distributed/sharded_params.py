@@ -54,7 +54,10 @@ class ShardedParams:
 
     Args:
         buffer: built with ``unit_of`` and ``bucket_storage``.
-        units: unit key -> the module whose forward uses that unit's parameters.
+        dp_group: the ranks over which each bucket's weights are sliced.
+        units: unit key -> the module whose forward uses that unit's parameters; units
+            that hold none of ``buffer``'s parameters are left out (a chunk's experts sit
+            in only some of its layers).
         unit_of: the unit key of each parameter (as the buffer was cut).
     """
 
@@ -67,25 +70,27 @@ class ShardedParams:
     ) -> None:
         self.buffer, self.dp_group = buffer, dp_group
         self.dp_size, self.dp_rank = comm.world_size(dp_group), comm.rank(dp_group)
-        self.buckets_of: dict[object, list[Bucket]] = {key: [] for key in units}
-        self.params_of: dict[object, list[nn.Parameter]] = {key: [] for key in units}
+        held = {unit_of(p) for p in buffer.params}
+        used = {key: module for key, module in units.items() if key in held}
+        self.buckets_of: dict[object, list[Bucket]] = {key: [] for key in used}
+        self.params_of: dict[object, list[nn.Parameter]] = {key: [] for key in used}
         for bucket in buffer.buckets:
             key = unit_of(bucket.params[0])
             self.buckets_of[key].append(bucket)
             self.params_of[key].extend(bucket.params)
         self.shards = {id(b): self._own(b).clone() for b in buffer.buckets}
-        self.users = dict.fromkeys(units, 0)
+        self.users = dict.fromkeys(used, 0)
         self.in_flight: dict[object, list[comm.Pending]] = {}
-        layers = sorted(k for k in units if k != OUTER)
+        layers = sorted(k for k in used if k != OUTER)
         self.next = dict(itertools.pairwise(layers))
         self.previous = {later: earlier for earlier, later in self.next.items()}
-        self.arrived = dict.fromkeys(units, 0)
+        self.arrived = dict.fromkeys(used, 0)
         self.unit_of_param = {id(p): unit_of(p) for p in buffer.params}
         self._hooks = []
         self._name_params(units)
         for bucket in buffer.buckets:
             self._free(bucket)
-        for key, module in units.items():
+        for key, module in used.items():
             self._hooks.append(module.register_forward_pre_hook(self._pre_forward(key)))
             self._hooks.append(module.register_forward_hook(self._post_forward(key)))
         for p in buffer.params:

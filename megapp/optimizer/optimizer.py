@@ -9,7 +9,8 @@ chunks from their fp32 ``main_grad`` buffers.
 - From ZeRO stage 1 on (the distributed optimizer) each data-parallel rank keeps master weights
   and optimizer states only for its slice of every bucket (1/dp of them, ZeRO-1):
   gradients arrive reduce-scattered, the rank updates its slice, and an
-  all-gather over the data-parallel group gives every rank the whole model.
+  all-gather over the data-parallel group gives every rank the whole model. Expert
+  parameters are sliced the same way over the expert-data-parallel group.
 - The gradient norm counts every gradient element once across the whole layout
   (tensor-parallel replicas and tied-embedding copies once; data-parallel
   slices summed when sharded) and is the same on every rank.
@@ -229,7 +230,7 @@ class Optimizer:
             names = {id(p): n for n, p in chunk.module.named_parameters()}
             rank = chunk.dp_rank if self.distributed else 0
             world = chunk.dp_size if self.distributed else 1
-            # ZeRO-1 shards the experts over the expert-data-parallel group
+            # every ZeRO stage shards the experts over the expert-data-parallel group
             erank = chunk.expert_dp_rank if self.distributed else 0
             eworld = chunk.expert_dp_size if self.distributed else 1
             for p in [*chunk.buffer.params, *chunk.expert_params]:
@@ -345,6 +346,8 @@ class Optimizer:
         for chunk in self.chunks:  # the experts' slices, over the expert-data-parallel group
             if chunk.expert_buffer is None or chunk.expert_dp_size == 1:
                 continue
+            if chunk.expert_sharded_params is not None:
+                continue  # ZeRO-3: gathered when each layer next runs
             buffer = chunk.expert_buffer
             for bucket in buffer.buckets:
                 lo, hi = bucket.shard(chunk.expert_dp_rank, chunk.expert_dp_size)

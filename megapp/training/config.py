@@ -295,21 +295,16 @@ class PretrainConfig:
         )
 
     def _check_experts(self) -> None:
-        """What mixture-of-experts training does not run yet, named by its flags (the
-        model's and the layout's own rules are checked by their owners)."""
+        """Expert splits need experts, named by their flags (the model's and the layout's
+        own rules are checked by their owners)."""
         par = self.parallel
         ep = par.expert_model_parallel_size
-        if self.model.num_experts is None:
-            if ep > 1 or par.expert_tensor_parallel_size is not None:
-                raise ArgumentsError(
-                    "--expert-model-parallel-size and --expert-tensor-parallel-size split "
-                    "experts: give --num-experts N"
-                )
-            return
-        if par.zero_stage > 1:
+        if self.model.num_experts is None and (
+            ep > 1 or par.expert_tensor_parallel_size is not None
+        ):
             raise ArgumentsError(
-                f"--zero-stage {par.zero_stage} does not shard expert gradients or weights yet; "
-                "train --num-experts models with --zero-stage 0 or 1"
+                "--expert-model-parallel-size and --expert-tensor-parallel-size split "
+                "experts: give --num-experts N"
             )
 
     def _check_sequence_split(self, cp: int, tp: int) -> None:
