@@ -17,9 +17,9 @@ from tests.support import args_for
 ITERS = 3
 BASE = (
     "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 "
-    "--micro-batch-size 2 --global-batch-size 4 --lr 1e-3 --hidden-dropout 0 "
+    "--micro-batch-size 2 --global-batch-size 8 --lr 1e-3 --hidden-dropout 0 "
     "--attention-dropout 0 --split 80,10,10 --log-interval 1 --eval-interval 3 --eval-iters 1 "
-    f"--train-iters {ITERS} --num-experts 4 --moe-router-topk 2 --moe-aux-loss-coeff 1e-2 "
+    f"--train-iters {ITERS} --num-experts 8 --moe-router-topk 2 --moe-aux-loss-coeff 1e-2 "
     "--moe-z-loss-coeff 1e-3"
 ).split()
 LAYOUTS = [
@@ -29,6 +29,14 @@ LAYOUTS = [
         4,
         "--expert-model-parallel-size 2 --tensor-model-parallel-size 2 --sequence-parallel "
         "--moe-token-dispatcher-type allgather",
+        marks=pytest.mark.slow,
+    ),
+    pytest.param(4, "--expert-model-parallel-size 4", marks=pytest.mark.slow),
+    # ep 4 over tp 2 × dp 2, with two pipeline stages
+    pytest.param(
+        8,
+        "--expert-model-parallel-size 4 --expert-tensor-parallel-size 1 "
+        "--tensor-model-parallel-size 2 --sequence-parallel --pipeline-model-parallel-size 2",
         marks=pytest.mark.slow,
     ),
     # ZeRO-3: the dense weights sliced over 2 data-parallel ranks, the experts' over 2
