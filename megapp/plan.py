@@ -4,7 +4,10 @@
 ``python -m megapp.plan --model gpt3-175b --gpus 1024 --gpus-per-node 8 --gpu h100
 --global-batch-size 1536 --seq-length 2048 --top-k 5`` prints the fastest layouts that fit
 (memory per device, iteration time, throughput, MFU, bubble) and the ``torchrun`` line of
-each. The search is :class:`~megapp.planning.search.Planner`'s; ``--gpu`` takes a device
+each; ``--explain`` adds where each one's time and memory go
+(:mod:`megapp.planning.explain`), ``--layout NAME`` explains one layout without searching,
+``--compare A B`` puts two side by side (names as the table's ``layout`` column prints
+them). The search is :class:`~megapp.planning.search.Planner`'s; ``--gpu`` takes a device
 profile or a CPU machine's (:func:`~megapp.planning.profiles.load_profile`). Context
 parallelism is searched for sequences over
 :data:`~megapp.planning.layout_space.LONG_SEQUENCE` tokens, or at the sizes ``--cp`` gives.
@@ -18,6 +21,7 @@ import sys
 from collections.abc import Sequence
 
 from megapp.pipeline_parallel.catalog import SCHEDULES
+from megapp.planning import explain
 from megapp.planning.layout import CP_COMM_TYPES, Layout
 from megapp.planning.layout_space import LONG_SEQUENCE, MAX_AUTO_CP, Space, why_empty
 from megapp.planning.models import BYTE_VOCAB, ModelPreset, load_model
@@ -124,6 +128,20 @@ def build_parser() -> argparse.ArgumentParser:
         "experts that the layout's ranks allow; a dense model runs ep 1 alone)",
     )
     add("--run-flags", default=shlex.join(RUN_FLAGS), help="appended to every command (data)")
+    add("--explain", action="store_true", help="break down each layout's time and memory")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument(
+        "--layout",
+        metavar="NAME",
+        help="explain this layout alone, no search (a name as the table's layout column "
+        f"prints it: {explain.LAYOUT_FORMAT})",
+    )
+    which.add_argument(
+        "--compare",
+        nargs=2,
+        metavar=("A", "B"),
+        help="two layouts' breakdowns side by side with B − A, no search (names as --layout)",
+    )
     add("--calibrate", action="store_true", help="measure this machine (--gpus processes)")
     add("--hardware-out", default="runs/calibration/hardware.json", help="--calibrate's file")
     return parser
@@ -146,6 +164,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ValueError(f"--gpus {args.gpus} is not a whole number of {gpn}-GPU nodes")
         profile = profile.with_gpus_per_node(gpn)
         planner = Planner(model, profile, args.global_batch_size, args.gpus)
+        if args.layout or args.compare:
+            run_flags = shlex.split(args.run_flags)
+            return _explain_named(planner, args.layout, args.compare, run_flags)
         space = Space(
             args.max_micro_batch_size,
             args.max_chunks,
@@ -155,7 +176,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             ep=tuple(args.ep) if args.ep else None,
         )
         result = planner.plan(gpn, args.top_k, space)
-    except (ArgumentsError, ValueError) as error:
+    except (ArgumentsError, ValueError) as error:  # a ScheduleError too: a layout's deadlock
         print(f"python -m megapp.plan: error: {' '.join(str(error).split())}", file=sys.stderr)
         return 2
     hardware = planner.hardware
@@ -189,6 +210,35 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     run_flags = shlex.split(args.run_flags)
     print(format_table(result, model, args.gpus, gpn, args.global_batch_size, run_flags))
+    if args.explain:
+        for i, planned in enumerate(result.best, 1):
+            print(f"\n#{i} {explain.format_explanation(_explained(planner, planned.layout))}")
+    return 0
+
+
+def _explained(planner: Planner, layout: Layout) -> explain.Explanation:
+    """:func:`~megapp.planning.explain.explain_layout` of ``layout`` on ``planner``'s
+    model, batch, devices and time model."""
+    model = planner.model
+    return explain.explain_layout(
+        layout, model.flags, model.vocab_size, planner.gbs, planner.gpus, planner.time
+    )
+
+
+def _explain_named(
+    planner: Planner, name: str | None, pair: Sequence[str] | None, run_flags: Sequence[str]
+) -> int:
+    """Print the breakdown and the command of the layout called ``name``, or the
+    comparison of the ``pair``; raises ``ValueError`` in one line where one is not valid."""
+    if name is not None:
+        layout = explain.parse_layout(name)
+        print(explain.format_explanation(_explained(planner, layout)))
+        model, hardware = planner.model, planner.hardware
+        gpn = hardware.gpus_per_node
+        print(command_line(layout, model, planner.gpus, gpn, planner.gbs, run_flags))
+        return 0
+    a, b = (_explained(planner, explain.parse_layout(n)) for n in pair)
+    print(explain.format_comparison(a, b))
     return 0
 
 

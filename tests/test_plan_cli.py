@@ -354,3 +354,59 @@ def test_a_cpu_machine_profile_plans_its_shared_cores(tmp_path, capsys):
     alone = predict_step_time(config, MODEL_TINY.vocab_size, hardware).seconds
     assert best.step.seconds > alone  # eight processes take turns on two cores
     assert best.layout.name in out
+
+
+TINY_ARGS = ["--model", "tiny", "--gpus", "8", "--global-batch-size", "16"]
+NAME_A = "tp2.pp2.dp2.v1.mb1.1f1b.sp.selective.z1"
+NAME_B = "tp1.pp4.dp2.v1.mb2.zb-h1.norecompute.z0"
+
+
+def test_explain_breaks_down_each_of_the_top_layouts(capsys):
+    assert main([*TINY_ARGS, "--top-k", "2", "--explain", "--max-micro-batch-size", "1"]) == 0
+    out = capsys.readouterr().out
+    table = [line.split()[1] for line in out.splitlines() if line[:3].strip().isdigit()]
+    sections = [line.split()[1].rstrip(":") for line in out.splitlines() if line[:1] == "#"]
+    assert sections == table and len(table) == 2
+    assert out.count("predicted step") == 2 and out.count("memory per pipeline rank") == 2
+
+
+def test_one_named_layout_is_explained_without_a_search(capsys):
+    assert main([*TINY_ARGS, "--layout", NAME_A]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith(f"{NAME_A}: step ")
+    assert any(line.startswith("  predicted step") for line in lines)
+    assert lines[-1].startswith("torchrun") and "--recompute-granularity selective" in lines[-1]
+
+
+def test_compare_prints_b_minus_a(capsys):
+    assert main([*TINY_ARGS, "--compare", NAME_A, NAME_B]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith(f"A: {NAME_A}") and lines[1].startswith(f"B: {NAME_B}")
+    numeric = [line for line in lines[3:] if line.endswith(tuple("0123456789"))]
+    assert any(line.startswith("step (s)") for line in numeric)
+    for line in numeric:
+        a, b, diff = (float(word) for word in line.split()[-3:])
+        assert diff == pytest.approx(b - a, rel=1e-3, abs=1e-3 * max(abs(a), abs(b)))
+
+
+@pytest.mark.parametrize(
+    ("layouts", "message"),
+    [
+        (["--layout", "tp2.pp2.dp2"], "layout 'tp2.pp2.dp2' does not parse: expected tp<n>"),
+        (["--layout", "tp2.pp2.dp1.v1.mb1.1f1b.norecompute.z0"], "runs on 4 GPUs, not the 8"),
+        (
+            ["--compare", NAME_A, "tp8.pp1.dp1.v1.mb1.default.norecompute.z0"],
+            "layout tp8.pp1.dp1.v1.mb1.default.norecompute.z0 is not valid for this model:",
+        ),
+        (["--layout", NAME_A, "--compare", NAME_A, NAME_B], "not allowed with argument"),
+    ],
+)
+def test_a_bad_layout_fails_in_one_line(layouts, message, capsys):
+    try:
+        code = main([*TINY_ARGS, *layouts])
+    except SystemExit as exit:  # argparse's own errors
+        code = exit.code
+    assert code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1
+    assert message in err

@@ -1,0 +1,508 @@
+"""Why a layout takes the time and memory it does: its predicted iteration split into the
+terms the time model prices, and its memory into the terms the memory model counts.
+
+The step is the time of the pipeline rank that finishes last (the predicted step is its
+finish plus the step overhead), split into what that rank does (:class:`StepBreakdown`):
+
+- its actions' seconds, each split by the time model itself (:mod:`megapp.planning.timing`)
+  priced again without the term in question: **data-parallel in the actions** is what
+  ZeRO-2/3's gathers and reduce-scatters add to the actions beyond the compute they overlap
+  (the actions at ZeRO 0 subtracted); **recompute** is what the rerun forward adds (the
+  actions without recompute subtracted: its FLOPs, its layer passes and its collectives);
+  then, of the actions without either, the **tensor-parallel** collectives and the
+  **context-parallel** transfers (both on the critical path: timing.py overlaps neither with
+  compute, except the ring's exposed part), the **expert all-to-alls**, and **compute**
+  (GEMMs at the device's rate, per-action overheads, the loss's memory passes);
+- its idle time before its last action: the **pipeline bubble** (the same schedule simulated
+  with free pipeline messages) and the **pipeline messages** (what their latency and bytes
+  add to the waits);
+- its work after the last action: the **data-parallel** gradient reduction's exposed part
+  (the rest runs under the last microbatch's backward) and ZeRO-1/2's all-gather of the
+  updated weights, the **tied embedding**'s sum over the first and last stage, the
+  **optimizer** step; then the **step overhead**.
+
+Asynchronous schedules (PipeDream, 2BW) step among their actions: their steps' terms count
+once per iteration, everything per iteration of the simulated run. A time model whose
+actions run slower than priced (processes sharing CPU cores) shows the difference as its
+own line; the lines always add up to the predicted step.
+
+Memory is :func:`~megapp.planning.memory.predict_memory`'s per pipeline rank
+(:class:`MemoryBreakdown`), worst rank first; :func:`explanation_rows` gives both as rows
+(for tables and ablation reports), :func:`format_comparison` two layouts side by side.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+
+from megapp.models.gpt import GPTConfig
+from megapp.pipeline_parallel.schedules import Op
+from megapp.pipeline_parallel.simulate import Timeline
+from megapp.planning.hardware import group_link
+from megapp.planning.layout import Layout, pretrain_config
+from megapp.planning.memory import RankMemory, predict_memory
+from megapp.planning.model_state import moe_layer_count
+from megapp.planning.step_time import StepTime, step_time
+from megapp.planning.timing import (
+    ActionCosts,
+    Shape,
+    TimeModel,
+    moe_layer_seconds,
+    shape_layer_ranges,
+    shape_of,
+    simulated_run,
+)
+from megapp.tensor_parallel.utils import pad_vocab_size
+from megapp.training.config import PretrainConfig
+
+_GIB = 2**30
+
+STEP_LINES: dict[str, str] = {
+    "compute": "compute (GEMMs, per-action overheads, loss passes)",
+    "recompute": "recompute (the rerun forward, its collectives too)",
+    "tensor_parallel": "tensor-parallel collectives",
+    "context_parallel": "context-parallel transfers (exposed)",
+    "expert_all_to_all": "expert all-to-alls",
+    "data_parallel_actions": "data-parallel in the actions (ZeRO-2/3, exposed)",
+    "bubble": "pipeline bubble (waiting for other stages)",
+    "pipeline_messages": "pipeline messages (waits they add)",
+    "data_parallel_tail": "data-parallel after the last action (exposed)",
+    "embedding_sum": "tied embedding's sum (first and last stage)",
+    "optimizer": "optimizer step",
+    "shared_cores": "slower than priced (processes sharing cores)",
+    "step_overhead": "step overhead",
+}
+"""The lines of a :class:`StepBreakdown` that add up to the predicted step, in order."""
+
+MEMORY_LINES: dict[str, str] = {
+    "weights": "weights",
+    "grads": "gradients",
+    "optimizer": "optimizer state",
+    "stashed": "stashed weights",
+    "activations": "activations",
+    "working": "working buffers",
+}
+"""The lines of a :class:`MemoryBreakdown` that add up to its total, in order."""
+
+
+@dataclass(frozen=True)
+class StepBreakdown:
+    """Seconds per iteration of the pipeline rank that finishes last, one field per
+    :data:`STEP_LINES` entry (they add up to ``seconds``), and context for them."""
+
+    seconds: float  # the predicted step (StepTime.seconds)
+    rank: int  # the pipeline rank that finishes last
+    compute: float
+    recompute: float
+    tensor_parallel: float
+    context_parallel: float
+    expert_all_to_all: float
+    data_parallel_actions: float
+    bubble: float
+    pipeline_messages: float
+    data_parallel_tail: float
+    embedding_sum: float
+    optimizer: float
+    shared_cores: float
+    step_overhead: float
+    bubble_fraction: float  # idle share of all ranks' time (StepTime.bubble)
+    grad_reduce: float  # the rank's whole gradient reduction, before overlap
+    p2p_message: float  # one pipeline message
+
+    def lines(self) -> list[tuple[str, float]]:
+        """``(name, seconds)`` of every :data:`STEP_LINES` entry, in order."""
+        return [(name, getattr(self, name)) for name in STEP_LINES]
+
+    @property
+    def residual(self) -> float:
+        """The predicted step less the lines: float round-off only."""
+        return self.seconds - sum(value for _, value in self.lines())
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Predicted bytes of one pipeline rank at its peak, one field per
+    :data:`MEMORY_LINES` entry (they add up to ``total``)."""
+
+    pp_rank: int
+    weights: float
+    grads: float
+    optimizer: float
+    stashed: float
+    activations: float  # held for backward at the peak
+    in_flight: float  # microbatch-chunks those activations belong to
+    working: float
+    total: float
+
+    @classmethod
+    def of(cls, memory: RankMemory) -> MemoryBreakdown:
+        return cls(
+            memory.pp_rank,
+            memory.weights,
+            memory.grads,
+            memory.optimizer,
+            memory.stashed,
+            memory.activations,
+            memory.in_flight,
+            memory.working,
+            memory.total,
+        )
+
+    @property
+    def per_microbatch(self) -> float:
+        """Mean activation bytes of one microbatch-chunk in flight at the peak (0 with
+        none)."""
+        return self.activations / self.in_flight if self.in_flight else 0.0
+
+    def lines(self) -> list[tuple[str, float]]:
+        """``(name, bytes)`` of every :data:`MEMORY_LINES` entry, in order."""
+        return [(name, getattr(self, name)) for name in MEMORY_LINES]
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """A layout's prediction and why: the step and every pipeline rank's memory, worst
+    first."""
+
+    name: str
+    step_time: StepTime
+    step: StepBreakdown
+    memory: list[MemoryBreakdown]
+    usable_memory: float
+
+    @property
+    def peak(self) -> MemoryBreakdown:
+        return self.memory[0]
+
+
+_NAME = re.compile(
+    r"tp(?P<tp>\d+)(?:\.cp(?P<cp>\d+)-(?P<cp_comm_type>[a-z0-9_]+))?(?:\.ep(?P<ep>\d+))?"
+    r"(?:\.etp(?P<etp>\d+))?\.pp(?P<pp>\d+)\.dp(?P<dp>\d+)\.v(?P<vpp>\d+)"
+    r"\.mb(?P<micro_batch_size>\d+)\.(?P<schedule>[a-z0-9-]+)(?P<sp>\.sp)?"
+    r"\.(?P<recompute>norecompute|selective|full)\.z(?P<zero_stage>\d)"
+)
+LAYOUT_FORMAT = (
+    "tp<n>[.cp<n>-<comm>][.ep<n>][.etp<n>].pp<n>.dp<n>.v<n>.mb<n>.<schedule|default>[.sp]"
+    ".<norecompute|selective|full>.z<n>"
+)
+
+
+def parse_layout(name: str) -> Layout:
+    """The :class:`~megapp.planning.layout.Layout` whose :attr:`~Layout.name` is ``name``
+    (as the planner's table prints it); ``ValueError`` in one line otherwise."""
+    match = _NAME.fullmatch(name)
+    if match is None:
+        raise ValueError(f"layout {name!r} does not parse: expected {LAYOUT_FORMAT}")
+    fields = {k: v for k, v in match.groupdict().items() if v is not None}
+    for key in ("tp", "cp", "ep", "etp", "pp", "dp", "vpp", "micro_batch_size", "zero_stage"):
+        if key in fields:
+            fields[key] = int(fields[key])
+    fields["sequence_parallel"] = "sp" in fields
+    fields.pop("sp", None)
+    fields["schedule"] = None if fields["schedule"] == "default" else fields["schedule"]
+    fields["recompute"] = None if fields["recompute"] == "norecompute" else fields["recompute"]
+    try:
+        return Layout(**fields)
+    except ValueError as error:
+        raise ValueError(f"layout {name!r}: {error}") from None
+
+
+def explain_layout(
+    layout: Layout,
+    model_flags: tuple[str, ...] | list[str],
+    vocab_size: int,
+    global_batch_size: int,
+    gpus: int,
+    model: TimeModel,
+) -> Explanation:
+    """:func:`explain` of ``layout`` for the model of ``model_flags`` on ``gpus`` devices;
+    ``ValueError`` in one line where the layout does not use ``gpus`` devices or
+    ``pretrain_gpt.py`` would refuse it (:class:`ScheduleError` where its schedule cannot
+    complete on the transport)."""
+    if layout.world_size != gpus:
+        raise ValueError(
+            f"layout {layout.name} runs on {layout.world_size} GPUs, not the {gpus} of --gpus"
+        )
+    try:
+        config = pretrain_config(layout, model_flags, global_batch_size)
+    except ValueError as error:  # ArgumentsError included
+        raise ValueError(f"layout {layout.name} is not valid for this model: {error}") from None
+    return explain(config, vocab_size, model, layout.name)
+
+
+def explain(
+    config: PretrainConfig, vocab_size: int, model: TimeModel, name: str = ""
+) -> Explanation:
+    """The predicted step of ``config`` (as :func:`~megapp.planning.timing.predict`
+    predicts it) and its memory, each broken down."""
+    gpt = config.gpt_config(vocab_size)
+    shape = shape_of(config)
+    planned = model.action_costs(gpt, shape)
+    schedule, _ = simulated_run(config)
+    costs, timeline = model.run(schedule, planned, config.world_size)
+    step = step_time(config, gpt, costs, timeline, model.hardware)
+    free = dataclasses.replace(planned, p2p=0.0)  # the schedule's own bubble
+    _, quiet = model.run(schedule, free, config.world_size)
+    breakdown = step_breakdown(config, gpt, model, planned, costs, step, quiet)
+    memory = sorted(
+        (MemoryBreakdown.of(m) for m in predict_memory(config, vocab_size)),
+        key=lambda m: (-m.total, m.pp_rank),
+    )
+    return Explanation(name, step, breakdown, memory, model.hardware.usable_memory)
+
+
+_PARTS = ("compute", "recompute", "tensor_parallel", "context_parallel")
+_PARTS += ("expert_all_to_all", "data_parallel_actions")
+
+
+def action_parts(
+    gpt: GPTConfig, shape: Shape, model: TimeModel, costs: ActionCosts
+) -> dict[Op, list[list[dict[str, float]]]]:
+    """Every action's seconds of one microbatch per ``[rank][chunk]`` (of ``costs``, the
+    model's action costs of ``gpt`` under ``shape``) split into compute, recompute,
+    tensor_parallel, context_parallel, expert_all_to_all and data_parallel_actions, which
+    add up to it."""
+    plain = costs
+    if shape.zero_stage >= 2:
+        plain = model.action_costs(gpt, dataclasses.replace(shape, zero_stage=0))
+    bare_gpt = dataclasses.replace(
+        gpt, recompute_granularity=None, recompute_method=None, recompute_num_layers=None
+    )
+    bare = plain
+    if gpt.recompute_granularity is not None:
+        bare = model.action_costs(bare_gpt, dataclasses.replace(shape, zero_stage=0))
+    a2a = 0.0
+    if gpt.num_moe_experts is not None:
+        a2a = moe_layer_seconds(gpt, shape.seq_length, shape.micro_batch_size, model.hardware)[1]
+    ranges = shape_layer_ranges(gpt, shape)
+    zeros = [[0.0] * len(row) for row in shape.placement]
+    tables = {
+        Op.FORWARD: ("forward", bare.tp_forward, bare.cp_forward or zeros, 1),
+        Op.INPUT_GRAD: ("input_grad", bare.tp_backward, bare.cp_backward or zeros, 1),
+        Op.BACKWARD: ("whole_backward", bare.tp_backward, bare.cp_backward or zeros, 1),
+        Op.WEIGHT_GRAD: ("weight_grad", zeros, zeros, 0),
+    }
+    out: dict[Op, list[list[dict[str, float]]]] = {}
+    for op, (field, tp, cp, exchanges) in tables.items():
+        total, zero0, norecompute = (getattr(c, field) for c in (costs, plain, bare))
+        rows = []
+        for r, stages in enumerate(shape.placement):
+            row = []
+            for c, stage in enumerate(stages):
+                ep = exchanges * moe_layer_count(gpt, len(ranges[stage])) * a2a
+                comm = tp[r][c] + cp[r][c] + ep
+                row.append(
+                    {
+                        "compute": norecompute[r][c] - comm,
+                        "recompute": zero0[r][c] - norecompute[r][c],
+                        "tensor_parallel": tp[r][c],
+                        "context_parallel": cp[r][c],
+                        "expert_all_to_all": ep,
+                        "data_parallel_actions": total[r][c] - zero0[r][c],
+                    }
+                )
+            rows.append(row)
+        out[op] = rows
+    return out
+
+
+def embedding_sum_seconds(gpt: GPTConfig, shape: Shape, model: TimeModel, rank: int) -> float:
+    """Seconds of the tied embedding's gradient sum over the first and last pipeline rank
+    after the last action, as :func:`~megapp.planning.timing.action_costs` prices it (0 on
+    other ranks, without tied embeddings, one stage or a V-shaped placement)."""
+    p, num_stages = len(shape.placement), sum(len(row) for row in shape.placement)
+    v_shaped = shape.placement[0][0] == 0 and shape.placement[0][-1] == num_stages - 1
+    tied = gpt.share_embeddings_and_output_weights and p > 1 and not v_shaped
+    if not tied or rank not in (0, p - 1):
+        return 0.0
+    tp = gpt.tensor_model_parallel_size
+    span = tp * shape.dp * gpt.context_parallel_size * p
+    vocab = pad_vocab_size(gpt.vocab_size, tp, multiple=gpt.make_vocab_size_divisible_by)
+    return group_link(model.hardware, span).all_reduce(4 * vocab // tp * gpt.hidden_size, 2)
+
+
+def step_breakdown(
+    config: PretrainConfig,
+    gpt: GPTConfig,
+    model: TimeModel,
+    planned: ActionCosts,
+    costs: ActionCosts,
+    step: StepTime,
+    quiet: Timeline,
+) -> StepBreakdown:
+    """:class:`StepBreakdown` of ``step`` (of ``config`` under ``model``): ``planned`` are
+    the model's action costs, ``costs`` and ``step.timeline`` what the run paid and did,
+    ``quiet`` the timeline of the same run with free pipeline messages."""
+    timeline, schedule = step.timeline, step.timeline.schedule
+    iterations = schedule.iterations
+    shape = shape_of(config)
+    overhead = model.hardware.step_overhead
+    ends = [0.0] * schedule.num_stages
+    for event in timeline.events:
+        ends[event.rank] = max(ends[event.rank], event.end)
+    tails = [0.0 if schedule.asynchronous else t for t in costs.tail]
+    rank = max(range(schedule.num_stages), key=lambda r: (ends[r] + tails[r], -r))
+    parts = action_parts(gpt, shape, model, planned)
+    sums = dict.fromkeys(_PARTS, 0.0)
+    steps = 0  # optimizer steps among the actions (asynchronous schedules)
+    for action in schedule.actions[rank]:
+        if action.op is Op.UPDATE:
+            steps += 1
+            continue
+        for name, value in parts[action.op][rank][action.chunk].items():
+            sums[name] += value
+    steps = steps if schedule.asynchronous else 1
+    embedding = embedding_sum_seconds(gpt, shape, model, rank)
+    optimizer = costs.optimizer[rank]
+    busy = timeline.busy(rank)
+    priced = sum(sums.values()) + (steps * costs.tail[rank] if schedule.asynchronous else 0.0)
+    idle = ends[rank] - busy
+    quiet_idle = max(e.end for e in quiet.events if e.rank == rank) - quiet.busy(rank)
+    per = 1.0 / iterations
+    return StepBreakdown(
+        seconds=step.seconds,
+        rank=rank,
+        **{name: value * per for name, value in sums.items()},
+        bubble=quiet_idle * per,
+        pipeline_messages=(idle - quiet_idle) * per,
+        data_parallel_tail=steps * (costs.tail[rank] - optimizer - embedding) * per,
+        embedding_sum=steps * embedding * per,
+        optimizer=steps * optimizer * per,
+        shared_cores=(busy - priced) * per,
+        step_overhead=overhead,
+        bubble_fraction=step.bubble,
+        grad_reduce=costs.grad_reduce[rank],
+        p2p_message=costs.p2p,
+    )
+
+
+def explanation_rows(explanation: Explanation) -> list[tuple[str, float]]:
+    """``(key, value)`` rows of ``explanation``: the headline numbers, every step line
+    (``step.<name>``, seconds) and every memory line of the worst rank (``memory.<name>``,
+    bytes; ``memory.in_flight`` in microbatch-chunks), for tables and reports."""
+    step, peak = explanation.step_time, explanation.peak
+    rows = [
+        ("step_seconds", step.seconds),
+        ("tokens_per_second_per_gpu", step.tokens_per_second_per_gpu),
+        ("mfu", float("nan") if step.mfu is None else step.mfu),
+        ("bubble_fraction", step.bubble),
+    ]
+    rows += [(f"step.{name}", value) for name, value in explanation.step.lines()]
+    rows += [(f"memory.{name}", value) for name, value in peak.lines()]
+    rows += [("memory.in_flight", peak.in_flight), ("memory.per_microbatch", peak.per_microbatch)]
+    rows.append(("memory.total", peak.total))
+    return rows
+
+
+def comparison_rows(a: Explanation, b: Explanation) -> list[tuple[str, float, float, float]]:
+    """``(key, a, b, b − a)`` for every row of :func:`explanation_rows`."""
+    pairs = zip(explanation_rows(a), explanation_rows(b), strict=True)
+    return [(key, x, y, y - x) for (key, x), (_, y) in pairs]
+
+
+_HEADLINE = {
+    "step_seconds": ("step (s)", 1.0),
+    "tokens_per_second_per_gpu": ("tokens/s per GPU", 1.0),
+    "mfu": ("MFU (%)", 100.0),
+    "bubble_fraction": ("bubble, all ranks (%)", 100.0),
+    "memory.in_flight": ("  activations: microbatch-chunks in flight", 1.0),
+    "memory.per_microbatch": ("  activations: GiB per chunk (mean)", 1 / _GIB),
+    "memory.total": ("  total", 1 / _GIB),
+}
+
+
+def _label(key: str) -> tuple[str, float]:
+    if key in _HEADLINE:
+        return _HEADLINE[key]
+    group, name = key.split(".")
+    if group == "step":
+        return "  " + STEP_LINES[name], 1.0
+    return "  " + MEMORY_LINES[name], 1 / _GIB
+
+
+def _shown(value: float, scale: float) -> bool:
+    """Whether ``value`` is more than float round-off against ``scale``."""
+    return abs(value) > 1e-12 * abs(scale)
+
+
+def format_step(breakdown: StepBreakdown) -> list[str]:
+    """The step's lines (those that are not 0), each with its share, and their total."""
+    out = [f"time of pipeline rank {breakdown.rank}, which finishes last (s per iteration):"]
+    for name, value in breakdown.lines():
+        if _shown(value, breakdown.seconds):
+            share = 100 * value / breakdown.seconds
+            out.append(f"  {STEP_LINES[name]:<52} {value:>11.4g} {share:>6.1f}%")
+    if abs(breakdown.residual) > 1e-9 * breakdown.seconds:
+        out.append(f"  {'difference (float round-off)':<52} {breakdown.residual:>11.4g}")
+    out.append(f"  {'predicted step':<52} {breakdown.seconds:>11.4g} {100.0:>6.1f}%")
+    notes = [f"lines not shown are 0; a pipeline message costs {breakdown.p2p_message:.3g} s"]
+    if breakdown.grad_reduce:
+        notes.append(
+            f"its gradient reduction takes {breakdown.grad_reduce:.4g} s, run under its last "
+            "backward but for the exposed part in the data-parallel line"
+        )
+    notes.append(
+        f"idle share of all pipeline ranks' time, the table's bubble: "
+        f"{100 * breakdown.bubble_fraction:.1f}%"
+    )
+    return out + [f"  ({note})" for note in notes]
+
+
+def format_memory(memory: list[MemoryBreakdown], usable: float) -> list[str]:
+    """Every pipeline rank's memory lines in GiB, worst first; activations as
+    microbatch-chunks in flight × mean GiB each."""
+    names = [name for name in MEMORY_LINES if name != "activations"]
+    heads = [_SHORT.get(name, name) for name in names]
+    out = [
+        f"memory per pipeline rank (GiB of {usable / _GIB:.1f} usable), worst first:",
+        "  rank"
+        + "".join(f"{h:>10}" for h in heads)
+        + f"{'activations (in flight × each)':>34}"
+        + f"{'total':>9}",
+    ]
+    for m in memory:
+        values = "".join(f"{getattr(m, name) / _GIB:>10.2f}" for name in names)
+        flight = f"{m.in_flight:g} × {m.per_microbatch / _GIB:.3g} = {m.activations / _GIB:.2f}"
+        out.append(f"  {m.pp_rank:>4}{values}{flight:>34}{m.total / _GIB:>9.2f}")
+    return out
+
+
+_SHORT = {"optimizer": "optimizer", "grads": "gradients"}
+
+
+def format_explanation(explanation: Explanation) -> str:
+    """The step's and the memory's breakdown of one layout as text."""
+    step, peak = explanation.step_time, explanation.peak
+    mfu = "" if step.mfu is None else f", MFU {100 * step.mfu:.1f}%"
+    fits = "" if peak.total <= explanation.usable_memory else " (over the usable memory)"
+    head = (
+        f"{explanation.name}: step {step.seconds:.4g} s, "
+        f"{step.tokens_per_second_per_gpu:.1f} tok/s/GPU{mfu}, "
+        f"peak {peak.total / _GIB:.1f} GiB on pipeline rank {peak.pp_rank}{fits}"
+    )
+    lines = [head, *format_step(explanation.step)]
+    lines += format_memory(explanation.memory, explanation.usable_memory)
+    return "\n".join(lines)
+
+
+def format_comparison(a: Explanation, b: Explanation) -> str:
+    """Two layouts side by side: every row of :func:`comparison_rows` with B − A."""
+    lines = [
+        f"A: {a.name} (rank {a.step.rank} finishes last, peak memory on rank {a.peak.pp_rank})",
+        f"B: {b.name} (rank {b.step.rank} finishes last, peak memory on rank {b.peak.pp_rank})",
+        f"{'':<54}{'A':>12}{'B':>12}{'B − A':>12}",
+    ]
+    whole = {"step": max(a.step.seconds, b.step.seconds), "memory": max(a.peak.total, b.peak.total)}
+    for key, x, y, diff in comparison_rows(a, b):
+        if key == "step.compute":
+            lines.append("time (s per iteration):")
+        elif key == "memory.weights":
+            lines.append("memory of the worst rank (GiB):")
+        label, scale = _label(key)
+        group = key.split(".")[0]
+        if group in whole and not (_shown(x, whole[group]) or _shown(y, whole[group])):
+            continue  # a term neither layout has
+        lines.append(f"{label:<54}{x * scale:>12.4g}{y * scale:>12.4g}{diff * scale:>+12.4g}")
+    return "\n".join(lines)
