@@ -40,7 +40,6 @@ from dataclasses import dataclass
 from megapp.models.gpt import GPTConfig
 from megapp.pipeline_parallel.schedules import Op
 from megapp.pipeline_parallel.simulate import Timeline
-from megapp.planning.hardware import group_link
 from megapp.planning.layout import Layout, pretrain_config
 from megapp.planning.memory import RankMemory, predict_memory
 from megapp.planning.model_state import moe_layer_count
@@ -54,7 +53,6 @@ from megapp.planning.timing import (
     shape_of,
     simulated_run,
 )
-from megapp.tensor_parallel.utils import pad_vocab_size
 from megapp.training.config import PretrainConfig
 
 _GIB = 2**30
@@ -308,21 +306,6 @@ def action_parts(
     return out
 
 
-def embedding_sum_seconds(gpt: GPTConfig, shape: Shape, model: TimeModel, rank: int) -> float:
-    """Seconds of the tied embedding's gradient sum over the first and last pipeline rank
-    after the last action, as :func:`~megapp.planning.timing.action_costs` prices it (0 on
-    other ranks, without tied embeddings, one stage or a V-shaped placement)."""
-    p, num_stages = len(shape.placement), sum(len(row) for row in shape.placement)
-    v_shaped = shape.placement[0][0] == 0 and shape.placement[0][-1] == num_stages - 1
-    tied = gpt.share_embeddings_and_output_weights and p > 1 and not v_shaped
-    if not tied or rank not in (0, p - 1):
-        return 0.0
-    tp = gpt.tensor_model_parallel_size
-    span = tp * shape.dp * gpt.context_parallel_size * p
-    vocab = pad_vocab_size(gpt.vocab_size, tp, multiple=gpt.make_vocab_size_divisible_by)
-    return group_link(model.hardware, span).all_reduce(4 * vocab // tp * gpt.hidden_size, 2)
-
-
 def step_breakdown(
     config: PretrainConfig,
     gpt: GPTConfig,
@@ -354,7 +337,7 @@ def step_breakdown(
         for name, value in parts[action.op][rank][action.chunk].items():
             sums[name] += value
     steps = steps if schedule.asynchronous else 1
-    embedding = embedding_sum_seconds(gpt, shape, model, rank)
+    embedding = costs.embedding_sum[rank] if costs.embedding_sum else 0.0
     optimizer = costs.optimizer[rank]
     busy = timeline.busy(rank)
     priced = sum(sums.values()) + (steps * costs.tail[rank] if schedule.asynchronous else 0.0)

@@ -114,6 +114,7 @@ class ActionCosts:
     grad_reduce: list[float]  # data-parallel reduction at the end, before overlap
     tail: list[float]  # exposed after the last action: reduction, sums, optimizer, gathers
     optimizer: list[float]
+    embedding_sum: list[float] | None = None  # tied embedding's sum, first and last rank
     cp_forward: Table | None = None  # exposed seconds of cp attention's transfers in F
     cp_backward: Table | None = None  # in I (and so in B), a recompute's rerun included
     cp_calls_forward: Table | None = None  # cp transfers posted in F (ring steps, collectives)
@@ -399,7 +400,7 @@ def action_costs(gpt: GPTConfig, shape: Shape, hardware: Hardware) -> ActionCost
     v_shaped = any(row[0] == 0 and row[-1] == num_stages - 1 for row in shape.placement[:1])
     tied = gpt.share_embeddings_and_output_weights and p > 1 and not v_shaped
     embedding_sum = pp_link.all_reduce(4 * vocab // tp * gpt.hidden_size, 2) if tied else 0.0
-    reduce, tail, optimizer = [], [], []
+    reduce, tail, optimizer, sums = [], [], [], []
     # the copies of each expert: world / (etp · ep · pp), spanning as many ranks as dp · cp
     edp = tp * dp // (gpt.expert_tensor_parallel_size * gpt.expert_model_parallel_size)
     for rank in range(p):
@@ -426,7 +427,8 @@ def action_costs(gpt: GPTConfig, shape: Shape, hardware: Hardware) -> ActionCost
         ends = rank in (0, p - 1)
         reduce.append(end)
         optimizer.append(step)
-        tail.append(exposed + gather + step + embedding_sum * ends)
+        sums.append(embedding_sum * ends)
+        tail.append(exposed + gather + step + sums[-1])
     return ActionCosts(
         placement=shape.placement,
         forward=tables["f"],
@@ -444,6 +446,7 @@ def action_costs(gpt: GPTConfig, shape: Shape, hardware: Hardware) -> ActionCost
         grad_reduce=reduce,
         tail=tail,
         optimizer=optimizer,
+        embedding_sum=sums,
         cp_forward=tables["cpf"],
         cp_backward=tables["cpb"],
         cp_calls_forward=tables["ccf"],
