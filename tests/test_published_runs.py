@@ -45,7 +45,7 @@ def test_stated_peak_fraction_matches_stated_throughput(run: PublishedRun):
 def test_mt_nlg_throughput_counts_one_recomputed_forward():
     """126 TFLOP/s on 2240 GPUs for 60.1 s equals the model FLOPs of 1920 × 2048 tokens
     plus one more forward of the layers (the logits are not rerun)."""
-    for run in (r for r in RUNS if r.step_time is not None):
+    for run in (r for r in RUNS if r.step_time is not None and r.model == "gpt3-530b"):
         preset = MODELS[run.model]
         layout = Layout(tp=run.tp, pp=run.pp, dp=run.dp)
         config = pretrain_config(layout, preset.flags, run.global_batch_size)
