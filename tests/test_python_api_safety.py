@@ -54,6 +54,10 @@ def _check_released(model: GPTModel, reference: GPTModel) -> None:
     assert name in repr(weight)
     with pytest.raises(RuntimeError, match=RELEASED):
         weight.data.clone()
+    with pytest.raises(RuntimeError, match=RELEASED):  # views made without a torch function
+        weight.as_subclass(torch.Tensor)
+    with pytest.raises(RuntimeError, match=RELEASED):
+        torch.from_dlpack(weight)
     with pytest.raises(RuntimeError, match=RELEASED):
         model.state_dict()
     with pytest.raises(RuntimeError, match=RELEASED):

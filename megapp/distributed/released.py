@@ -76,13 +76,23 @@ class ReleasedParameter(nn.Parameter):
         released = _first_released((*args, *kwargs.values()))
         if _op_name(func) == "__repr__":
             return f"ReleasedParameter({_describe(released)})"
-        op = _op_name(func) or repr(func)
-        raise RuntimeError(
-            f"{op} needs the values of the parameter {_describe(released)}, which ZeRO-3 "
-            "releases between its layer's uses (this rank keeps only its slice); read or "
-            "write it inside DistributedDataParallel.full_weights() "
-            "(megapp.distributed.full_weights(chunks) for several chunks)"
-        )
+        raise _released_error(_op_name(func) or repr(func), released)
+
+    # Views of the storage that torch hands out without a torch function: refused too.
+    def as_subclass(self, cls):
+        raise _released_error("as_subclass", self)
+
+    def __dlpack__(self, *args, **kwargs):
+        raise _released_error("__dlpack__", self)
+
+
+def _released_error(op: str, released: torch.Tensor | None) -> RuntimeError:
+    return RuntimeError(
+        f"{op} needs the values of the parameter {_describe(released)}, which ZeRO-3 "
+        "releases between its layer's uses (this rank keeps only its slice); read or "
+        "write it inside DistributedDataParallel.full_weights() "
+        "(megapp.distributed.full_weights(chunks) for several chunks)"
+    )
 
 
 def label(param: nn.Parameter, name: str) -> None:
