@@ -11,8 +11,10 @@ import signal
 import subprocess
 import sys
 import time
+import types
 import uuid
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -136,6 +138,11 @@ def test_outputs_that_cannot_be_written_are_refused_naming_the_flag(tmp_path):
         with pytest.raises(ArgumentsError) as error:
             check_outputs(config(*extra))
         assert str(error.value).startswith(message), (flag, str(error.value))
+    # --tensorboard-dir too (the flag needs the tensorboard package: a stand-in module here)
+    stand_in = {"tensorboard": types.ModuleType("tensorboard")}
+    refused_board = pytest.raises(ArgumentsError, match=f"--tensorboard-dir {a_file}: is a file;")
+    with mock.patch.dict(sys.modules, stand_in), refused_board:
+        check_outputs(config("--tensorboard-dir", str(a_file)))
     # the default metrics file is checked where it goes: in --save
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "metrics.jsonl").mkdir()
