@@ -64,7 +64,7 @@ def test_the_step_lines_add_up_to_the_predicted_step(name):
     assert step.seconds == predict(config, TINY.vocab_size, H100).seconds
     assert sum(value for _, value in step.lines()) == pytest.approx(step.seconds, rel=1e-12)
     assert abs(step.residual) < 1e-12 * step.seconds
-    assert abs(step.shared_cores) < 1e-12 * step.seconds  # devices run as priced
+    assert abs(step.unpriced) < 1e-12 * step.seconds  # devices run as priced
     assert (step.recompute > 0) == (layout.recompute is not None)
     assert (step.data_parallel_actions > 0) == (layout.zero_stage >= 2)
     assert (step.tensor_parallel > 0) == (layout.tp > 1)

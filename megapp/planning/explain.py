@@ -69,7 +69,7 @@ STEP_LINES: dict[str, str] = {
     "data_parallel_tail": "data-parallel after the last action (exposed)",
     "embedding_sum": "tied embedding's sum (first and last stage)",
     "optimizer": "optimizer step",
-    "shared_cores": "slower than priced (processes sharing cores)",
+    "unpriced": "slower than the priced parts (processes sharing cores)",
     "step_overhead": "step overhead",
 }
 """The lines of a :class:`StepBreakdown` that add up to the predicted step, in order."""
@@ -103,7 +103,7 @@ class StepBreakdown:
     data_parallel_tail: float
     embedding_sum: float
     optimizer: float
-    shared_cores: float
+    unpriced: float
     step_overhead: float
     bubble_fraction: float  # idle share of all ranks' time (StepTime.bubble)
     grad_reduce: float  # the rank's whole gradient reduction, before overlap
@@ -353,7 +353,7 @@ def step_breakdown(
         data_parallel_tail=steps * (costs.tail[rank] - optimizer - embedding) * per,
         embedding_sum=steps * embedding * per,
         optimizer=steps * optimizer * per,
-        shared_cores=(busy - priced) * per,
+        unpriced=(busy - priced) * per,
         step_overhead=overhead,
         bubble_fraction=step.bubble,
         grad_reduce=costs.grad_reduce[rank],
