@@ -123,6 +123,9 @@ def _reference_run(config: GPTConfig, steps: int, dp: int, lr: float, wd: float,
         if first_grads is None:
             first_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
         opt.step()
+        for module in model.modules():  # the expert bias moves once per step, by all its tokens
+            if getattr(module, "expert_bias", None) is not None:
+                module.update_expert_bias()
     return model, losses, norms, first_grads
 
 

@@ -11,13 +11,31 @@ at the end (tolerances in tests/support.py).
 
 from __future__ import annotations
 
+import tempfile
+
 import pytest
 import torch
 
+from megapp import parallel_state as ps
+from megapp.checkpointing import load_checkpoint, save_checkpoint
 from megapp.models import GPTModel
 from megapp.testing import distributed
+from megapp.training import train_step
+from megapp.training.flag_groups import OptimizerArgs
 from megapp.training.flops import gpt_training_flops
-from tests.support import check_against_reference, gpt_config, train_layout
+from megapp.training.setup import build_training_setup
+from tests.support import (
+    CLIP,
+    GPT_TOL,
+    LR,
+    SEED,
+    WD,
+    check_against_reference,
+    global_batch,
+    gpt_config,
+    gpt_forward_step,
+    train_layout,
+)
 
 MOE = {
     "num_moe_experts": 4,
@@ -32,6 +50,12 @@ FULL_RECOMPUTE = {
     "recompute_granularity": "full",
     "recompute_method": "uniform",
     "recompute_num_layers": 2,
+}
+
+EXPERT_BIAS = {
+    "moe_router_score_function": "sigmoid",
+    "moe_router_enable_expert_bias": True,
+    "moe_router_bias_update_rate": 1e-2,  # moves the routing within the five steps
 }
 
 
@@ -55,6 +79,9 @@ CASES = [
     case(4, {"ep": 2}, {"moe_shared_expert_intermediate_size": 8}, slow=True, name="shared"),
     case(8, {"tp": 2, "pp": 2, "ep": 2}, {**SP, "moe_layer_freq": 1}, slow=True),
     case(4, {"ep": 2, "zero_stage": 1}, {}, name="dp4-edp2-zero1"),
+    # DeepSeek-V3's expert bias: moved each step by the pairs routed over tp × cp × dp
+    case(4, {"ep": 2}, EXPERT_BIAS, name="dp4-expert-bias"),
+    case(4, {"tp": 2, "ep": 2}, {**SP, **EXPERT_BIAS}, slow=True, name="sp-expert-bias"),
     case(4, {"ep": 2}, FULL_RECOMPUTE, slow=True, name="dp4-full-recompute"),
     case(4, {"tp": 2, "ep": 2, "etp": 1, "zero_stage": 1}, SP, slow=True, name="sp-edp2-zero1"),
     # ZeRO-2 and 3 shard the experts' gradients and weights over the expert-data-parallel
@@ -72,6 +99,75 @@ def test_moe_training_matches_single_process(world_size, layout, config):
     tp, pp, vpp = layout.pop("tp"), layout.pop("pp"), layout.pop("vpp")
     chunks, losses, norms, first_grads = train_layout(tp, pp, vpp, **layout, **config)
     check_against_reference(chunks, losses, norms, first_grads, config)
+    if config.get("moe_router_enable_expert_bias"):
+        _check_expert_biases(chunks)
+
+
+def _check_expert_biases(chunks):
+    """The routers' biases have moved, and each is the same on every rank (the router is
+    replicated, so every rank must have summed the same counts)."""
+    biases = [m.expert_bias for c in chunks for m in c.modules() if hasattr(m, "expert_bias")]
+    biases = [b for b in biases if b is not None]
+    assert biases and any(b.any() for b in biases)
+    mine = torch.stack(biases)
+    first = mine.clone()
+    torch.distributed.broadcast(first, src=0)
+    torch.testing.assert_close(mine, first, rtol=0, atol=0)
+
+
+def _biased_setup(ep: int, seed: int):
+    ps.initialize_model_parallel(1, 1, None, expert_model_parallel_size=ep)
+    experts = {"expert_model_parallel_size": ep} if ep > 1 else {}
+    optimizer = OptimizerArgs(
+        lr=LR, weight_decay=WD, clip_grad=CLIP, lr_decay_style="constant", lr_decay_iters=4
+    )
+    model = gpt_config(**MOE, **EXPERT_BIAS, **experts)
+    return build_training_setup(model, optimizer, bucket_size=2000, seed=seed)
+
+
+def _biased_steps(setup, steps) -> list[float]:
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    losses = []
+    for step in steps:
+        batch = global_batch(step, dp)
+        mine = batch[dp_rank * len(batch) // dp : (dp_rank + 1) * len(batch) // dp]
+        result = train_step(
+            gpt_forward_step,
+            [iter(mine)],
+            setup.chunks,
+            setup.optimizer,
+            num_microbatches=len(mine),
+            groups=setup.groups,
+        )
+        losses.append(result.loss)
+    return losses
+
+
+def _biases(setup) -> list[torch.Tensor]:
+    return [m.expert_bias.clone() for m in setup.chunks[0].modules() if hasattr(m, "expert_bias")]
+
+
+@distributed(world_size=2, timeout=240)
+def test_the_expert_bias_is_saved_and_loads_under_another_expert_layout():
+    path = [tempfile.mkdtemp(prefix="megapp-bias-") if torch.distributed.get_rank() == 0 else None]
+    torch.distributed.broadcast_object_list(path)
+    setup = _biased_setup(ep=2, seed=SEED)
+    _biased_steps(setup, range(2))
+    save_checkpoint(path[0], 2, setup.chunks, setup.optimizer, groups=setup.groups)
+    saved = _biases(setup)
+    expected = _biased_steps(setup, [2, 3])
+    ps.destroy_model_parallel()
+
+    fresh = _biased_setup(ep=1, seed=SEED + 1)
+    assert all(not b.any() for b in _biases(fresh))
+    load_checkpoint(path[0], fresh.chunks, fresh.optimizer, groups=fresh.groups)
+    loaded = _biases(fresh)
+    assert len(loaded) == len(saved) and any(b.any() for b in saved)  # some have moved
+    for ours, theirs in zip(loaded, saved, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+    losses = _biased_steps(fresh, [2, 3])
+    torch.testing.assert_close(losses, expected, **GPT_TOL)
+    ps.destroy_model_parallel()
 
 
 def test_moe_with_tensor_parallelism_needs_sequence_parallelism():

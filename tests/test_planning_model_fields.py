@@ -51,8 +51,12 @@ EXPERTS = shlex.split(
     "--expert-model-parallel-size 4 --expert-tensor-parallel-size 1"
 )
 """Mixture-of-experts flags that move every expert field off its default but one."""
-SIGMOID_ROUTER = shlex.split("--moe-router-score-function sigmoid")
-"""DeepSeek-V3's router, which takes no pre-softmax: the last expert field, in a second run."""
+SIGMOID_ROUTER = shlex.split(
+    "--moe-router-score-function sigmoid --moe-router-enable-expert-bias "
+    "--moe-router-bias-update-rate 0.01"
+)
+"""DeepSeek-V3's router, which takes no pre-softmax, and its expert bias: the last expert
+fields, in a second run."""
 NOT_FLAGS = {
     # the local experts' kernel: one grouped matmul or a loop over experts, the same numbers
     "moe_grouped_gemm",

@@ -89,6 +89,12 @@ def test_expert_parallel_trains_the_single_process_losses(
         ("--expert-model-parallel-size 2", "give --num-experts"),
         ("--num-experts 4 --tensor-model-parallel-size 2", "--sequence-parallel"),
         ("--num-experts 4 --expert-model-parallel-size 3", "expert"),
+        ("--num-experts 4 --moe-router-enable-expert-bias", "--moe-router-score-function 'sig"),
+        (
+            "--num-experts 4 --moe-router-score-function sigmoid --moe-router-enable-expert-bias "
+            "--pipeline-schedule pipedream-2bw --pipeline-model-parallel-size 2",
+            "drop --moe-router-enable-expert-bias",
+        ),
     ],
 )
 def test_bad_expert_flags_fail_at_start_up_in_one_line(extra, message):

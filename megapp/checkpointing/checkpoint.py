@@ -66,6 +66,7 @@ from megapp.checkpointing.state import (
     STEP_KEY,
     OptimizerPieces,
     Placement,
+    buffer_shards,
     model_shards,
     named_params,
     optimizer_step,
@@ -170,6 +171,7 @@ def _write_json(path: Path, data: dict) -> None:
 def _save_tensors(partial: Path, params, optimizer, placement: Placement, rank: int):
     """Every tensor of the training state into the ``partial`` directory (collective)."""
     state: dict[str, torch.Tensor] = model_shards(params, placement)
+    state.update(buffer_shards([c.chunk for c in params]))
     if optimizer is not None:
         pieces = OptimizerPieces(params, optimizer, optimizer.state_kinds())
         pieces.gather()
@@ -296,6 +298,7 @@ def load_checkpoint(
     # ZeRO-3 chunks hold slices: the weights are whole from here until they are read.
     with full_weights(chunks):
         state: dict[str, torch.Tensor] = model_shards(params, placement)
+        state.update(buffer_shards(chunks))
         pieces = None
         load_optimizer = load_optimizer and optimizer is not None
         if load_optimizer:

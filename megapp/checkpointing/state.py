@@ -19,6 +19,9 @@ A mixture-of-experts layer's experts are saved under their global expert index
 tensor-parallel group splits them, so a checkpoint loads under another
 expert-parallel size too; their distributed-optimizer slices are gathered over the
 expert-data-parallel group, which shards them.
+
+Saved buffers (a router's expert bias) are not trained and are replicated wherever their
+module is: each is saved whole under its module's layout-independent name.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ STEP_KEY = "optimizer.step"
 
 
 def checkpoint_name(module: nn.Module, name: str, param: nn.Parameter) -> str:
-    """The layout-independent name of ``module``'s parameter ``name``."""
+    """The layout-independent name of ``module``'s parameter (or buffer) ``name``."""
     if is_duplicate(param) and is_tied_embedding(param):
         return "embedding.word_embeddings.weight"  # the last stage's copy of the tied embedding
     parts = name.split(".")
@@ -129,6 +132,21 @@ def model_shards(chunks: list[_Chunk], placement: Placement) -> dict[str, Tensor
             shard = placement.piece(p.param.data, p.param)
             if shard is not None:
                 state[MODEL + p.name] = shard
+    return state
+
+
+def buffer_shards(chunks: Sequence[nn.Module]) -> dict[str, TensorShard]:
+    """``{"model.<name>": whole buffer}`` for every saved (persistent) buffer of ``chunks``,
+    such as a router's expert bias: state that is not trained, replicated on every rank that
+    holds its module (saving reads it, loading writes it in place)."""
+    state = {}
+    for chunk in chunks:
+        module = getattr(chunk, "module", chunk)
+        params = {id(p) for p in module.parameters()}
+        for name, tensor in module.state_dict(keep_vars=True).items():
+            if id(tensor) not in params:
+                key = MODEL + checkpoint_name(module, name, tensor)
+                state[key] = TensorShard(tensor.data, [0] * tensor.dim(), tensor.shape)
     return state
 
 

@@ -198,6 +198,13 @@ class Router(nn.Module):
         counts = self.local_tokens_per_expert.clone()
         if comm.world_size(group) > 1:
             comm.all_reduce(counts, group)
+        self.step_expert_bias(counts)
+
+    @torch.no_grad()
+    def step_expert_bias(self, tokens_per_expert: torch.Tensor) -> None:
+        """Move ``expert_bias`` by ``tokens_per_expert`` ``[E]`` (this router's counts summed
+        already over every rank that routes tokens with it), then start counting again."""
         rate = self.config.moe_router_bias_update_rate
-        self.expert_bias.copy_(aux_losses.expert_bias_update(self.expert_bias, counts, rate))
+        update = aux_losses.expert_bias_update(self.expert_bias, tokens_per_expert, rate)
+        self.expert_bias.copy_(update)
         self.local_tokens_per_expert.zero_()

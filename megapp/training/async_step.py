@@ -72,6 +72,9 @@ def train_run(
             f"{schedule.name} steps each pipeline stage on its own: build the optimizer with "
             "per_stage=True (build_training_setup(..., per_stage_steps=True))"
         )
+    if any(getattr(m, "expert_bias", None) is not None for c in chunks for m in c.modules()):
+        # a recomputed forward would route with a bias moved since the microbatch's forward
+        raise ValueError(f"{schedule.name} cannot move an expert bias: its stages step alone")
     run = asynchronous_run(schedule, iterations)
     m = run.num_microbatches // iterations
     steps_per_iteration = m // run.update_interval

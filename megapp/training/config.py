@@ -217,6 +217,11 @@ class PretrainConfig:
         from megapp.optimizer.optimizer import check_per_stage_steps
 
         par = self.parallel
+        if self.model.moe_router_enable_expert_bias:
+            raise ArgumentsError(
+                f"--pipeline-schedule {name} steps each stage on its own, between a "
+                "microbatch's forward and backward: drop --moe-router-enable-expert-bias"
+            )
         check_per_stage_steps(
             f"--pipeline-schedule {name}",
             pipeline_stages=pp,

@@ -112,6 +112,14 @@ class ModelArgs:
     moe_router_norm_topk_prob: bool = arg(
         False, "with --moe-router-pre-softmax, the k chosen probabilities divided by their sum"
     )
+    moe_router_enable_expert_bias: bool = arg(
+        False,
+        "with --moe-router-score-function sigmoid, a per-expert bias for choosing experts, "
+        "moved after each step towards balance (DeepSeek-V3's auxiliary-loss-free balancing)",
+    )
+    moe_router_bias_update_rate: float = arg(
+        1e-3, "step of the expert bias: bias += rate · sign(mean load − load)"
+    )
     moe_router_load_balancing_type: str = arg(
         "aux_loss",
         "aux_loss (Switch/GShard), seq_aux_loss (per sequence, DeepSeek-V3) or none",

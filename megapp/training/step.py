@@ -84,6 +84,28 @@ def moe_losses(chunks: Sequence, groups: TrainGroups) -> dict[str, float]:
     }
 
 
+def update_expert_biases(chunks: Sequence, groups: TrainGroups) -> None:
+    """Move every router's expert bias by the pairs it routed since the last update, summed
+    over tp × cp × dp (Megatron-Core's tensor-and-data-parallel group with context): the
+    ranks that route different tokens with the same router, tp included because sequence
+    parallelism gives each tp rank its own tokens. Collective over those ranks, which hold
+    the same layers; nothing for a model without expert bias."""
+    routers = [
+        module
+        for chunk in chunks
+        for module in chunk.modules()
+        if getattr(module, "expert_bias", None) is not None
+    ]
+    if not routers:
+        return
+    counts = torch.stack([router.local_tokens_per_expert for router in routers])
+    for group in (groups.tp_cp, groups.dp):  # tp × cp, then over dp: the sum over all three
+        if comm.world_size(group) > 1:
+            comm.all_reduce(counts, group)
+    for router, summed in zip(routers, counts, strict=True):
+        router.step_expert_bias(summed)
+
+
 def set_aux_loss_scale(chunks: Sequence, scale: float) -> None:
     """Give every mixture-of-experts layer's auxiliary losses the gradient ``scale`` in
     backward, and start its sums of them (layers with an ``aux_loss_scale``; dense models
@@ -148,6 +170,7 @@ def train_step(
     # with the first and last stage on one rank (a V), the tied embedding is summed there
     embedding_group = None if result.schedule.ends_on_one_rank else groups.embedding
     finalize_model_grads(chunks, tp_group=groups.tp, embedding_group=embedding_group)
+    update_expert_biases(chunks, groups)  # once per step, after the gradients, as Megatron-Core
     stepped = optimizer.step()
     if stepped.updated and lr_scheduler is not None:
         lr_scheduler.step()

@@ -110,6 +110,11 @@ class TransformerConfig:
     moe_router_norm_topk_prob: bool = False
     """With ``moe_router_pre_softmax``: the k chosen probabilities divided by their sum
     (Mixtral; Qwen2-MoE's ``norm_topk_prob``)."""
+    moe_router_enable_expert_bias: bool = False
+    """Sigmoid router: a per-expert bias for choosing experts, moved after each step towards
+    balance (DeepSeek-V3's auxiliary-loss-free balancing; a buffer, saved, not trained)."""
+    moe_router_bias_update_rate: float = 1e-3
+    """Step of the expert bias update: ``bias += rate · sign(mean load − load)``."""
     moe_router_load_balancing_type: str = "aux_loss"
     """``aux_loss``, ``seq_aux_loss`` or ``none``."""
     moe_aux_loss_coeff: float = 0.0
