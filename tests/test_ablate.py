@@ -428,6 +428,58 @@ def test_dense_twins_run_as_points_and_the_report_divides_by_them(tmp_path):
     assert not ablation_report.twin_note({}, dense.records)
 
 
+def test_the_report_splits_each_prediction_into_the_planners_lines(tmp_path):
+    """A point predicted on a hardware profile stores explain's rows, whose step lines add
+    up to the predicted step; the report's row shows them next to the measured step,
+    communication and idle share; a record written before the breakdown shows "-"."""
+    spec = small_spec(tp=(2,), pp=(2,), recompute=("full",), hardware="h100")
+    run_sweep(spec, tmp_path, launcher=FakeLauncher())
+    name = "tp2.pp2.dp1.v1.mb2.default.full.z0"
+    record = records.load(tmp_path / "points" / f"{name}.json")
+    rows, predicted = record.predicted.breakdown, record.predicted.iteration_seconds
+    assert rows["step_seconds"] == pytest.approx(predicted)
+    lines = {k: v for k, v in rows.items() if k.startswith("step.")}
+    assert sum(lines.values()) == pytest.approx(predicted, rel=1e-9)
+    assert lines["step.tensor_parallel"] > 0 and lines["step.recompute"] > 0
+    assert rows["memory.total"] == pytest.approx(max(record.predicted.memory_per_stage))
+    # a record from before the breakdown: no such fields in its file
+    raw = json.loads(record.to_json())
+    for field in ("breakdown", "step_rank", "memory_rank"):
+        del raw["predicted"][field]
+    raw["name"] = "tp2.old"
+    old = records.PointRecord.from_json(json.dumps(raw))
+    assert old.predicted.breakdown is None and old.predicted.iteration_seconds == predicted
+
+    section = ablation_report.breakdown_section([record, old])
+    step_head, memory_head = (line for line in section if line.startswith("| layout |"))
+    assert "| compute | recompute | tp | bubble | messages |" in step_head
+    assert "| cp |" not in step_head  # 0 at every point
+    heads = [h.strip() for h in step_head.strip("|").split("|")]
+
+    def cells_of(layout: str) -> dict[str, str]:
+        row = next(line for line in section if line.startswith(f"| `{layout}`"))
+        return dict(zip(heads, (c.strip() for c in row.strip("|").split("|")), strict=True))
+
+    cells = cells_of(name)
+    parts = heads[heads.index("rank") + 1 : heads.index("predicted (ms)")]
+    total = float(cells["predicted (ms)"])
+    assert total == pytest.approx(predicted * 1e3, rel=1e-3)
+    assert sum(float(cells[h]) for h in parts) == pytest.approx(total, rel=1e-3)
+    # measured: 100 ms per iteration, 30 ms blocked on rank 3, idle share 0.25
+    assert cells["measured (ms)"] == "100" and cells["comm, pred. / meas. (ms)"].endswith("/ 30")
+    assert cells["idle share, pred. / meas."] == f"{record.predicted.bubble:.2f} / 0.25"
+    stale = cells_of("tp2.old")
+    assert {stale[h] for h in ("rank", *parts, "predicted (ms)")} == {"-"}
+    assert stale["measured (ms)"] == "100" and stale["comm, pred. / meas. (ms)"] == "- / 30"
+    assert "| activations (in flight × each) |" in memory_head
+    peak_rank = record.predicted.memory_rank
+    memory_row = next(line for line in section if line.startswith(f"| `{name}`") and "×" in line)
+    peak = record.measured.peak_per_stage()[peak_rank] / 2**20
+    assert memory_row.startswith(f"| `{name}` | {peak_rank} | ") and f"| {peak:.1f} |" in memory_row
+    # a sweep whose records all predate the breakdown says so instead of a table
+    assert "No record has the predicted breakdown" in ablation_report.breakdown_section([old])[0]
+
+
 def test_a_repeat_that_fails_or_trains_another_model_is_not_counted(tmp_path):
     spec = small_spec(tp=(1,), pp=(1,), recompute=(None,))
     run_sweep(spec, tmp_path, launcher=FakeLauncher())

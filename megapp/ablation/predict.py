@@ -1,18 +1,24 @@
 """The planner's prediction for a sweep point, put next to what the point measured.
 
 Memory per pipeline rank comes from ``megapp.planning.memory.predict_memory`` and the step
-time from ``megapp.planning.profiles.predict_step_time`` on a hardware profile; either is
-left empty (with a note saying why) when its module is not there or cannot price the
-point, so a sweep runs with or without the planner.
+time from ``megapp.planning.profiles.predict_step_time`` on a hardware profile, both split
+into their lines by ``megapp.planning.explain`` (as ``python -m megapp.plan --explain``
+splits them); either is left empty (with a note saying why) when its module is not there or
+cannot price the point, so a sweep runs with or without the planner.
 """
 
 from __future__ import annotations
 
 import importlib
+import math
+from typing import TYPE_CHECKING
 
 from megapp.ablation.records import Prediction
 from megapp.data import build_tokenizer
 from megapp.training.config import PretrainConfig
+
+if TYPE_CHECKING:
+    from megapp.planning.timing import TimeModel
 
 
 def vocab_size(config: PretrainConfig) -> int:
@@ -44,15 +50,33 @@ def predict(config: PretrainConfig, hardware: str | None) -> Prediction:
     elif timing is None:
         notes.append("no megapp.planning.timing")
     else:
-        from megapp.planning.profiles import load_profile, predict_step_time
+        from megapp.planning.profiles import load_profile, predict_step_time, time_model
 
         try:
-            step = predict_step_time(config, vocab, load_profile(hardware))
+            profile = load_profile(hardware)
+            step = predict_step_time(config, vocab, profile)
             out.iteration_seconds, out.bubble = float(step.seconds), float(step.bubble)
         except (ValueError, NotImplementedError) as error:
             notes.append(f"time: {error}")
+        else:
+            try:
+                explain_into(out, config, vocab, time_model(profile))
+            except (ValueError, NotImplementedError) as error:
+                notes.append(f"breakdown: {error}")
     out.note = "; ".join(notes) or None
     return out
+
+
+def explain_into(out: Prediction, config: PretrainConfig, vocab: int, model: TimeModel) -> None:
+    """Store in ``out`` the rows of :func:`megapp.planning.explain.explain` of ``config``
+    under the time ``model`` (a row without a value, MFU on a machine without a peak, as
+    None) and the pipeline ranks they describe."""
+    from megapp.planning.explain import explain, explanation_rows
+
+    explanation = explain(config, vocab, model)
+    rows = explanation_rows(explanation)
+    out.breakdown = {key: None if math.isnan(value) else float(value) for key, value in rows}
+    out.step_rank, out.memory_rank = explanation.step.rank, explanation.peak.pp_rank
 
 
 def _optional_module(name: str):

@@ -71,6 +71,11 @@ class Measured:
         stages = sorted({r.pp for r in self.ranks})
         return [max(r.peak_bytes for r in self.ranks if r.pp == s) for s in stages]
 
+    def state_per_stage(self) -> list[int]:
+        """The largest bytes live before the iteration of each pipeline rank."""
+        stages = sorted({r.pp for r in self.ranks})
+        return [max(r.state_bytes for r in self.ranks if r.pp == s) for s in stages]
+
     @property
     def comm_seconds(self) -> float | None:
         """The longest any rank was blocked in collectives during the profiled iteration."""
@@ -84,12 +89,20 @@ class Measured:
 @dataclass
 class Prediction:
     """The planner's figures for the same layout: bytes per pipeline rank, seconds per
-    iteration and bubble share (None where the predictor is not there)."""
+    iteration and bubble share (None where the predictor is not there). ``breakdown``:
+    :func:`megapp.planning.explain.explanation_rows` by key (the step's lines in seconds,
+    ``step.<line>``, which add up to the step, and the worst rank's memory lines in bytes,
+    ``memory.<line>``; None in a record written before it or predicted without a time
+    profile); ``step_rank``: the pipeline rank whose step it splits (the one that finishes
+    last), ``memory_rank``: the one whose memory it splits (the worst)."""
 
     memory_per_stage: list[float] | None = None
     iteration_seconds: float | None = None
     bubble: float | None = None
     note: str | None = None
+    breakdown: dict[str, float | None] | None = None
+    step_rank: int | None = None
+    memory_rank: int | None = None
 
 
 @dataclass
