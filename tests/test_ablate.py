@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from megapp.ablation import breakdown_tables, records
 from megapp.ablation import command as ablate
 from megapp.ablation import points as points_of
-from megapp.ablation import records
 from megapp.ablation import report as ablation_report
 from megapp.ablation.launch import error_summary, run_command
 from megapp.ablation.memory_check import parse_layout
@@ -450,7 +450,7 @@ def test_the_report_splits_each_prediction_into_the_planners_lines(tmp_path):
     old = records.PointRecord.from_json(json.dumps(raw))
     assert old.predicted.breakdown is None and old.predicted.iteration_seconds == predicted
 
-    section = ablation_report.breakdown_section([record, old])
+    section = breakdown_tables.breakdown_section([record, old])
     step_head, memory_head = (line for line in section if line.startswith("| layout |"))
     assert "| compute | recompute | tp | bubble | messages |" in step_head
     assert "| cp |" not in step_head  # 0 at every point
@@ -477,7 +477,7 @@ def test_the_report_splits_each_prediction_into_the_planners_lines(tmp_path):
     peak = record.measured.peak_per_stage()[peak_rank] / 2**20
     assert memory_row.startswith(f"| `{name}` | {peak_rank} | ") and f"| {peak:.1f} |" in memory_row
     # a sweep whose records all predate the breakdown says so instead of a table
-    assert "No record has the predicted breakdown" in ablation_report.breakdown_section([old])[0]
+    assert "No record has the predicted breakdown" in breakdown_tables.breakdown_section([old])[0]
 
 
 def test_a_repeat_that_fails_or_trains_another_model_is_not_counted(tmp_path):
