@@ -10,6 +10,7 @@ loss term changes values at 1e-3 or more.
 """
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,6 +19,8 @@ from megapp.moe import MoEConfig, MoELayer, aux_losses, layer_losses
 from megapp.moe.capacity import expert_capacity, kept_pairs
 from megapp.moe.experts import grouped_mm_supported
 from megapp.moe.permutation import combine_slots, permute, sort_by_expert, unpermute
+from megapp.parallel_state import TrainGroups
+from megapp.training.step import moe_losses, routed_tokens
 
 F64 = torch.float64
 TOL = {"rtol": 1e-10, "atol": 1e-12}
@@ -325,6 +328,42 @@ def test_expert_bias_moves_towards_balance():
 
 
 # ----- capacity ----------------------------------------------------------------------
+
+
+def test_expert_load_equals_a_hand_count():
+    """Two layers whose router weight is [I | 0]: a token 2·e_a + e_b picks experts a and b.
+    Layer 0 routes (0,1) (0,1) (0,2) (0,3): counts [4, 2, 1, 1], mean 2, max/mean 2, min/mean
+    1/2; layer 1 routes (0,1) (1,0) (2,0) (1,2): counts [3, 3, 2, 0], max 3/2, min 0."""
+    pairs = {0: [(0, 1), (0, 1), (0, 2), (0, 3)], 1: [(0, 1), (1, 0), (2, 0), (1, 2)]}
+    layers = [MoELayer(_config(), layer_number=n) for n in pairs]
+    for layer, routes in zip(layers, pairs.values(), strict=True):
+        with torch.no_grad():
+            layer.router.weight.copy_(torch.eye(E, H, dtype=F64))
+        x = torch.zeros(len(routes), 1, H, dtype=F64)
+        for t, (a, b) in enumerate(routes):
+            x[t, 0, a], x[t, 0, b] = 2.0, 1.0
+        for _ in range(2):  # two microbatches: the counts add up
+            layer(x)
+        with torch.no_grad():  # evaluation does not count
+            layer(x)
+    assert layers[1].router.local_tokens_per_expert.tolist() == [6.0, 6.0, 4.0, 0.0]
+
+    class Chunk(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList(layers)
+            self.module = SimpleNamespace(
+                config=SimpleNamespace(num_moe_experts=E, num_layers=2, is_moe_layer=bool)
+            )
+
+    chunks, groups = [Chunk()], TrainGroups()
+    routed = routed_tokens(chunks, groups)
+    assert [counts.tolist() for _, counts in routed] == [[8, 4, 2, 2], [6, 6, 4, 0]]
+    assert all(int(layer.router.local_tokens_per_expert.sum()) == 0 for layer in layers)
+    figures = moe_losses(chunks, groups, routed)
+    assert (figures["expert_load_max"], figures["expert_load_min"]) == (2.0, 0.0)
+    assert "load_balancing_loss" in figures
+    assert "expert_load_max" not in moe_losses(chunks, groups, routed_tokens(chunks, groups))
 
 
 def test_capacity_golden_and_ties():

@@ -92,9 +92,10 @@ class Router(nn.Module):
     """Top-k router over ``config.num_moe_experts`` experts.
 
     ``weight`` ``[E, h]`` (built whole from the default generator, the same under any
-    layout). With ``moe_router_enable_expert_bias`` it keeps the buffers ``expert_bias``
-    ``[E]`` (float32, saved) and ``local_tokens_per_expert`` ``[E]`` (the pairs routed since
-    the last :meth:`update_expert_bias`).
+    layout). The buffer ``local_tokens_per_expert`` ``[E]`` (float32, not saved) counts the
+    pairs routed by training forwards since the last :meth:`take_tokens_per_expert` (the
+    expert bias and the logged expert load read it); with ``moe_router_enable_expert_bias``
+    it also keeps ``expert_bias`` ``[E]`` (float32, saved).
     """
 
     def __init__(self, config: MoEConfig):
@@ -103,14 +104,13 @@ class Router(nn.Module):
         weight = torch.empty(config.num_moe_experts, config.hidden_size, dtype=torch.float32)
         nn.init.normal_(weight, mean=0.0, std=config.init_method_std)
         self.weight = nn.Parameter(weight.to(config.params_dtype))
+        self.register_buffer(
+            "local_tokens_per_expert", torch.zeros(config.num_moe_experts), persistent=False
+        )
         if config.moe_router_enable_expert_bias:
             self.register_buffer("expert_bias", torch.zeros(config.num_moe_experts))
-            self.register_buffer(
-                "local_tokens_per_expert", torch.zeros(config.num_moe_experts), persistent=False
-            )
         else:
             self.expert_bias = None
-            self.local_tokens_per_expert = None
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """``[T, E]`` logits of tokens ``x`` ``[T, h]``, in float32 or wider."""
@@ -155,7 +155,7 @@ class Router(nn.Module):
             probs = self._attach_balancing_loss(
                 probs, logits, batch, sequence_group, loss_scale, losses
             )
-        if with_losses and self.local_tokens_per_expert is not None:
+        if with_losses:
             routed = experts if kept is None else experts[kept]
             self.local_tokens_per_expert += torch.bincount(
                 routed.reshape(-1), minlength=config.num_moe_experts
@@ -195,16 +195,23 @@ class Router(nn.Module):
         parallel), then start counting again. Every rank of ``group`` must call it."""
         if self.expert_bias is None:
             raise ValueError("update_expert_bias needs moe_router_enable_expert_bias")
-        counts = self.local_tokens_per_expert.clone()
+        counts = self.take_tokens_per_expert()
         if comm.world_size(group) > 1:
             comm.all_reduce(counts, group)
         self.step_expert_bias(counts)
 
     @torch.no_grad()
+    def take_tokens_per_expert(self) -> torch.Tensor:
+        """The pairs routed to each expert ``[E]`` since the last call (a copy), and start
+        counting again."""
+        counts = self.local_tokens_per_expert.clone()
+        self.local_tokens_per_expert.zero_()
+        return counts
+
+    @torch.no_grad()
     def step_expert_bias(self, tokens_per_expert: torch.Tensor) -> None:
         """Move ``expert_bias`` by ``tokens_per_expert`` ``[E]`` (this router's counts summed
-        already over every rank that routes tokens with it), then start counting again."""
+        already over every rank that routes tokens with it)."""
         rate = self.config.moe_router_bias_update_rate
         update = aux_losses.expert_bias_update(self.expert_bias, tokens_per_expert, rate)
         self.expert_bias.copy_(update)
-        self.local_tokens_per_expert.zero_()

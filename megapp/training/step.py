@@ -6,6 +6,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 
 from megapp import comm
 from megapp.distributed.ddp import DistributedDataParallel, finalize_model_grads
@@ -31,7 +32,9 @@ class TrainStepResult:
     moe_losses: dict = field(default_factory=dict)
     """A mixture-of-experts model's auxiliary losses without their coefficients
     (``load_balancing_loss``, ``z_loss``, ...), averaged over the microbatches, the layers
-    and the data-parallel replicas; empty for a dense model."""
+    and the data-parallel replicas, and the expert load of the step's tokens
+    (``expert_load_max``, ``expert_load_min``: see :func:`moe_losses`); empty for a dense
+    model."""
 
 
 def _scaled(forward_step_func: ForwardStepFunc, scale: float) -> ForwardStepFunc:
@@ -54,16 +57,56 @@ def _scaled(forward_step_func: ForwardStepFunc, scale: float) -> ForwardStepFunc
 _MOE_LOSSES = ("load_balancing_loss", "seq_load_balancing_loss", "z_loss")
 
 
-def moe_losses(chunks: Sequence, groups: TrainGroups) -> dict[str, float]:
+def routed_tokens(chunks: Sequence, groups: TrainGroups) -> list[tuple[nn.Module, torch.Tensor]]:
+    """Every mixture-of-experts layer of this rank with the pairs its router sent to each
+    expert since the last call ``[E]``, summed over tp × cp × dp (Megatron-Core's
+    tensor-and-data-parallel group with context): the ranks that route different tokens
+    with the same router, tp included because sequence parallelism gives each tp rank its
+    own tokens. The routers start counting again. Collective over those ranks, which hold
+    the same layers; nothing for a dense model."""
+    layers = [
+        module
+        for chunk in chunks
+        for module in chunk.modules()
+        if hasattr(getattr(module, "router", None), "take_tokens_per_expert")
+    ]
+    if not layers:
+        return []
+    counts = torch.stack([layer.router.take_tokens_per_expert() for layer in layers])
+    for group in (groups.tp_cp, groups.dp):  # tp × cp, then over dp: the sum over all three
+        if comm.world_size(group) > 1:
+            comm.all_reduce(counts, group)
+    return list(zip(layers, counts, strict=True))
+
+
+def update_expert_biases(routed: Sequence[tuple[nn.Module, torch.Tensor]]) -> None:
+    """Move every router's expert bias by the counts of :func:`routed_tokens`; nothing for
+    a layer without expert bias."""
+    for layer, counts in routed:
+        if layer.router.expert_bias is not None:
+            layer.router.step_expert_bias(counts)
+
+
+def moe_losses(
+    chunks: Sequence, groups: TrainGroups, routed: Sequence[tuple[nn.Module, torch.Tensor]] = ()
+) -> dict[str, float]:
     """Every mixture-of-experts layer's auxiliary losses, averaged over the step's
     microbatches, the layers and data-parallel replicas (a collective over every rank of a
     mixture-of-experts model; nothing for a dense one). A balancing loss is a share on each
-    rank of a sequence (they add up to the sequence's); a z-loss is the rank's own mean."""
+    rank of a sequence (they add up to the sequence's); a z-loss is the rank's own mean.
+
+    With the counts of :func:`routed_tokens`, also the expert load: ``expert_load_max``,
+    the largest of every layer's busiest expert's count over the mean count (1 is even,
+    ``E / k`` the worst), and ``expert_load_min``, the smallest of every layer's idlest
+    expert's count over the mean."""
     configs = [getattr(chunk.module, "config", None) for chunk in chunks]
     config = next((c for c in configs if getattr(c, "num_moe_experts", None)), None)
     if config is None:
         return {}
-    sums = torch.zeros(2 * len(_MOE_LOSSES), dtype=torch.float64)
+    n, layers = len(_MOE_LOSSES), config.num_layers
+    # the losses, whether each was computed, then each layer's (max, min) load: layer l's
+    # from one rank of its stage, 0 from every other, so the sum is that rank's figure
+    sums = torch.zeros(2 * n + 2 * layers, dtype=torch.float64)
     for chunk in chunks:
         for module in chunk.modules():
             if not hasattr(module, "mean_losses"):
@@ -71,39 +114,30 @@ def moe_losses(chunks: Sequence, groups: TrainGroups) -> dict[str, float]:
             for name, value in module.mean_losses().items():
                 if name in _MOE_LOSSES:
                     sums[_MOE_LOSSES.index(name)] += float(value)
-                    sums[len(_MOE_LOSSES) + _MOE_LOSSES.index(name)] = 1.0
+                    sums[n + _MOE_LOSSES.index(name)] = 1.0
+    if comm.rank(groups.tp_cp) == 0 and comm.rank(groups.dp) == 0:
+        for layer, counts in routed:
+            counts = counts.double()
+            if counts.sum() > 0:
+                mean = counts.sum() / counts.numel()
+                sums[2 * n + 2 * layer.layer_number] = counts.max() / mean
+                sums[2 * n + 2 * layer.layer_number + 1] = counts.min() / mean
     if torch.distributed.is_initialized():
         comm.all_reduce(sums, torch.distributed.group.WORLD)
-    layers = sum(config.is_moe_layer(n) for n in range(config.num_layers))
+    moe_layers = sum(config.is_moe_layer(i) for i in range(layers))
     dp = comm.world_size(groups.dp)
     shares = {"z_loss": dp * comm.world_size(groups.tp_cp)}
-    return {
-        name: float(sums[i]) / (layers * shares.get(name, dp))
+    result = {
+        name: float(sums[i]) / (moe_layers * shares.get(name, dp))
         for i, name in enumerate(_MOE_LOSSES)
-        if sums[len(_MOE_LOSSES) + i] > 0
+        if sums[n + i] > 0
     }
-
-
-def update_expert_biases(chunks: Sequence, groups: TrainGroups) -> None:
-    """Move every router's expert bias by the pairs it routed since the last update, summed
-    over tp × cp × dp (Megatron-Core's tensor-and-data-parallel group with context): the
-    ranks that route different tokens with the same router, tp included because sequence
-    parallelism gives each tp rank its own tokens. Collective over those ranks, which hold
-    the same layers; nothing for a model without expert bias."""
-    routers = [
-        module
-        for chunk in chunks
-        for module in chunk.modules()
-        if getattr(module, "expert_bias", None) is not None
-    ]
-    if not routers:
-        return
-    counts = torch.stack([router.local_tokens_per_expert for router in routers])
-    for group in (groups.tp_cp, groups.dp):  # tp × cp, then over dp: the sum over all three
-        if comm.world_size(group) > 1:
-            comm.all_reduce(counts, group)
-    for router, summed in zip(routers, counts, strict=True):
-        router.step_expert_bias(summed)
+    loads = sums[2 * n :].view(layers, 2)
+    loads = loads[loads[:, 0] > 0]  # the layers that routed tokens (max ≥ 1 there)
+    if len(loads):
+        result["expert_load_max"] = float(loads[:, 0].max())
+        result["expert_load_min"] = float(loads[:, 1].min())
+    return result
 
 
 def set_aux_loss_scale(chunks: Sequence, scale: float) -> None:
@@ -170,11 +204,12 @@ def train_step(
     # with the first and last stage on one rank (a V), the tied embedding is summed there
     embedding_group = None if result.schedule.ends_on_one_rank else groups.embedding
     finalize_model_grads(chunks, tp_group=groups.tp, embedding_group=embedding_group)
-    update_expert_biases(chunks, groups)  # once per step, after the gradients, as Megatron-Core
+    routed = routed_tokens(chunks, groups)
+    update_expert_biases(routed)  # once per step, after the gradients, as Megatron-Core
     stepped = optimizer.step()
     if stepped.updated and lr_scheduler is not None:
         lr_scheduler.step()
-    aux = moe_losses(chunks, groups)
+    aux = moe_losses(chunks, groups, routed)
     loss = result.loss.detach().double().reshape(1) / scale
     if comm.world_size(groups.dp_cp) > 1:  # each cp rank's loss is cp × its share
         comm.all_reduce(loss, groups.dp_cp)
