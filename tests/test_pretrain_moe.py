@@ -86,6 +86,25 @@ def test_expert_parallel_trains_the_single_process_losses(
         assert f" {name}: " in stdout, name
 
 
+TWO_BW = "--pipeline-schedule pipedream-2bw --clip-grad 0 --untie-embeddings-and-output-weights"
+
+
+@pytest.mark.slow
+def test_pipedream_2bw_with_experts_trains_its_update_rule(corpus, tmp_path):
+    """PipeDream-2BW's update rule does not depend on the pipeline: two stages × two
+    replicas with ep 2 give one process's losses under the same rule, the auxiliary losses
+    and the expert load included (each iteration reports its run's mean)."""
+    (tmp_path / "one").mkdir()
+    (tmp_path / "layout").mkdir()
+    one, _, _ = _run(tmp_path / "one", corpus, 1, TWO_BW.split(), "2bw-one")
+    flags = f"{TWO_BW} --pipeline-model-parallel-size 2 --expert-model-parallel-size 2"
+    layout, _, stdout = _run(tmp_path / "layout", corpus, 4, flags.split(), "2bw-layout")
+    for key in ("lm_loss", "load_balancing_loss", "z_loss", "expert_load_max"):
+        ours, theirs = [r[key] for r in layout], [r[key] for r in one]
+        assert ours == pytest.approx(theirs, rel=1e-5), key
+    assert "load_balancing_loss: " in stdout
+
+
 @pytest.mark.parametrize(
     "extra, message",
     [

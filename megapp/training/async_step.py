@@ -28,7 +28,7 @@ from megapp.pipeline_parallel.compute import ForwardStepFunc
 from megapp.pipeline_parallel.schedules import Schedule
 from megapp.pipeline_parallel.weight_stash import WeightStash
 from megapp.training.config import PretrainConfig
-from megapp.training.step import TrainStepResult, set_aux_loss_scale
+from megapp.training.step import TrainStepResult, moe_losses, routed_tokens, set_aux_loss_scale
 
 
 def run_length(config: PretrainConfig, iteration: int) -> int:
@@ -128,8 +128,10 @@ def train_run(
         comm.all_reduce(losses, groups.dp_cp)
         losses /= replicas
     events = [result.events] + [[]] * (iterations - 1)  # the run's timeline, once
+    # a mixture-of-experts model's auxiliary losses and expert load: the run's mean
+    aux = moe_losses(chunks, groups, routed_tokens(chunks, groups))
     rows = zip(losses.tolist(), squares.tolist(), rates, events, strict=True)
     return [
-        (TrainStepResult(loss, math.sqrt(square), False, timeline), rate)
+        (TrainStepResult(loss, math.sqrt(square), False, timeline, aux), rate)
         for loss, square, rate, timeline in rows
     ]
