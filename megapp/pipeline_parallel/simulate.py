@@ -19,10 +19,11 @@ for.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from megapp.pipeline_parallel.messages import ScheduleError, communication_plan
+from megapp.pipeline_parallel.messages import Message, ScheduleError, Step, communication_plan
 from megapp.pipeline_parallel.network import Network, Rules
 from megapp.pipeline_parallel.schedules import Action, Op, Schedule
 
@@ -128,6 +129,10 @@ def simulate(schedule: Schedule, costs: CostModel | None = None) -> Timeline:
     NCCL's rules)."""
     costs = costs or CostModel()
     plan = communication_plan(schedule)
+    if costs.rules is Rules.NCCL:
+        timeline = _simulate_channels(schedule, costs, plan)
+        if timeline is not None:
+            return timeline
     p = schedule.num_stages
     network = Network(costs.rules, costs.p2p_latency)
     clock = [0.0] * p
@@ -184,5 +189,93 @@ def simulate(schedule: Schedule, costs: CostModel | None = None) -> Timeline:
         raise ScheduleError(
             f"{schedule.name} deadlocks under {costs.rules.value}'s rules:\n" + "\n".join(lines)
         )
+    timeline.peak_in_flight = [int(x) if float(x).is_integer() else x for x in peak]
+    return timeline
+
+
+def _simulate_channels(
+    schedule: Schedule, costs: CostModel, plan: tuple[tuple[Step, ...], ...]
+) -> Timeline | None:
+    """:func:`simulate` under NCCL's rules, the same timeline faster; None where a rank or a
+    message never completes (:func:`simulate` then names what each waits for).
+
+    Under these rules every message between two ranks has a stream of its own at each end
+    (one per direction of the pair), so the ``k``-th send on a channel meets the ``k``-th
+    receive once both are posted and the message before them on the channel is done:
+    ``done = max(send posted, receive posted, previous done) + latency``, the time
+    :class:`~megapp.pipeline_parallel.network.Network` gives it."""
+    p, latency = schedule.num_stages, costs.p2p_latency
+    sends: dict[tuple[int, int], deque[tuple[Message, float]]] = {}
+    recvs: dict[tuple[int, int], deque[tuple[Message, float]]] = {}
+    free: dict[tuple[int, int], float] = {}  # when the channel's last message completed
+    done: dict[Message, float] = {}
+
+    def match(pair: tuple[int, int]) -> None:
+        out, inbox = sends.get(pair), recvs.get(pair)
+        while out and inbox:
+            (message, sent), (wanted, received) = out[0], inbox[0]
+            if message != wanted:
+                return  # out of order: it never completes
+            at = max(sent, received, free.get(pair, 0.0)) + latency
+            done[message] = free[pair] = at
+            out.popleft()
+            inbox.popleft()
+
+    durations: dict[tuple[int, Op, int], tuple[float, float]] = {}
+    clock = [0.0] * p
+    cursor = [0] * p
+    is_posted = [False] * p
+    in_flight, peak = [0.0] * p, [0.0] * p
+    timeline = Timeline(schedule)
+    events = timeline.events
+    keeps = not schedule.forward_only  # evaluation keeps no activations
+    progress = True
+    while progress:
+        progress = False
+        for rank in range(p):
+            steps = plan[rank]
+            while cursor[rank] < len(steps):
+                step = steps[cursor[rank]]
+                if not is_posted[rank]:
+                    now = clock[rank]
+                    for message in step.sends:
+                        pair = (message.src, message.dst)
+                        sends.setdefault(pair, deque()).append((message, now))
+                        match(pair)
+                    for message in step.recvs:
+                        pair = (message.src, message.dst)
+                        recvs.setdefault(pair, deque()).append((message, now))
+                        match(pair)
+                    is_posted[rank] = True
+                ready = clock[rank]
+                waiting = False
+                for message in step.recvs:
+                    at = done.get(message)
+                    if at is None:
+                        waiting = True
+                        break
+                    ready = max(ready, at)
+                if waiting:
+                    break  # what this rank waits for has not completed yet
+                if ready > clock[rank]:
+                    events.append(Event(rank, "wait", "p2p", clock[rank], ready))
+                clock[rank] = ready
+                action = step.action
+                if action is not None:
+                    key = (rank, action.op, action.chunk)
+                    if key not in durations:
+                        durations[key] = (costs.time(rank, action), costs.memory(rank, action))
+                    duration, memory = durations[key]
+                    events.append(Event(rank, "compute", str(action), ready, ready + duration))
+                    clock[rank] = ready + duration
+                    if keeps:
+                        in_flight[rank] += memory
+                        peak[rank] = max(peak[rank], in_flight[rank])
+                cursor[rank] += 1
+                is_posted[rank] = False
+                progress = True
+    stuck = any(cursor[r] < len(plan[r]) for r in range(p))
+    if stuck or any(sends.values()) or any(recvs.values()):
+        return None
     timeline.peak_in_flight = [int(x) if float(x).is_integer() else x for x in peak]
     return timeline

@@ -1,0 +1,93 @@
+"""The search's shortcuts give what the long way gives: the lower bound it orders and stops
+by is never above the simulated time, and the simulator's fast path for NCCL's rules gives
+the timeline the network model gives."""
+
+from __future__ import annotations
+
+import importlib
+import random
+
+import pytest
+
+from megapp.pipeline_parallel.catalog import (
+    ASYNC_SCHEDULES,
+    SCHEDULES,
+    asynchronous_run,
+    build_schedule,
+)
+from megapp.pipeline_parallel.network import Rules
+from megapp.planning import step_time
+from megapp.planning.hardware import load_hardware
+from megapp.planning.layout_space import Space, layouts
+from megapp.planning.models import ModelPreset
+from megapp.planning.search import Planner
+
+simulate = importlib.import_module("megapp.pipeline_parallel.simulate")
+
+FLAGS = ("--num-layers", "8", "--hidden-size", "512", "--num-attention-heads", "8")
+FLAGS += ("--seq-length", "512", "--bf16")
+MODEL = ModelPreset(FLAGS, 32000, "a small GPT")
+
+
+def test_the_bound_is_never_above_the_simulated_time():
+    """Every 7th layout of a space with every schedule: the bound the search stops by is at
+    most the time the simulation gives it (plus the step overhead, as the search adds)."""
+    hardware = load_hardware("h100").with_gpus_per_node(4)
+    planner = Planner(MODEL, hardware, 16, 8)
+    space = Space(max_micro_batch_size=2)
+    found = list(layouts(planner.base, 8, 4, 16, space, seq_length=MODEL.seq_length))
+    checked = 0
+    for layout in found[::7]:
+        if planner.gpt(layout) is None or (bound := planner.bound(layout)) is None:
+            continue
+        m = planner.gbs // (layout.micro_batch_size * layout.dp)
+        schedule = planner.schedule(layout, m)
+        if isinstance(schedule, str):
+            continue
+        costs, timeline = planner.time.run(schedule, planner.costs(layout), layout.world_size)
+        finish = max(step_time.rank_finish(costs, timeline)) + hardware.step_overhead
+        assert bound <= finish * (1 + 1e-12), layout.name
+        checked += 1
+    assert checked > 50
+
+
+def _cases():
+    for name in (*SCHEDULES, *ASYNC_SCHEDULES):
+        for p, m, v in ((1, 3, 1), (2, 4, 1), (2, 4, 2), (3, 6, 2), (4, 8, 2), (4, 8, 4)):
+            try:
+                schedule = build_schedule(name, p, m, v)
+            except ValueError:
+                continue
+            yield asynchronous_run(schedule, 2) if schedule.asynchronous else schedule
+
+
+@pytest.mark.parametrize("latency", [0.0, 0.01, 0.3])
+def test_nccl_fast_path_gives_the_network_models_timeline(latency, monkeypatch):
+    """Uneven random costs per [rank][chunk]: the same events in the same order, and the
+    same peak activations, as the general walk through the network model."""
+    rng = random.Random(latency)
+    cases = list(_cases())
+    assert len(cases) > 30
+    for schedule in cases:
+        p, v = schedule.num_stages, schedule.num_chunks
+
+        def table(p=p, v=v):
+            return [[rng.uniform(0.5, 2.0) for _ in range(v)] for _ in range(p)]
+
+        costs = simulate.CostModel(
+            forward=table(),
+            backward=table(),
+            input_grad=table(),
+            weight_grad=table(),
+            activation=table(),
+            weight_grad_memory=0.4,
+            p2p_latency=latency,
+            update=[rng.random() for _ in range(p)],
+            rules=Rules.NCCL,
+        )
+        fast = simulate.simulate(schedule, costs)
+        with monkeypatch.context() as patch:
+            patch.setattr(simulate, "_simulate_channels", lambda *args: None)
+            slow = simulate.simulate(schedule, costs)
+        assert fast.events == slow.events, schedule.name
+        assert fast.peak_in_flight == slow.peak_in_flight, schedule.name
