@@ -30,14 +30,14 @@ MODEL = ModelPreset(FLAGS, 32000, "a small GPT")
 
 
 def test_the_bound_is_never_above_the_simulated_time():
-    """Every 7th layout of a space with every schedule: the bound the search stops by is at
+    """Every 13th layout of a space with every schedule: the bound the search stops by is at
     most the time the simulation gives it (plus the step overhead, as the search adds)."""
     hardware = load_hardware("h100").with_gpus_per_node(4)
     planner = Planner(MODEL, hardware, 16, 8)
     space = Space(max_micro_batch_size=2)
     found = list(layouts(planner.base, 8, 4, 16, space, seq_length=MODEL.seq_length))
     checked = 0
-    for layout in found[::7]:
+    for layout in found[::13]:
         if planner.gpt(layout) is None or (bound := planner.bound(layout)) is None:
             continue
         m = planner.gbs // (layout.micro_batch_size * layout.dp)
@@ -48,7 +48,7 @@ def test_the_bound_is_never_above_the_simulated_time():
         finish = max(step_time.rank_finish(costs, timeline)) + hardware.step_overhead
         assert bound <= finish * (1 + 1e-12), layout.name
         checked += 1
-    assert checked > 50
+    assert checked > 30
 
 
 def _cases():

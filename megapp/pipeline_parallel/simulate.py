@@ -61,7 +61,7 @@ class CostModel:
 
     def time(self, rank: int, action: Action) -> float:
         if action.op is Op.UPDATE:
-            return float(self.update if isinstance(self.update, int | float) else self.update[rank])
+            return float(self.update if isinstance(self.update, _NUMBER) else self.update[rank])
         if action.op is Op.FORWARD:
             return _lookup(self.forward, rank, action.chunk)
         if action.op is Op.BACKWARD:
@@ -85,8 +85,11 @@ class CostModel:
         return -size * self.weight_grad_memory
 
 
+_NUMBER = (int, float)  # a tuple: isinstance checks it faster than a union
+
+
 def _lookup(table: float | Sequence[Sequence[float]], rank: int, chunk: int) -> float:
-    if isinstance(table, int | float):
+    if isinstance(table, _NUMBER):
         return float(table)
     return float(table[rank][chunk])
 
@@ -205,19 +208,20 @@ def _simulate_channels(
     ``done = max(send posted, receive posted, previous done) + latency``, the time
     :class:`~megapp.pipeline_parallel.network.Network` gives it."""
     p, latency = schedule.num_stages, costs.p2p_latency
-    sends: dict[tuple[int, int], deque[tuple[Message, float]]] = {}
-    recvs: dict[tuple[int, int], deque[tuple[Message, float]]] = {}
-    free: dict[tuple[int, int], float] = {}  # when the channel's last message completed
-    done: dict[Message, float] = {}
+    steps_of, messages, channels = _channel_plan(plan)
+    sends: list[deque[tuple[int, float]]] = [deque() for _ in range(channels)]
+    recvs: list[deque[tuple[int, float]]] = [deque() for _ in range(channels)]
+    free = [0.0] * channels  # when the channel's last message completed
+    done: list[float | None] = [None] * messages
 
-    def match(pair: tuple[int, int]) -> None:
-        out, inbox = sends.get(pair), recvs.get(pair)
+    def match(channel: int) -> None:
+        out, inbox = sends[channel], recvs[channel]
         while out and inbox:
             (message, sent), (wanted, received) = out[0], inbox[0]
             if message != wanted:
                 return  # out of order: it never completes
-            at = max(sent, received, free.get(pair, 0.0)) + latency
-            done[message] = free[pair] = at
+            at = max(sent, received, free[channel]) + latency
+            done[message] = free[channel] = at
             out.popleft()
             inbox.popleft()
 
@@ -233,24 +237,19 @@ def _simulate_channels(
     while progress:
         progress = False
         for rank in range(p):
-            steps = plan[rank]
+            steps = steps_of[rank]
             while cursor[rank] < len(steps):
-                step = steps[cursor[rank]]
+                posts, waits, action, name = steps[cursor[rank]]
                 if not is_posted[rank]:
                     now = clock[rank]
-                    for message in step.sends:
-                        pair = (message.src, message.dst)
-                        sends.setdefault(pair, deque()).append((message, now))
-                        match(pair)
-                    for message in step.recvs:
-                        pair = (message.src, message.dst)
-                        recvs.setdefault(pair, deque()).append((message, now))
-                        match(pair)
+                    for message, channel, is_send in posts:
+                        (sends if is_send else recvs)[channel].append((message, now))
+                        match(channel)
                     is_posted[rank] = True
                 ready = clock[rank]
                 waiting = False
-                for message in step.recvs:
-                    at = done.get(message)
+                for message in waits:
+                    at = done[message]
                     if at is None:
                         waiting = True
                         break
@@ -260,13 +259,12 @@ def _simulate_channels(
                 if ready > clock[rank]:
                     events.append(Event(rank, "wait", "p2p", clock[rank], ready))
                 clock[rank] = ready
-                action = step.action
                 if action is not None:
                     key = (rank, action.op, action.chunk)
                     if key not in durations:
                         durations[key] = (costs.time(rank, action), costs.memory(rank, action))
                     duration, memory = durations[key]
-                    events.append(Event(rank, "compute", str(action), ready, ready + duration))
+                    events.append(Event(rank, "compute", name, ready, ready + duration))
                     clock[rank] = ready + duration
                     if keeps:
                         in_flight[rank] += memory
@@ -274,8 +272,46 @@ def _simulate_channels(
                 cursor[rank] += 1
                 is_posted[rank] = False
                 progress = True
-    stuck = any(cursor[r] < len(plan[r]) for r in range(p))
-    if stuck or any(sends.values()) or any(recvs.values()):
+    stuck = any(cursor[r] < len(steps_of[r]) for r in range(p))
+    if stuck or any(sends) or any(recvs):
         return None
     timeline.peak_in_flight = [int(x) if float(x).is_integer() else x for x in peak]
     return timeline
+
+
+_CHANNEL_PLANS: dict[int, tuple[object, tuple]] = {}
+
+
+def _channel_plan(plan: tuple[tuple[Step, ...], ...]) -> tuple[tuple, int, int]:
+    """``plan`` with messages and channels (ordered pairs of ranks) numbered: per rank and
+    step, what it posts ``(message, channel, is_send)`` in posting order, the messages it
+    waits for, its action and the action's name; then the numbers of messages and
+    channels. Kept for the plans :func:`communication_plan` keeps."""
+    entry = _CHANNEL_PLANS.get(id(plan))
+    if entry is not None and entry[0] is plan:
+        return entry[1]
+    numbers: dict[Message, int] = {}
+    channels: dict[tuple[int, int], int] = {}
+
+    def number(message: Message, is_send: bool) -> tuple[int, int, bool]:
+        channel = channels.setdefault((message.src, message.dst), len(channels))
+        return numbers.setdefault(message, len(numbers)), channel, is_send
+
+    steps_of = tuple(
+        tuple(
+            (
+                tuple(number(m, True) for m in step.sends)
+                + tuple(number(m, False) for m in step.recvs),
+                tuple(numbers[m] for m in step.recvs),
+                step.action,
+                None if step.action is None else str(step.action),
+            )
+            for step in steps
+        )
+        for steps in plan
+    )
+    compiled = (steps_of, len(numbers), len(channels))
+    if len(_CHANNEL_PLANS) >= 64:
+        _CHANNEL_PLANS.clear()
+    _CHANNEL_PLANS[id(plan)] = (plan, compiled)
+    return compiled

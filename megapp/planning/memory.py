@@ -35,6 +35,7 @@ memory includes the dispatch's send and receive buffers of the routed rows.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -92,7 +93,12 @@ class RankMemory:
 
 
 def _width(config: GPTConfig) -> int:
-    return torch.empty((), dtype=config.params_dtype).element_size()
+    return _dtype_width(config.params_dtype)
+
+
+@functools.cache
+def _dtype_width(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
 
 
 def _vocab_shard(config: GPTConfig) -> int:

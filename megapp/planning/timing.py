@@ -53,6 +53,7 @@ own; processes sharing a CPU's cores have theirs in :mod:`megapp.planning.shared
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Protocol
@@ -173,6 +174,7 @@ class ActionCosts:
         return step_overhead + max(bounds)
 
 
+@functools.cache
 def _width(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
@@ -375,8 +377,9 @@ def action_costs(gpt: GPTConfig, shape: Shape, hardware: Hardware) -> ActionCost
         values = (f_s, i_s, w_s, b_s, f, i, w, tp_f, tp_b, calls_f, calls_b, *cp_seconds)
         return chunk_params, values
 
+    columns = list(tables.values())
     for rank in range(p):
-        rows: dict[str, list[float]] = {k: [] for k in tables}
+        rows: list[list[float]] = [[] for _ in columns]
         rank_params = rank_buckets = 0
         experts.append(
             sum(chunk_expert_parameters(gpt, len(ranges[st])) for st in shape.placement[rank])
@@ -388,10 +391,10 @@ def action_costs(gpt: GPTConfig, shape: Shape, hardware: Hardware) -> ActionCost
             chunk_params, values = chunks[key]
             rank_params += chunk_params
             rank_buckets += max(1, math.ceil(chunk_params / shape.bucket_size))
-            for name, value in zip(rows, values, strict=True):
-                rows[name].append(value)
-        for name in tables:
-            tables[name].append(rows[name])
+            for row, value in zip(rows, values, strict=True):
+                row.append(value)
+        for column, row in zip(columns, rows, strict=True):
+            column.append(row)
         params.append(rank_params)
         buckets.append(rank_buckets)
 
