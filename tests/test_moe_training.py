@@ -28,6 +28,7 @@ from tests.support import (
     CLIP,
     GPT_TOL,
     LR,
+    MOE_CONFIG,
     SEED,
     WD,
     check_against_reference,
@@ -37,14 +38,7 @@ from tests.support import (
     train_layout,
 )
 
-MOE = {
-    "num_moe_experts": 4,
-    "moe_router_topk": 2,
-    "moe_ffn_hidden_size": 8,
-    "moe_layer_freq": 2,
-    "moe_aux_loss_coeff": 1e-2,
-    "moe_z_loss_coeff": 1e-3,
-}
+MOE = MOE_CONFIG
 SP = {"sequence_parallel": True}
 FULL_RECOMPUTE = {
     "recompute_granularity": "full",
@@ -67,8 +61,9 @@ def case(world, layout, config, *, slow=False, name=""):
 
 CASES = [
     # (world, train_layout arguments, model config beyond MOE)
-    # the fast tier: ep alone, with tp and sequence parallelism, with pp, with ZeRO-1 (ep 4
-    # and the all-gather dispatcher are held to one process there by test_moe_parallel)
+    # the fast tier: ep alone, with tp and sequence parallelism, with pp, with ZeRO-1 and the
+    # expert bias, with ZeRO-2 (ep 4 and the all-gather dispatcher are held to one process
+    # there by test_moe_parallel)
     case(2, {"ep": 2}, {}, name="dp2"),
     case(4, {"ep": 4}, {"moe_token_dispatcher_type": "allgather"}, slow=True, name="dp4-allgather"),
     case(4, {"tp": 2, "ep": 2}, SP, name="sp"),
@@ -78,9 +73,11 @@ CASES = [
     case(4, {"cp": 2, "ep": 2}, {"cp_comm_type": "p2p"}, slow=True),
     case(4, {"ep": 2}, {"moe_shared_expert_intermediate_size": 8}, slow=True, name="shared"),
     case(8, {"tp": 2, "pp": 2, "ep": 2}, {**SP, "moe_layer_freq": 1}, slow=True),
-    case(4, {"ep": 2, "zero_stage": 1}, {}, name="dp4-edp2-zero1"),
-    # DeepSeek-V3's expert bias: moved each step by the pairs routed over tp × cp × dp
-    case(4, {"ep": 2}, EXPERT_BIAS, name="dp4-expert-bias"),
+    case(4, {"ep": 2, "zero_stage": 1}, {}, slow=True, name="dp4-edp2-zero1"),
+    # DeepSeek-V3's expert bias: moved each step by the pairs routed over tp × cp × dp (the
+    # fast tier holds it with expert ZeRO-1)
+    case(4, {"ep": 2}, EXPERT_BIAS, slow=True, name="dp4-expert-bias"),
+    case(4, {"ep": 2, "zero_stage": 1}, EXPERT_BIAS, name="dp4-edp2-zero1-expert-bias"),
     case(4, {"tp": 2, "ep": 2}, {**SP, **EXPERT_BIAS}, slow=True, name="sp-expert-bias"),
     case(4, {"ep": 2}, FULL_RECOMPUTE, slow=True, name="dp4-full-recompute"),
     case(4, {"tp": 2, "ep": 2, "etp": 1, "zero_stage": 1}, SP, slow=True, name="sp-edp2-zero1"),
