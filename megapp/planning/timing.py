@@ -152,7 +152,8 @@ class ActionCosts:
         runs forward through every later stage and back before stage 0's ``I`` and ``W``.
         Without split backwards (``split_backward=False``) a rank's last action is the
         backward of its lowest stage, after which that microbatch's backward still runs
-        through every stage below it."""
+        through every stage below it. Every step between stages on two ranks costs a
+        pipeline message (``p2p``) on the way: its receiver starts no sooner."""
         p, m = len(self.forward), num_microbatches
         where = {
             stage: (r, c) for r, row in enumerate(self.placement) for c, stage in enumerate(row)
@@ -161,16 +162,19 @@ class ActionCosts:
         f = [self.forward[r][c] for r, c in order]
         i = [self.input_grad[r][c] for r, c in order]
         b = [self.whole_backward[r][c] for r, c in order]
+        # hop[s]: the message into stage s from stage s - 1 (none within a rank)
+        hop = [0.0] + [self.p2p * (order[s][0] != order[s - 1][0]) for s in range(1, len(f))]
         first_rank, first_chunk = order[0]
         bounds = []
         for rank in range(p):
             lowest = min(self.placement[rank])
-            done = sum(f[:lowest]) + self.busy(rank, m, split_backward)
+            done = sum(f[:lowest]) + sum(hop[: lowest + 1]) + self.busy(rank, m, split_backward)
             bounds.append(done + self.tail[rank])
             if not split_backward and lowest > 0:
-                bounds.append(done + sum(b[:lowest]) + self.tail[first_rank])
+                down = sum(b[:lowest]) + sum(hop[: lowest + 1])
+                bounds.append(done + down + self.tail[first_rank])
         chain = m * f[0] + sum(f[1:]) + sum(i) + self.weight_grad[first_rank][first_chunk]
-        bounds.append(chain + self.tail[first_rank])
+        bounds.append(chain + 2 * sum(hop) + self.tail[first_rank])
         return step_overhead + max(bounds)
 
 
