@@ -175,7 +175,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             cp_comm_types=tuple(args.cp_comm_types),
             ep=tuple(args.ep) if args.ep else None,
         )
-        result = planner.plan(gpn, args.top_k, space)
+        bar = _ProgressBar() if sys.stderr.isatty() else None
+        try:
+            result = planner.plan(gpn, args.top_k, space, progress=bar)
+        finally:
+            if bar is not None:
+                bar.close()
     except (ArgumentsError, ValueError) as error:  # a ScheduleError too: a layout's deadlock
         print(f"python -m megapp.plan: error: {' '.join(str(error).split())}", file=sys.stderr)
         return 2
@@ -214,6 +219,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         for i, planned in enumerate(result.best, 1):
             print(f"\n#{i} {explain.format_explanation(_explained(planner, planned.layout))}")
     return 0
+
+
+class _ProgressBar:
+    """A tqdm counter on stderr for each phase of the search (layouts bounded, then
+    simulated), gone once the search ends; for a terminal only."""
+
+    def __init__(self) -> None:
+        self.bar, self.phase = None, None
+
+    def __call__(self, phase: str) -> None:
+        if phase != self.phase:
+            from tqdm import tqdm
+
+            self.close()
+            self.bar = tqdm(desc=phase, unit=" layouts", file=sys.stderr, leave=False)
+            self.phase = phase
+        self.bar.update()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
 
 
 def _explained(planner: Planner, layout: Layout) -> explain.Explanation:

@@ -91,3 +91,14 @@ def test_nccl_fast_path_gives_the_network_models_timeline(latency, monkeypatch):
             slow = simulate.simulate(schedule, costs)
         assert fast.events == slow.events, schedule.name
         assert fast.peak_in_flight == slow.peak_in_flight, schedule.name
+
+
+def test_progress_counts_every_layout_bounded_then_every_one_visited():
+    planner = Planner(MODEL, load_hardware("h100").with_gpus_per_node(4), 16, 8)
+    phases: list[str] = []
+    result = planner.plan(4, 3, Space(max_micro_batch_size=2), progress=phases.append)
+    bounded = phases.count("bounded")
+    assert bounded == result.enumerated
+    assert set(phases[:bounded]) == {"bounded"} and set(phases[bounded:]) == {"simulated"}
+    visited = result.timed + result.over_memory + result.invalid + result.deadlocks
+    assert 0 < len(phases) - bounded <= visited

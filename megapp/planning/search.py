@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from megapp.models.gpt import GPTConfig
@@ -207,9 +208,16 @@ class Planner:
         except (ArgumentsError, ValueError):
             return None
 
-    def plan(self, gpus_per_node: int, top_k: int, space: Space | None = None) -> PlanResult:
+    def plan(
+        self,
+        gpus_per_node: int,
+        top_k: int,
+        space: Space | None = None,
+        progress: Callable[[str], object] | None = None,
+    ) -> PlanResult:
         """The ``top_k`` fastest layouts that fit, fastest first (in ``space``, default
-        :class:`Space`'s limits)."""
+        :class:`Space`'s limits). ``progress``, where given, is called with "bounded" for
+        every layout enumerated, then with "simulated" for every one the search visits."""
         space = space or Space()
         start = time.perf_counter()
         result = PlanResult(best=[])
@@ -218,6 +226,8 @@ class Planner:
         found = layouts(self.base, self.gpus, gpus_per_node, self.gbs, space, seq_length=seq)
         for layout in found:
             result.enumerated += 1
+            if progress is not None:
+                progress("bounded")
             if self.gpt(layout) is None:  # the model's own rules refuse it
                 result.invalid += 1
                 continue
@@ -230,6 +240,8 @@ class Planner:
         for bound, _, layout in bounded:
             if len(result.best) >= top_k and bound >= result.best[top_k - 1].step.seconds:
                 break
+            if progress is not None:
+                progress("simulated")
             cutoff = result.best[-1].step.seconds if len(result.best) >= top_k else math.inf
             outcome = self.evaluate(layout, self.costs(layout), cutoff)
             if isinstance(outcome, str):
