@@ -21,7 +21,7 @@ import sys
 from collections.abc import Sequence
 
 from megapp.pipeline_parallel.catalog import SCHEDULES
-from megapp.planning import explain
+from megapp.planning import explain, explain_text
 from megapp.planning.layout import CP_COMM_TYPES, Layout
 from megapp.planning.layout_space import LONG_SEQUENCE, MAX_AUTO_CP, Space, why_empty
 from megapp.planning.models import BYTE_VOCAB, ModelPreset, load_model
@@ -217,7 +217,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(format_table(result, model, args.gpus, gpn, args.global_batch_size, run_flags))
     if args.explain:
         for i, planned in enumerate(result.best, 1):
-            print(f"\n#{i} {explain.format_explanation(_explained(planner, planned.layout))}")
+            print(f"\n#{i} {explain_text.format_explanation(_explained(planner, planned.layout))}")
     return 0
 
 
@@ -259,13 +259,13 @@ def _explain_named(
     comparison of the ``pair``; raises ``ValueError`` in one line where one is not valid."""
     if name is not None:
         layout = explain.parse_layout(name)
-        print(explain.format_explanation(_explained(planner, layout)))
+        print(explain_text.format_explanation(_explained(planner, layout)))
         model, hardware = planner.model, planner.hardware
         gpn = hardware.gpus_per_node
         print(command_line(layout, model, planner.gpus, gpn, planner.gbs, run_flags))
         return 0
     a, b = (_explained(planner, explain.parse_layout(n)) for n in pair)
-    print(explain.format_comparison(a, b))
+    print(explain_text.format_comparison(a, b))
     return 0
 
 

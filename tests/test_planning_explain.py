@@ -11,10 +11,9 @@ from megapp.planning.explain import (
     comparison_rows,
     explain_layout,
     explanation_rows,
-    format_comparison,
-    format_explanation,
     parse_layout,
 )
+from megapp.planning.explain_text import format_comparison, format_explanation
 from megapp.planning.hardware import load_hardware
 from megapp.planning.layout import Layout, pretrain_config
 from megapp.planning.layout_space import Space, layouts
