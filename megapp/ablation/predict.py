@@ -50,19 +50,12 @@ def predict(config: PretrainConfig, hardware: str | None) -> Prediction:
     elif timing is None:
         notes.append("no megapp.planning.timing")
     else:
-        from megapp.planning.profiles import load_profile, predict_step_time, time_model
+        from megapp.planning.profiles import load_profile, time_model
 
         try:
-            profile = load_profile(hardware)
-            step = predict_step_time(config, vocab, profile)
-            out.iteration_seconds, out.bubble = float(step.seconds), float(step.bubble)
+            explain_into(out, config, vocab, time_model(load_profile(hardware)))
         except (ValueError, NotImplementedError) as error:
             notes.append(f"time: {error}")
-        else:
-            try:
-                explain_into(out, config, vocab, time_model(profile))
-            except (ValueError, NotImplementedError) as error:
-                notes.append(f"breakdown: {error}")
     out.note = "; ".join(notes) or None
     return out
 
@@ -74,6 +67,8 @@ def explain_into(out: Prediction, config: PretrainConfig, vocab: int, model: Tim
     from megapp.planning.explain import explain, explanation_rows
 
     explanation = explain(config, vocab, model)
+    step = explanation.step_time  # the step timing.predict gives, and why
+    out.iteration_seconds, out.bubble = float(step.seconds), float(step.bubble)
     rows = explanation_rows(explanation)
     out.breakdown = {key: None if math.isnan(value) else float(value) for key, value in rows}
     out.step_rank, out.memory_rank = explanation.step.rank, explanation.peak.pp_rank

@@ -43,7 +43,7 @@ from megapp.pipeline_parallel.simulate import Timeline
 from megapp.planning.layout import Layout, pretrain_config
 from megapp.planning.memory import RankMemory, predict_memory
 from megapp.planning.model_state import moe_layer_count
-from megapp.planning.step_time import StepTime, step_time
+from megapp.planning.step_time import StepTime
 from megapp.planning.timing import (
     ActionCosts,
     Shape,
@@ -51,7 +51,7 @@ from megapp.planning.timing import (
     moe_layer_seconds,
     shape_layer_ranges,
     shape_of,
-    simulated_run,
+    simulate_step,
 )
 from megapp.training.config import PretrainConfig
 
@@ -233,15 +233,11 @@ def explain(
 ) -> Explanation:
     """The predicted step of ``config`` (as :func:`~megapp.planning.timing.predict`
     predicts it) and its memory, each broken down."""
-    gpt = config.gpt_config(vocab_size)
-    shape = shape_of(config)
-    planned = model.action_costs(gpt, shape)
-    schedule, _ = simulated_run(config)
-    costs, timeline = model.run(schedule, planned, config.world_size)
-    step = step_time(config, gpt, costs, timeline, model.hardware)
-    free = dataclasses.replace(planned, p2p=0.0)  # the schedule's own bubble
-    _, quiet = model.run(schedule, free, config.world_size)
-    breakdown = step_breakdown(config, gpt, model, planned, costs, step, quiet)
+    run = simulate_step(config, vocab_size, model)
+    free = dataclasses.replace(run.planned, p2p=0.0)  # the schedule's own bubble
+    _, quiet = model.run(run.schedule, free, config.world_size)
+    breakdown = step_breakdown(config, run.gpt, model, run.planned, run.costs, run.step, quiet)
+    step = run.step
     memory = sorted(
         (MemoryBreakdown.of(m) for m in predict_memory(config, vocab_size)),
         key=lambda m: (-m.total, m.pp_rank),

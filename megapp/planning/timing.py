@@ -563,15 +563,34 @@ class Devices:
         return costs, simulate(schedule, cost_model(costs, self.hardware))
 
 
+@dataclass(frozen=True)
+class SimulatedStep:
+    """One prediction's parts: the model, the action costs as priced and as run, the
+    simulated schedule and the step assembled from its timeline."""
+
+    gpt: GPTConfig
+    planned: ActionCosts
+    costs: ActionCosts
+    schedule: Schedule
+    step: StepTime
+
+
+def simulate_step(config: PretrainConfig, vocab_size: int, model: TimeModel) -> SimulatedStep:
+    """Price ``config``'s actions under the time ``model``, simulate its schedule and
+    assemble the step (:func:`predict`, keeping the parts)."""
+    gpt = config.gpt_config(vocab_size)
+    planned = model.action_costs(gpt, shape_of(config))
+    schedule, _ = simulated_run(config)
+    costs, timeline = model.run(schedule, planned, config.world_size)
+    step = step_time(config, gpt, costs, timeline, model.hardware)
+    return SimulatedStep(gpt, planned, costs, schedule, step)
+
+
 def predict(config: PretrainConfig, vocab_size: int, model: TimeModel) -> StepTime:
     """The predicted iteration of ``config`` for a tokenizer of ``vocab_size`` ids under the
     time ``model``. Raises :class:`~megapp.pipeline_parallel.messages.ScheduleError` when
     the schedule cannot complete on the hardware's transport."""
-    gpt = config.gpt_config(vocab_size)
-    costs = model.action_costs(gpt, shape_of(config))
-    schedule, _ = simulated_run(config)
-    costs, timeline = model.run(schedule, costs, config.world_size)
-    return step_time(config, gpt, costs, timeline, model.hardware)
+    return simulate_step(config, vocab_size, model).step
 
 
 def predict_step_time(config: PretrainConfig, vocab_size: int, hardware: Hardware) -> StepTime:
