@@ -57,6 +57,12 @@ def _scaled(forward_step_func: ForwardStepFunc, scale: float) -> ForwardStepFunc
 _MOE_LOSSES = ("load_balancing_loss", "seq_load_balancing_loss", "z_loss")
 
 
+def moe_model_config(chunks: Sequence):
+    """The model config of ``chunks`` when the model has experts, else None."""
+    configs = [getattr(chunk.module, "config", None) for chunk in chunks]
+    return next((c for c in configs if getattr(c, "num_moe_experts", None)), None)
+
+
 def routed_tokens(chunks: Sequence, groups: TrainGroups) -> list[tuple[nn.Module, torch.Tensor]]:
     """Every mixture-of-experts layer of this rank with the pairs its router sent to each
     expert since the last call ``[E]``, summed over tp × cp × dp (Megatron-Core's
@@ -64,6 +70,8 @@ def routed_tokens(chunks: Sequence, groups: TrainGroups) -> list[tuple[nn.Module
     with the same router, tp included because sequence parallelism gives each tp rank its
     own tokens. The routers start counting again. Collective over those ranks, which hold
     the same layers; nothing for a dense model."""
+    if moe_model_config(chunks) is None:  # a dense model: no module walk every step
+        return []
     layers = [
         module
         for chunk in chunks
@@ -99,8 +107,7 @@ def moe_losses(
     the largest of every layer's busiest expert's count over the mean count (1 is even,
     ``E / k`` the worst), and ``expert_load_min``, the smallest of every layer's idlest
     expert's count over the mean."""
-    configs = [getattr(chunk.module, "config", None) for chunk in chunks]
-    config = next((c for c in configs if getattr(c, "num_moe_experts", None)), None)
+    config = moe_model_config(chunks)
     if config is None:
         return {}
     n, layers = len(_MOE_LOSSES), config.num_layers
