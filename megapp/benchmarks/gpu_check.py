@@ -13,6 +13,10 @@ recorded with the end of its output and the next stage runs:
 * ``env``: Python, torch, CUDA, nvcc, ninja, the GPUs and their peaks (megapp.training.flops);
 * ``build``: ``MEGAPP_BUILD_CUDA=1 pip install --no-build-isolation --no-deps -e .``, then
   which compiled tiers load;
+* ``calibrate``: ``python -m megapp.planning.calibrate --device cuda``: the device's matmul,
+  attention and memory-bound rates as a hardware profile;
+* ``step``: ``python -m megapp.benchmarks.predicted_step``: single-GPU training steps of a
+  1.2B GPT and a 1.0B Llama-style model, measured and predicted on that profile;
 * ``tests``: ``pytest -m cuda`` over the test files that mark CUDA tests;
 * ``kernels``: ``tools/benchmarks/bench_kernels.py --device cuda``: GB/s of every fused op
   against the device's HBM peak;
@@ -47,14 +51,16 @@ from megapp.benchmarks.gpu_stages import (
     StageResult,
     cuda_test_files,
     stage_build,
+    stage_calibrate,
     stage_env,
     stage_gpt,
     stage_kernels,
     stage_nccl,
+    stage_step,
     stage_tests,
 )
 
-STAGES = ("env", "build", "tests", "kernels", "gpt", "nccl")
+STAGES = ("env", "build", "calibrate", "step", "tests", "kernels", "gpt", "nccl")
 REPORT_RESERVE_S = 15  # kept back from --total-s to write the report
 CPU_OUT = Path(tempfile.gettempdir()) / "megapp_gpu_check"  # where a run without a GPU reports
 
@@ -80,6 +86,8 @@ def skip_reason(name: str, check: Check) -> str | None:
 RUNNERS: dict[str, Callable[[Check, StageResult], None]] = {
     "env": stage_env,
     "build": stage_build,
+    "calibrate": stage_calibrate,
+    "step": stage_step,
     "tests": stage_tests,
     "kernels": stage_kernels,
     "gpt": stage_gpt,

@@ -22,7 +22,26 @@ from megapp.training.flops import GpuPeak, gpu_peak
 from megapp.training.launch import finish, start_command, torchrun_command
 from megapp.training.metrics import read_records
 
-LIMITS_S = {"env": 60, "build": 300, "tests": 180, "kernels": 240, "gpt": 180, "nccl": 150}
+LIMITS_S = {"env": 60, "build": 300, "calibrate": 180, "step": 240, "tests": 180, "kernels": 240}
+LIMITS_S |= {"gpt": 180, "nccl": 150}
+# single-GPU training steps whose time the planner predicts from the calibrated profile:
+# a GPT-3-style 1.2B model (GeLU, LayerNorm, learned positions) and a Llama-style 1.0B one
+# (SwiGLU, RMSNorm, RoPE, grouped queries, no biases); bf16, no dropout
+STEP_COMMON = ["--seq-length", "2048", "--max-position-embeddings", "2048", "--bf16"]
+STEP_COMMON += ["--hidden-dropout", "0", "--attention-dropout", "0", "--train-iters", "14"]
+STEP_COMMON += ["--micro-batch-size", "4", "--global-batch-size", "16", "--profile-iteration", "12"]
+STEP_MODELS = {
+    "gpt 1.2B": ["--num-layers", "24", "--hidden-size", "2048", "--num-attention-heads", "16"],
+    "llama-style 1.0B": [
+        "--num-layers", "16", "--hidden-size", "2048", "--num-attention-heads", "32",
+        "--num-query-groups", "8", "--ffn-hidden-size", "8192", "--swiglu",
+        "--normalization", "RMSNorm", "--position-embedding-type", "rope",
+        "--disable-bias-linear", "--untie-embeddings-and-output-weights",
+    ],
+}  # fmt: skip
+STEP_QUICK = ["--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4"]
+STEP_QUICK += ["--seq-length", "128", "--micro-batch-size", "2", "--global-batch-size", "4"]
+STEP_QUICK += ["--train-iters", "6"]
 TAIL_LINES = 40  # of a failed command's output, in the report
 
 
@@ -222,6 +241,52 @@ def stage_kernels(check: Check, r: StageResult) -> None:
         f"{len(rows)} cells: {shares[len(shares) // 2]:.0f}% of the {peak:g} TB/s HBM peak at "
         f"the median ({shares[0]:.0f} to {shares[-1]:.0f}%), {sum(s >= 85 for s in shares)} "
         "at 85% or more"
+    )
+
+
+def stage_calibrate(check: Check, r: StageResult) -> None:
+    """``python -m megapp.planning.calibrate --device cuda``: the device's matmul, attention
+    and memory-bound rates, written as a hardware profile (``profile.json`` in the logs)."""
+    out, figures = check.logs / "profile.json", check.logs / "calibration.json"
+    argv = [sys.executable, "-m", "megapp.planning.calibrate", "--device", "cuda"]
+    argv += ["--out", str(out), "--measurements", str(figures)]
+    argv += ["--quick"] if check.args.quick else []
+    if check.run(r, argv, "calibrate.log") != 0:
+        return
+    ops = json.loads(out.read_text())["ops"]
+    fit = json.loads(figures.read_text())["matmul_fit"]
+    r.details = {"ops": ops, "matmul_fit": fit}
+    r.status = "ok"
+    r.summary = (
+        f"matmul {ops['matmul_flops'] / 1e12:.0f} TFLOP/s per full wave (tile "
+        f"{'x'.join(map(str, ops['tile']))}, grid within {fit['mean_error']:.1%} mean), "
+        f"attention {ops['attention_flops'] / 1e12:.0f} TFLOP/s, memory "
+        f"{ops['memory_bandwidth'] / 1e12:.2f} TB/s, {ops['kernel_overhead'] * 1e6:.1f} us/kernel"
+    )
+
+
+def stage_step(check: Check, r: StageResult) -> None:
+    """``python -m megapp.benchmarks.predicted_step``: a single-GPU training step of each
+    :data:`STEP_MODELS` measured and predicted on the calibrated profile (the built-in one of
+    the device when the calibration did not run). Quick: one small GPT."""
+    profile = check.logs / "profile.json"
+    hardware = str(profile) if profile.exists() else "h100"
+    models = {"quick": STEP_QUICK} if check.args.quick else STEP_MODELS
+    for name, model in models.items():
+        stem = "step_" + re.sub(r"[^a-z0-9]+", "_", name).strip("_")
+        out = check.logs / f"{stem}.json"
+        argv = [sys.executable, "-m", "megapp.benchmarks.predicted_step", "--hardware", hardware]
+        argv += ["--out", str(out), "--log", str(check.logs / f"{stem}_job.log"), "--"]
+        argv += [*(STEP_COMMON if name != "quick" else []), *model]
+        if check.run(r, argv, f"{stem}.log") != 0:
+            return
+        report = json.loads(out.read_text())
+        keep = ("measured_s", "predicted_s", "ratio", "times_s", "breakdown", "layer", "flags")
+        r.details[name] = {k: report[k] for k in keep}
+    r.status = "ok"
+    r.summary = "; ".join(
+        f"{name}: predicted/measured {d['ratio']:.3f} ({d['measured_s'] * 1e3:.0f} ms)"
+        for name, d in r.details.items()
     )
 
 

@@ -43,6 +43,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from megapp.planning.operations import OpRates
 from megapp.training.flops import GPU_PEAKS
 
 
@@ -69,6 +70,8 @@ class Hardware:
     # the busiest expert rank's routed rows over the balanced share (1.0: balanced); it
     # scales the experts' compute and the all-to-alls of mixture-of-experts layers
     moe_load_imbalance: float = 1.0
+    # per-operation rates (megapp.planning.operations); None prices FLOPs at gemm_flops
+    ops: OpRates | None = None
 
     def __post_init__(self) -> None:
         if self.transport not in ("nccl", "gloo"):
@@ -123,6 +126,8 @@ class Hardware:
         missing = sorted(required - set(data))
         if missing:
             raise ValueError(f"hardware profile lacks: {', '.join(missing)}")
+        if isinstance(data.get("ops"), dict):
+            data = {**data, "ops": OpRates.from_dict(data["ops"])}
         return cls(**data)
 
 

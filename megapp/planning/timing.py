@@ -73,6 +73,7 @@ from megapp.planning.model_state import (
     layer_parameters,
     moe_layer_count,
 )
+from megapp.planning.operations import LayerSeconds, layer_seconds, logits_seconds
 from megapp.planning.step_time import StepTime, step_time
 from megapp.tensor_parallel.utils import pad_vocab_size
 from megapp.training.config import PretrainConfig
@@ -263,7 +264,8 @@ def context_parallel_seconds(
         kv_bytes = 2 * n * b * groups * kv_repeats(groups, cp) * d * w
         seconds = 2 * link.all_to_all(q_bytes, cp) + link.all_to_all(kv_bytes, cp)
         return seconds, seconds, 3, 3
-    core = layer_flops(gpt, seq_length, micro_batch_size)[1] / hardware.gemm_flops
+    vocab = gpt.vocab_size  # the output layer does not enter the ring steps
+    core = compute_seconds(gpt, seq_length, micro_batch_size, vocab, hardware)[0].core_forward
     step = core / cp  # every ring step attends over the same number of pairs
     keys = link.message(2 * n * b * groups * d * w)
     accumulator = link.message(2 * n * b * groups * d * max(w, 4))
@@ -278,6 +280,30 @@ def context_parallel_seconds(
         exposed(keys * (t < cp - 1) + accumulator * (t > 0), 2 * step) for t in range(cp)
     )
     return forward, backward + accumulator, cp - 1, 2 * cp - 1
+
+
+def compute_seconds(
+    gpt: GPTConfig, seq_length: int, micro_batch_size: int, vocab: int, hardware: Hardware
+) -> tuple[LayerSeconds, LayerSeconds]:
+    """One dense layer's and the output layer's compute for one microbatch on one rank:
+    priced operation by operation where ``hardware.ops`` has rates
+    (:mod:`megapp.planning.operations`), else their FLOPs at ``hardware.gemm_flops``."""
+    tokens = seq_length // gpt.context_parallel_size * micro_batch_size
+    if hardware.ops is not None:
+        return (
+            layer_seconds(gpt, seq_length, micro_batch_size, hardware.ops),
+            logits_seconds(gpt, tokens, vocab, hardware.ops),
+        )
+    lin, core = (x / hardware.gemm_flops for x in layer_flops(gpt, seq_length, micro_batch_size))
+    logits = 2.0 * tokens * gpt.hidden_size * vocab / gpt.tensor_model_parallel_size
+    logits /= hardware.gemm_flops
+    layer = LayerSeconds(lin + core, lin + 2 * core, lin, core_forward=core)
+    return layer, LayerSeconds(logits, logits, logits)
+
+
+def matmul_rate(hardware: Hardware) -> float:
+    """FLOP/s at which work priced by its FLOPs alone runs (the experts' matmuls)."""
+    return hardware.gemm_flops if hardware.ops is None else hardware.ops.matmul_flops
 
 
 def _chunk_tp_seconds(
@@ -327,6 +353,11 @@ def action_costs(gpt: GPTConfig, shape: Shape, hardware: Hardware) -> ActionCost
     loss_seconds = 5 * 4 * tokens * vocab / tp / hardware.memory_bandwidth  # fp32 passes
     lin, core = layer_flops(gpt, shape.seq_length, shape.micro_batch_size)
     rerun = {"full": lin + core, "selective": core}.get(gpt.recompute_granularity, 0.0)
+    one, output = compute_seconds(gpt, shape.seq_length, shape.micro_batch_size, vocab, hardware)
+    rerun_s = {"full": one.forward, "selective": one.core_forward}.get(
+        gpt.recompute_granularity, 0.0
+    )
+    rate = matmul_rate(hardware)
     cp_f, cp_b, cp_calls_f, cp_calls_b = context_parallel_seconds(
         gpt, shape.seq_length, shape.micro_batch_size, hardware
     )
@@ -357,14 +388,17 @@ def action_costs(gpt: GPTConfig, shape: Shape, hardware: Hardware) -> ActionCost
         tp_f, tp_b, calls_f, calls_b = _chunk_tp_seconds(gpt, shape, layers, first, last, hardware)
         fixed = hardware.action_overhead + layers * hardware.layer_overhead
         loss = loss_seconds * last
-        f_s = f / hardware.gemm_flops + fixed + tp_f + layers * cp_f + 3 / 5 * loss
-        f_s += moe * a2a
+        moe_s = moe * moe_lin / rate
+        f_s = layers * one.forward + output.forward * last + moe_s
+        f_s += fixed + tp_f + layers * cp_f + 3 / 5 * loss + moe * a2a
         rerun_passes = (
             layers * hardware.layer_overhead if gpt.recompute_granularity == "full" else 0
         )
-        i_s = i / hardware.gemm_flops + fixed + rerun_passes + tp_b + layers * cp_b
+        i_s = layers * (one.input_grad + rerun_s) + output.input_grad * last
+        i_s += moe_s + moe * moe_rerun / rate
+        i_s += fixed + rerun_passes + tp_b + layers * cp_b
         i_s += 2 / 5 * loss + moe * a2a * (2 if gpt.recompute_granularity == "full" else 1)
-        w_s = w / hardware.gemm_flops + fixed
+        w_s = layers * one.weight_grad + output.weight_grad * last + moe_s + fixed
         # ZeRO-3 gathers the chunk before its forward and the layers before backward;
         # ZeRO-2/3 reduce-scatter the chunk's fp32 gradients after every backward.
         gather_f = gather_b = scatter = 0.0

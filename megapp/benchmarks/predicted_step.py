@@ -1,0 +1,145 @@
+"""A training step measured and predicted: does the time model hold on this machine?
+
+    python -m megapp.benchmarks.predicted_step --hardware h200_measured.json \\
+        --out step.json -- --num-layers 24 --hidden-size 2048 --num-attention-heads 16 \\
+        --seq-length 2048 --micro-batch-size 4 --global-batch-size 16 --bf16 --train-iters 12
+
+runs ``pretrain_gpt.py`` with the flags after ``--`` on ``--nproc`` ranks (torchrun), reads
+its metrics records, and takes the median of its plain iterations after ``--warmup`` (a
+profiled iteration, ``--profile-iteration``, and the one after it left out; the profile's
+record is kept in the report). The planner predicts the same config
+(``megapp.planning.explain`` on the profile ``--hardware``: a built-in name or a JSON file,
+as ``python -m megapp.planning.calibrate`` writes), and the report puts the two side by side
+with the prediction's lines and one layer's priced operations. Flags it adds unless given:
+``--use-default-corpus``, ``--lr 1e-4``, ``--log-interval 1``, ``--eval-iters 0``. The exit
+status is 1 when the job fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+from megapp.ablation.predict import vocab_size
+from megapp.planning.explain import explain, explanation_rows
+from megapp.planning.hardware import Hardware
+from megapp.planning.operations import layer_parts
+from megapp.planning.profiles import load_profile, time_model
+from megapp.training.arguments import config_from_flags
+from megapp.training.iteration_profile import plain_iteration_seconds
+from megapp.training.launch import run_pretrain
+from megapp.training.metrics import read_records
+
+DEFAULTS = {
+    "--lr": ["--lr", "1e-4"],
+    "--log-interval": ["--log-interval", "1"],
+    "--eval-iters": ["--eval-iters", "0"],
+}
+
+
+def run_flags(flags: list[str], metrics: Path) -> list[str]:
+    """``flags`` with the defaults it lacks and the metrics path."""
+    out = list(flags)
+    if not any(f.startswith(("--data-path", "--use-default-corpus")) for f in out):
+        out.append("--use-default-corpus")
+    for flag, pair in DEFAULTS.items():
+        if flag not in out:
+            out += pair
+    return [*out, "--metrics-path", str(metrics)]
+
+
+def measured_seconds(records: list[dict], warmup: int, profiled: int | None) -> list[float]:
+    """Seconds of the plain iterations after the first ``warmup`` (the profiled iteration
+    and the one after it left out)."""
+    after = [r for r in records if r.get("kind") == "train" and r["iteration"] > warmup]
+    times = plain_iteration_seconds(after, profiled)
+    if not times:
+        raise ValueError(f"no plain iteration after the {warmup} warm-up ones: more --train-iters")
+    return times
+
+
+def check(args: argparse.Namespace) -> dict:
+    """Run, measure, predict; the report as a dict."""
+    with tempfile.TemporaryDirectory() as tmp:
+        metrics = Path(tmp) / "metrics.jsonl"
+        flags = run_flags(args.flags, metrics)
+        job = run_pretrain(args.nproc, flags, timeout_s=args.timeout_s, log_path=args.log)
+        if job.returncode != 0:
+            raise RuntimeError(f"pretrain_gpt.py failed (exit {job.returncode}); see {args.log}")
+        records = read_records(metrics)
+    config = config_from_flags(flags, world_size=args.nproc)
+    times = measured_seconds(records, args.warmup, config.logging.profile_iteration)
+    seconds = statistics.median(times)
+    explanation = explain(config, vocab_size(config), time_model(load_profile(args.hardware)))
+    predicted = float(explanation.step_time.seconds)
+    hardware = load_profile(args.hardware)
+    gpt = config.gpt_config(vocab_size(config))
+    layer = {}
+    if isinstance(hardware, Hardware) and hardware.ops is not None:
+        seq, mbs = config.model.seq_length, config.training.micro_batch_size
+        layer = layer_parts(gpt, seq, mbs, hardware.ops)
+    return {
+        "flags": args.flags,
+        "nproc": args.nproc,
+        "hardware": args.hardware,
+        "measured_s": seconds,
+        "times_s": times,
+        "predicted_s": predicted,
+        "ratio": predicted / seconds,
+        "breakdown": {k: None if math.isnan(v) else v for k, v in explanation_rows(explanation)},
+        "layer": layer,
+        "last_lm_loss": [r for r in records if r.get("kind") == "train"][-1].get("lm_loss"),
+        "profile": [r for r in records if r.get("kind") == "profile"],
+    }
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    argv = sys.argv[1:] if argv is None else argv
+    ours, flags = (
+        (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
+    )
+    p = argparse.ArgumentParser(prog="python -m megapp.benchmarks.predicted_step",
+                                description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--hardware", required=True, help="profile: built-in name or JSON file")
+    p.add_argument("--nproc", type=int, default=1)
+    p.add_argument("--warmup", type=int, default=3, help="iterations left out of the median")
+    p.add_argument("--out", help="write the report here (JSON)")
+    p.add_argument("--log", help="the job's output (default: a temporary file)")
+    p.add_argument("--timeout-s", type=float, default=600.0)
+    args = p.parse_args(ours)
+    if not flags:
+        p.error("give pretrain_gpt.py's flags after --")
+    args.flags = flags
+    if args.log is None:
+        args.log = str(Path(tempfile.gettempdir()) / "predicted_step.log")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        report = check(args)
+    except (RuntimeError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    print(f"measured {report['measured_s'] * 1e3:.1f} ms per iteration (median of "
+          f"{len(report['times_s'])}), predicted {report['predicted_s'] * 1e3:.1f} ms: "
+          f"predicted/measured {report['ratio']:.3f}")  # fmt: skip
+    for key, value in report["breakdown"].items():
+        if key.startswith("step.") and value:
+            print(f"  {key.removeprefix('step.'):<24} {value * 1e3:10.2f} ms")
+    for kind, (f, i, w) in report["layer"].items():
+        print(f"  one layer, {kind:<18} F {f * 1e3:8.3f}  I {i * 1e3:8.3f}  W {w * 1e3:8.3f} ms")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,200 @@
+"""A layer's compute time priced operation by operation, from the device and the shapes.
+
+:class:`OpRates` says how fast one device runs each kind of operation a transformer layer is
+made of; :func:`layer_seconds` prices one layer's forward, input-gradient and weight-gradient
+work for one microbatch on one tensor- and context-parallel rank, and :func:`logits_seconds`
+the output layer's. The time model (:mod:`megapp.planning.timing`) uses them when the
+hardware profile carries rates (``Hardware.ops``), and ``FLOPs / Hardware.gemm_flops``
+otherwise.
+
+Per operation, with ``w`` bytes per element:
+
+- **matmul** ``[m, k] × [k, n]``: a roofline over tiles. The kernel covers the output with
+  ``tile[0] × tile[1]`` tiles, run in waves of ``multiprocessors`` tiles; a partial last wave
+  costs a whole one (wave quantization) and a partial tile a whole tile (tile quantization).
+  Seconds ``max(2·waves·multiprocessors·tm·tn·k / matmul_flops, w·(mk + kn + mn) /
+  memory_bandwidth) + kernel_overhead``. A forward ``x·Wᵀ`` of ``T`` tokens is ``[T, k] ×
+  [k, n]``; its input gradient ``[T, n] × [n, k]``, its weight gradient ``[n, T] × [T, k]``.
+- **attention core**, by implementation (``attention_backend``):
+  ``sdpa`` is a fused, flash-style kernel that skips the masked half of the causal square:
+  ``2·b·a·s_q·s_k·d`` FLOPs forward (half of q·kᵀ and p·v over the square) at
+  ``attention_flops``, and ``attention_backward_ratio`` times the forward's seconds backward
+  (it recomputes q·kᵀ); ``fused_softmax`` materializes the ``s × s`` scores as older
+  Megatron-LM runs did: two batched matmuls over the whole square, and the softmax, its mask
+  and dropout as memory-bound passes over ``b·a·s²`` elements.
+- **memory-bound work** (norms, bias + dropout + residual, activation, RoPE, the head
+  relayout, the fp32 gradient accumulation of the weight gradients): bytes read and written
+  over ``memory_bandwidth``, plus ``kernel_overhead`` per kernel. Backward moves twice the
+  forward's bytes.
+
+Each constant of the built-in profiles says where it comes from; ``python -m
+megapp.planning.calibrate`` measures them on the device at hand.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from megapp.models.gpt import GPTConfig
+
+_DROPOUT_MASK_BYTES = 1  # torch keeps a dropout mask as one byte per element
+
+
+@dataclass(frozen=True)
+class OpRates:
+    """How fast one device runs the operations of a layer. Rates per second, times in
+    seconds, ``tile`` the output tile of its matmul kernels."""
+
+    matmul_flops: float  # 16-bit dense matmul rate of full waves of full tiles
+    multiprocessors: int  # tiles that run at once (one per SM)
+    tile: tuple[int, int]  # output rows × columns one SM computes at a time
+    attention_flops: float  # fused causal attention forward, FLOPs of its unmasked half / s
+    attention_backward_ratio: float  # its backward's seconds over its forward's
+    memory_bandwidth: float  # bytes/s that elementwise and norm kernels move (read + write)
+    kernel_overhead: float = 0.0  # fixed seconds per kernel (launch gap, ramp and tail)
+
+    def __post_init__(self) -> None:
+        for name in ("matmul_flops", "attention_flops", "memory_bandwidth"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"op rates: {name} must be > 0")
+        if self.multiprocessors < 1 or len(self.tile) != 2 or min(self.tile) < 1:
+            raise ValueError("op rates: multiprocessors and both tile sides must be >= 1")
+        if not self.attention_backward_ratio > 0 or self.kernel_overhead < 0:
+            raise ValueError("op rates: attention_backward_ratio > 0, kernel_overhead >= 0")
+
+    @classmethod
+    def from_dict(cls, data: dict) -> OpRates:
+        """From :func:`dataclasses.asdict`'s form (the tile as a list)."""
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown op-rate keys: {', '.join(unknown)}")
+        return cls(**{**data, "tile": tuple(data["tile"])})
+
+    def matmul(self, m: int, n: int, k: int, width: int = 2, batch: int = 1) -> float:
+        """Seconds of ``batch`` products ``[m, k] × [k, n]`` in one kernel."""
+        tm, tn = self.tile
+        tiles = batch * math.ceil(m / tm) * math.ceil(n / tn)
+        waves = math.ceil(tiles / self.multiprocessors)
+        compute = 2.0 * waves * self.multiprocessors * tm * tn * k / self.matmul_flops
+        traffic = batch * width * (m * k + k * n + m * n) / self.memory_bandwidth
+        return max(compute, traffic) + self.kernel_overhead
+
+    def linear(self, tokens: int, inputs: int, outputs: int, width: int = 2) -> tuple[float, ...]:
+        """Seconds of ``y = x·Wᵀ`` over ``tokens`` rows: forward, input gradient, weight
+        gradient."""
+        return (
+            self.matmul(tokens, outputs, inputs, width),
+            self.matmul(tokens, inputs, outputs, width),
+            self.matmul(outputs, inputs, tokens, width),
+        )
+
+    def memory(self, nbytes: float, kernels: int) -> float:
+        """Seconds of ``kernels`` memory-bound kernels moving ``nbytes`` in all."""
+        return nbytes / self.memory_bandwidth + kernels * self.kernel_overhead
+
+    def fitted_matmul_flops(self, measured_flops: float, m: int, n: int, k: int) -> float:
+        """The ``matmul_flops`` under which :meth:`matmul` of ``[m, k] × [k, n]`` runs at
+        ``measured_flops`` (the measured rate corrected for its shape's quantization)."""
+        tm, tn = self.tile
+        tiles = math.ceil(m / tm) * math.ceil(n / tn)
+        padded = math.ceil(tiles / self.multiprocessors) * self.multiprocessors * tm * tn
+        return measured_flops * padded / (m * n)
+
+
+@dataclass(frozen=True)
+class LayerSeconds:
+    """Seconds of one layer (or the output layer) for one microbatch on one rank."""
+
+    forward: float
+    input_grad: float
+    weight_grad: float
+    core_forward: float = 0.0  # the attention core's share of forward (selective recompute)
+
+
+def _width(gpt: GPTConfig) -> int:
+    return gpt.params_dtype.itemsize
+
+
+def attention_seconds(
+    gpt: GPTConfig, seq_length: int, micro_batch_size: int, rates: OpRates
+) -> tuple[float, float]:
+    """Forward and backward seconds of one layer's attention core on one rank: its
+    ``a/tp`` heads, ``s/cp`` queries against the whole sequence of ``seq_length``."""
+    tp, cp = gpt.tensor_model_parallel_size, gpt.context_parallel_size
+    heads, d, b = gpt.num_attention_heads // tp, gpt.kv_channels, micro_batch_size
+    queries, keys, w = seq_length // cp, seq_length, _width(gpt)
+    if gpt.attention_backend == "sdpa":
+        flops = 2.0 * b * heads * queries * keys * d  # the unmasked half of 4·s_q·s_k·d
+        forward = flops / rates.attention_flops + rates.kernel_overhead
+        return forward, forward * rates.attention_backward_ratio
+    batch = b * heads  # materialized scores: q·kᵀ, softmax (+ mask, dropout), p·v
+    scores = batch * queries * keys
+    dropout = gpt.attention_dropout > 0
+    forward = rates.matmul(queries, keys, d, w, batch) + rates.matmul(queries, d, keys, w, batch)
+    forward += rates.memory(scores * (2 * w + dropout * (w + _DROPOUT_MASK_BYTES)), 1 + dropout)
+    backward = 2 * rates.matmul(queries, keys, d, w, batch)  # d(p) = d(ctx)·vᵀ, d(q) = d(s)·k
+    backward += 2 * rates.matmul(keys, d, queries, w, batch)  # d(v) = pᵀ·d(ctx), d(k) = d(s)ᵀ·q
+    backward += rates.memory(scores * (3 * w + dropout * (2 * w + 1)), 1 + dropout)
+    return forward, backward
+
+
+def layer_parts(
+    gpt: GPTConfig, seq_length: int, micro_batch_size: int, rates: OpRates
+) -> dict[str, tuple[float, float, float]]:
+    """One dense layer's seconds on one rank by kind of work, each as (forward, input
+    gradient, weight gradient): ``matmul``, ``attention`` (the core), ``memory`` (memory-bound
+    passes) and ``grad_accumulation`` (16-bit weight gradients added into fp32 ``main_grad``)."""
+    tp, cp = gpt.tensor_model_parallel_size, gpt.context_parallel_size
+    tokens = seq_length // cp * micro_batch_size
+    h, d, w = gpt.hidden_size, gpt.kv_channels, _width(gpt)
+    heads, groups = gpt.num_attention_heads // tp, gpt.num_query_groups // tp
+    ffn = gpt.ffn_hidden_size // tp
+    gated = gpt.activation == "swiglu"
+    linears = (
+        (h, (heads + 2 * groups) * d),  # QKV
+        (heads * d, h),  # projection
+        (h, ffn * (2 if gated else 1)),  # fc1 (with SwiGLU's gate)
+        (ffn, h),  # fc2
+    )
+    timed = [rates.linear(tokens, inputs, outputs, w) for inputs, outputs in linears]
+    matmul = tuple(sum(column) for column in zip(*timed, strict=True))
+    core_f, core_b = attention_seconds(gpt, seq_length, micro_batch_size, rates)
+    # memory-bound passes: bytes read + written
+    rows = tokens // tp if gpt.sequence_parallel else tokens  # norms and residual rows
+    dropout = gpt.hidden_dropout > 0
+    residual = 3 * w + dropout * _DROPOUT_MASK_BYTES  # x (+ bias), residual in, sum out
+    nbytes = rows * h * (2 * 2 * w + 2 * residual)  # two norms, two residual adds
+    nbytes += tokens * ffn * (3 if gated else 2) * w  # activation
+    nbytes += 2 * tokens * heads * d * w  # the attention output's head relayout
+    kernels = 2 + 2 + 1 + 1
+    if gpt.position_embedding_type == "rope":
+        nbytes += 2 * tokens * (heads + groups) * gpt.rotary_dim * w
+        kernels += 2
+    memory = rates.memory(nbytes, kernels)
+    params = h * (heads + 2 * groups) * d + heads * d * h + (3 if gated else 2) * h * ffn
+    accumulate = rates.memory(params * (w + 8), len(linears)) if w < 4 else 0.0
+    return {
+        "matmul": (matmul[0], matmul[1], matmul[2]),
+        "attention": (core_f, core_b, 0.0),
+        "memory": (memory, 2 * memory, 0.0),
+        "grad_accumulation": (0.0, 0.0, accumulate),
+    }
+
+
+def layer_seconds(
+    gpt: GPTConfig, seq_length: int, micro_batch_size: int, rates: OpRates
+) -> LayerSeconds:
+    """One dense layer's forward, input gradient and weight gradient on one rank, without
+    recompute (the time model adds a rerun's forward to the input gradient)."""
+    parts = layer_parts(gpt, seq_length, micro_batch_size, rates)
+    f, i, w = (sum(column) for column in zip(*parts.values(), strict=True))
+    return LayerSeconds(f, i, w, core_forward=parts["attention"][0])
+
+
+def logits_seconds(gpt: GPTConfig, tokens: int, vocab: int, rates: OpRates) -> LayerSeconds:
+    """The output layer's ``[T, h] × [h, V/tp]`` (its fp32 loss passes are priced apart)."""
+    tp, w = gpt.tensor_model_parallel_size, _width(gpt)
+    f, i, wg = rates.linear(tokens, gpt.hidden_size, vocab // tp, w)
+    return LayerSeconds(forward=f, input_grad=i, weight_grad=wg)
