@@ -265,6 +265,10 @@ def stage_calibrate(check: Check, r: StageResult) -> None:
     )
 
 
+def argv_flags(name: str, model: list[str]) -> list[str]:
+    return [*(STEP_COMMON if name != "quick" else []), *model]
+
+
 def stage_step(check: Check, r: StageResult) -> None:
     """``python -m megapp.benchmarks.predicted_step``: a single-GPU training step of each
     :data:`STEP_MODELS` measured and predicted on the calibrated profile (the built-in one of
@@ -272,21 +276,39 @@ def stage_step(check: Check, r: StageResult) -> None:
     profile = check.logs / "profile.json"
     hardware = str(profile) if profile.exists() else "h100"
     models = {"quick": STEP_QUICK} if check.args.quick else STEP_MODELS
+    failed = False
     for name, model in models.items():
         stem = "step_" + re.sub(r"[^a-z0-9]+", "_", name).strip("_")
         out = check.logs / f"{stem}.json"
         argv = [sys.executable, "-m", "megapp.benchmarks.predicted_step", "--hardware", hardware]
         argv += ["--out", str(out), "--log", str(check.logs / f"{stem}_job.log"), "--"]
-        argv += [*(STEP_COMMON if name != "quick" else []), *model]
-        if check.run(r, argv, f"{stem}.log") != 0:
-            return
-        report = json.loads(out.read_text())
-        keep = ("measured_s", "predicted_s", "ratio", "times_s", "breakdown", "layer", "flags")
-        r.details[name] = {k: report[k] for k in keep}
-    r.status = "ok"
+        argv += argv_flags(name, model)
+        code = check.run(r, argv, f"{stem}.log")
+        if code is None:
+            break
+        r.details[name] = {}
+        if code == 0:
+            report = json.loads(out.read_text())
+            keep = ("measured_s", "predicted_s", "ratio", "times_s", "breakdown", "layer")
+            r.details[name] = {k: report[k] for k in keep}
+        failed |= code != 0
+        kernels = check.logs / f"{stem}_kernels.json"  # the same step's device time by kind
+        argv = [sys.executable, "-m", "megapp.benchmarks.kernel_time", "--out", str(kernels)]
+        argv += ["--", *argv_flags(name, model), "--lr", "1e-4"]
+        code = check.run(r, argv, f"{stem}_kernels.log")
+        if code is None:
+            break
+        if code == 0:
+            k = json.loads(kernels.read_text())
+            r.details[name]["kernels"] = {x: k[x] for x in ("wall_s", "kernel_seconds", "heaviest")}
+        failed |= code != 0
+    if r.status == "timeout":
+        return
+    r.status = "failed" if failed else "ok"
     r.summary = "; ".join(
         f"{name}: predicted/measured {d['ratio']:.3f} ({d['measured_s'] * 1e3:.0f} ms)"
         for name, d in r.details.items()
+        if "ratio" in d
     )
 
 

@@ -1,0 +1,133 @@
+"""Where a single-GPU training step's device time goes, kernel by kernel.
+
+    python -m megapp.benchmarks.kernel_time --out kernels.json -- --num-layers 24 \\
+        --hidden-size 2048 --num-attention-heads 16 --seq-length 2048 \\
+        --micro-batch-size 4 --global-batch-size 16 --bf16 --lr 1e-4
+
+builds the model and optimizer ``pretrain_gpt.py``'s flags describe (one process, the whole
+model, ``megapp.training.build_training_setup``), runs ``--warmup`` training steps on random
+tokens, then one under ``torch.profiler``, and sums the device time of its kernels by kind:
+``matmul`` (cuBLAS/CUTLASS GEMMs), ``attention`` (fused attention), ``optimizer`` (the Adam
+and multi-tensor kernels), ``memory`` (every other kernel: norms, activations, copies,
+reductions). It also times the step's wall clock. The planner's operation model
+(:func:`megapp.planning.operations.layer_parts`) prices the same kinds, so the two can be set
+side by side kind by kind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from megapp.benchmarks.common import median
+from megapp.benchmarks.gpt_stack import forward_step, microbatches_of
+from megapp.tensor_parallel.random import model_parallel_manual_seed
+from megapp.training import build_training_setup, train_step
+from megapp.training.arguments import config_from_flags
+
+KINDS = {
+    "attention": ("flash", "fmha", "attention", "sdpa"),
+    "optimizer": ("adam", "multi_tensor", "foreach"),
+    "matmul": ("gemm", "cutlass", "nvjet", "xmma", "sm90_", "sm80_", "cublas"),
+}
+
+
+def kind_of(kernel: str) -> str:
+    """The kind a kernel's name says it is (first match of :data:`KINDS`), else memory."""
+    name = kernel.lower()
+    return next((k for k, keys in KINDS.items() if any(key in name for key in keys)), "memory")
+
+
+def kernel_times(flags: list[str], warmup: int, vocab: int, device: torch.device) -> dict:
+    """Build, warm up, profile one step; the figures as a dict. On a CPU ``device`` the
+    "kernels" are the profiler's operator events (a check of this module, not a measure)."""
+    config = config_from_flags([*flags, "--use-default-corpus"], world_size=1)
+    gpt = config.gpt_config(vocab)
+    cuda = device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    model_parallel_manual_seed(1234)  # the dropout streams, as pretrain_gpt.py seeds them
+    setup = build_training_setup(
+        gpt, config.optimizer, precision=config.precision, seed=1234, device=device
+    )
+    mbs = config.training.micro_batch_size
+    gbs = config.training.global_batch_size
+    seq = config.model.seq_length
+
+    def step(index: int) -> float:
+        g = torch.Generator().manual_seed(index)
+        data = torch.randint(0, vocab, (gbs, seq + 1), generator=g).to(device)
+        batches = microbatches_of(data[:, :-1], data[:, 1:], mbs)
+        sync()
+        start = time.perf_counter()
+        train_step(forward_step, iter(batches), setup.chunks, setup.optimizer,
+                   num_microbatches=gbs // mbs, groups=setup.groups)  # fmt: skip
+        sync()
+        return time.perf_counter() - start
+
+    walls = [step(i) for i in range(warmup)]
+    where = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
+    activities = [
+        torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU
+    ]
+    with torch.profiler.profile(activities=activities) as prof:
+        profiled_wall = step(warmup)
+    walls.append(step(warmup + 1))
+    totals: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    top: dict[str, float] = {}
+    for event in prof.events():
+        total = event.device_time_total if cuda else event.self_cpu_time_total
+        seconds = total / 1e6
+        if event.device_type != where or seconds <= 0:
+            continue
+        kind = kind_of(event.name)
+        totals[kind] = totals.get(kind, 0.0) + seconds
+        counts[kind] = counts.get(kind, 0) + 1
+        top[event.name] = top.get(event.name, 0.0) + seconds
+    heaviest = sorted(top.items(), key=lambda kv: -kv[1])[:25]
+    return {
+        "device": torch.cuda.get_device_name(device) if cuda else "cpu",
+        "torch": torch.__version__,
+        "flags": flags,
+        "wall_s": median(walls[1:]) if len(walls) > 1 else walls[0],
+        "profiled_wall_s": profiled_wall,
+        "kernel_seconds": totals,
+        "kernel_counts": counts,
+        "kernel_total_s": sum(totals.values()),
+        "heaviest": [{"name": n[:160], "seconds": s, "kind": kind_of(n)} for n, s in heaviest],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    cut = argv.index("--") if "--" in argv else len(argv)
+    p = argparse.ArgumentParser(prog="python -m megapp.benchmarks.kernel_time",
+                                description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--out", help="write the figures here (JSON)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--vocab", type=int, default=257, help="the tokenizer's vocabulary")
+    p.add_argument("--device", default="cuda")
+    args = p.parse_args(argv[:cut])
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("error: --device cuda: no CUDA device here; --device cpu checks the module",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    report = kernel_times(argv[cut + 1 :], args.warmup, args.vocab, device)
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    print(f"{report['device']}: step {report['wall_s'] * 1e3:.1f} ms wall, kernels "
+          f"{report['kernel_total_s'] * 1e3:.1f} ms")  # fmt: skip
+    for kind, seconds in sorted(report["kernel_seconds"].items(), key=lambda kv: -kv[1]):
+        print(f"  {kind:<10} {seconds * 1e3:9.2f} ms  {report['kernel_counts'][kind]:6d} kernels")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
