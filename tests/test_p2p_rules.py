@@ -10,14 +10,18 @@ deadlocks or loses bubble in the cases measured before megapp posted this way.
 from __future__ import annotations
 
 import dataclasses
+from unittest import mock
 
 import pytest
+import torch
+import torch.distributed as dist
 from torch import nn
 
 from megapp.pipeline_parallel import forward_backward
 from megapp.pipeline_parallel.catalog import SCHEDULE_KINDS, build_schedule
 from megapp.pipeline_parallel.messages import Message, ScheduleError, Step, communication_plan
 from megapp.pipeline_parallel.network import Network, Rules
+from megapp.pipeline_parallel.p2p import Transport
 from megapp.pipeline_parallel.schedule_search import search_schedule
 from megapp.pipeline_parallel.schedules import Action, Op, Schedule
 from megapp.pipeline_parallel.simulate import CostModel, simulate
@@ -194,3 +198,14 @@ def _never_called(iterator, chunk, inputs):
 def test_the_engine_refuses_a_deadlocking_schedule_before_any_message():
     with pytest.raises(ScheduleError, match="deadlocks"):
         forward_backward(_never_called, None, nn.Identity(), 2, schedule=_deadlocking_schedule())
+
+
+@distributed(world_size=2)
+def test_nccl_transport_needs_channels_only_between_ranks():
+    """A pipeline group of one rank (pp 1) sends no message, so NCCL's one-way channels are
+    not needed: a single-GPU NCCL run must not be refused. A group of two without them is."""
+    ranks = [dist.new_group([r]) for r in range(dist.get_world_size())]  # every rank makes each
+    with mock.patch.object(Transport, "backend", property(lambda self: "nccl")):
+        Transport(ranks[dist.get_rank()], torch.device("cpu"))
+        with pytest.raises(ValueError, match="one group per direction"):
+            Transport(dist.group.WORLD, torch.device("cpu"))

@@ -254,14 +254,15 @@ def stage_calibrate(check: Check, r: StageResult) -> None:
     if check.run(r, argv, "calibrate.log") != 0:
         return
     ops = json.loads(out.read_text())["ops"]
-    fit = json.loads(figures.read_text())["matmul_fit"]
-    r.details = {"ops": ops, "matmul_fit": fit}
+    fit = json.loads(figures.read_text())["fit"]
+    r.details = {"ops": ops, "fit": fit}
     r.status = "ok"
     r.summary = (
-        f"matmul {ops['matmul_flops'] / 1e12:.0f} TFLOP/s per full wave (tile "
-        f"{'x'.join(map(str, ops['tile']))}, grid within {fit['mean_error']:.1%} mean), "
-        f"attention {ops['attention_flops'] / 1e12:.0f} TFLOP/s, memory "
-        f"{ops['memory_bandwidth'] / 1e12:.2f} TB/s, {ops['kernel_overhead'] * 1e6:.1f} us/kernel"
+        f"matmul {ops['matmul_flops'] / 1e12:.0f} TFLOP/s in full waves (tile "
+        f"{'x'.join(map(str, ops['tile']))}, grid within {fit['matmul']['mean_error']:.1%} "
+        f"mean), attention {ops['attention_flops'] / 1e12:.0f} TFLOP/s forward, memory "
+        f"{ops['memory_bandwidth'] / 1e12:.2f} TB/s, {ops['kernel_overhead'] * 1e6:.1f} us per "
+        f"kernel on the device, {ops['launch_overhead'] * 1e6:.1f} us to launch"
     )
 
 

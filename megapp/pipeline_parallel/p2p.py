@@ -155,7 +155,7 @@ class Transport:
         self.timeout = timeout
         self.channels = channels
         self.strict = channels is not None and channels.strict
-        if channels is None and self.backend == "nccl":
+        if channels is None and self.backend == "nccl" and self.size > 1:
             raise ValueError(
                 "on NCCL pipeline messages travel over one group per direction of each pair "
                 "of ranks: pass channels=make_channels(...) (megapp.pipeline_parallel."
@@ -185,6 +185,13 @@ class Transport:
         """Create what header negotiation needs; call on every pipeline rank together."""
         if self.channels is None:
             self.meta_group  # noqa: B018 (creates the twin group now, not mid-schedule)
+
+    @property
+    def size(self) -> int:
+        """Ranks in the pipeline group (1 without torch.distributed: no message to send)."""
+        if not dist.is_initialized():
+            return 1
+        return dist.get_world_size(self.group if self.group is not None else dist.group.WORLD)
 
     @functools.cached_property
     def backend(self) -> str | None:

@@ -3,19 +3,20 @@
     python -m megapp.planning.calibrate --device cuda --out h200_measured.json
     python -m megapp.planning.calibrate --device cpu --base h100 --quick --out /tmp/p.json
 
-It times, on the device at hand (CUDA events' worth of synchronization around each run,
-warm-up first, the median of several):
+After 1.5 s of matmuls (the clocks ramp up from idle) it times, on the device at hand
+(CUDA events on a GPU; loops of calls spanning a few milliseconds; the median of several):
 
-- **memory-bound kernels**: a copy, an add, a layer norm and a GeLU over a buffer several
-  times the last-level cache; bytes read plus written over time. Their median is the
-  profile's ``memory_bandwidth``;
-- **kernel overhead**: a stream of tiny adds, seconds per kernel;
-- **matmuls** of a grid of shapes (16-bit on a GPU, fp32 on a CPU). For each candidate tile,
-  the rate of full waves (:meth:`~megapp.planning.operations.OpRates.fitted_matmul_flops`)
-  is the median over the grid; the tile whose model misses the grid least is kept;
+- **memory-bound kernels**: a copy, an add, a layer norm and a GeLU over a buffer many times
+  the last-level cache; bytes read plus written over time;
+- **per-kernel costs**: a stream of tiny adds queued behind a sleeping kernel, so the device
+  runs it back to back (seconds per kernel on the device) while the host's time to queue it
+  is the launch cost;
+- **matmuls** ``F.linear`` over a grid of shapes (16-bit on a GPU, fp32 on a CPU);
 - **fused attention** (``torch.nn.functional.scaled_dot_product_attention``, causal) forward
-  and backward at a few sequence lengths: ``attention_flops`` and the backward's ratio.
+  and backward at a few shapes.
 
+:mod:`megapp.planning.op_fit` fits the operation model's rates to these timings
+(:func:`~megapp.planning.op_fit.op_rates`), and the command prints how well each part fits.
 The profile is ``--base`` (the built-in profile of this GPU by default: its network and node
 size) with these rates in ``ops`` and ``memory_bandwidth``, ``gemm_flops`` the largest
 matmul's rate and ``memory_bytes`` what the device reports. ``--measurements`` writes every
@@ -38,10 +39,11 @@ import torch
 import torch.nn.functional as F
 
 from megapp.planning.hardware import PROFILES, Hardware, load_hardware
+from megapp.planning.op_fit import op_rates
 from megapp.planning.operations import OpRates
 from megapp.training.flops import gpu_peak
 
-TILES = ((64, 64), (128, 64), (128, 128), (128, 256), (256, 128))
+WARM_S = 1.5  # seconds of matmuls before measuring: the clocks ramp up from idle
 BUILTIN_OF_PART = {"H100 SXM": "h100", "H200 SXM": "h200", "A100 80GB SXM": "a100"}
 
 
@@ -60,7 +62,7 @@ FULL = Sizes(
     buffer=2**28,  # 512 MiB in 16-bit: many times any L2
     rows=(4096, 16384),
     widths=(1024, 4096, 12288),
-    attention=((2, 32, 1024, 128), (1, 32, 4096, 128), (1, 16, 8192, 128)),
+    attention=((2, 32, 1024, 128), (1, 32, 4096, 128), (1, 16, 8192, 128), (4, 16, 4096, 64)),
     repeats=20,
 )
 QUICK = Sizes(
@@ -74,7 +76,8 @@ QUICK = Sizes(
 
 class Timer:
     """Median seconds of a callable on ``device``: warmed up, then run in loops of enough
-    calls to span a few milliseconds (a single short kernel is below the clock's reach)."""
+    calls to span a few milliseconds (a single short kernel is below the clock's reach),
+    timed with CUDA events on a GPU."""
 
     def __init__(self, device: torch.device, repeats: int):
         self.device, self.repeats = device, repeats
@@ -83,80 +86,117 @@ class Timer:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def __call__(self, fn: Callable[[], object]) -> float:
-        fn()
-        self.sync()
-        start = time.perf_counter()
-        fn()
-        self.sync()
-        inner = min(1000, max(1, int(2e-3 / max(time.perf_counter() - start, 1e-7))))
-        times = []
-        for _ in range(self.repeats):
-            self.sync()
+    def loop(self, fn: Callable[[], object], inner: int) -> float:
+        """Seconds per call of ``inner`` calls in a row."""
+        if self.device.type != "cuda":
             start = time.perf_counter()
             for _ in range(inner):
                 fn()
-            self.sync()
-            times.append((time.perf_counter() - start) / inner)
-        return statistics.median(times)
+            return (time.perf_counter() - start) / inner
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        for _ in range(inner):
+            fn()
+        end.record()
+        end.synchronize()
+        return begin.elapsed_time(end) / 1e3 / inner
+
+    def __call__(self, fn: Callable[[], object]) -> float:
+        fn()
+        self.sync()
+        once = self.loop(fn, 1)
+        inner = min(1000, max(1, int(2e-3 / max(once, 1e-7))))
+        return statistics.median(self.loop(fn, inner) for _ in range(self.repeats))
 
 
-def memory_rates(timer: Timer, sizes: Sizes, dtype: torch.dtype) -> dict[str, float]:
-    """Bytes/s (read + written) of four memory-bound kernels."""
+def warm_up(device: torch.device) -> None:
+    """Run matmuls for :data:`WARM_S` seconds so that the clocks are up before timing."""
+    if device.type != "cuda":
+        return
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    start = time.perf_counter()
+    while time.perf_counter() - start < WARM_S:
+        for _ in range(10):
+            a @ a
+        torch.cuda.synchronize(device)
+
+
+def memory_rates(timer: Timer, sizes: Sizes, dtype: torch.dtype) -> dict[str, dict[str, float]]:
+    """Bytes/s (read + written) of memory-bound kernels: torch's (``torch``) and megapp's fused
+    ops in the tier this install runs them in (``megapp``: compiled, else the reference)."""
+    from megapp import fusions
+
     n, device = sizes.buffer, timer.device
     x = torch.randn(n, device=device, dtype=dtype)
     y = torch.randn(n, device=device, dtype=dtype)
     out = torch.empty_like(x)
     w = x.element_size()
     rows = x.view(-1, 4096) if n % 4096 == 0 else x.view(1, -1)
-    weight = torch.ones(rows.shape[-1], device=device, dtype=dtype)
-    kernels = {
+    h = rows.shape[-1]
+    weight, bias = (torch.randn(h, device=device, dtype=dtype) for _ in range(2))
+    plain = {
         "copy": (lambda: out.copy_(x), 2 * n * w),
         "add": (lambda: torch.add(x, y, out=out), 3 * n * w),
-        "layer_norm": (lambda: F.layer_norm(rows, rows.shape[-1:], weight), 2 * n * w),
+        "layer_norm": (lambda: F.layer_norm(rows, (h,), weight), 2 * n * w),
         "gelu": (lambda: F.gelu(x), 2 * n * w),
     }
-    return {name: nbytes / timer(fn) for name, (fn, nbytes) in kernels.items()}
+    rows_y = y.view_as(rows)
+    fused = {
+        "bias_gelu": (lambda: fusions.bias_gelu(rows, bias), 2 * n * w),
+        "bias_dropout_add": (
+            lambda: fusions.bias_dropout_add(rows, bias, rows_y, 0.1, True),
+            3 * n * w + n,  # x, residual in, sum out, a byte of mask per element
+        ),
+        "layer_norm": (lambda: fusions.layer_norm(rows, weight, bias), 2 * n * w),
+        "rms_norm": (lambda: fusions.rms_norm(rows, weight), 2 * n * w),
+    }
+    return {
+        group: {name: nbytes / timer(fn) for name, (fn, nbytes) in kernels.items()}
+        for group, kernels in (("torch", plain), ("megapp", fused))
+    }
 
 
-def kernel_overhead(timer: Timer) -> float:
-    """Seconds per kernel of a stream of adds on a one-element tensor. On a GPU the stream is
-    queued behind a long matmul and timed with events, so it measures the device's time per
-    kernel (run plus gap), not the host's launch rate."""
+def kernel_overheads(timer: Timer) -> tuple[float, float]:
+    """Seconds per kernel of a stream of adds on a one-element tensor: on the device, and
+    for the host to launch it. On a GPU the stream is queued behind a sleeping kernel, so the
+    device runs it back to back and its events time the device alone; the host's time to
+    queue it is the launch cost. On a CPU the two are one."""
     x = torch.zeros(1, device=timer.device)
     count = 500
-    if timer.device.type != "cuda":
 
-        def stream() -> None:
-            for _ in range(count):
-                x.add_(1.0)
-
-        return timer(stream) / count
-    big = torch.randn(8192, 8192, device=timer.device, dtype=torch.bfloat16)
-    samples = []
-    for _ in range(timer.repeats):
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        big @ big  # keeps the device busy while the host queues the stream
-        begin.record()
+    def stream() -> None:
         for _ in range(count):
             x.add_(1.0)
+
+    if timer.device.type != "cuda":
+        seconds = timer(stream) / count
+        return seconds, seconds
+    device, host = [], []
+    for _ in range(timer.repeats):
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(50_000_000)  # about 25 ms: longer than queueing the stream
+        begin.record()
+        start = time.perf_counter()
+        stream()
+        host.append((time.perf_counter() - start) / count)
         end.record()
         end.synchronize()
-        samples.append(begin.elapsed_time(end) / 1e3 / count)
-    return statistics.median(samples)
+        device.append(begin.elapsed_time(end) / 1e3 / count)
+    return statistics.median(device), statistics.median(host)
 
 
 def matmul_grid(timer: Timer, sizes: Sizes, dtype: torch.dtype) -> list[dict]:
-    """Measured FLOP/s of ``[m, k] × [k, n]`` over the grid's shapes."""
+    """Seconds of ``y = x·Wᵀ`` (``F.linear``, as a layer runs it), ``x [m, k]``, ``W [n, k]``,
+    over the grid's shapes."""
     out = []
     for m in sizes.rows:
         for n in sizes.widths:
             for k in sizes.widths:
-                a = torch.randn(m, k, device=timer.device, dtype=dtype)
-                b = torch.randn(k, n, device=timer.device, dtype=dtype)
-                seconds = timer(lambda a=a, b=b: a @ b)
-                out.append({"m": m, "n": n, "k": k, "seconds": seconds})
-                out[-1]["flops_per_s"] = 2.0 * m * n * k / seconds
+                x = torch.randn(m, k, device=timer.device, dtype=dtype)
+                w = torch.randn(n, k, device=timer.device, dtype=dtype)
+                seconds = timer(lambda x=x, w=w: F.linear(x, w))
+                out.append({"m": m, "n": n, "k": k, "seconds": seconds,
+                            "flops_per_s": 2.0 * m * n * k / seconds})  # fmt: skip
     return out
 
 
@@ -173,33 +213,17 @@ def attention_rates(timer: Timer, sizes: Sizes, dtype: torch.dtype) -> list[dict
             torch.randn(b, heads, s, d, device=timer.device, dtype=dtype, requires_grad=True)
             for _ in range(3)
         )
-        forward = timer(
-            lambda q=q, k=k, v=v: F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        )
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        forward = timer(lambda q=q, k=k, v=v: causal_attention(q, k, v))
+        o = causal_attention(q, k, v)
         grad = torch.randn_like(o)
-        backward = timer(lambda o=o, g=grad: o.backward(g, retain_graph=True))
+        inputs = (q, k, v)
+        backward = timer(
+            lambda o=o, g=grad, i=inputs: torch.autograd.grad(o, i, g, retain_graph=True)
+        )
         flops = 2.0 * b * heads * s * s * d
         out.append({"batch": b, "heads": heads, "seq": s, "head_dim": d, "forward_s": forward,
                     "backward_s": backward, "flops_per_s": flops / forward})  # fmt: skip
     return out
-
-
-def fit_tile(grid: list[dict], multiprocessors: int, memory_bandwidth: float, width: int) -> dict:
-    """The tile and full-wave rate whose :meth:`OpRates.matmul` misses the grid least
-    (mean |model/measured − 1|)."""
-    best = None
-    for tile in TILES:
-        probe = OpRates(1.0, multiprocessors, tile, 1.0, 1.0, memory_bandwidth)
-        fitted = [probe.fitted_matmul_flops(r["flops_per_s"], r["m"], r["n"], r["k"]) for r in grid]
-        rates = dataclasses.replace(probe, matmul_flops=statistics.median(fitted))
-        errors = [abs(rates.matmul(r["m"], r["n"], r["k"], width) / r["seconds"] - 1) for r in grid]
-        mean = sum(errors) / len(errors)
-        if best is None or mean < best["mean_error"]:
-            best = {"tile": tile, "matmul_flops": rates.matmul_flops, "mean_error": mean,
-                    "max_error": max(errors)}  # fmt: skip
-    assert best is not None
-    return best
 
 
 def base_profile(device: torch.device, base: str | None) -> Hardware:
@@ -221,49 +245,57 @@ def calibrate(device: torch.device, sizes: Sizes, base: Hardware) -> tuple[Hardw
     cuda = device.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
     timer = Timer(device, sizes.repeats)
-    width = torch.empty((), dtype=dtype).element_size()
-    memory = memory_rates(timer, sizes, dtype)
-    bandwidth = statistics.median(memory.values())
-    overhead = kernel_overhead(timer)
-    grid = matmul_grid(timer, sizes, dtype)
-    units = torch.cuda.get_device_properties(device).multi_processor_count if cuda else 1
-    fit = fit_tile(grid, units, bandwidth, width)
-    attention = attention_rates(timer, sizes, dtype)
-    longest = max(attention, key=lambda r: r["seq"])
-    ops = OpRates(
-        matmul_flops=fit["matmul_flops"],
-        multiprocessors=units,
-        tile=fit["tile"],
-        attention_flops=longest["flops_per_s"],
-        attention_backward_ratio=longest["backward_s"] / longest["forward_s"],
-        memory_bandwidth=bandwidth,
-        kernel_overhead=overhead,
-    )
-    memory_bytes = (
-        torch.cuda.get_device_properties(device).total_memory if cuda else base.memory_bytes
-    )
+    warm_up(device)
     name = torch.cuda.get_device_name(device) if cuda else "cpu"
-    row = gpu_peak(name) if cuda else None
-    hardware = dataclasses.replace(
-        base,
-        name=f"{base.name} measured on {name}",
-        gemm_flops=max(r["flops_per_s"] for r in grid),
-        peak_flops=row.dense_16bit_tflops * 1e12 if row is not None else None,
-        memory_bytes=float(memory_bytes),
-        memory_bandwidth=bandwidth,
-        ops=ops,
-    )
+    device_overhead, launch_overhead = kernel_overheads(timer)
     measurements = {
         "device": name,
         "torch": torch.__version__,
         "dtype": str(dtype).removeprefix("torch."),
-        "memory_bytes_per_s": memory,
-        "kernel_overhead_s": overhead,
-        "matmul": grid,
-        "matmul_fit": fit,
-        "attention": attention,
+        "multiprocessors": torch.cuda.get_device_properties(device).multi_processor_count
+        if cuda
+        else 1,
+        "memory_bytes_per_s": memory_rates(timer, sizes, dtype),
+        "kernel_overhead_s": device_overhead,
+        "launch_overhead_s": launch_overhead,
+        "matmul": matmul_grid(timer, sizes, dtype),
+        "attention": attention_rates(timer, sizes, dtype),
     }
+    ops, fit = op_rates(measurements)
+    measurements["fit"] = fit
+    memory_bytes = (
+        torch.cuda.get_device_properties(device).total_memory if cuda else base.memory_bytes
+    )
+    row = gpu_peak(name) if cuda else None
+    hardware = dataclasses.replace(
+        base,
+        name=f"{base.name} measured on {name}",
+        gemm_flops=max(r["flops_per_s"] for r in measurements["matmul"]),
+        peak_flops=row.dense_16bit_tflops * 1e12 if row is not None else None,
+        memory_bytes=float(memory_bytes),
+        memory_bandwidth=ops.memory_bandwidth,
+        ops=ops,
+    )
     return hardware, measurements
+
+
+def describe(ops: OpRates, fit: dict) -> str:
+    """The fitted rates in a few lines, with how well each part fits its timings."""
+    matmul, attention = fit["matmul"], fit["attention"]
+    forward, backward = attention["attention_errors"], attention["attention_backward_errors"]
+    return "\n".join((
+        f"  matmul {ops.matmul_flops / 1e12:.0f} TFLOP/s in full waves of {ops.tile} tiles on "
+        f"{ops.multiprocessors} units, +{ops.wave_overhead * 1e6:.1f} us per wave, "
+        f"+{ops.matmul_overhead * 1e6:.1f} us per kernel: grid within {matmul['mean_error']:.1%} "
+        f"mean, {matmul['max_error']:.1%} worst",
+        f"  attention {ops.attention_flops / 1e12:.0f} TFLOP/s forward (+"
+        f"{ops.attention_overhead * 1e6:.0f} us), {ops.attention_backward_flops / 1e12:.0f} "
+        f"backward (+{ops.attention_backward_overhead * 1e6:.0f} us): within "
+        f"{forward['max_error']:.1%} and {backward['max_error']:.1%}",
+        f"  memory-bound {ops.memory_bandwidth / 1e9:.0f} GB/s; per kernel "
+        f"{ops.kernel_overhead * 1e6:.1f} us on the device, {ops.launch_overhead * 1e6:.1f} us "
+        "to launch",
+    ))  # fmt: skip
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -296,15 +328,10 @@ def main(argv: list[str] | None = None) -> int:
     hardware.save(args.out)
     if args.measurements:
         Path(args.measurements).write_text(json.dumps(measurements, indent=2) + "\n")
-    ops, fit = hardware.ops, measurements["matmul_fit"]
+    ops, fit = hardware.ops, measurements["fit"]
     assert ops is not None
     print(f"{measurements['device']}: calibrated in {measurements['seconds']:.0f} s -> {args.out}")
-    print(f"  matmul {ops.matmul_flops / 1e12:.1f} TFLOP/s per full wave, tile {ops.tile}, "
-          f"{ops.multiprocessors} units; grid missed by {fit['mean_error']:.1%} mean, "
-          f"{fit['max_error']:.1%} worst")  # fmt: skip
-    print(f"  attention {ops.attention_flops / 1e12:.1f} TFLOP/s forward, backward "
-          f"{ops.attention_backward_ratio:.2f}x; memory {ops.memory_bandwidth / 1e9:.0f} GB/s; "
-          f"{ops.kernel_overhead * 1e6:.1f} us per kernel")  # fmt: skip
+    print(describe(ops, fit))
     return 0
 
 

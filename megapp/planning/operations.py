@@ -39,6 +39,8 @@ from dataclasses import dataclass
 from megapp.models.gpt import GPTConfig
 
 _DROPOUT_MASK_BYTES = 1  # torch keeps a dropout mask as one byte per element
+OVERHEADS = ("wave_overhead", "matmul_overhead", "attention_overhead")
+OVERHEADS += ("attention_backward_overhead", "kernel_overhead", "launch_overhead")
 
 
 @dataclass(frozen=True)
@@ -46,22 +48,29 @@ class OpRates:
     """How fast one device runs the operations of a layer. Rates per second, times in
     seconds, ``tile`` the output tile of its matmul kernels."""
 
-    matmul_flops: float  # 16-bit dense matmul rate of full waves of full tiles
+    matmul_flops: float  # 16-bit dense matmul rate inside full waves of full tiles
     multiprocessors: int  # tiles that run at once (one per SM)
     tile: tuple[int, int]  # output rows × columns one SM computes at a time
-    attention_flops: float  # fused causal attention forward, FLOPs of its unmasked half / s
-    attention_backward_ratio: float  # its backward's seconds over its forward's
     memory_bandwidth: float  # bytes/s that elementwise and norm kernels move (read + write)
-    kernel_overhead: float = 0.0  # fixed seconds per kernel (launch gap, ramp and tail)
+    attention_flops: float  # fused causal attention forward: FLOPs of its unmasked half / s
+    attention_backward_flops: float  # the same FLOPs over its backward's seconds
+    wave_overhead: float = 0.0  # per wave of a matmul (a tile's prologue and epilogue)
+    matmul_overhead: float = 0.0  # per matmul kernel (launch, ramp and tail)
+    attention_overhead: float = 0.0  # per fused attention forward kernel
+    attention_backward_overhead: float = 0.0  # per fused attention backward
+    kernel_overhead: float = 0.0  # per memory-bound kernel, on the device
+    launch_overhead: float = 0.0  # host seconds per kernel: a pass lasts at least its count
 
     def __post_init__(self) -> None:
-        for name in ("matmul_flops", "attention_flops", "memory_bandwidth"):
+        rates = ("matmul_flops", "memory_bandwidth", "attention_flops")
+        for name in (*rates, "attention_backward_flops"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"op rates: {name} must be > 0")
         if self.multiprocessors < 1 or len(self.tile) != 2 or min(self.tile) < 1:
             raise ValueError("op rates: multiprocessors and both tile sides must be >= 1")
-        if not self.attention_backward_ratio > 0 or self.kernel_overhead < 0:
-            raise ValueError("op rates: attention_backward_ratio > 0, kernel_overhead >= 0")
+        for name in OVERHEADS:
+            if getattr(self, name) < 0:
+                raise ValueError(f"op rates: {name} must be >= 0")
 
     @classmethod
     def from_dict(cls, data: dict) -> OpRates:
@@ -72,14 +81,20 @@ class OpRates:
             raise ValueError(f"unknown op-rate keys: {', '.join(unknown)}")
         return cls(**{**data, "tile": tuple(data["tile"])})
 
+    def waves(self, m: int, n: int, batch: int = 1) -> int:
+        """Waves of tiles that cover ``batch`` outputs ``[m, n]``."""
+        tm, tn = self.tile
+        tiles = batch * math.ceil(m / tm) * math.ceil(n / tn)
+        return math.ceil(tiles / self.multiprocessors)
+
     def matmul(self, m: int, n: int, k: int, width: int = 2, batch: int = 1) -> float:
         """Seconds of ``batch`` products ``[m, k] × [k, n]`` in one kernel."""
         tm, tn = self.tile
-        tiles = batch * math.ceil(m / tm) * math.ceil(n / tn)
-        waves = math.ceil(tiles / self.multiprocessors)
+        waves = self.waves(m, n, batch)
         compute = 2.0 * waves * self.multiprocessors * tm * tn * k / self.matmul_flops
+        compute += waves * self.wave_overhead
         traffic = batch * width * (m * k + k * n + m * n) / self.memory_bandwidth
-        return max(compute, traffic) + self.kernel_overhead
+        return max(compute, traffic) + self.matmul_overhead
 
     def linear(self, tokens: int, inputs: int, outputs: int, width: int = 2) -> tuple[float, ...]:
         """Seconds of ``y = x·Wᵀ`` over ``tokens`` rows: forward, input gradient, weight
@@ -94,13 +109,12 @@ class OpRates:
         """Seconds of ``kernels`` memory-bound kernels moving ``nbytes`` in all."""
         return nbytes / self.memory_bandwidth + kernels * self.kernel_overhead
 
-    def fitted_matmul_flops(self, measured_flops: float, m: int, n: int, k: int) -> float:
-        """The ``matmul_flops`` under which :meth:`matmul` of ``[m, k] × [k, n]`` runs at
-        ``measured_flops`` (the measured rate corrected for its shape's quantization)."""
-        tm, tn = self.tile
-        tiles = math.ceil(m / tm) * math.ceil(n / tn)
-        padded = math.ceil(tiles / self.multiprocessors) * self.multiprocessors * tm * tn
-        return measured_flops * padded / (m * n)
+    def attention(self, flops: float) -> tuple[float, float]:
+        """Forward and backward seconds of fused causal attention of ``flops`` (its unmasked
+        half's forward FLOPs)."""
+        forward = flops / self.attention_flops + self.attention_overhead
+        backward = flops / self.attention_backward_flops + self.attention_backward_overhead
+        return forward, backward
 
 
 @dataclass(frozen=True)
@@ -126,9 +140,7 @@ def attention_seconds(
     heads, d, b = gpt.num_attention_heads // tp, gpt.kv_channels, micro_batch_size
     queries, keys, w = seq_length // cp, seq_length, _width(gpt)
     if gpt.attention_backend == "sdpa":
-        flops = 2.0 * b * heads * queries * keys * d  # the unmasked half of 4·s_q·s_k·d
-        forward = flops / rates.attention_flops + rates.kernel_overhead
-        return forward, forward * rates.attention_backward_ratio
+        return rates.attention(2.0 * b * heads * queries * keys * d)  # half of 4·s_q·s_k·d
     batch = b * heads  # materialized scores: q·kᵀ, softmax (+ mask, dropout), p·v
     scores = batch * queries * keys
     dropout = gpt.attention_dropout > 0
@@ -168,13 +180,11 @@ def layer_parts(
     nbytes = rows * h * (2 * 2 * w + 2 * residual)  # two norms, two residual adds
     nbytes += tokens * ffn * (3 if gated else 2) * w  # activation
     nbytes += 2 * tokens * heads * d * w  # the attention output's head relayout
-    kernels = 2 + 2 + 1 + 1
     if gpt.position_embedding_type == "rope":
         nbytes += 2 * tokens * (heads + groups) * gpt.rotary_dim * w
-        kernels += 2
-    memory = rates.memory(nbytes, kernels)
+    memory = rates.memory(nbytes, memory_kernels(gpt))
     params = h * (heads + 2 * groups) * d + heads * d * h + (3 if gated else 2) * h * ffn
-    accumulate = rates.memory(params * (w + 8), len(linears)) if w < 4 else 0.0
+    accumulate = rates.memory(params * (w + 8), parameter_tensors(gpt)) if w < 4 else 0.0
     return {
         "matmul": (matmul[0], matmul[1], matmul[2]),
         "attention": (core_f, core_b, 0.0),
@@ -183,13 +193,35 @@ def layer_parts(
     }
 
 
+def memory_kernels(gpt: GPTConfig) -> int:
+    """Memory-bound kernels of one layer's forward: two norms, two residual adds, the
+    activation, the head relayout (and RoPE on queries and keys)."""
+    return 6 + 2 * (gpt.position_embedding_type == "rope")
+
+
+def parameter_tensors(gpt: GPTConfig) -> int:
+    """Parameter tensors of one dense layer: four weights, their biases, the norms'."""
+    norms = 2 * (2 if gpt.normalization == "LayerNorm" else 1)
+    return 4 + 4 * gpt.add_bias_linear + norms
+
+
+def layer_kernels(gpt: GPTConfig) -> tuple[int, int, int]:
+    """Kernels one layer launches in its forward, input gradient and weight gradient."""
+    attention = 1 if gpt.attention_backend == "sdpa" else 3
+    forward = 4 + attention + memory_kernels(gpt)
+    return forward, 4 + attention + 2 * memory_kernels(gpt), 4 + parameter_tensors(gpt)
+
+
 def layer_seconds(
     gpt: GPTConfig, seq_length: int, micro_batch_size: int, rates: OpRates
 ) -> LayerSeconds:
     """One dense layer's forward, input gradient and weight gradient on one rank, without
-    recompute (the time model adds a rerun's forward to the input gradient)."""
+    recompute (the time model adds a rerun's forward to the input gradient). A pass lasts
+    the longer of its device time and its kernels' host launches."""
     parts = layer_parts(gpt, seq_length, micro_batch_size, rates)
-    f, i, w = (sum(column) for column in zip(*parts.values(), strict=True))
+    device = (sum(column) for column in zip(*parts.values(), strict=True))
+    host = (n * rates.launch_overhead for n in layer_kernels(gpt))
+    f, i, w = (max(d, h) for d, h in zip(device, host, strict=True))
     return LayerSeconds(f, i, w, core_forward=parts["attention"][0])
 
 
