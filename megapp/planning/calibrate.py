@@ -6,14 +6,18 @@
 After 1.5 s of matmuls (the clocks ramp up from idle) it times, on the device at hand
 (CUDA events on a GPU; loops of calls spanning a few milliseconds; the median of several):
 
-- **memory-bound kernels**: a copy, an add, a layer norm and a GeLU over a buffer many times
-  the last-level cache; bytes read plus written over time;
+- **memory-bound kernels**, forward and backward: megapp's fused ops as this install runs
+  them (layer and RMS norm, bias + GeLU, bias + SwiGLU, bias + dropout + residual, RoPE) on
+  a ``[16384, 4096]`` input, torch's copy and the fp32 gradient accumulation over a buffer
+  many times the last-level cache; bytes read plus written over time;
 - **per-kernel costs**: a stream of tiny adds queued behind a sleeping kernel, so the device
   runs it back to back (seconds per kernel on the device) while the host's time to queue it
   is the launch cost;
-- **matmuls** ``F.linear`` over a grid of shapes (16-bit on a GPU, fp32 on a CPU);
+- **matmuls** ``F.linear`` over a grid of shapes (16-bit on a GPU, fp32 on a CPU), and
 - **fused attention** (``torch.nn.functional.scaled_dot_product_attention``, causal) forward
-  and backward at a few shapes.
+  and backward at a few shapes and head dimensions, both as single calls after the device
+  idled as long (a sleeping kernel): a layer's matmuls alternate with memory-bound work, and
+  a device that only multiplies lowers its clocks to stay within its power.
 
 :mod:`megapp.planning.op_fit` fits the operation model's rates to these timings
 (:func:`~megapp.planning.op_fit.op_rates`), and the command prints how well each part fits.
@@ -51,7 +55,8 @@ BUILTIN_OF_PART = {"H100 SXM": "h100", "H200 SXM": "h200", "A100 80GB SXM": "a10
 class Sizes:
     """What to time: buffer elements, matmul grid, attention shapes, repeats."""
 
-    buffer: int
+    buffer: int  # elements of torch's copy and add
+    kernel_shape: tuple[int, int]  # [rows, h] of megapp's memory-bound kernels
     rows: tuple[int, ...]
     widths: tuple[int, ...]
     attention: tuple[tuple[int, int, int, int], ...]  # (batch, heads, seq, head dim)
@@ -60,16 +65,21 @@ class Sizes:
 
 FULL = Sizes(
     buffer=2**28,  # 512 MiB in 16-bit: many times any L2
+    kernel_shape=(16384, 4096),
     rows=(4096, 16384),
     widths=(1024, 4096, 12288),
-    attention=((2, 32, 1024, 128), (1, 32, 4096, 128), (1, 16, 8192, 128), (4, 16, 4096, 64)),
+    attention=(
+        (2, 32, 1024, 128), (1, 32, 4096, 128), (1, 16, 8192, 128),
+        (2, 32, 1024, 64), (4, 16, 4096, 64), (1, 16, 8192, 64),
+    ),
     repeats=20,
-)
+)  # fmt: skip
 QUICK = Sizes(
     buffer=2**22,
+    kernel_shape=(256, 256),
     rows=(64, 256),
     widths=(64, 192),
-    attention=((1, 2, 128, 32), (1, 2, 256, 32)),
+    attention=((1, 2, 128, 32), (1, 4, 512, 32)),
     repeats=3,
 )
 
@@ -108,6 +118,26 @@ class Timer:
         inner = min(1000, max(1, int(2e-3 / max(once, 1e-7))))
         return statistics.median(self.loop(fn, inner) for _ in range(self.repeats))
 
+    def spaced(self, fn: Callable[[], object]) -> float:
+        """Median seconds of single calls, each after the device idled (a sleeping kernel)
+        about as long: a layer's matmuls alternate with memory-bound kernels, and a device
+        that only multiplies slows its clocks to stay within its power."""
+        if self.device.type != "cuda":
+            return self(fn)
+        fn()
+        once = self.loop(fn, 1)
+        cycles = int(min(once, 0.02) * 1.5e9)  # at about 1.5 GHz
+        samples = []
+        for _ in range(self.repeats):
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda._sleep(cycles)
+            begin.record()
+            fn()
+            end.record()
+            end.synchronize()
+            samples.append(begin.elapsed_time(end) / 1e3)
+        return statistics.median(samples)
+
 
 def warm_up(device: torch.device) -> None:
     """Run matmuls for :data:`WARM_S` seconds so that the clocks are up before timing."""
@@ -121,39 +151,55 @@ def warm_up(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def memory_rates(timer: Timer, sizes: Sizes, dtype: torch.dtype) -> dict[str, dict[str, float]]:
-    """Bytes/s (read + written) of memory-bound kernels: torch's (``torch``) and megapp's fused
-    ops in the tier this install runs them in (``megapp``: compiled, else the reference)."""
+def kernel_rates(timer: Timer, sizes: Sizes, dtype: torch.dtype) -> dict[str, dict[str, float]]:
+    """Forward and backward bytes/s (read + written) of the memory-bound kernels a layer runs:
+    megapp's fused ops in the tier this install runs them (compiled, else the reference) on
+    ``[rows, h]``, and torch's copy and fp32 accumulation (``main_grad += grad``)."""
     from megapp import fusions
 
-    n, device = sizes.buffer, timer.device
-    x = torch.randn(n, device=device, dtype=dtype)
-    y = torch.randn(n, device=device, dtype=dtype)
-    out = torch.empty_like(x)
-    w = x.element_size()
-    rows = x.view(-1, 4096) if n % 4096 == 0 else x.view(1, -1)
-    h = rows.shape[-1]
-    weight, bias = (torch.randn(h, device=device, dtype=dtype) for _ in range(2))
-    plain = {
-        "copy": (lambda: out.copy_(x), 2 * n * w),
-        "add": (lambda: torch.add(x, y, out=out), 3 * n * w),
-        "layer_norm": (lambda: F.layer_norm(rows, (h,), weight), 2 * n * w),
-        "gelu": (lambda: F.gelu(x), 2 * n * w),
-    }
-    rows_y = y.view_as(rows)
-    fused = {
-        "bias_gelu": (lambda: fusions.bias_gelu(rows, bias), 2 * n * w),
-        "bias_dropout_add": (
-            lambda: fusions.bias_dropout_add(rows, bias, rows_y, 0.1, True),
-            3 * n * w + n,  # x, residual in, sum out, a byte of mask per element
-        ),
-        "layer_norm": (lambda: fusions.layer_norm(rows, weight, bias), 2 * n * w),
-        "rms_norm": (lambda: fusions.rms_norm(rows, weight), 2 * n * w),
-    }
-    return {
-        group: {name: nbytes / timer(fn) for name, (fn, nbytes) in kernels.items()}
-        for group, kernels in (("torch", plain), ("megapp", fused))
-    }
+    (n, h), device, w = sizes.kernel_shape, timer.device, torch.empty((), dtype=dtype).itemsize
+
+    def leaf(*shape: int, kind: torch.dtype = dtype) -> torch.Tensor:
+        return torch.randn(*shape, device=device, dtype=kind, requires_grad=True)
+
+    x, residual, wide = leaf(n, h), leaf(n, h), leaf(n, 2 * h)
+    weight, bias, bias2 = leaf(h), leaf(h), leaf(2 * h)
+    heads = h // 128
+    rope_in = leaf(n // 4, 4, heads, 128)
+    freqs = fusions.rotary_freqs(n // 4, 128, device=device)
+    ops = {  # name: (forward, its inputs, forward bytes, backward bytes)
+        "layer_norm": (lambda: fusions.layer_norm(x, weight, bias), (x, weight, bias),
+                       2 * n * h * w, 3 * n * h * w),
+        "rms_norm": (lambda: fusions.rms_norm(x, weight), (x, weight), 2 * n * h * w,
+                     3 * n * h * w),
+        "bias_gelu": (lambda: fusions.bias_gelu(x, bias), (x, bias), 2 * n * h * w,
+                      3 * n * h * w),
+        "bias_swiglu": (lambda: fusions.bias_swiglu(wide, bias2), (wide, bias2), 3 * n * h * w,
+                        5 * n * h * w),
+        "bias_dropout_add": (lambda: fusions.bias_dropout_add(x, bias, residual, 0.1, True),
+                             (x, bias), n * h * (3 * w + 1), n * h * (2 * w + 1)),
+        "rope": (lambda: fusions.apply_rotary_pos_emb(rope_in, freqs), (rope_in,),
+                 2 * n * h * w, 2 * n * h * w),
+    }  # fmt: skip
+    out = {}
+    for name, (forward, inputs, forward_bytes, backward_bytes) in ops.items():
+        y = forward()
+        grad = torch.randn_like(y)
+        backward = timer(
+            lambda y=y, g=grad, i=inputs: torch.autograd.grad(y, i, g, retain_graph=True)
+        )
+        out[name] = {
+            "forward": forward_bytes / timer(forward),
+            "backward": backward_bytes / backward,
+        }
+    with torch.no_grad():
+        flat = torch.randn(sizes.buffer, device=device, dtype=dtype)
+        copy_out, main = torch.empty_like(flat), torch.zeros(sizes.buffer, device=device)
+        copy = 2 * sizes.buffer * w / timer(lambda: copy_out.copy_(flat))
+        add = sizes.buffer * (w + 8) / timer(lambda: main.add_(flat))
+    out["copy"] = {"forward": copy, "backward": copy}
+    out["add"] = {"forward": add, "backward": add}
+    return out
 
 
 def kernel_overheads(timer: Timer) -> tuple[float, float]:
@@ -194,7 +240,7 @@ def matmul_grid(timer: Timer, sizes: Sizes, dtype: torch.dtype) -> list[dict]:
             for k in sizes.widths:
                 x = torch.randn(m, k, device=timer.device, dtype=dtype)
                 w = torch.randn(n, k, device=timer.device, dtype=dtype)
-                seconds = timer(lambda x=x, w=w: F.linear(x, w))
+                seconds = timer.spaced(lambda x=x, w=w: F.linear(x, w))
                 out.append({"m": m, "n": n, "k": k, "seconds": seconds,
                             "flops_per_s": 2.0 * m * n * k / seconds})  # fmt: skip
     return out
@@ -213,11 +259,11 @@ def attention_rates(timer: Timer, sizes: Sizes, dtype: torch.dtype) -> list[dict
             torch.randn(b, heads, s, d, device=timer.device, dtype=dtype, requires_grad=True)
             for _ in range(3)
         )
-        forward = timer(lambda q=q, k=k, v=v: causal_attention(q, k, v))
+        forward = timer.spaced(lambda q=q, k=k, v=v: causal_attention(q, k, v))
         o = causal_attention(q, k, v)
         grad = torch.randn_like(o)
         inputs = (q, k, v)
-        backward = timer(
+        backward = timer.spaced(
             lambda o=o, g=grad, i=inputs: torch.autograd.grad(o, i, g, retain_graph=True)
         )
         flops = 2.0 * b * heads * s * s * d
@@ -255,7 +301,7 @@ def calibrate(device: torch.device, sizes: Sizes, base: Hardware) -> tuple[Hardw
         "multiprocessors": torch.cuda.get_device_properties(device).multi_processor_count
         if cuda
         else 1,
-        "memory_bytes_per_s": memory_rates(timer, sizes, dtype),
+        "kernels": kernel_rates(timer, sizes, dtype),
         "kernel_overhead_s": device_overhead,
         "launch_overhead_s": launch_overhead,
         "matmul": matmul_grid(timer, sizes, dtype),
@@ -281,21 +327,27 @@ def calibrate(device: torch.device, sizes: Sizes, base: Hardware) -> tuple[Hardw
 
 def describe(ops: OpRates, fit: dict) -> str:
     """The fitted rates in a few lines, with how well each part fits its timings."""
-    matmul, attention = fit["matmul"], fit["attention"]
-    forward, backward = attention["attention_errors"], attention["attention_backward_errors"]
-    return "\n".join((
+    matmul = fit["matmul"]
+    lines = [
         f"  matmul {ops.matmul_flops / 1e12:.0f} TFLOP/s in full waves of {ops.tile} tiles on "
         f"{ops.multiprocessors} units, +{ops.wave_overhead * 1e6:.1f} us per wave, "
         f"+{ops.matmul_overhead * 1e6:.1f} us per kernel: grid within {matmul['mean_error']:.1%} "
-        f"mean, {matmul['max_error']:.1%} worst",
-        f"  attention {ops.attention_flops / 1e12:.0f} TFLOP/s forward (+"
-        f"{ops.attention_overhead * 1e6:.0f} us), {ops.attention_backward_flops / 1e12:.0f} "
-        f"backward (+{ops.attention_backward_overhead * 1e6:.0f} us): within "
-        f"{forward['max_error']:.1%} and {backward['max_error']:.1%}",
-        f"  memory-bound {ops.memory_bandwidth / 1e9:.0f} GB/s; per kernel "
-        f"{ops.kernel_overhead * 1e6:.1f} us on the device, {ops.launch_overhead * 1e6:.1f} us "
-        "to launch",
-    ))  # fmt: skip
+        f"mean, {matmul['max_error']:.1%} worst"
+    ]
+    for a in fit["attention"]:
+        lines.append(
+            f"  attention, heads of {a['head_dim']}: {a['forward_flops'] / 1e12:.0f} TFLOP/s "
+            f"forward (+{a['forward_overhead'] * 1e6:.0f} us), {a['backward_flops'] / 1e12:.0f} "
+            f"backward (+{a['backward_overhead'] * 1e6:.0f} us): within "
+            f"{a['forward_errors']['max_error']:.1%} and {a['backward_errors']['max_error']:.1%}"
+        )
+    kernels = ", ".join(f"{op} {f / 1e9:.0f}/{b / 1e9:.0f}" for op, f, b in ops.kernels)
+    lines.append(f"  memory-bound GB/s forward/backward: {kernels}")
+    lines.append(
+        f"  per kernel {ops.kernel_overhead * 1e6:.1f} us on the device, "
+        f"{ops.launch_overhead * 1e6:.1f} us to launch"
+    )
+    return "\n".join(lines)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -6,10 +6,12 @@ checked on any machine.
   ``2·waves·multiprocessors·tm·tn·k / matmul_flops + waves·wave_overhead + matmul_overhead``
   (:meth:`~megapp.planning.operations.OpRates.matmul`), errors weighted relative to each
   measurement; the tile whose model misses the grid least is kept.
-- **attention**: forward and backward seconds each fitted to ``flops / rate + overhead``.
-- **memory-bound**: the median bandwidth of megapp's fused kernels (norms, bias + GeLU,
-  bias + dropout + residual) as this install runs them; the per-kernel device and host
-  overheads as measured.
+- **attention**: forward and backward seconds each fitted to ``flops / rate + overhead``,
+  per head dimension (flash kernels run slower on narrow heads).
+- **memory-bound**: each kernel's forward and backward bandwidth as measured (megapp's fused
+  ops in the tier this install runs them: norms, bias + GeLU or SwiGLU, bias + dropout +
+  residual, RoPE; torch's copy and add), their median for anything else; the per-kernel
+  device and host overheads as measured.
 
 Every coefficient is kept non-negative: a term whose best coefficient is negative is dropped
 and the rest refitted.
@@ -22,8 +24,11 @@ from collections.abc import Sequence
 
 import torch
 
-from megapp.planning.operations import OpRates
+from megapp.planning.operations import AttentionRates, OpRates
 
+ATTENTION_PROBE = (AttentionRates(128, 1.0, 1.0),)  # a placeholder where only matmuls matter
+ATTENTION_KEYS = ("head_dim", "forward_flops", "backward_flops")
+ATTENTION_KEYS += ("forward_overhead", "backward_overhead")
 TILES = ((64, 64), (128, 64), (64, 128), (128, 128), (128, 256), (256, 128))
 
 
@@ -57,7 +62,7 @@ def fit_matmul(grid: Sequence[dict], multiprocessors: int, bandwidth: float, wid
     best: dict | None = None
     seconds = [r["seconds"] for r in grid]
     for tile in TILES:
-        probe = OpRates(1.0, multiprocessors, tile, bandwidth, 1.0, 1.0)
+        probe = OpRates(1.0, multiprocessors, tile, bandwidth, ATTENTION_PROBE)
         rows = []
         for r in grid:
             waves = probe.waves(r["m"], r["n"])
@@ -65,7 +70,7 @@ def fit_matmul(grid: Sequence[dict], multiprocessors: int, bandwidth: float, wid
         inverse_rate, per_wave, per_kernel = relative_least_squares(rows, seconds)
         if inverse_rate <= 0:
             continue
-        rates = OpRates(1 / inverse_rate, multiprocessors, tile, bandwidth, 1.0, 1.0,
+        rates = OpRates(1 / inverse_rate, multiprocessors, tile, bandwidth, ATTENTION_PROBE,
                         wave_overhead=per_wave, matmul_overhead=per_kernel)  # fmt: skip
         predicted = [rates.matmul(r["m"], r["n"], r["k"], width) for r in grid]
         fit = {"tile": tile, "matmul_flops": rates.matmul_flops, "wave_overhead": per_wave,
@@ -77,28 +82,33 @@ def fit_matmul(grid: Sequence[dict], multiprocessors: int, bandwidth: float, wid
     return best
 
 
-def fit_attention(shapes: Sequence[dict]) -> dict:
-    """Forward and backward rates and overheads of fused causal attention from ``shapes``
-    (rows of ``batch``, ``heads``, ``seq``, ``head_dim``, ``forward_s``, ``backward_s``)."""
-    flops = [2.0 * r["batch"] * r["heads"] * r["seq"] ** 2 * r["head_dim"] for r in shapes]
-    out: dict = {}
-    for name, key in (("attention", "forward_s"), ("attention_backward", "backward_s")):
-        measured = [r[key] for r in shapes]
-        rows = [[f, 1.0] if len(shapes) > 1 else [f] for f in flops]
-        coefficients = [*relative_least_squares(rows, measured), 0.0]
-        if coefficients[0] <= 0:
-            raise ValueError(f"{name} timings do not grow with the work")
-        out[f"{name}_flops"], out[f"{name}_overhead"] = 1 / coefficients[0], coefficients[1]
-        predicted = [f * coefficients[0] + coefficients[1] for f in flops]
-        out[f"{name}_errors"] = _errors(predicted, measured)
-    return out
+def fit_attention(shapes: Sequence[dict]) -> list[dict]:
+    """Forward and backward rates and overheads of fused causal attention, one fit per head
+    dimension among ``shapes`` (rows of ``batch``, ``heads``, ``seq``, ``head_dim``,
+    ``forward_s``, ``backward_s``)."""
+    fits = []
+    for head_dim in sorted({r["head_dim"] for r in shapes}):
+        rows = [r for r in shapes if r["head_dim"] == head_dim]
+        flops = [2.0 * r["batch"] * r["heads"] * r["seq"] ** 2 * head_dim for r in rows]
+        fit: dict = {"head_dim": head_dim}
+        for name, key in (("forward", "forward_s"), ("backward", "backward_s")):
+            measured = [r[key] for r in rows]
+            columns = [[f, 1.0] if len(rows) > 1 else [f] for f in flops]
+            coefficients = [*relative_least_squares(columns, measured), 0.0]
+            if coefficients[0] <= 0:  # timings that do not grow with the work: a rate alone
+                coefficients = [*relative_least_squares([[f] for f in flops], measured), 0.0]
+            fit[f"{name}_flops"], fit[f"{name}_overhead"] = 1 / coefficients[0], coefficients[1]
+            predicted = [f * coefficients[0] + coefficients[1] for f in flops]
+            fit[f"{name}_errors"] = _errors(predicted, measured)
+        fits.append(fit)
+    return fits
 
 
 def op_rates(measurements: dict) -> tuple[OpRates, dict]:
     """The :class:`OpRates` of a calibration's ``measurements`` and how well each part fits."""
     width = 2 if measurements["dtype"] in ("bfloat16", "float16") else 4
-    memory = measurements["memory_bytes_per_s"]  # megapp's own kernels where measured
-    bandwidth = statistics.median(memory.get("megapp", memory.get("torch", memory)).values())
+    kernels = measurements["kernels"]  # op -> {"forward": bytes/s, "backward": bytes/s}
+    bandwidth = statistics.median(k["forward"] for k in kernels.values())
     units = measurements["multiprocessors"]
     matmul = fit_matmul(measurements["matmul"], units, bandwidth, width)
     attention = fit_attention(measurements["attention"])
@@ -107,13 +117,11 @@ def op_rates(measurements: dict) -> tuple[OpRates, dict]:
         multiprocessors=units,
         tile=tuple(matmul["tile"]),
         memory_bandwidth=bandwidth,
-        attention_flops=attention["attention_flops"],
-        attention_backward_flops=attention["attention_backward_flops"],
+        attention=tuple(AttentionRates(**{k: a[k] for k in ATTENTION_KEYS}) for a in attention),
+        kernels=tuple((op, k["forward"], k["backward"]) for op, k in sorted(kernels.items())),
         wave_overhead=matmul["wave_overhead"],
         matmul_overhead=matmul["matmul_overhead"],
-        attention_overhead=attention["attention_overhead"],
-        attention_backward_overhead=attention["attention_backward_overhead"],
         kernel_overhead=measurements["kernel_overhead_s"],
-        launch_overhead=measurements.get("launch_overhead_s", 0.0),
+        launch_overhead=measurements["launch_overhead_s"],
     )
     return rates, {"matmul": matmul, "attention": attention}

@@ -39,8 +39,25 @@ from dataclasses import dataclass
 from megapp.models.gpt import GPTConfig
 
 _DROPOUT_MASK_BYTES = 1  # torch keeps a dropout mask as one byte per element
-OVERHEADS = ("wave_overhead", "matmul_overhead", "attention_overhead")
-OVERHEADS += ("attention_backward_overhead", "kernel_overhead", "launch_overhead")
+OVERHEADS = ("wave_overhead", "matmul_overhead", "kernel_overhead", "launch_overhead")
+
+
+@dataclass(frozen=True)
+class AttentionRates:
+    """Fused causal attention at one head dimension: forward and backward seconds are
+    ``flops / rate + overhead``, ``flops`` its unmasked half's forward FLOPs."""
+
+    head_dim: int
+    forward_flops: float
+    backward_flops: float
+    forward_overhead: float = 0.0
+    backward_overhead: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.head_dim < 1 or not (self.forward_flops > 0 and self.backward_flops > 0):
+            raise ValueError("attention rates: head_dim >= 1 and rates > 0")
+        if self.forward_overhead < 0 or self.backward_overhead < 0:
+            raise ValueError("attention rates: overheads must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -51,26 +68,28 @@ class OpRates:
     matmul_flops: float  # 16-bit dense matmul rate inside full waves of full tiles
     multiprocessors: int  # tiles that run at once (one per SM)
     tile: tuple[int, int]  # output rows × columns one SM computes at a time
-    memory_bandwidth: float  # bytes/s that elementwise and norm kernels move (read + write)
-    attention_flops: float  # fused causal attention forward: FLOPs of its unmasked half / s
-    attention_backward_flops: float  # the same FLOPs over its backward's seconds
+    memory_bandwidth: float  # bytes/s (read + written) of memory-bound kernels not listed
+    attention: tuple[AttentionRates, ...]  # by head dimension; the nearest one is used
+    # (op, forward bytes/s, backward bytes/s) of the memory-bound kernels measured one by
+    # one: layer_norm, rms_norm, bias_gelu, bias_swiglu, bias_dropout_add, rope, copy, add
+    kernels: tuple[tuple[str, float, float], ...] = ()
     wave_overhead: float = 0.0  # per wave of a matmul (a tile's prologue and epilogue)
     matmul_overhead: float = 0.0  # per matmul kernel (launch, ramp and tail)
-    attention_overhead: float = 0.0  # per fused attention forward kernel
-    attention_backward_overhead: float = 0.0  # per fused attention backward
     kernel_overhead: float = 0.0  # per memory-bound kernel, on the device
     launch_overhead: float = 0.0  # host seconds per kernel: a pass lasts at least its count
 
     def __post_init__(self) -> None:
-        rates = ("matmul_flops", "memory_bandwidth", "attention_flops")
-        for name in (*rates, "attention_backward_flops"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"op rates: {name} must be > 0")
+        if not (self.matmul_flops > 0 and self.memory_bandwidth > 0):
+            raise ValueError("op rates: matmul_flops and memory_bandwidth must be > 0")
         if self.multiprocessors < 1 or len(self.tile) != 2 or min(self.tile) < 1:
             raise ValueError("op rates: multiprocessors and both tile sides must be >= 1")
+        if not self.attention:
+            raise ValueError("op rates: attention needs the rates of one head dimension")
         for name in OVERHEADS:
             if getattr(self, name) < 0:
                 raise ValueError(f"op rates: {name} must be >= 0")
+        if any(not (f > 0 and b > 0) for _, f, b in self.kernels):
+            raise ValueError("op rates: every kernel's rates must be > 0")
 
     @classmethod
     def from_dict(cls, data: dict) -> OpRates:
@@ -79,7 +98,10 @@ class OpRates:
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"unknown op-rate keys: {', '.join(unknown)}")
-        return cls(**{**data, "tile": tuple(data["tile"])})
+        attention = tuple(AttentionRates(**a) for a in data.get("attention", ()))
+        kernels = tuple((name, f, b) for name, f, b in data.get("kernels", ()))
+        return cls(**{**data, "tile": tuple(data["tile"]), "attention": attention,
+                      "kernels": kernels})  # fmt: skip
 
     def waves(self, m: int, n: int, batch: int = 1) -> int:
         """Waves of tiles that cover ``batch`` outputs ``[m, n]``."""
@@ -106,15 +128,28 @@ class OpRates:
         )
 
     def memory(self, nbytes: float, kernels: int) -> float:
-        """Seconds of ``kernels`` memory-bound kernels moving ``nbytes`` in all."""
+        """Seconds of ``kernels`` memory-bound kernels moving ``nbytes`` in all, at the
+        default rate."""
         return nbytes / self.memory_bandwidth + kernels * self.kernel_overhead
 
-    def attention(self, flops: float) -> tuple[float, float]:
+    def kernel(self, op: str, forward_bytes: float, backward_bytes: float) -> tuple[float, float]:
+        """Forward and backward seconds of one memory-bound kernel ``op`` (at its measured
+        rates, else the default) moving those bytes."""
+        rates = {name: (f, b) for name, f, b in self.kernels}
+        f, b = rates.get(op, (self.memory_bandwidth, self.memory_bandwidth))
+        overhead = self.kernel_overhead
+        return forward_bytes / f + overhead, backward_bytes / b + overhead
+
+    def attention_at(self, head_dim: int) -> AttentionRates:
+        """The attention rates measured at the head dimension nearest ``head_dim``."""
+        return min(self.attention, key=lambda a: abs(math.log(a.head_dim / head_dim)))
+
+    def attention_seconds(self, flops: float, head_dim: int) -> tuple[float, float]:
         """Forward and backward seconds of fused causal attention of ``flops`` (its unmasked
-        half's forward FLOPs)."""
-        forward = flops / self.attention_flops + self.attention_overhead
-        backward = flops / self.attention_backward_flops + self.attention_backward_overhead
-        return forward, backward
+        half's forward FLOPs) with heads of ``head_dim``."""
+        a = self.attention_at(head_dim)
+        forward = flops / a.forward_flops + a.forward_overhead
+        return forward, flops / a.backward_flops + a.backward_overhead
 
 
 @dataclass(frozen=True)
@@ -140,7 +175,7 @@ def attention_seconds(
     heads, d, b = gpt.num_attention_heads // tp, gpt.kv_channels, micro_batch_size
     queries, keys, w = seq_length // cp, seq_length, _width(gpt)
     if gpt.attention_backend == "sdpa":
-        return rates.attention(2.0 * b * heads * queries * keys * d)  # half of 4·s_q·s_k·d
+        return rates.attention_seconds(2.0 * b * heads * queries * keys * d, d)  # ½·4·s_q·s_k·d
     batch = b * heads  # materialized scores: q·kᵀ, softmax (+ mask, dropout), p·v
     scores = batch * queries * keys
     dropout = gpt.attention_dropout > 0
@@ -173,22 +208,34 @@ def layer_parts(
     timed = [rates.linear(tokens, inputs, outputs, w) for inputs, outputs in linears]
     matmul = tuple(sum(column) for column in zip(*timed, strict=True))
     core_f, core_b = attention_seconds(gpt, seq_length, micro_batch_size, rates)
-    # memory-bound passes: bytes read + written
     rows = tokens // tp if gpt.sequence_parallel else tokens  # norms and residual rows
-    dropout = gpt.hidden_dropout > 0
-    residual = 3 * w + dropout * _DROPOUT_MASK_BYTES  # x (+ bias), residual in, sum out
-    nbytes = rows * h * (2 * 2 * w + 2 * residual)  # two norms, two residual adds
-    nbytes += tokens * ffn * (3 if gated else 2) * w  # activation
-    nbytes += 2 * tokens * heads * d * w  # the attention output's head relayout
-    if gpt.position_embedding_type == "rope":
-        nbytes += 2 * tokens * (heads + groups) * gpt.rotary_dim * w
-    memory = rates.memory(nbytes, memory_kernels(gpt))
+    mask = _DROPOUT_MASK_BYTES if gpt.hidden_dropout > 0 else 0
+    norm = "layer_norm" if gpt.normalization == "LayerNorm" else "rms_norm"
+    passes = [  # (kernel, forward bytes, backward bytes): read + written
+        (norm, 2 * rows * h * w, 3 * rows * h * w),  # x → y; x, dy → dx
+        (norm, 2 * rows * h * w, 3 * rows * h * w),
+        ("bias_dropout_add", rows * h * (3 * w + mask), rows * h * (2 * w + mask)),
+        ("bias_dropout_add", rows * h * (3 * w + mask), rows * h * (2 * w + mask)),
+        ("copy", 2 * tokens * heads * d * w, 2 * tokens * heads * d * w),  # head relayout
+    ]
+    if gated:  # [gate | up] → out; dy, x → dx
+        passes.append(("bias_swiglu", 3 * tokens * ffn * w, 5 * tokens * ffn * w))
+    else:
+        passes.append(("bias_gelu", 2 * tokens * ffn * w, 3 * tokens * ffn * w))
+    if gpt.position_embedding_type == "rope":  # queries, keys
+        passes.append(("rope", 2 * tokens * heads * d * w, 2 * tokens * heads * d * w))
+        passes.append(("rope", 2 * tokens * groups * d * w, 2 * tokens * groups * d * w))
+    timed_passes = [rates.kernel(*p) for p in passes]
+    memory = tuple(sum(column) for column in zip(*timed_passes, strict=True))
     params = h * (heads + 2 * groups) * d + heads * d * h + (3 if gated else 2) * h * ffn
-    accumulate = rates.memory(params * (w + 8), parameter_tensors(gpt)) if w < 4 else 0.0
+    accumulate = 0.0  # 16-bit grads added into fp32 main_grad: read both, write fp32
+    if w < 4:
+        accumulate = rates.kernel("add", 0.0, params * (w + 8))[1]
+        accumulate += (parameter_tensors(gpt) - 1) * rates.kernel_overhead
     return {
         "matmul": (matmul[0], matmul[1], matmul[2]),
         "attention": (core_f, core_b, 0.0),
-        "memory": (memory, 2 * memory, 0.0),
+        "memory": (memory[0], memory[1], 0.0),
         "grad_accumulation": (0.0, 0.0, accumulate),
     }
 
@@ -196,7 +243,7 @@ def layer_parts(
 def memory_kernels(gpt: GPTConfig) -> int:
     """Memory-bound kernels of one layer's forward: two norms, two residual adds, the
     activation, the head relayout (and RoPE on queries and keys)."""
-    return 6 + 2 * (gpt.position_embedding_type == "rope")
+    return 6 + 2 * (gpt.position_embedding_type == "rope")  # as layer_parts counts them
 
 
 def parameter_tensors(gpt: GPTConfig) -> int:
