@@ -31,7 +31,7 @@ from megapp.training import build_training_setup, train_step
 from megapp.training.arguments import config_from_flags
 
 KINDS = {
-    "attention": ("flash", "fmha", "attention", "sdpa"),
+    "attention": ("flash", "fmha", "attention", "sdpa", "cudnn"),
     "optimizer": ("adam", "multi_tensor", "foreach"),
     "matmul": ("gemm", "cutlass", "nvjet", "xmma", "sm90_", "sm80_", "cublas"),
 }

@@ -28,8 +28,9 @@ from pathlib import Path
 from megapp.ablation.predict import vocab_size
 from megapp.planning.explain import explain, explanation_rows
 from megapp.planning.hardware import Hardware
-from megapp.planning.operations import layer_parts
+from megapp.planning.operations import layer_parts, logits_seconds
 from megapp.planning.profiles import load_profile, time_model
+from megapp.tensor_parallel.utils import pad_vocab_size
 from megapp.training.arguments import config_from_flags
 from megapp.training.iteration_profile import plain_iteration_seconds
 from megapp.training.launch import run_pretrain
@@ -53,6 +54,12 @@ def run_flags(flags: list[str], metrics: Path) -> list[str]:
     return [*out, "--metrics-path", str(metrics)]
 
 
+def padded_vocab(gpt) -> int:
+    """The vocabulary the output layer has (padded as the model pads it)."""
+    step = gpt.make_vocab_size_divisible_by
+    return pad_vocab_size(gpt.vocab_size, gpt.tensor_model_parallel_size, multiple=step)
+
+
 def measured_seconds(records: list[dict], warmup: int, profiled: int | None) -> list[float]:
     """Seconds of the plain iterations after the first ``warmup`` (the profiled iteration
     and the one after it left out)."""
@@ -61,6 +68,36 @@ def measured_seconds(records: list[dict], warmup: int, profiled: int | None) -> 
     if not times:
         raise ValueError(f"no plain iteration after the {warmup} warm-up ones: more --train-iters")
     return times
+
+
+def prediction(flags: list[str], nproc: int, hardware_name: str) -> dict:
+    """The planner's step for pretrain flags (as :func:`run_flags` completes them): its
+    seconds, its explanation's lines and, on a profile with operation rates and one pipeline
+    stage, its compute by kind of kernel over the step (``kinds``: matmul, attention, memory,
+    grad_accumulation, optimizer) and one layer's (``layer``)."""
+    config = config_from_flags(flags, world_size=nproc)
+    vocab = vocab_size(config)
+    hardware = load_profile(hardware_name)
+    explanation = explain(config, vocab, time_model(hardware))
+    rows = dict(explanation_rows(explanation))
+    out = {
+        "predicted_s": float(explanation.step_time.seconds),
+        "breakdown": {k: None if math.isnan(v) else v for k, v in rows.items()},
+        "layer": {},
+        "kinds": {},
+    }
+    if isinstance(hardware, Hardware) and hardware.ops is not None:
+        gpt = config.gpt_config(vocab)
+        seq, mbs = config.model.seq_length, config.training.micro_batch_size
+        out["layer"] = layer_parts(gpt, seq, mbs, hardware.ops)
+        if config.parallel.pipeline_model_parallel_size == 1:
+            passes = gpt.num_layers * config.num_microbatches
+            kinds = {kind: passes * sum(s) for kind, s in out["layer"].items()}
+            output = logits_seconds(gpt, seq * mbs, padded_vocab(gpt), hardware.ops)
+            kinds["matmul"] += config.num_microbatches * sum(vars(output).values())
+            kinds["optimizer"] = rows["step.optimizer"]
+            out["kinds"] = kinds
+    return out
 
 
 def check(args: argparse.Namespace) -> dict:
@@ -75,27 +112,63 @@ def check(args: argparse.Namespace) -> dict:
     config = config_from_flags(flags, world_size=args.nproc)
     times = measured_seconds(records, args.warmup, config.logging.profile_iteration)
     seconds = statistics.median(times)
-    explanation = explain(config, vocab_size(config), time_model(load_profile(args.hardware)))
-    predicted = float(explanation.step_time.seconds)
-    hardware = load_profile(args.hardware)
-    gpt = config.gpt_config(vocab_size(config))
-    layer = {}
-    if isinstance(hardware, Hardware) and hardware.ops is not None:
-        seq, mbs = config.model.seq_length, config.training.micro_batch_size
-        layer = layer_parts(gpt, seq, mbs, hardware.ops)
+    predicted = prediction(flags, args.nproc, args.hardware)
     return {
         "flags": args.flags,
         "nproc": args.nproc,
         "hardware": args.hardware,
         "measured_s": seconds,
         "times_s": times,
-        "predicted_s": predicted,
-        "ratio": predicted / seconds,
-        "breakdown": {k: None if math.isnan(v) else v for k, v in explanation_rows(explanation)},
-        "layer": layer,
+        **predicted,
+        "ratio": predicted["predicted_s"] / seconds,
         "last_lm_loss": [r for r in records if r.get("kind") == "train"][-1].get("lm_loss"),
         "profile": [r for r in records if r.get("kind") == "profile"],
     }
+
+
+def replay(path: str, hardware: str) -> list[dict]:
+    """Predict again the steps a GPU run measured (``docs/img/h200_steps.json``): per step
+    the measured and predicted seconds, and by kind of kernel the device time it measured
+    (``megapp.benchmarks.kernel_time``) beside the predicted."""
+    recorded = json.loads(Path(path).read_text())
+    out = []
+    for step in recorded["steps"]:
+        flags = run_flags(step["flags"], Path(tempfile.gettempdir()) / "unused.jsonl")
+        predicted = prediction(flags, step.get("nproc", 1), hardware)
+        measured = step.get("kernel_time", {}).get("kernel_seconds", {})
+        out.append({
+            "name": step["name"],
+            "held_out": step.get("held_out", False),
+            "measured_s": step["measured_s"],
+            "predicted_s": predicted["predicted_s"],
+            "ratio": predicted["predicted_s"] / step["measured_s"],
+            "kinds": {k: (measured.get(k), v) for k, v in predicted["kinds"].items()},
+        })  # fmt: skip
+    return out
+
+
+def replay_table(rows: list[dict]) -> str:
+    """:func:`replay`'s rows as a markdown table: ms per step, and per kind of kernel the
+    device time measured / predicted (memory-bound kernels with the fp32 gradient
+    accumulation, as the profiler counts them)."""
+    kinds = ("matmul", "attention", "memory", "optimizer")
+    head = "| step | measured ms | predicted ms | predicted/measured | "
+    lines = [head + " | ".join(kinds) + " |", "|" + "---|" * (4 + len(kinds))]
+    for r in rows:
+        predicted = dict(r["kinds"])
+        if "grad_accumulation" in predicted:
+            _, extra = predicted.pop("grad_accumulation")
+            got, value = predicted["memory"]
+            predicted["memory"] = (got, value + extra)
+        cells = []
+        for kind in kinds:
+            got, value = predicted.get(kind, (None, None))
+            shown = "—" if got is None else f"{got * 1e3:.1f}"
+            cells.append("—" if value is None else f"{shown} / {value * 1e3:.1f}")
+        name = r["name"] + (" (held out)" if r["held_out"] else "")
+        lines.append(f"| {name} | {r['measured_s'] * 1e3:.1f} | {r['predicted_s'] * 1e3:.1f} | "
+                     f"{r['ratio']:.3f} | " + " | ".join(cells) + " |")  # fmt: skip
+    return "\n".join(lines)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -112,9 +185,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", help="write the report here (JSON)")
     p.add_argument("--log", help="the job's output (default: a temporary file)")
     p.add_argument("--timeout-s", type=float, default=600.0)
+    p.add_argument("--replay", metavar="STEPS_JSON",
+                   help="predict again the steps a GPU run recorded (docs/img/h200_steps.json) "
+                   "and print them beside their measurements; runs nothing")  # fmt: skip
     args = p.parse_args(ours)
-    if not flags:
-        p.error("give pretrain_gpt.py's flags after --")
+    if not flags and not args.replay:
+        p.error("give pretrain_gpt.py's flags after --, or --replay STEPS_JSON")
     args.flags = flags
     if args.log is None:
         args.log = str(Path(tempfile.gettempdir()) / "predicted_step.log")
@@ -123,6 +199,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.replay:
+        rows = replay(args.replay, args.hardware)
+        if args.out:
+            Path(args.out).write_text(json.dumps(rows, indent=2) + "\n")
+        print(f"$ python -m megapp.benchmarks.predicted_step --replay {args.replay} "
+              f"--hardware {args.hardware}\n")  # fmt: skip
+        print(replay_table(rows))
+        return 0
     try:
         report = check(args)
     except (RuntimeError, ValueError) as error:

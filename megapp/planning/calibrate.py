@@ -7,9 +7,10 @@ After 1.5 s of matmuls (the clocks ramp up from idle) it times, on the device at
 (CUDA events on a GPU; loops of calls spanning a few milliseconds; the median of several):
 
 - **memory-bound kernels**, forward and backward: megapp's fused ops as this install runs
-  them (layer and RMS norm, bias + GeLU, bias + SwiGLU, bias + dropout + residual, RoPE) on
-  a ``[16384, 4096]`` input, torch's copy and the fp32 gradient accumulation over a buffer
-  many times the last-level cache; bytes read plus written over time;
+  them (layer and RMS norm, bias + GeLU, bias + SwiGLU, bias + dropout + residual) on 2^26
+  elements at widths 1024 to 16384 (their speed depends on it), RoPE, torch's copy and the
+  fp32 gradient accumulation over a buffer many times the last-level cache; bytes read plus
+  written over time;
 - **per-kernel costs**: a stream of tiny adds queued behind a sleeping kernel, so the device
   runs it back to back (seconds per kernel on the device) while the host's time to queue it
   is the launch cost;
@@ -56,7 +57,8 @@ class Sizes:
     """What to time: buffer elements, matmul grid, attention shapes, repeats."""
 
     buffer: int  # elements of torch's copy and add
-    kernel_shape: tuple[int, int]  # [rows, h] of megapp's memory-bound kernels
+    kernel_elements: int  # of one input of megapp's memory-bound kernels
+    kernel_widths: tuple[int, ...]  # their last dimensions
     rows: tuple[int, ...]
     widths: tuple[int, ...]
     attention: tuple[tuple[int, int, int, int], ...]  # (batch, heads, seq, head dim)
@@ -65,7 +67,8 @@ class Sizes:
 
 FULL = Sizes(
     buffer=2**28,  # 512 MiB in 16-bit: many times any L2
-    kernel_shape=(16384, 4096),
+    kernel_elements=2**26,
+    kernel_widths=(1024, 2048, 4096, 8192, 16384),
     rows=(4096, 16384),
     widths=(1024, 4096, 12288),
     attention=(
@@ -76,7 +79,8 @@ FULL = Sizes(
 )  # fmt: skip
 QUICK = Sizes(
     buffer=2**22,
-    kernel_shape=(256, 256),
+    kernel_elements=2**16,
+    kernel_widths=(64, 256),
     rows=(64, 256),
     widths=(64, 192),
     attention=((1, 2, 128, 32), (1, 4, 512, 32)),
@@ -151,55 +155,63 @@ def warm_up(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def kernel_rates(timer: Timer, sizes: Sizes, dtype: torch.dtype) -> dict[str, dict[str, float]]:
-    """Forward and backward bytes/s (read + written) of the memory-bound kernels a layer runs:
-    megapp's fused ops in the tier this install runs them (compiled, else the reference) on
-    ``[rows, h]``, and torch's copy and fp32 accumulation (``main_grad += grad``)."""
+def kernel_rates(timer: Timer, sizes: Sizes, dtype: torch.dtype) -> list[dict]:
+    """Forward and backward bytes/s (read + written) of the memory-bound kernels a layer runs,
+    one row per kernel and width (the last dimension; 0 where it does not matter): megapp's
+    fused ops in the tier this install runs them (compiled, else the reference) on ``[rows,
+    width]`` inputs of ``sizes.kernel_elements`` elements at each of ``sizes.widths``, RoPE
+    on heads of 128, and torch's copy and fp32 accumulation (``main_grad += grad``)."""
     from megapp import fusions
 
-    (n, h), device, w = sizes.kernel_shape, timer.device, torch.empty((), dtype=dtype).itemsize
+    device, w = timer.device, torch.empty((), dtype=dtype).itemsize
 
-    def leaf(*shape: int, kind: torch.dtype = dtype) -> torch.Tensor:
-        return torch.randn(*shape, device=device, dtype=kind, requires_grad=True)
+    def leaf(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, device=device, dtype=dtype, requires_grad=True)
 
-    x, residual, wide = leaf(n, h), leaf(n, h), leaf(n, 2 * h)
-    weight, bias, bias2 = leaf(h), leaf(h), leaf(2 * h)
-    heads = h // 128
-    rope_in = leaf(n // 4, 4, heads, 128)
-    freqs = fusions.rotary_freqs(n // 4, 128, device=device)
-    ops = {  # name: (forward, its inputs, forward bytes, backward bytes)
-        "layer_norm": (lambda: fusions.layer_norm(x, weight, bias), (x, weight, bias),
-                       2 * n * h * w, 3 * n * h * w),
-        "rms_norm": (lambda: fusions.rms_norm(x, weight), (x, weight), 2 * n * h * w,
-                     3 * n * h * w),
-        "bias_gelu": (lambda: fusions.bias_gelu(x, bias), (x, bias), 2 * n * h * w,
-                      3 * n * h * w),
-        "bias_swiglu": (lambda: fusions.bias_swiglu(wide, bias2), (wide, bias2), 3 * n * h * w,
-                        5 * n * h * w),
-        "bias_dropout_add": (lambda: fusions.bias_dropout_add(x, bias, residual, 0.1, True),
-                             (x, bias), n * h * (3 * w + 1), n * h * (2 * w + 1)),
-        "rope": (lambda: fusions.apply_rotary_pos_emb(rope_in, freqs), (rope_in,),
-                 2 * n * h * w, 2 * n * h * w),
-    }  # fmt: skip
-    out = {}
-    for name, (forward, inputs, forward_bytes, backward_bytes) in ops.items():
+    def measure(name: str, width: int, forward, inputs, forward_bytes, backward_bytes) -> dict:
         y = forward()
         grad = torch.randn_like(y)
         backward = timer(
             lambda y=y, g=grad, i=inputs: torch.autograd.grad(y, i, g, retain_graph=True)
         )
-        out[name] = {
-            "forward": forward_bytes / timer(forward),
-            "backward": backward_bytes / backward,
-        }
+        return {"op": name, "width": width, "forward": forward_bytes / timer(forward),
+                "backward": backward_bytes / backward}  # fmt: skip
+
+    def at_width(h: int) -> list[dict]:
+        n = sizes.kernel_elements // h
+        x, residual, wide = leaf(n, h), leaf(n, h), leaf(n, 2 * h)
+        weight, bias, bias2 = leaf(h), leaf(h), leaf(2 * h)
+        e = n * h  # elements of one [rows, width] tensor
+        return [
+            measure("layer_norm", h, lambda: fusions.layer_norm(x, weight, bias),
+                    (x, weight, bias), 2 * e * w, 3 * e * w),
+            measure("rms_norm", h, lambda: fusions.rms_norm(x, weight), (x, weight),
+                    2 * e * w, 3 * e * w),
+            measure("bias_gelu", h, lambda: fusions.bias_gelu(x, bias), (x, bias),
+                    2 * e * w, 3 * e * w),
+            measure("bias_swiglu", h, lambda: fusions.bias_swiglu(wide, bias2), (wide, bias2),
+                    3 * e * w, 5 * e * w),
+            measure("bias_dropout_add", h,
+                    lambda: fusions.bias_dropout_add(x, bias, residual, 0.1, True), (x, bias),
+                    e * (3 * w + 1), e * (2 * w + 1)),
+        ]  # fmt: skip
+
+    rows = [row for h in sizes.kernel_widths for row in at_width(h)]
+    d = min(128, sizes.kernel_widths[-1])
+    seq = sizes.kernel_elements // (4 * 16 * d)
+    rope_in = leaf(seq, 4, 16, d)
+    freqs = fusions.rotary_freqs(seq, d, device=device)
+    rope_bytes = 2 * rope_in.numel() * w
+    rows.append(measure("rope", d, lambda: fusions.apply_rotary_pos_emb(rope_in, freqs),
+                        (rope_in,), rope_bytes, rope_bytes))  # fmt: skip
     with torch.no_grad():
         flat = torch.randn(sizes.buffer, device=device, dtype=dtype)
         copy_out, main = torch.empty_like(flat), torch.zeros(sizes.buffer, device=device)
         copy = 2 * sizes.buffer * w / timer(lambda: copy_out.copy_(flat))
         add = sizes.buffer * (w + 8) / timer(lambda: main.add_(flat))
-    out["copy"] = {"forward": copy, "backward": copy}
-    out["add"] = {"forward": add, "backward": add}
-    return out
+    rows.append({"op": "copy", "width": 0, "forward": copy, "backward": copy})
+    rows.append({"op": "add", "width": 0, "forward": add, "backward": add})
+    return rows
 
 
 def kernel_overheads(timer: Timer) -> tuple[float, float]:
@@ -272,57 +284,56 @@ def attention_rates(timer: Timer, sizes: Sizes, dtype: torch.dtype) -> list[dict
     return out
 
 
-def base_profile(device: torch.device, base: str | None) -> Hardware:
-    """``--base``, or the built-in profile of this GPU part."""
+def base_profile(device_name: str, base: str | None) -> Hardware:
+    """``--base``, or the built-in profile of the GPU part ``device_name`` names."""
     if base is not None:
         return load_hardware(base)
-    if device.type == "cuda":
-        row = gpu_peak(torch.cuda.get_device_name(device))
-        if row is not None and row.part in BUILTIN_OF_PART:
-            return PROFILES[BUILTIN_OF_PART[row.part]]
+    row = gpu_peak(device_name)
+    if row is not None and row.part in BUILTIN_OF_PART:
+        return PROFILES[BUILTIN_OF_PART[row.part]]
     raise ValueError(
-        "no built-in profile for this device; give --base with the profile whose network and "
-        f"node size to keep ({', '.join(PROFILES)} or a JSON file)"
+        f"no built-in profile for {device_name!r}; give --base with the profile whose network "
+        f"and node size to keep ({', '.join(PROFILES)} or a JSON file)"
     )
 
 
-def calibrate(device: torch.device, sizes: Sizes, base: Hardware) -> tuple[Hardware, dict]:
-    """Time the device and return its profile and every measurement."""
+def measure(device: torch.device, sizes: Sizes) -> dict:
+    """Time the device: every measurement :func:`profile_of` fits."""
     cuda = device.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
     timer = Timer(device, sizes.repeats)
     warm_up(device)
-    name = torch.cuda.get_device_name(device) if cuda else "cpu"
+    properties = torch.cuda.get_device_properties(device) if cuda else None
     device_overhead, launch_overhead = kernel_overheads(timer)
-    measurements = {
-        "device": name,
+    return {
+        "device": torch.cuda.get_device_name(device) if cuda else "cpu",
         "torch": torch.__version__,
         "dtype": str(dtype).removeprefix("torch."),
-        "multiprocessors": torch.cuda.get_device_properties(device).multi_processor_count
-        if cuda
-        else 1,
+        "multiprocessors": properties.multi_processor_count if properties else 1,
+        "memory_bytes": properties.total_memory if properties else None,
         "kernels": kernel_rates(timer, sizes, dtype),
         "kernel_overhead_s": device_overhead,
         "launch_overhead_s": launch_overhead,
         "matmul": matmul_grid(timer, sizes, dtype),
         "attention": attention_rates(timer, sizes, dtype),
     }
+
+
+def profile_of(measurements: dict, base: Hardware) -> tuple[Hardware, dict]:
+    """``base`` with the operation rates fitted to ``measurements`` (and the device's memory
+    and peak where it reports them), and how well each part fits."""
     ops, fit = op_rates(measurements)
-    measurements["fit"] = fit
-    memory_bytes = (
-        torch.cuda.get_device_properties(device).total_memory if cuda else base.memory_bytes
-    )
-    row = gpu_peak(name) if cuda else None
+    row = gpu_peak(measurements["device"])
     hardware = dataclasses.replace(
         base,
-        name=f"{base.name} measured on {name}",
+        name=f"{base.name} measured on {measurements['device']}",
         gemm_flops=max(r["flops_per_s"] for r in measurements["matmul"]),
         peak_flops=row.dense_16bit_tflops * 1e12 if row is not None else None,
-        memory_bytes=float(memory_bytes),
+        memory_bytes=float(measurements.get("memory_bytes") or base.memory_bytes),
         memory_bandwidth=ops.memory_bandwidth,
         ops=ops,
     )
-    return hardware, measurements
+    return hardware, fit
 
 
 def describe(ops: OpRates, fit: dict) -> str:
@@ -341,8 +352,12 @@ def describe(ops: OpRates, fit: dict) -> str:
             f"backward (+{a['backward_overhead'] * 1e6:.0f} us): within "
             f"{a['forward_errors']['max_error']:.1%} and {a['backward_errors']['max_error']:.1%}"
         )
-    kernels = ", ".join(f"{op} {f / 1e9:.0f}/{b / 1e9:.0f}" for op, f, b in ops.kernels)
-    lines.append(f"  memory-bound GB/s forward/backward: {kernels}")
+    by_op: dict[str, list[str]] = {}
+    for op, width, f, b in ops.kernels:
+        at = f" at {width}" if width else ""
+        by_op.setdefault(op, []).append(f"{f / 1e9:.0f}/{b / 1e9:.0f}{at}")
+    lines.append("  memory-bound GB/s forward/backward:")
+    lines += [f"    {op}: {', '.join(cells)}" for op, cells in by_op.items()]
     lines.append(
         f"  per kernel {ops.kernel_overhead * 1e6:.1f} us on the device, "
         f"{ops.launch_overhead * 1e6:.1f} us to launch"
@@ -358,32 +373,39 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", required=True, help="where to write the profile (JSON)")
     p.add_argument("--measurements", help="where to write every timing (JSON)")
     p.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
+    p.add_argument("--from-measurements", metavar="JSON",
+                   help="fit the timings a calibration wrote (--measurements) instead of "
+                   "measuring: no device needed (--base names the profile to extend)")  # fmt: skip
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
+    if device.type == "cuda" and not torch.cuda.is_available() and not args.from_measurements:
         print(f"error: --device {args.device}: no CUDA device (torch {torch.__version__}, "
               f"CUDA {torch.version.cuda}); run on a GPU machine or give --device cpu",
               file=sys.stderr)  # fmt: skip
         return 2
     try:
-        base = base_profile(device, args.base)
+        if args.from_measurements:
+            measurements = json.loads(Path(args.from_measurements).read_text())
+        else:
+            started = time.perf_counter()
+            measurements = measure(device, QUICK if args.quick else FULL)
+            measurements["seconds"] = time.perf_counter() - started
+        base = base_profile(measurements["device"], args.base)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    started = time.perf_counter()
-    hardware, measurements = calibrate(device, QUICK if args.quick else FULL, base)
-    measurements["seconds"] = time.perf_counter() - started
+    hardware, measurements["fit"] = profile_of(measurements, base)
     hardware.save(args.out)
     if args.measurements:
         Path(args.measurements).write_text(json.dumps(measurements, indent=2) + "\n")
-    ops, fit = hardware.ops, measurements["fit"]
-    assert ops is not None
-    print(f"{measurements['device']}: calibrated in {measurements['seconds']:.0f} s -> {args.out}")
-    print(describe(ops, fit))
+    assert hardware.ops is not None
+    took = f" in {measurements['seconds']:.0f} s" if "seconds" in measurements else ""
+    print(f"{measurements['device']}: calibrated{took} -> {args.out}")
+    print(describe(hardware.ops, measurements["fit"]))
     return 0
 
 

@@ -3,7 +3,8 @@ measures), kept apart from the measuring so that stored measurements can be refi
 checked on any machine.
 
 - **matmul**: for every candidate tile, a least-squares fit of the grid's seconds to
-  ``2·waves·multiprocessors·tm·tn·k / matmul_flops + waves·wave_overhead + matmul_overhead``
+  ``2·waves·multiprocessors·tm·tn·k' / matmul_flops + waves·wave_overhead +
+  matmul_overhead`` (``k'`` the reduction's split-K piece)
   (:meth:`~megapp.planning.operations.OpRates.matmul`), errors weighted relative to each
   measurement; the tile whose model misses the grid least is kept.
 - **attention**: forward and backward seconds each fitted to ``flops / rate + overhead``,
@@ -19,6 +20,7 @@ and the rest refitted.
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Sequence
 
@@ -65,8 +67,9 @@ def fit_matmul(grid: Sequence[dict], multiprocessors: int, bandwidth: float, wid
         probe = OpRates(1.0, multiprocessors, tile, bandwidth, ATTENTION_PROBE)
         rows = []
         for r in grid:
-            waves = probe.waves(r["m"], r["n"])
-            rows.append([2.0 * waves * multiprocessors * tile[0] * tile[1] * r["k"], waves, 1.0])
+            waves = probe.waves(r["m"], r["n"], k=r["k"])
+            piece = math.ceil(r["k"] / probe.split(r["m"], r["n"], r["k"]))
+            rows.append([2.0 * waves * multiprocessors * tile[0] * tile[1] * piece, waves, 1.0])
         inverse_rate, per_wave, per_kernel = relative_least_squares(rows, seconds)
         if inverse_rate <= 0:
             continue
@@ -107,8 +110,8 @@ def fit_attention(shapes: Sequence[dict]) -> list[dict]:
 def op_rates(measurements: dict) -> tuple[OpRates, dict]:
     """The :class:`OpRates` of a calibration's ``measurements`` and how well each part fits."""
     width = 2 if measurements["dtype"] in ("bfloat16", "float16") else 4
-    kernels = measurements["kernels"]  # op -> {"forward": bytes/s, "backward": bytes/s}
-    bandwidth = statistics.median(k["forward"] for k in kernels.values())
+    kernels = measurements["kernels"]  # rows of op, width, forward and backward bytes/s
+    bandwidth = statistics.median(k["forward"] for k in kernels)
     units = measurements["multiprocessors"]
     matmul = fit_matmul(measurements["matmul"], units, bandwidth, width)
     attention = fit_attention(measurements["attention"])
@@ -118,7 +121,7 @@ def op_rates(measurements: dict) -> tuple[OpRates, dict]:
         tile=tuple(matmul["tile"]),
         memory_bandwidth=bandwidth,
         attention=tuple(AttentionRates(**{k: a[k] for k in ATTENTION_KEYS}) for a in attention),
-        kernels=tuple((op, k["forward"], k["backward"]) for op, k in sorted(kernels.items())),
+        kernels=tuple(sorted((k["op"], k["width"], k["forward"], k["backward"]) for k in kernels)),
         wave_overhead=matmul["wave_overhead"],
         matmul_overhead=matmul["matmul_overhead"],
         kernel_overhead=measurements["kernel_overhead_s"],

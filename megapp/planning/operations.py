@@ -10,29 +10,36 @@ otherwise.
 Per operation, with ``w`` bytes per element:
 
 - **matmul** ``[m, k] × [k, n]``: a roofline over tiles. The kernel covers the output with
-  ``tile[0] × tile[1]`` tiles, run in waves of ``multiprocessors`` tiles; a partial last wave
-  costs a whole one (wave quantization) and a partial tile a whole tile (tile quantization).
-  Seconds ``max(2·waves·multiprocessors·tm·tn·k / matmul_flops, w·(mk + kn + mn) /
-  memory_bandwidth) + kernel_overhead``. A forward ``x·Wᵀ`` of ``T`` tokens is ``[T, k] ×
-  [k, n]``; its input gradient ``[T, n] × [n, k]``, its weight gradient ``[n, T] × [T, k]``.
-- **attention core**, by implementation (``attention_backend``):
-  ``sdpa`` is a fused, flash-style kernel that skips the masked half of the causal square:
-  ``2·b·a·s_q·s_k·d`` FLOPs forward (half of q·kᵀ and p·v over the square) at
-  ``attention_flops``, and ``attention_backward_ratio`` times the forward's seconds backward
-  (it recomputes q·kᵀ); ``fused_softmax`` materializes the ``s × s`` scores as older
-  Megatron-LM runs did: two batched matmuls over the whole square, and the softmax, its mask
-  and dropout as memory-bound passes over ``b·a·s²`` elements.
-- **memory-bound work** (norms, bias + dropout + residual, activation, RoPE, the head
-  relayout, the fp32 gradient accumulation of the weight gradients): bytes read and written
-  over ``memory_bandwidth``, plus ``kernel_overhead`` per kernel. Backward moves twice the
-  forward's bytes.
+  ``tile[0] × tile[1]`` tiles run in waves of ``multiprocessors`` tiles, each wave one
+  tile's work on one multiprocessor; a partial last wave costs a whole one (wave
+  quantization) and a partial tile a whole tile (tile quantization). An output of fewer
+  tiles than multiprocessors splits its reduction (split-K). Seconds
+  ``max(2·waves·multiprocessors·tm·tn·k' / matmul_flops + waves·wave_overhead,
+  w·(mk + kn + mn) / memory_bandwidth) + matmul_overhead``, ``k'`` the reduction's piece. A
+  forward ``x·Wᵀ`` of ``T`` tokens is ``[T, k] × [k, n]``; its input gradient
+  ``[T, n] × [n, k]``, its weight gradient ``[n, T] × [T, k]``.
+- **attention core**, by implementation (``attention_backend``): ``sdpa`` is a fused,
+  flash-style kernel that skips the masked half of the causal square: ``2·b·a·s_q·s_k·d``
+  FLOPs (half of q·kᵀ and p·v over the square), forward and backward each
+  ``flops / rate + overhead`` at the rates measured for the nearest head dimension
+  (:class:`AttentionRates`; it recomputes q·kᵀ backward); ``fused_softmax`` materializes the
+  ``s × s`` scores as older Megatron-LM runs did: two batched matmuls over the whole square,
+  and the softmax, its mask and dropout as memory-bound passes over ``b·a·s²`` elements.
+- **memory-bound kernels** (norms, bias + dropout + residual, the activation, RoPE, the
+  head relayout, the residual stream's gradient sums, the fp32 accumulation of the weight
+  gradients): bytes read and written over the kernel's own rate at the width of its input
+  (``OpRates.kernels``, measured forward and backward, interpolated in log-width), or
+  ``memory_bandwidth`` for a kernel not measured, plus ``kernel_overhead`` each.
+- A pass (forward, input or weight gradient) lasts at least its kernels' launches on the
+  host (``launch_overhead`` each): small layers are launch-bound.
 
-Each constant of the built-in profiles says where it comes from; ``python -m
-megapp.planning.calibrate`` measures them on the device at hand.
+``python -m megapp.planning.calibrate`` measures the rates on the device at hand and
+:mod:`megapp.planning.op_fit` fits them.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -70,9 +77,10 @@ class OpRates:
     tile: tuple[int, int]  # output rows × columns one SM computes at a time
     memory_bandwidth: float  # bytes/s (read + written) of memory-bound kernels not listed
     attention: tuple[AttentionRates, ...]  # by head dimension; the nearest one is used
-    # (op, forward bytes/s, backward bytes/s) of the memory-bound kernels measured one by
-    # one: layer_norm, rms_norm, bias_gelu, bias_swiglu, bias_dropout_add, rope, copy, add
-    kernels: tuple[tuple[str, float, float], ...] = ()
+    # (op, width, forward bytes/s, backward bytes/s) of the memory-bound kernels measured one
+    # by one at the widths (last dimensions) of their inputs: layer_norm, rms_norm, bias_gelu,
+    # bias_swiglu, bias_dropout_add, rope, copy, add (width 0: any)
+    kernels: tuple[tuple[str, int, float, float], ...] = ()
     wave_overhead: float = 0.0  # per wave of a matmul (a tile's prologue and epilogue)
     matmul_overhead: float = 0.0  # per matmul kernel (launch, ramp and tail)
     kernel_overhead: float = 0.0  # per memory-bound kernel, on the device
@@ -88,7 +96,7 @@ class OpRates:
         for name in OVERHEADS:
             if getattr(self, name) < 0:
                 raise ValueError(f"op rates: {name} must be >= 0")
-        if any(not (f > 0 and b > 0) for _, f, b in self.kernels):
+        if any(not (f > 0 and b > 0) for _, _, f, b in self.kernels):
             raise ValueError("op rates: every kernel's rates must be > 0")
 
     @classmethod
@@ -99,21 +107,32 @@ class OpRates:
         if unknown:
             raise ValueError(f"unknown op-rate keys: {', '.join(unknown)}")
         attention = tuple(AttentionRates(**a) for a in data.get("attention", ()))
-        kernels = tuple((name, f, b) for name, f, b in data.get("kernels", ()))
+        kernels = tuple((name, width, f, b) for name, width, f, b in data.get("kernels", ()))
         return cls(**{**data, "tile": tuple(data["tile"]), "attention": attention,
                       "kernels": kernels})  # fmt: skip
 
-    def waves(self, m: int, n: int, batch: int = 1) -> int:
-        """Waves of tiles that cover ``batch`` outputs ``[m, n]``."""
+    def split(self, m: int, n: int, k: int, batch: int = 1) -> int:
+        """Pieces the reduction of ``k`` is split into when the output has fewer tiles than
+        there are multiprocessors (split-K: each piece of at least 256 on a tile of its own)."""
         tm, tn = self.tile
         tiles = batch * math.ceil(m / tm) * math.ceil(n / tn)
+        return max(1, min(self.multiprocessors // tiles, k // 256))
+
+    def waves(self, m: int, n: int, batch: int = 1, k: int = 0) -> int:
+        """Waves of tiles (split-K pieces counted as tiles) that cover ``batch`` outputs
+        ``[m, n]`` of a reduction over ``k``."""
+        tm, tn = self.tile
+        tiles = batch * math.ceil(m / tm) * math.ceil(n / tn) * self.split(m, n, k, batch)
         return math.ceil(tiles / self.multiprocessors)
 
     def matmul(self, m: int, n: int, k: int, width: int = 2, batch: int = 1) -> float:
-        """Seconds of ``batch`` products ``[m, k] × [k, n]`` in one kernel."""
+        """Seconds of ``batch`` products ``[m, k] × [k, n]`` in one kernel: whole waves of
+        whole tiles, each wave one tile's work on one multiprocessor, or the bytes moved,
+        whichever is longer."""
         tm, tn = self.tile
-        waves = self.waves(m, n, batch)
-        compute = 2.0 * waves * self.multiprocessors * tm * tn * k / self.matmul_flops
+        waves = self.waves(m, n, batch, k)
+        piece = math.ceil(k / self.split(m, n, k, batch))
+        compute = 2.0 * waves * self.multiprocessors * tm * tn * piece / self.matmul_flops
         compute += waves * self.wave_overhead
         traffic = batch * width * (m * k + k * n + m * n) / self.memory_bandwidth
         return max(compute, traffic) + self.matmul_overhead
@@ -132,11 +151,26 @@ class OpRates:
         default rate."""
         return nbytes / self.memory_bandwidth + kernels * self.kernel_overhead
 
-    def kernel(self, op: str, forward_bytes: float, backward_bytes: float) -> tuple[float, float]:
-        """Forward and backward seconds of one memory-bound kernel ``op`` (at its measured
-        rates, else the default) moving those bytes."""
-        rates = {name: (f, b) for name, f, b in self.kernels}
-        f, b = rates.get(op, (self.memory_bandwidth, self.memory_bandwidth))
+    def kernel(
+        self, op: str, width: int, forward_bytes: float, backward_bytes: float
+    ) -> tuple[float, float]:
+        """Forward and backward seconds of one memory-bound kernel ``op`` on inputs of last
+        dimension ``width`` moving those bytes: at its rates measured at that width,
+        interpolated in log-width between the nearest measured ones (the end ones beyond
+        them); at the default rate where it was not measured."""
+        rows = sorted((w, f, b) for name, w, f, b in self.kernels if name == op)
+        if not rows:
+            f = b = self.memory_bandwidth
+        elif len(rows) == 1 or width <= rows[0][0] or rows[0][0] <= 0:
+            f, b = rows[0][1:]
+        elif width >= rows[-1][0]:
+            f, b = rows[-1][1:]
+        else:
+            (w0, f0, b0), (w1, f1, b1) = next(
+                (lo, hi) for lo, hi in itertools.pairwise(rows) if hi[0] >= width
+            )
+            t = math.log(width / w0) / math.log(w1 / w0)
+            f, b = f0 * (f1 / f0) ** t, b0 * (b1 / b0) ** t
         overhead = self.kernel_overhead
         return forward_bytes / f + overhead, backward_bytes / b + overhead
 
@@ -211,26 +245,29 @@ def layer_parts(
     rows = tokens // tp if gpt.sequence_parallel else tokens  # norms and residual rows
     mask = _DROPOUT_MASK_BYTES if gpt.hidden_dropout > 0 else 0
     norm = "layer_norm" if gpt.normalization == "LayerNorm" else "rms_norm"
-    passes = [  # (kernel, forward bytes, backward bytes): read + written
-        (norm, 2 * rows * h * w, 3 * rows * h * w),  # x → y; x, dy → dx
-        (norm, 2 * rows * h * w, 3 * rows * h * w),
-        ("bias_dropout_add", rows * h * (3 * w + mask), rows * h * (2 * w + mask)),
-        ("bias_dropout_add", rows * h * (3 * w + mask), rows * h * (2 * w + mask)),
-        ("copy", 2 * tokens * heads * d * w, 2 * tokens * heads * d * w),  # head relayout
+    passes = [  # (kernel, width, forward bytes, backward bytes): read + written
+        (norm, h, 2 * rows * h * w, 3 * rows * h * w),  # x → y; x, dy → dx
+        (norm, h, 2 * rows * h * w, 3 * rows * h * w),
+        ("bias_dropout_add", h, rows * h * (3 * w + mask), rows * h * (2 * w + mask)),
+        ("bias_dropout_add", h, rows * h * (3 * w + mask), rows * h * (2 * w + mask)),
+        ("copy", 0, 2 * tokens * heads * d * w, 2 * tokens * heads * d * w),  # head relayout
+        # backward: the residual stream's gradient is the sum of two paths, twice a layer
+        ("copy", 0, 0.0, 3 * rows * h * w),
+        ("copy", 0, 0.0, 3 * rows * h * w),
     ]
     if gated:  # [gate | up] → out; dy, x → dx
-        passes.append(("bias_swiglu", 3 * tokens * ffn * w, 5 * tokens * ffn * w))
+        passes.append(("bias_swiglu", ffn, 3 * tokens * ffn * w, 5 * tokens * ffn * w))
     else:
-        passes.append(("bias_gelu", 2 * tokens * ffn * w, 3 * tokens * ffn * w))
+        passes.append(("bias_gelu", ffn, 2 * tokens * ffn * w, 3 * tokens * ffn * w))
     if gpt.position_embedding_type == "rope":  # queries, keys
-        passes.append(("rope", 2 * tokens * heads * d * w, 2 * tokens * heads * d * w))
-        passes.append(("rope", 2 * tokens * groups * d * w, 2 * tokens * groups * d * w))
+        passes.append(("rope", d, 2 * tokens * heads * d * w, 2 * tokens * heads * d * w))
+        passes.append(("rope", d, 2 * tokens * groups * d * w, 2 * tokens * groups * d * w))
     timed_passes = [rates.kernel(*p) for p in passes]
     memory = tuple(sum(column) for column in zip(*timed_passes, strict=True))
     params = h * (heads + 2 * groups) * d + heads * d * h + (3 if gated else 2) * h * ffn
     accumulate = 0.0  # 16-bit grads added into fp32 main_grad: read both, write fp32
     if w < 4:
-        accumulate = rates.kernel("add", 0.0, params * (w + 8))[1]
+        accumulate = rates.kernel("add", 0, 0.0, params * (w + 8))[1]
         accumulate += (parameter_tensors(gpt) - 1) * rates.kernel_overhead
     return {
         "matmul": (matmul[0], matmul[1], matmul[2]),

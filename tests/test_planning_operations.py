@@ -1,0 +1,181 @@
+"""The operation-level time model: matmuls by tiles and waves, attention by head dimension,
+memory-bound kernels by width, their fit to microbenchmarks, and the time model using them."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from megapp.models.gpt import GPTConfig
+from megapp.planning.hardware import Hardware, load_hardware
+from megapp.planning.layout import Layout, pretrain_config
+from megapp.planning.op_fit import fit_attention, fit_matmul, op_rates, relative_least_squares
+from megapp.planning.operations import (
+    AttentionRates,
+    OpRates,
+    layer_kernels,
+    layer_parts,
+    layer_seconds,
+    logits_seconds,
+)
+from megapp.planning.timing import action_costs, compute_seconds, predict_step_time, shape_of
+
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "img"
+RATES = OpRates(
+    matmul_flops=800e12,
+    multiprocessors=132,
+    tile=(128, 256),
+    memory_bandwidth=3e12,
+    attention=(
+        AttentionRates(64, 400e12, 150e12, 15e-6, 50e-6),
+        AttentionRates(128, 600e12, 200e12, 20e-6, 90e-6),
+    ),
+    kernels=(("bias_gelu", 1024, 1e12, 2e12), ("bias_gelu", 4096, 4e12, 2e12)),
+    wave_overhead=1e-6,
+    matmul_overhead=4e-6,
+    kernel_overhead=2e-6,
+)
+GPT = GPTConfig(
+    num_layers=4,
+    hidden_size=2048,
+    num_attention_heads=16,
+    vocab_size=1024,
+    max_position_embeddings=2048,
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
+    params_dtype=torch.bfloat16,
+)
+
+
+def test_a_matmul_pays_for_whole_waves_of_whole_tiles():
+    one_wave = RATES.matmul(128 * 12, 256 * 11, 4096)  # 132 tiles: one full wave
+    assert RATES.waves(128 * 12, 256 * 11) == 1
+    compute = 2 * 132 * 128 * 256 * 4096 / 800e12 + 1e-6
+    assert one_wave == pytest.approx(compute + 4e-6)
+    # one more row of tiles starts a second wave that costs as much as the first
+    assert RATES.waves(128 * 12 + 1, 256 * 11) == 2
+    assert RATES.matmul(128 * 12 + 1, 256 * 11, 4096) == pytest.approx(2 * compute + 4e-6)
+
+
+def test_a_matmul_with_a_short_reduction_is_priced_by_its_bytes():
+    m, n, k = 131072, 256, 16  # writing the output dominates
+    traffic = 2 * (m * k + k * n + m * n) / 3e12
+    assert RATES.matmul(m, n, k) == pytest.approx(traffic + 4e-6)
+
+
+def test_a_small_output_splits_its_reduction_over_the_idle_multiprocessors():
+    m, n, k = 128, 256, 132 * 1024  # one tile: 132 pieces of 1024, one wave
+    fast_memory = dataclasses.replace(RATES, memory_bandwidth=1e18)
+    assert fast_memory.split(m, n, k) == 132 and fast_memory.waves(m, n, k=k) == 1
+    one_piece = 2 * 132 * 128 * 256 * 1024 / 800e12 + 1e-6
+    assert fast_memory.matmul(m, n, k) == pytest.approx(one_piece + 4e-6)
+
+
+def test_kernel_rates_interpolate_in_log_width_and_hold_beyond_the_ends():
+    at = {w: RATES.kernel("bias_gelu", w, 1e12, 0.0)[0] - 2e-6 for w in (512, 1024, 2048, 8192)}
+    assert at[512] == pytest.approx(1.0) and at[8192] == pytest.approx(0.25)
+    assert at[2048] == pytest.approx(1 / 2.0)  # halfway in log width: the geometric mean rate
+    unmeasured = RATES.kernel("layer_norm", 2048, 3e12, 6e12)
+    assert unmeasured == pytest.approx((1.0 + 2e-6, 2.0 + 2e-6))  # the default bandwidth
+
+
+def test_attention_takes_the_rates_of_the_nearest_head_dimension():
+    assert RATES.attention_at(80).head_dim == 64 and RATES.attention_at(100).head_dim == 128
+    forward, backward = RATES.attention_seconds(6e12, 128)
+    assert (forward, backward) == pytest.approx((0.01 + 20e-6, 0.03 + 90e-6))
+
+
+def test_a_layer_is_the_sum_of_its_parts_or_its_launches():
+    parts = layer_parts(GPT, 2048, 4, RATES)
+    assert set(parts) == {"matmul", "attention", "memory", "grad_accumulation"}
+    layer = layer_seconds(GPT, 2048, 4, RATES)
+    sums = [sum(column) for column in zip(*parts.values(), strict=True)]
+    assert (layer.forward, layer.input_grad, layer.weight_grad) == pytest.approx(sums)
+    assert layer.core_forward == parts["attention"][0]
+    # a host that launches slowly enough makes every pass last its kernels' launches
+    slow = dataclasses.replace(RATES, launch_overhead=1.0)
+    launches = [float(n) for n in layer_kernels(GPT)]
+    assert list(vars(layer_seconds(GPT, 2048, 4, slow)).values())[:3] == launches
+
+
+def test_tensor_parallelism_splits_a_layers_matmuls():
+    tp2 = dataclasses.replace(GPT, tensor_model_parallel_size=2)
+    one, two = layer_parts(GPT, 2048, 4, RATES), layer_parts(tp2, 2048, 4, RATES)
+    assert two["matmul"][0] < 0.6 * one["matmul"][0]
+    assert two["attention"][0] < 0.6 * one["attention"][0]
+
+
+def test_the_time_model_prices_actions_by_operations_when_the_profile_has_rates():
+    flags = ["--num-layers", "4", "--hidden-size", "2048", "--num-attention-heads", "16"]
+    flags += ["--seq-length", "2048", "--bf16", "--hidden-dropout", "0"]
+    config = pretrain_config(Layout(micro_batch_size=4), [*flags, "--attention-dropout", "0"], 8)
+    base = load_hardware("h200")
+    hardware = dataclasses.replace(base, ops=RATES)
+    gpt = config.gpt_config(1024)
+    layer, output = compute_seconds(gpt, 2048, 4, 1024, hardware)
+    assert layer == layer_seconds(gpt, 2048, 4, RATES)
+    assert output == logits_seconds(gpt, 8192, 1024, RATES)
+    costs = action_costs(gpt, shape_of(config), hardware)
+    assert costs.weight_grad[0][0] == pytest.approx(4 * layer.weight_grad + output.weight_grad)
+    # without rates the same model is priced by its FLOPs at gemm_flops: another time
+    assert predict_step_time(config, 1024, hardware).seconds != pytest.approx(
+        predict_step_time(config, 1024, base).seconds, rel=1e-3
+    )
+
+
+def test_a_profile_with_rates_survives_its_json():
+    hardware = dataclasses.replace(load_hardware("h100"), ops=RATES)
+    assert Hardware.from_json(hardware.to_json()) == hardware
+
+
+def test_relative_least_squares_keeps_coefficients_non_negative():
+    rows = [[1.0, 1.0], [2.0, 1.0], [4.0, 1.0]]
+    assert relative_least_squares(rows, [3.0, 5.0, 9.0]) == pytest.approx([2.0, 1.0])
+    # a negative intercept is dropped and the slope refitted alone
+    coefficients = relative_least_squares(rows, [1.0, 3.0, 7.0])
+    assert coefficients[1] == 0.0 and coefficients[0] > 0
+
+
+def test_the_matmul_fit_recovers_the_rates_that_made_the_timings():
+    truth = RATES
+    grid = [
+        {"m": m, "n": n, "k": k, "seconds": truth.matmul(m, n, k)}
+        for m in (4096, 16384) for n in (1024, 4096, 12288) for k in (1024, 4096, 12288)
+    ]  # fmt: skip
+    fit = fit_matmul(grid, 132, 3e12, 2)
+    # this grid divides evenly into 128 × 128 tiles too, so the tile is not identifiable
+    # from it; the rate and the per-kernel overhead are
+    assert fit["tile"] in ((128, 128), (128, 256), (256, 128))
+    assert fit["matmul_flops"] == pytest.approx(800e12, rel=1e-6)
+    assert fit["matmul_overhead"] == pytest.approx(4e-6, rel=1e-6)
+    assert fit["mean_error"] < 1e-9
+
+
+def test_the_attention_fit_is_one_per_head_dimension():
+    shapes = []
+    for b, heads, s in ((2, 32, 1024), (1, 32, 4096), (1, 16, 8192)):
+        for d in (64, 128):
+            flops = 2.0 * b * heads * s * s * d
+            forward, backward = RATES.attention_seconds(flops, d)
+            shapes.append({"batch": b, "heads": heads, "seq": s, "head_dim": d,
+                           "forward_s": forward, "backward_s": backward})  # fmt: skip
+    fits = {f["head_dim"]: f for f in fit_attention(shapes)}
+    assert fits[64]["forward_flops"] == pytest.approx(400e12, rel=1e-6)
+    assert fits[128]["backward_overhead"] == pytest.approx(90e-6, rel=1e-6)
+
+
+def test_the_h200_measurements_fit_and_regenerate_the_stored_profile():
+    """The calibration measured on an H200 (docs/img/h200_calibration.json) refitted here
+    gives the profile stored beside it, and its grid of matmuls fits within a few percent."""
+    measurements = json.loads((DOCS / "h200_calibration.json").read_text())
+    rates, fit = op_rates(measurements)
+    assert fit["matmul"]["mean_error"] < 0.05
+    assert all(a["forward_errors"]["max_error"] < 0.05 for a in fit["attention"])
+    stored = load_hardware(str(DOCS / "h200_profile.json"))
+    assert stored.ops == rates
+    assert math.isclose(stored.memory_bandwidth, rates.memory_bandwidth)

@@ -1,0 +1,88 @@
+"""The GPU planner check's tools on this machine: the calibration command on the CPU, a
+training step measured and predicted, the replay of the steps an H200 measured, and the
+kernel-time breakdown's classification."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from megapp.benchmarks import kernel_time, predicted_step
+from megapp.planning import calibrate
+from megapp.planning.hardware import load_hardware
+
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "img"
+TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"]
+TINY += ["--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size", "4"]
+
+
+def test_calibrate_on_the_cpu_writes_a_profile_with_every_rate(tmp_path, capsys):
+    out, figures = tmp_path / "p.json", tmp_path / "m.json"
+    argv = ["--device", "cpu", "--base", "h100", "--quick", "--out", str(out)]
+    assert calibrate.main([*argv, "--measurements", str(figures)]) == 0
+    ops = load_hardware(str(out)).ops
+    assert ops is not None and ops.matmul_flops > 0
+    measured = {row[0] for row in ops.kernels}
+    assert measured == {"layer_norm", "rms_norm", "bias_gelu", "bias_swiglu",
+                        "bias_dropout_add", "rope", "copy", "add"}  # fmt: skip
+    assert "calibrated in" in capsys.readouterr().out
+    # the same measurements refitted give the same profile, with no device
+    again = tmp_path / "again.json"
+    assert calibrate.main(["--from-measurements", str(figures), "--base", "h100",
+                           "--out", str(again)]) == 0  # fmt: skip
+    assert load_hardware(str(again)) == load_hardware(str(out))
+
+
+def test_calibrate_without_a_gpu_says_so_in_one_line(tmp_path, capsys):
+    if calibrate.torch.cuda.is_available():
+        pytest.skip("a GPU is here")
+    assert calibrate.main(["--device", "cuda", "--out", str(tmp_path / "p.json")]) == 2
+    assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_measured_seconds_leave_out_warm_up_and_profiled_iterations():
+    records = [{"kind": "train", "iteration": i, "elapsed_ms_per_iteration": 100.0 * i}
+               for i in range(1, 9)]  # fmt: skip
+    assert predicted_step.measured_seconds(records, 3, 6) == [0.4, 0.5, 0.8]
+    with pytest.raises(ValueError, match="warm-up"):
+        predicted_step.measured_seconds(records, 8, None)
+
+
+def test_a_step_is_measured_and_predicted(tmp_path, capsys):
+    out = tmp_path / "step.json"
+    argv = ["--hardware", "h100", "--out", str(out), "--log", str(tmp_path / "job.log")]
+    assert predicted_step.main([*argv, "--", *TINY, "--train-iters", "5"]) == 0
+    report = json.loads(out.read_text())
+    assert len(report["times_s"]) == 2  # iterations 4 and 5: 1-3 warm up
+    assert report["ratio"] == pytest.approx(report["predicted_s"] / report["measured_s"])
+    assert "predicted/measured" in capsys.readouterr().out
+
+
+def test_the_h200_steps_replay_beside_their_measurements(capsys):
+    """The steps an H200 measured (docs/img/h200_steps.json), predicted again on the
+    profile its calibration gives: every kind of kernel has a measured and a predicted time."""
+    steps = str(DOCS / "h200_steps.json")
+    rows = predicted_step.replay(steps, str(DOCS / "h200_profile.json"))  # no device needed
+    assert [r["held_out"] for r in rows] == [False, True, False]
+    for row in rows:
+        assert row["ratio"] == pytest.approx(row["predicted_s"] / row["measured_s"])
+        measured, predicted = row["kinds"]["matmul"]
+        assert measured > 0 and predicted > 0
+    assert (
+        predicted_step.main(["--replay", steps, "--hardware", str(DOCS / "h200_profile.json")]) == 0
+    )
+    table = capsys.readouterr().out
+    assert table.count("\n| ") == 4  # the header and one row per step
+
+
+def test_kernels_are_sorted_by_their_names():
+    names = {
+        "nvjet_sm90_tst_128x256_64x4_2x1_v_bz_coopA_NTN": "matmul",
+        "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16": "attention",
+        "void cudnn::fusion::compute_dot_do_o_specialized<true, 128>": "attention",
+        "void megapp::cuda::bias_gelu_fwd_kernel<__nv_bfloat16>": "memory",
+        "void at::native::multi_tensor_apply_kernel<FusedOptimizerTensorListMetadata>": "optimizer",
+    }
+    assert {name: kernel_time.kind_of(name) for name in names} == names
