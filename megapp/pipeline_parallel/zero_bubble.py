@@ -134,10 +134,12 @@ def greedy(
         return start, op, chunk
 
     total = m * v * p * (3 if split_backward else 2)
-    while sum(len(a) for a in actions) < total:
+    # A rank's proposal reads its own state and when its stages' neighbours finished: an
+    # action changes only its own rank's and the ranks holding the next and previous stage.
+    proposals = [proposal(rank) for rank in range(p)]
+    for _ in range(total):
         best = None
-        for rank in range(p):
-            found = proposal(rank)
+        for rank, found in enumerate(proposals):
             if found is not None and (best is None or found[0] < best[0]):
                 best = (found[0], rank, found)
         if best is None:
@@ -160,6 +162,9 @@ def greedy(
         clock[rank] = end
         held[rank] += costs.memory(rank, action)
         actions[rank].append(action)
+        neighbours = (where[s] for s in (stage - 1, stage + 1) if 0 <= s <= last)
+        for changed in {rank, *neighbours}:
+            proposals[changed] = proposal(changed)
     return Schedule(name, p, m, v, tuple(map(tuple, actions)), placement=placement)
 
 
