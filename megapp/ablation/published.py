@@ -45,7 +45,7 @@ from megapp.planning.hardware import PROFILES, Hardware
 from megapp.planning.layout import RECOMPUTE, Layout, pretrain_config
 from megapp.planning.memory import peak_bytes, predict_memory
 from megapp.planning.models import MODELS, ModelPreset
-from megapp.planning.published_runs import RUNS, PublishedRun
+from megapp.planning.published_runs import MT_NLG, NARAYANAN_2021, RUNS, PublishedRun
 from megapp.planning.timing import predict_step_time
 from megapp.training.config import PretrainConfig
 from megapp.training.flag_groups import ArgumentsError
@@ -55,12 +55,15 @@ GPUS_PER_NODE = 8
 MICRO_BATCH_SIZES = [1, 2, 4, 8]
 
 
-def hardware_for(run: PublishedRun) -> Hardware:
-    """The built-in profile of ``run.gpu`` (``a100-40gb``: the A100 with 40 GiB)."""
+def hardware_for(run: PublishedRun, ops: bool = False) -> Hardware:
+    """The built-in profile of ``run.gpu`` (``a100-40gb``: the A100 with 40 GiB); with
+    ``ops`` the same device priced operation by operation (``h100-ops``, ...)."""
     part, memory = run.gpu.split("-")
-    hardware = PROFILES[part]
+    hardware = PROFILES[f"{part}-ops" if ops else part]
     if memory == "40gb":
-        hardware = dataclasses.replace(hardware, name="a100-40gb", memory_bytes=40 * GIB)
+        hardware = dataclasses.replace(
+            hardware, name=f"{hardware.name}-40gb", memory_bytes=40 * GIB
+        )
     return hardware
 
 
@@ -69,14 +72,23 @@ def peak_memory(config: PretrainConfig, vocab_size: int) -> float:
     return peak_bytes(predict_memory(config, vocab_size))
 
 
-def model_flags(run: PublishedRun, model: ModelPreset) -> tuple[str, ...]:
+MATERIALIZED_ATTENTION = (NARAYANAN_2021, MT_NLG)
+"""Sources whose runs (2021) computed attention with materialized scores and apex's fused
+softmax, before flash attention: priced so by the operation model."""
+
+
+def model_flags(run: PublishedRun, model: ModelPreset, ops: bool = False) -> tuple[str, ...]:
     """The model's flags for ``run``: the preset's, with the source's uneven first and last
-    pipeline stages where it gives them."""
+    pipeline stages where it gives them; with ``ops``, the materialized attention of the
+    runs of :data:`MATERIALIZED_ATTENTION`."""
+    flags = model.flags
+    if ops and run.source in MATERIALIZED_ATTENTION:
+        flags = (*flags, "--attention-backend", "fused_softmax")
     if run.stage_layers is None:
-        return model.flags
+        return flags
     first, last = run.stage_layers
     return (
-        *model.flags,
+        *flags,
         *("--decoder-first-pipeline-num-layers", str(first)),
         *("--decoder-last-pipeline-num-layers", str(last)),
     )
@@ -115,7 +127,7 @@ def published_layout(
         ep=run.ep,
         etp=run.etp,
     )
-    flags = model_flags(run, model)
+    flags = model_flags(run, model, ops=hardware.ops is not None)
     per_replica = run.global_batch_size // run.dp
     sizes = [run.micro_batch_size] if run.micro_batch_size else MICRO_BATCH_SIZES
     stated = run.recompute is not None
@@ -169,9 +181,10 @@ class Row:
         return self.predicted / self.run.tflops_per_gpu
 
 
-def compare(run: PublishedRun, pick: bool) -> Row:
-    """Predict ``run``'s layout and, with ``pick``, the planner's best layout."""
-    hardware = hardware_for(run)
+def compare(run: PublishedRun, pick: bool, ops: bool = False) -> Row:
+    """Predict ``run``'s layout and, with ``pick``, the planner's best layout; ``ops``: on
+    the profile priced operation by operation."""
+    hardware = hardware_for(run, ops)
     model = MODELS[run.model].with_seq_length(run.seq_length)
     row = Row(run, capacity=hardware.memory_bytes)
     seconds = None
@@ -242,6 +255,28 @@ def markdown(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def error_summary(rows: list[Row]) -> str:
+    """Mean and worst ``|predicted / published − 1|`` over the 16-bit runs predicted, and
+    over the dense ones among them (FP8 runs are listed, not counted)."""
+    lines = []
+    for label, keep in (("16-bit runs", lambda r: True), ("dense 16-bit runs", _dense)):
+        errors = [
+            abs(r.ratio - 1)
+            for r in rows
+            if r.ratio is not None and r.run.precision != "fp8" and keep(r)
+        ]
+        if errors:
+            lines.append(
+                f"{label}: mean |pred/pub - 1| {sum(errors) / len(errors):.1%}, worst "
+                f"{max(errors):.1%} ({len(errors)} runs)"
+            )
+    return "\n".join(lines)
+
+
+def _dense(row: Row) -> bool:
+    return MODELS[row.run.model].value("--num-experts") is None
+
+
 def _stated(run: PublishedRun) -> str:
     return f"tp{run.tp} cp{run.cp} pp{run.pp} dp{run.dp}"
 
@@ -263,18 +298,26 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
         help="ask the planner only for runs of at most this many GPUs (default 1024)",
     )
     parser.add_argument("--match", help="only runs whose name contains this")
+    parser.add_argument(
+        "--ops",
+        action="store_true",
+        help="price layers operation by operation (h100-ops, a100-ops, h200-ops profiles: "
+        "megapp.planning.op_profiles) instead of FLOPs at one sustained rate",
+    )
     args = parser.parse_args(argv)
     runs = [run for run in RUNS if args.match is None or args.match in run.name]
     rows = []
     for i, run in enumerate(runs, 1):
         start = time.perf_counter()
-        rows.append(compare(run, not args.no_pick and run.gpus <= args.pick_max_gpus))
+        pick = not args.no_pick and run.gpus <= args.pick_max_gpus
+        rows.append(compare(run, pick, args.ops))
         seconds = time.perf_counter() - start
         print(f"[{i}/{len(runs)}] {run.name}: {seconds:.1f} s", file=sys.stderr, flush=True)
     flags = sys.argv[1:] if argv is None else argv
     command = " ".join(["python", prog, shlex.join(flags)]).rstrip()
     print(f"`{command}`\n")
     print(markdown(rows))
+    print("\n" + error_summary(rows))
     print(
         "\n(hw): the source counts recompute's rerun forward, and so does the prediction "
         "beside it; hiding tp: the prediction with the tensor-parallel collectives off the "

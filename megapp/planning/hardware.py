@@ -34,6 +34,10 @@ Where the built-in numbers come from (all rates in bytes or FLOPs per second, 10
   (H100/H200 DGX) gives 45 GB/s, HDR 200 Gb/s (A100 DGX) 22.5 GB/s.
 - latencies: per ring step (one hop of a collective, or one point-to-point message): 3 µs
   over NVLink, 6 µs over InfiniBand (NCCL's small-message times).
+
+``h100-ops``, ``h200-ops`` and ``a100-ops`` are the same devices with operation rates
+(:mod:`megapp.planning.op_profiles`, derived from one measured H200): their layers are
+priced operation by operation instead of FLOPs at ``gemm_flops``.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from megapp.planning.op_profiles import op_rates as derived_op_rates
 from megapp.planning.operations import OpRates
 from megapp.training.flops import GPU_PEAKS
 
@@ -182,6 +187,10 @@ PROFILES: dict[str, Hardware] = {
     ),
 }
 """Built-in profiles by name (HGX/DGX SXM nodes of 8 GPUs)."""
+for _part in ("h100", "h200", "a100"):  # the same devices priced operation by operation
+    PROFILES[f"{_part}-ops"] = dataclasses.replace(
+        PROFILES[_part], name=f"{_part}-ops", ops=derived_op_rates(_part)
+    )
 
 
 def load_hardware(name_or_path: str) -> Hardware:

@@ -1,0 +1,72 @@
+"""Operation rates for the built-in GPU profiles, derived from one measured device.
+
+:data:`H200_MEASURED` is what ``python -m megapp.planning.calibrate --from-measurements
+docs/img/h200_calibration.json`` fits to the timings taken on one NVIDIA H200 SXM (torch
+2.11, cuBLAS and cuDNN of CUDA 13.0); ``tests/test_planning_operations.py`` refits them
+and checks these numbers. The other parts are derived from it, each by a stated rule:
+
+- **memory-bound kernels** at torch's measured copy rate (0.873 of the H200's 4.8 TB/s):
+  the runs these profiles are held to use Transformer Engine's and apex's fused kernels,
+  which run near copy speed, not megapp's, which a calibrated profile measures;
+- **H100 SXM**: the H200's compute (the same GH100 processor, 132 SMs, the same clocks and
+  989 TFLOP/s dense 16-bit peak by the data sheets); memory-bound work at the same fraction
+  of its 3.35 TB/s;
+- **A100 SXM 80GB**: 108 SMs; matmul and attention rates the H200's fractions of peak
+  times the A100's 312 TFLOP/s (an assumption: Ampere's tensor cores reach about the same
+  share of peak as Hopper's through cuBLAS); memory-bound work at the same fraction of its
+  2.039 TB/s; the same per-kernel costs.
+
+Nothing here is fitted to a published run: every run in
+:mod:`megapp.planning.published_runs` is held out from these numbers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from megapp.planning.operations import AttentionRates, OpRates
+
+H200_MEASURED = OpRates(
+    matmul_flops=836.3239e12,
+    multiprocessors=132,
+    tile=(128, 128),
+    memory_bandwidth=2.8638e12,  # the median of megapp's kernels; not used below
+    attention=(
+        AttentionRates(64, 420.0666e12, 162.0878e12, 15.519e-6, 57.148e-6),
+        AttentionRates(128, 586.6469e12, 211.7817e12, 20.600e-6, 89.713e-6),
+    ),
+    wave_overhead=0.6579e-6,
+    matmul_overhead=3.8622e-6,
+    kernel_overhead=1.7377e-6,
+    launch_overhead=7.3722e-6,
+)
+H200_COPY = 4.1900e12  # torch's copy, bytes read + written per second
+H200_HBM = 4.8e12
+
+# part: (multiprocessors, dense 16-bit peak over the H200's, HBM bytes/s)
+PARTS = {
+    "h200": (132, 1.0, 4.8e12),
+    "h100": (132, 1.0, 3.35e12),
+    "a100": (108, 312 / 989, 2.039e12),
+}
+
+
+def op_rates(part: str) -> OpRates:
+    """The derived operation rates of a built-in part (``h100``, ``h200``, ``a100``)."""
+    units, compute, hbm = PARTS[part]
+    h = H200_MEASURED
+    return dataclasses.replace(
+        h,
+        matmul_flops=h.matmul_flops * compute,
+        multiprocessors=units,
+        attention=tuple(
+            dataclasses.replace(
+                a,
+                forward_flops=a.forward_flops * compute,
+                backward_flops=a.backward_flops * compute,
+            )
+            for a in h.attention
+        ),
+        kernels=(),
+        memory_bandwidth=H200_COPY / H200_HBM * hbm,
+    )
