@@ -105,7 +105,11 @@ def build_parser() -> argparse.ArgumentParser:
     add("--vocab-size", type=_positive, help="tokenizer vocabulary (flag files)")
     add("--gpus", type=_positive, required=True, help="devices in the job")
     add("--gpus-per-node", type=_positive, help="default: the hardware's")
-    add("--gpu", default="h100", help="h100, h200, a100 or a JSON profile")
+    add(
+        "--gpu",
+        default="h100",
+        help="h100, h200, a100 (with -ops: priced by operation) or a JSON profile",
+    )
     add("--global-batch-size", type=_positive, required=True)
     add("--seq-length", type=_positive, help="default: the model's")
     add("--top-k", type=_positive, default=5)

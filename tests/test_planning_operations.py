@@ -15,6 +15,8 @@ from megapp.models.gpt import GPTConfig
 from megapp.planning.hardware import Hardware, load_hardware
 from megapp.planning.layout import Layout, pretrain_config
 from megapp.planning.op_fit import fit_attention, fit_matmul, op_rates, relative_least_squares
+from megapp.planning.op_profiles import H200_COPY, H200_MEASURED
+from megapp.planning.op_profiles import op_rates as derived_op_rates
 from megapp.planning.operations import (
     AttentionRates,
     OpRates,
@@ -179,3 +181,26 @@ def test_the_h200_measurements_fit_and_regenerate_the_stored_profile():
     stored = load_hardware(str(DOCS / "h200_profile.json"))
     assert stored.ops == rates
     assert math.isclose(stored.memory_bandwidth, rates.memory_bandwidth)
+
+
+def test_the_built_in_rates_are_the_h200_fit_carried_by_their_rules():
+    """op_profiles' H200 constants are the fit of the stored H200 timings (rounded); the
+    H100 keeps its compute and scales its memory-bound rate by HBM, the A100 scales compute
+    by peak and has 108 multiprocessors."""
+    measurements = json.loads((DOCS / "h200_calibration.json").read_text())
+    fitted, _ = op_rates(measurements)
+    built = H200_MEASURED
+    for name in ("matmul_flops", "wave_overhead", "matmul_overhead", "kernel_overhead"):
+        assert getattr(built, name) == pytest.approx(getattr(fitted, name), rel=1e-4)
+    assert built.tile == fitted.tile and built.multiprocessors == fitted.multiprocessors
+    for mine, theirs in zip(built.attention, fitted.attention, strict=True):
+        assert mine.head_dim == theirs.head_dim
+        assert mine.backward_flops == pytest.approx(theirs.backward_flops, rel=1e-4)
+    copy = next(f for op, _, f, _ in fitted.kernels if op == "copy")
+    assert pytest.approx(copy, rel=1e-4) == H200_COPY
+    h100, a100 = derived_op_rates("h100"), derived_op_rates("a100")
+    assert h100.matmul_flops == built.matmul_flops and h100.kernels == ()
+    assert h100.memory_bandwidth == pytest.approx(copy * 3.35 / 4.8, rel=1e-4)
+    assert a100.multiprocessors == 108
+    assert a100.matmul_flops == pytest.approx(built.matmul_flops * 312 / 989)
+    assert load_hardware("h100-ops").ops == h100 and load_hardware("h100").ops is None

@@ -226,7 +226,7 @@ def test_links():
 def test_profiles_and_json(tmp_path):
     h100 = load_hardware("H100")
     assert h100.peak_flops == 989e12 and 0.4 < h100.gemm_flops / h100.peak_flops < 0.8
-    assert set(PROFILES) == {"h100", "h200", "a100"}
+    assert set(PROFILES) == {"h100", "h200", "a100", "h100-ops", "h200-ops", "a100-ops"}
     assert load_hardware("h200").memory_bytes > 1.7 * h100.memory_bytes
     path = tmp_path / "cpu.json"
     GLOO.save(path)

@@ -50,6 +50,7 @@ def test_measured_seconds_leave_out_warm_up_and_profiled_iterations():
         predicted_step.measured_seconds(records, 8, None)
 
 
+@pytest.mark.slow  # a pretrain_gpt.py job under torchrun
 def test_a_step_is_measured_and_predicted(tmp_path, capsys):
     out = tmp_path / "step.json"
     argv = ["--hardware", "h100", "--out", str(out), "--log", str(tmp_path / "job.log")]

@@ -172,3 +172,22 @@ def test_moe_run_is_predicted_and_fits(run: PublishedRun):
     assert math.isfinite(step.seconds) and step.seconds > 0
     assert math.isfinite(step.tflops_per_gpu) and step.tflops_per_gpu > 0
     assert 0 < peak_memory(config, preset.vocab_size) <= hardware.usable_memory
+
+
+def test_runs_priced_by_operation_use_the_ops_profiles_and_their_attention():
+    """``--ops``: the same device with operation rates, the 2021 runs' attention
+    materialized, later runs' fused; the summary counts 16-bit runs only."""
+    tool = _compare_tool()
+    narayanan = next(r for r in RUNS if r.model == "gpt3-1.7b")
+    mcore = next(r for r in RUNS if r.model == "mcore-7.1b")
+    assert tool.hardware_for(narayanan, ops=True).name == "a100-ops"
+    assert tool.hardware_for(narayanan).ops is None
+    model = MODELS[narayanan.model]
+    assert "fused_softmax" in tool.model_flags(narayanan, model, ops=True)
+    assert "fused_softmax" not in tool.model_flags(narayanan, model)
+    assert "fused_softmax" not in tool.model_flags(mcore, MODELS[mcore.model], ops=True)
+    rows = [tool.compare(mcore, pick=False, ops=ops) for ops in (False, True)]
+    assert rows[0].predicted != pytest.approx(rows[1].predicted, rel=1e-3)
+    summary = tool.error_summary(rows[:2])
+    expected = sum(abs(r.ratio - 1) for r in rows[:2]) / 2
+    assert f"mean |pred/pub - 1| {expected:.1%}" in summary and "(2 runs)" in summary
