@@ -34,254 +34,29 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import statistics
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from megapp.planning.hardware import PROFILES, Hardware, load_hardware
+from megapp.planning.microbench import (
+    FULL,
+    QUICK,
+    Sizes,
+    Timer,
+    attention_rates,
+    kernel_overheads,
+    kernel_rates,
+    matmul_grid,
+    warm_up,
+)
 from megapp.planning.op_fit import op_rates
 from megapp.planning.operations import OpRates
 from megapp.training.flops import gpu_peak
 
-WARM_S = 1.5  # seconds of matmuls before measuring: the clocks ramp up from idle
 BUILTIN_OF_PART = {"H100 SXM": "h100", "H200 SXM": "h200", "A100 80GB SXM": "a100"}
-
-
-@dataclasses.dataclass(frozen=True)
-class Sizes:
-    """What to time: buffer elements, matmul grid, attention shapes, repeats."""
-
-    buffer: int  # elements of torch's copy and add
-    kernel_elements: int  # of one input of megapp's memory-bound kernels
-    kernel_widths: tuple[int, ...]  # their last dimensions
-    rows: tuple[int, ...]
-    widths: tuple[int, ...]
-    attention: tuple[tuple[int, int, int, int], ...]  # (batch, heads, seq, head dim)
-    repeats: int
-
-
-FULL = Sizes(
-    buffer=2**28,  # 512 MiB in 16-bit: many times any L2
-    kernel_elements=2**26,
-    kernel_widths=(1024, 2048, 4096, 8192, 16384),
-    rows=(4096, 16384),
-    widths=(1024, 4096, 12288),
-    attention=(
-        (2, 32, 1024, 128), (1, 32, 4096, 128), (1, 16, 8192, 128),
-        (2, 32, 1024, 64), (4, 16, 4096, 64), (1, 16, 8192, 64),
-    ),
-    repeats=20,
-)  # fmt: skip
-QUICK = Sizes(
-    buffer=2**22,
-    kernel_elements=2**16,
-    kernel_widths=(64, 256),
-    rows=(64, 256),
-    widths=(64, 192),
-    attention=((1, 2, 128, 32), (1, 4, 512, 32)),
-    repeats=3,
-)
-
-
-class Timer:
-    """Median seconds of a callable on ``device``: warmed up, then run in loops of enough
-    calls to span a few milliseconds (a single short kernel is below the clock's reach),
-    timed with CUDA events on a GPU."""
-
-    def __init__(self, device: torch.device, repeats: int):
-        self.device, self.repeats = device, repeats
-
-    def sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
-    def loop(self, fn: Callable[[], object], inner: int) -> float:
-        """Seconds per call of ``inner`` calls in a row."""
-        if self.device.type != "cuda":
-            start = time.perf_counter()
-            for _ in range(inner):
-                fn()
-            return (time.perf_counter() - start) / inner
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        for _ in range(inner):
-            fn()
-        end.record()
-        end.synchronize()
-        return begin.elapsed_time(end) / 1e3 / inner
-
-    def __call__(self, fn: Callable[[], object]) -> float:
-        fn()
-        self.sync()
-        once = self.loop(fn, 1)
-        inner = min(1000, max(1, int(2e-3 / max(once, 1e-7))))
-        return statistics.median(self.loop(fn, inner) for _ in range(self.repeats))
-
-    def spaced(self, fn: Callable[[], object]) -> float:
-        """Median seconds of single calls, each after the device idled (a sleeping kernel)
-        about as long: a layer's matmuls alternate with memory-bound kernels, and a device
-        that only multiplies slows its clocks to stay within its power."""
-        if self.device.type != "cuda":
-            return self(fn)
-        fn()
-        once = self.loop(fn, 1)
-        cycles = int(min(once, 0.02) * 1.5e9)  # at about 1.5 GHz
-        samples = []
-        for _ in range(self.repeats):
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda._sleep(cycles)
-            begin.record()
-            fn()
-            end.record()
-            end.synchronize()
-            samples.append(begin.elapsed_time(end) / 1e3)
-        return statistics.median(samples)
-
-
-def warm_up(device: torch.device) -> None:
-    """Run matmuls for :data:`WARM_S` seconds so that the clocks are up before timing."""
-    if device.type != "cuda":
-        return
-    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-    start = time.perf_counter()
-    while time.perf_counter() - start < WARM_S:
-        for _ in range(10):
-            a @ a
-        torch.cuda.synchronize(device)
-
-
-def kernel_rates(timer: Timer, sizes: Sizes, dtype: torch.dtype) -> list[dict]:
-    """Forward and backward bytes/s (read + written) of the memory-bound kernels a layer runs,
-    one row per kernel and width (the last dimension; 0 where it does not matter): megapp's
-    fused ops in the tier this install runs them (compiled, else the reference) on ``[rows,
-    width]`` inputs of ``sizes.kernel_elements`` elements at each of ``sizes.widths``, RoPE
-    on heads of 128, and torch's copy and fp32 accumulation (``main_grad += grad``)."""
-    from megapp import fusions
-
-    device, w = timer.device, torch.empty((), dtype=dtype).itemsize
-
-    def leaf(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, device=device, dtype=dtype, requires_grad=True)
-
-    def measure(name: str, width: int, forward, inputs, forward_bytes, backward_bytes) -> dict:
-        y = forward()
-        grad = torch.randn_like(y)
-        backward = timer(
-            lambda y=y, g=grad, i=inputs: torch.autograd.grad(y, i, g, retain_graph=True)
-        )
-        return {"op": name, "width": width, "forward": forward_bytes / timer(forward),
-                "backward": backward_bytes / backward}  # fmt: skip
-
-    def at_width(h: int) -> list[dict]:
-        n = sizes.kernel_elements // h
-        x, residual, wide = leaf(n, h), leaf(n, h), leaf(n, 2 * h)
-        weight, bias, bias2 = leaf(h), leaf(h), leaf(2 * h)
-        e = n * h  # elements of one [rows, width] tensor
-        return [
-            measure("layer_norm", h, lambda: fusions.layer_norm(x, weight, bias),
-                    (x, weight, bias), 2 * e * w, 3 * e * w),
-            measure("rms_norm", h, lambda: fusions.rms_norm(x, weight), (x, weight),
-                    2 * e * w, 3 * e * w),
-            measure("bias_gelu", h, lambda: fusions.bias_gelu(x, bias), (x, bias),
-                    2 * e * w, 3 * e * w),
-            measure("bias_swiglu", h, lambda: fusions.bias_swiglu(wide, bias2), (wide, bias2),
-                    3 * e * w, 5 * e * w),
-            measure("bias_dropout_add", h,
-                    lambda: fusions.bias_dropout_add(x, bias, residual, 0.1, True), (x, bias),
-                    e * (3 * w + 1), e * (2 * w + 1)),
-        ]  # fmt: skip
-
-    rows = [row for h in sizes.kernel_widths for row in at_width(h)]
-    d = min(128, sizes.kernel_widths[-1])
-    seq = sizes.kernel_elements // (4 * 16 * d)
-    rope_in = leaf(seq, 4, 16, d)
-    freqs = fusions.rotary_freqs(seq, d, device=device)
-    rope_bytes = 2 * rope_in.numel() * w
-    rows.append(measure("rope", d, lambda: fusions.apply_rotary_pos_emb(rope_in, freqs),
-                        (rope_in,), rope_bytes, rope_bytes))  # fmt: skip
-    with torch.no_grad():
-        flat = torch.randn(sizes.buffer, device=device, dtype=dtype)
-        copy_out, main = torch.empty_like(flat), torch.zeros(sizes.buffer, device=device)
-        copy = 2 * sizes.buffer * w / timer(lambda: copy_out.copy_(flat))
-        add = sizes.buffer * (w + 8) / timer(lambda: main.add_(flat))
-    rows.append({"op": "copy", "width": 0, "forward": copy, "backward": copy})
-    rows.append({"op": "add", "width": 0, "forward": add, "backward": add})
-    return rows
-
-
-def kernel_overheads(timer: Timer) -> tuple[float, float]:
-    """Seconds per kernel of a stream of adds on a one-element tensor: on the device, and
-    for the host to launch it. On a GPU the stream is queued behind a sleeping kernel, so the
-    device runs it back to back and its events time the device alone; the host's time to
-    queue it is the launch cost. On a CPU the two are one."""
-    x = torch.zeros(1, device=timer.device)
-    count = 500
-
-    def stream() -> None:
-        for _ in range(count):
-            x.add_(1.0)
-
-    if timer.device.type != "cuda":
-        seconds = timer(stream) / count
-        return seconds, seconds
-    device, host = [], []
-    for _ in range(timer.repeats):
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(50_000_000)  # about 25 ms: longer than queueing the stream
-        begin.record()
-        start = time.perf_counter()
-        stream()
-        host.append((time.perf_counter() - start) / count)
-        end.record()
-        end.synchronize()
-        device.append(begin.elapsed_time(end) / 1e3 / count)
-    return statistics.median(device), statistics.median(host)
-
-
-def matmul_grid(timer: Timer, sizes: Sizes, dtype: torch.dtype) -> list[dict]:
-    """Seconds of ``y = x·Wᵀ`` (``F.linear``, as a layer runs it), ``x [m, k]``, ``W [n, k]``,
-    over the grid's shapes."""
-    out = []
-    for m in sizes.rows:
-        for n in sizes.widths:
-            for k in sizes.widths:
-                x = torch.randn(m, k, device=timer.device, dtype=dtype)
-                w = torch.randn(n, k, device=timer.device, dtype=dtype)
-                seconds = timer.spaced(lambda x=x, w=w: F.linear(x, w))
-                out.append({"m": m, "n": n, "k": k, "seconds": seconds,
-                            "flops_per_s": 2.0 * m * n * k / seconds})  # fmt: skip
-    return out
-
-
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-
-
-def attention_rates(timer: Timer, sizes: Sizes, dtype: torch.dtype) -> list[dict]:
-    """Forward and backward seconds of causal fused attention at each shape, and the rate
-    of its unmasked half's FLOPs."""
-    out = []
-    for b, heads, s, d in sizes.attention:
-        q, k, v = (
-            torch.randn(b, heads, s, d, device=timer.device, dtype=dtype, requires_grad=True)
-            for _ in range(3)
-        )
-        forward = timer.spaced(lambda q=q, k=k, v=v: causal_attention(q, k, v))
-        o = causal_attention(q, k, v)
-        grad = torch.randn_like(o)
-        inputs = (q, k, v)
-        backward = timer.spaced(
-            lambda o=o, g=grad, i=inputs: torch.autograd.grad(o, i, g, retain_graph=True)
-        )
-        flops = 2.0 * b * heads * s * s * d
-        out.append({"batch": b, "heads": heads, "seq": s, "head_dim": d, "forward_s": forward,
-                    "backward_s": backward, "flops_per_s": flops / forward})  # fmt: skip
-    return out
 
 
 def base_profile(device_name: str, base: str | None) -> Hardware:
