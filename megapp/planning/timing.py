@@ -10,8 +10,10 @@ core ``core`` = q·kᵀ and p·v, as :func:`~megapp.training.flops.gpt_training_
   weights, so its whole backward is input gradient; ``W`` (weight gradients) = ``L·lin``
   (+ logits); a whole backward ``B = I + W``. Recompute adds its rerun forward to ``I``:
   the whole layer with full recompute, the attention core with selective.
-- FLOPs over ``Hardware.gemm_flops``, plus ``action_overhead + L·layer_overhead`` (zero
-  unless calibrated) per action, plus the loss's memory-bound passes over the logits. A
+- FLOPs over ``Hardware.gemm_flops`` (on a profile with operation rates, ``Hardware.ops``,
+  each layer's operations priced by :mod:`megapp.planning.operations` instead:
+  :func:`compute_seconds`), plus ``action_overhead + L·layer_overhead`` (zero unless
+  calibrated) per action, plus the loss's memory-bound passes over the logits. A
   whole backward pays that fixed cost once: split into ``I`` and ``W`` it pays it twice. A
   full-recompute rerun pays its layers' ``L·layer_overhead`` again in ``I``.
 - tensor-parallel collectives on the critical path: per layer two all-reduces of the
