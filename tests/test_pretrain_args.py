@@ -337,6 +337,12 @@ UNEVEN_ERRORS = [
         r"--pipeline-model-parallel-size is 1",
     ),
     (
+        "--pipeline-schedule zb-v",
+        1,
+        r"^--pipeline-schedule zb-v places two model chunks on every rank in a V over the "
+        r"pipeline's ranks: it needs --pipeline-model-parallel-size > 1$",
+    ),
+    (
         "--pipeline-model-parallel-size 2 --decoder-last-pipeline-num-layers -1",
         2,
         r"^--decoder-last-pipeline-num-layers must be >= 1, got -1$",

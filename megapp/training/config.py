@@ -141,6 +141,11 @@ class PretrainConfig:
         kind = schedule_kind(name)
         asked = vpp
         if vpp is None and (kind.fixed_chunks or 1) > 1:
+            if pp == 1:
+                raise ArgumentsError(
+                    f"--pipeline-schedule {name} {kind.chunks_text()} over the pipeline's "
+                    "ranks: it needs --pipeline-model-parallel-size > 1"
+                )
             vpp = kind.fixed_chunks  # the only count it runs: nothing to choose
             even = (par.decoder_first_pipeline_num_layers, par.decoder_last_pipeline_num_layers)
             if even == (None, None) and layers % (pp * vpp):
