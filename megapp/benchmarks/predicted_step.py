@@ -30,8 +30,8 @@ from megapp.planning.explain import explain, explanation_rows
 from megapp.planning.hardware import Hardware
 from megapp.planning.operations import layer_parts, logits_seconds
 from megapp.planning.profiles import load_profile, time_model
-from megapp.tensor_parallel.utils import pad_vocab_size
 from megapp.training.arguments import config_from_flags
+from megapp.training.config import PretrainConfig
 from megapp.training.iteration_profile import plain_iteration_seconds
 from megapp.training.launch import run_pretrain
 from megapp.training.metrics import read_records
@@ -54,12 +54,6 @@ def run_flags(flags: list[str], metrics: Path) -> list[str]:
     return [*out, "--metrics-path", str(metrics)]
 
 
-def padded_vocab(gpt) -> int:
-    """The vocabulary the output layer has (padded as the model pads it)."""
-    step = gpt.make_vocab_size_divisible_by
-    return pad_vocab_size(gpt.vocab_size, gpt.tensor_model_parallel_size, multiple=step)
-
-
 def measured_seconds(records: list[dict], warmup: int, profiled: int | None) -> list[float]:
     """Seconds of the plain iterations after the first ``warmup`` (the profiled iteration
     and the one after it left out)."""
@@ -70,12 +64,11 @@ def measured_seconds(records: list[dict], warmup: int, profiled: int | None) -> 
     return times
 
 
-def prediction(flags: list[str], nproc: int, hardware_name: str) -> dict:
-    """The planner's step for pretrain flags (as :func:`run_flags` completes them): its
-    seconds, its explanation's lines and, on a profile with operation rates and one pipeline
-    stage, its compute by kind of kernel over the step (``kinds``: matmul, attention, memory,
-    grad_accumulation, optimizer) and one layer's (``layer``)."""
-    config = config_from_flags(flags, world_size=nproc)
+def prediction(config: PretrainConfig, hardware_name: str) -> dict:
+    """The planner's step for a checked pretrain ``config``: its seconds, its explanation's
+    lines and, on a profile with operation rates and one pipeline stage, its compute by
+    kind of kernel over the step (``kinds``: matmul, attention, memory, grad_accumulation,
+    optimizer) and one layer's (``layer``)."""
     vocab = vocab_size(config)
     hardware = load_profile(hardware_name)
     explanation = explain(config, vocab, time_model(hardware))
@@ -93,7 +86,7 @@ def prediction(flags: list[str], nproc: int, hardware_name: str) -> dict:
         if config.parallel.pipeline_model_parallel_size == 1:
             passes = gpt.num_layers * config.num_microbatches
             kinds = {kind: passes * sum(s) for kind, s in out["layer"].items()}
-            output = logits_seconds(gpt, seq * mbs, padded_vocab(gpt), hardware.ops)
+            output = logits_seconds(gpt, seq * mbs, gpt.padded_vocab_size, hardware.ops)
             kinds["matmul"] += config.num_microbatches * sum(vars(output).values())
             kinds["optimizer"] = rows["step.optimizer"]
             out["kinds"] = kinds
@@ -112,7 +105,7 @@ def check(args: argparse.Namespace) -> dict:
     config = config_from_flags(flags, world_size=args.nproc)
     times = measured_seconds(records, args.warmup, config.logging.profile_iteration)
     seconds = statistics.median(times)
-    predicted = prediction(flags, args.nproc, args.hardware)
+    predicted = prediction(config, args.hardware)
     return {
         "flags": args.flags,
         "nproc": args.nproc,
@@ -134,7 +127,7 @@ def replay(path: str, hardware: str) -> list[dict]:
     out = []
     for step in recorded["steps"]:
         flags = run_flags(step["flags"], Path(tempfile.gettempdir()) / "unused.jsonl")
-        predicted = prediction(flags, step.get("nproc", 1), hardware)
+        predicted = prediction(config_from_flags(flags, world_size=step.get("nproc", 1)), hardware)
         measured = step.get("kernel_time", {}).get("kernel_seconds", {})
         out.append({
             "name": step["name"],

@@ -88,6 +88,14 @@ class GPTConfig(TransformerConfig):
                 f"max_position_embeddings must be >= 1, got {self.max_position_embeddings}"
             )
 
+    @property
+    def padded_vocab_size(self) -> int:
+        """The rows of the embedding and the output layer: ``vocab_size`` padded to a multiple
+        of ``make_vocab_size_divisible_by × tensor_model_parallel_size``."""
+        return pad_vocab_size(
+            self.vocab_size, self.tensor_model_parallel_size, self.make_vocab_size_divisible_by
+        )
+
 
 def gpt_config_from_saved(fields: dict, **overrides) -> GPTConfig:
     """A :class:`GPTConfig` from the plain fields a checkpoint recorded (its dtype a
@@ -221,7 +229,7 @@ class GPTModel(nn.Module):
                         init_method_normal(config.init_method_std),
                         config.params_dtype,
                         None,
-                        padded_rows=self._padded_vocab() - config.vocab_size,
+                        padded_rows=config.padded_vocab_size - config.vocab_size,
                     )
             if tied and not pre_process:  # a copy of the first stage's word embedding
                 mark_tied_embedding(self.output_weight, duplicate=True)
@@ -229,14 +237,6 @@ class GPTModel(nn.Module):
             mark_tied_embedding(self.embedding.word_embeddings.weight, duplicate=False)
         self._freqs: torch.Tensor | None = None
         self._cp_freqs: torch.Tensor | None = None
-
-    def _padded_vocab(self) -> int:
-        config = self.config
-        return pad_vocab_size(
-            config.vocab_size,
-            config.tensor_model_parallel_size,
-            config.make_vocab_size_divisible_by,
-        )
 
     def shared_embedding_or_output_weight(self) -> nn.Parameter | None:
         """The weight the output layer multiplies with (the word embedding when tied)."""

@@ -63,7 +63,6 @@ from megapp.planning.model_state import (
     model_state,
     moe_layer_count,
 )
-from megapp.tensor_parallel.utils import pad_vocab_size
 
 LOSS_BYTES_PER_TOKEN = 28
 """The loss's per-token tensors on the last stage: the labels' int64 copy, the row maxima,
@@ -102,8 +101,7 @@ def _dtype_width(dtype: torch.dtype) -> int:
 
 
 def _vocab_shard(config: GPTConfig) -> int:
-    tp = config.tensor_model_parallel_size
-    return pad_vocab_size(config.vocab_size, tp, multiple=config.make_vocab_size_divisible_by) // tp
+    return config.padded_vocab_size // config.tensor_model_parallel_size
 
 
 def chunk_activation_bytes(

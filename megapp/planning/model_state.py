@@ -27,7 +27,6 @@ import torch
 
 from megapp.models.gpt import GPTConfig
 from megapp.pipeline_parallel.partition import split_layers
-from megapp.tensor_parallel.utils import pad_vocab_size
 
 
 def _mlp_parameters(config: GPTConfig, width: int, split: int) -> int:
@@ -89,7 +88,7 @@ def chunk_parameters(config: GPTConfig, stage: int, num_stages: int, num_layers:
     """Parameters of virtual stage ``stage`` of ``num_stages`` holding ``num_layers``
     layers, on one tensor-parallel rank."""
     tp, h = config.tensor_model_parallel_size, config.hidden_size
-    vocab = pad_vocab_size(config.vocab_size, tp, multiple=config.make_vocab_size_divisible_by)
+    vocab = config.padded_vocab_size
     first, last = stage == 0, stage == num_stages - 1
     moe = moe_layer_count(config, num_layers)
     total = (num_layers - moe) * layer_parameters(config, False)

@@ -28,7 +28,6 @@ import torch
 
 from megapp.planning.operations import AttentionRates, OpRates
 
-ATTENTION_PROBE = (AttentionRates(128, 1.0, 1.0),)  # a placeholder where only matmuls matter
 ATTENTION_KEYS = ("head_dim", "forward_flops", "backward_flops")
 ATTENTION_KEYS += ("forward_overhead", "backward_overhead")
 TILES = ((64, 64), (128, 64), (64, 128), (128, 128), (128, 256), (256, 128))
@@ -64,7 +63,7 @@ def fit_matmul(grid: Sequence[dict], multiprocessors: int, bandwidth: float, wid
     best: dict | None = None
     seconds = [r["seconds"] for r in grid]
     for tile in TILES:
-        probe = OpRates(1.0, multiprocessors, tile, bandwidth, ATTENTION_PROBE)
+        probe = OpRates(1.0, multiprocessors, tile, bandwidth)  # the tiling alone
         rows = []
         for r in grid:
             waves = probe.waves(r["m"], r["n"], k=r["k"])
@@ -73,7 +72,7 @@ def fit_matmul(grid: Sequence[dict], multiprocessors: int, bandwidth: float, wid
         inverse_rate, per_wave, per_kernel = relative_least_squares(rows, seconds)
         if inverse_rate <= 0:
             continue
-        rates = OpRates(1 / inverse_rate, multiprocessors, tile, bandwidth, ATTENTION_PROBE,
+        rates = OpRates(1 / inverse_rate, multiprocessors, tile, bandwidth,
                         wave_overhead=per_wave, matmul_overhead=per_kernel)  # fmt: skip
         predicted = [rates.matmul(r["m"], r["n"], r["k"], width) for r in grid]
         fit = {"tile": tile, "matmul_flops": rates.matmul_flops, "wave_overhead": per_wave,

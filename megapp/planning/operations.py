@@ -76,11 +76,11 @@ class OpRates:
     multiprocessors: int  # tiles that run at once (one per SM)
     tile: tuple[int, int]  # output rows × columns one SM computes at a time
     memory_bandwidth: float  # bytes/s (read + written) of memory-bound kernels not listed
-    attention: tuple[AttentionRates, ...]  # by head dimension; the nearest one is used
     # (op, width, forward bytes/s, backward bytes/s) of the memory-bound kernels measured one
     # by one at the widths (last dimensions) of their inputs: layer_norm, rms_norm, bias_gelu,
     # bias_swiglu, bias_dropout_add, rope, copy, add (width 0: any)
     kernels: tuple[tuple[str, int, float, float], ...] = ()
+    attention: tuple[AttentionRates, ...] = ()  # by head dimension; the nearest one is used
     wave_overhead: float = 0.0  # per wave of a matmul (a tile's prologue and epilogue)
     matmul_overhead: float = 0.0  # per matmul kernel (launch, ramp and tail)
     kernel_overhead: float = 0.0  # per memory-bound kernel, on the device
@@ -91,8 +91,6 @@ class OpRates:
             raise ValueError("op rates: matmul_flops and memory_bandwidth must be > 0")
         if self.multiprocessors < 1 or len(self.tile) != 2 or min(self.tile) < 1:
             raise ValueError("op rates: multiprocessors and both tile sides must be >= 1")
-        if not self.attention:
-            raise ValueError("op rates: attention needs the rates of one head dimension")
         for name in OVERHEADS:
             if getattr(self, name) < 0:
                 raise ValueError(f"op rates: {name} must be >= 0")
@@ -176,6 +174,8 @@ class OpRates:
 
     def attention_at(self, head_dim: int) -> AttentionRates:
         """The attention rates measured at the head dimension nearest ``head_dim``."""
+        if not self.attention:
+            raise ValueError("these op rates have no attention rates: calibrate measures them")
         return min(self.attention, key=lambda a: abs(math.log(a.head_dim / head_dim)))
 
     def attention_seconds(self, flops: float, head_dim: int) -> tuple[float, float]:

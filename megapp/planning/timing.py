@@ -77,7 +77,6 @@ from megapp.planning.model_state import (
 )
 from megapp.planning.operations import LayerSeconds, layer_seconds, logits_seconds
 from megapp.planning.step_time import StepTime, step_time
-from megapp.tensor_parallel.utils import pad_vocab_size
 from megapp.training.config import PretrainConfig
 from megapp.training.flops import layer_flops as layer_flops_per_token
 from megapp.training.flops import moe_mlp_flops
@@ -226,10 +225,12 @@ def moe_layer_seconds(
 
 
 def context_parallel_seconds(
-    gpt: GPTConfig, seq_length: int, micro_batch_size: int, hardware: Hardware
+    gpt: GPTConfig, seq_length: int, micro_batch_size: int, hardware: Hardware, core: float
 ) -> tuple[float, float, int, int]:
     """Exposed seconds of one layer's context-parallel transfers in its forward and its
-    backward on one rank, and the transfers each posts (ring steps or collective calls).
+    backward on one rank, and the transfers each posts (ring steps or collective calls);
+    ``core`` is the seconds of the layer's attention core forward on the rank (what the ring
+    steps overlap, :func:`compute_seconds`).
 
     Per rank, with ``n = s/cp`` tokens, ``w`` bytes per element and ``h_kv`` the key/value
     width of the rank's tensor-parallel heads (docs/context_parallel.md), over the cp
@@ -266,8 +267,6 @@ def context_parallel_seconds(
         kv_bytes = 2 * n * b * groups * kv_repeats(groups, cp) * d * w
         seconds = 2 * link.all_to_all(q_bytes, cp) + link.all_to_all(kv_bytes, cp)
         return seconds, seconds, 3, 3
-    vocab = gpt.vocab_size  # the output layer does not enter the ring steps
-    core = compute_seconds(gpt, seq_length, micro_batch_size, vocab, hardware)[0].core_forward
     step = core / cp  # every ring step attends over the same number of pairs
     keys = link.message(2 * n * b * groups * d * w)
     accumulator = link.message(2 * n * b * groups * d * max(w, 4))
@@ -350,7 +349,7 @@ def action_costs(gpt: GPTConfig, shape: Shape, hardware: Hardware) -> ActionCost
     ranges = shape_layer_ranges(gpt, shape)
     tokens = shape.seq_length // cp * shape.micro_batch_size
     width = _width(gpt.params_dtype)
-    vocab = pad_vocab_size(gpt.vocab_size, tp, multiple=gpt.make_vocab_size_divisible_by)
+    vocab = gpt.padded_vocab_size
     logits = 2.0 * tokens * gpt.hidden_size * vocab / tp
     loss_seconds = 5 * 4 * tokens * vocab / tp / hardware.memory_bandwidth  # fp32 passes
     lin, core = layer_flops(gpt, shape.seq_length, shape.micro_batch_size)
@@ -361,7 +360,7 @@ def action_costs(gpt: GPTConfig, shape: Shape, hardware: Hardware) -> ActionCost
     )
     rate = matmul_rate(hardware)
     cp_f, cp_b, cp_calls_f, cp_calls_b = context_parallel_seconds(
-        gpt, shape.seq_length, shape.micro_batch_size, hardware
+        gpt, shape.seq_length, shape.micro_batch_size, hardware, one.core_forward
     )
     if gpt.recompute_granularity in ("full", "selective"):  # the rerun moves them again
         cp_b, cp_calls_b = cp_b + cp_f, cp_calls_b + cp_calls_f

@@ -53,9 +53,9 @@ def gpt_training_flops(config: GPTConfig, seq_length: int, tokens: int) -> float
     :func:`moe_mlp_flops` for their MLP.
     """
     linear, core = layer_flops(config, seq_length)
-    step = config.make_vocab_size_divisible_by * config.tensor_model_parallel_size
-    vocab = -(-config.vocab_size // step) * step
-    per_token = config.num_layers * (linear + core) + 2 * config.hidden_size * vocab
+    per_token = config.num_layers * (linear + core) + 2 * config.hidden_size * (
+        config.padded_vocab_size
+    )
     if getattr(config, "num_moe_experts", None) is not None:
         moe_layers = sum(config.is_moe_layer(n) for n in range(config.num_layers))
         per_token += moe_layers * (moe_mlp_flops(config) - _mlp(config, config.ffn_hidden_size))
