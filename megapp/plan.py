@@ -199,7 +199,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{result.enumerated} layouts, "
         f"{result.over_memory} over {hardware.usable_memory / _GIB:.1f} GiB, "
         f"{result.invalid} refused, {result.deadlocks} deadlock on this transport, "
-        f"{result.timed} simulated in {result.seconds:.1f} s"
+        f"{result.timed} simulated"
+        + (f", {result.rescaled} bounded by their schedule's run" if result.rescaled else "")
+        + f" in {result.seconds:.1f} s"
     )
     if not result.enumerated:  # the arithmetic left nothing to check or fit
         why = why_empty(

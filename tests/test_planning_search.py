@@ -93,6 +93,88 @@ def test_nccl_fast_path_gives_the_network_models_timeline(latency, monkeypatch):
         assert fast.peak_in_flight == slow.peak_in_flight, schedule.name
 
 
+def _random_costs(rng: random.Random, p: int, v: int, latency: float) -> simulate.CostModel:
+    def table():
+        return [[rng.uniform(0.5, 2.0) for _ in range(v)] for _ in range(p)]
+
+    return simulate.CostModel(
+        forward=table(),
+        backward=table(),
+        input_grad=table(),
+        weight_grad=table(),
+        p2p_latency=latency,
+        rules=Rules.NCCL,
+    )
+
+
+def test_finish_times_are_the_timelines_rank_ends():
+    """The search's quick simulation (no events kept) ends every rank where the full
+    timeline does."""
+    rng = random.Random(3)
+    for schedule in _cases():
+        if schedule.asynchronous:
+            continue
+        costs = _random_costs(rng, schedule.num_stages, schedule.num_chunks, 0.1)
+        timeline = simulate.simulate(schedule, costs)
+        assert simulate.finish_times(schedule, costs) == step_time.rank_ends(timeline)
+
+
+def test_slower_costs_never_finish_sooner_than_their_scale():
+    """What the search's second bound rests on: with every duration and the latency at
+    least ``a`` times another cost model's, every rank ends no sooner than ``a`` times its
+    end under that one (and not later than ``b`` times, with every one at most ``b``)."""
+    rng = random.Random(5)
+    for schedule in _cases():
+        if schedule.asynchronous:
+            continue
+        p, v = schedule.num_stages, schedule.num_chunks
+        base = _random_costs(rng, p, v, 0.2)
+
+        def stretched(low, high, base=base, v=v):
+            def grow(table):
+                return [[x * rng.uniform(low, high) for x in row] for row in table]
+
+            return simulate.CostModel(
+                forward=grow(base.forward),
+                backward=grow(base.backward),
+                input_grad=grow(base.input_grad),
+                weight_grad=grow(base.weight_grad),
+                p2p_latency=base.p2p_latency * rng.uniform(low, high),
+                rules=Rules.NCCL,
+            )
+
+        ends = simulate.finish_times(schedule, base)
+        slower = simulate.finish_times(schedule, stretched(1.3, 2.0))
+        faster = simulate.finish_times(schedule, stretched(0.5, 0.8))
+        for end, late, early in zip(ends, slower, faster, strict=True):
+            assert late >= 1.3 * end * (1 - 1e-12), schedule.name
+            assert early <= 0.8 * end * (1 + 1e-12), schedule.name
+
+
+def test_a_schedule_simulated_once_bounds_its_other_layouts():
+    """The bound from a schedule's first simulation is never above a later layout's
+    simulated time, and with it the search simulates fewer layouts than it visits."""
+    hardware = load_hardware("h100").with_gpus_per_node(4)
+    planner = Planner(MODEL, hardware, 16, 8)
+    found = list(layouts(planner.base, 8, 4, 16, Space(max_micro_batch_size=2), seq_length=512))
+    checked = 0
+    for layout in found:
+        if planner.gpt(layout) is None or planner.bound(layout) is None:
+            continue
+        m = planner.gbs // (layout.micro_batch_size * layout.dp)
+        schedule = planner.schedule(layout, m)
+        if isinstance(schedule, str):
+            continue
+        key = (layout.schedule, layout.pp, m, layout.vpp)
+        scaled = planner.scaled_bound(key, planner.costs(layout))
+        costs, timeline = planner.time.run(schedule, planner.costs(layout), layout.world_size)
+        finish = max(step_time.rank_finish(costs, timeline)) + hardware.step_overhead
+        assert scaled <= finish * (1 + 1e-12), layout.name
+        checked += scaled > 0
+        planner.evaluate(layout, planner.costs(layout))  # simulates it: a reference
+    assert checked > 30
+
+
 def test_progress_counts_every_layout_bounded_then_every_one_visited():
     planner = Planner(MODEL, load_hardware("h100").with_gpus_per_node(4), 16, 8)
     phases: list[str] = []
@@ -100,5 +182,6 @@ def test_progress_counts_every_layout_bounded_then_every_one_visited():
     bounded = phases.count("bounded")
     assert bounded == result.enumerated
     assert set(phases[:bounded]) == {"bounded"} and set(phases[bounded:]) == {"simulated"}
-    visited = result.timed + result.over_memory + result.invalid + result.deadlocks
+    visited = result.timed + result.rescaled + result.over_memory + result.invalid
+    visited += result.deadlocks
     assert 0 < len(phases) - bounded <= visited

@@ -72,64 +72,97 @@ class Step:
     action: Action | None
 
 
-def _message(
-    schedule: Schedule, op: Op, microbatch: int, src_stage: int, dst_stage: int
-) -> Message:
-    return Message(
-        op,
-        microbatch,
-        src_stage,
-        dst_stage,
-        schedule.rank_of(src_stage),
-        schedule.rank_of(dst_stage),
-    )
+def _links(schedule: Schedule, rank: int, action: Action) -> tuple[tuple | None, tuple | None]:
+    """``(op, microbatch, src_stage, dst_stage)`` of the message ``action`` on ``rank``
+    receives before it runs and of the one it sends after, each None where there is none."""
+    stage = schedule.placement[rank][action.chunk]
+    last = schedule.num_virtual_stages - 1
+    if action.op is Op.FORWARD:
+        recv = (Op.FORWARD, action.microbatch, stage - 1, stage) if stage > 0 else None
+        send = (Op.FORWARD, action.microbatch, stage, stage + 1) if stage < last else None
+        return recv, send
+    if action.op.sends_gradient:
+        recv = (Op.BACKWARD, action.microbatch, stage + 1, stage) if stage < last else None
+        send = (Op.BACKWARD, action.microbatch, stage, stage - 1) if stage > 0 else None
+        return recv, send
+    return None, None
+
+
+def _message(schedule: Schedule, key: tuple | None) -> Message | None:
+    if key is None:
+        return None
+    op, microbatch, src_stage, dst_stage = key
+    src, dst = schedule.rank_of(src_stage), schedule.rank_of(dst_stage)
+    return Message(op, microbatch, src_stage, dst_stage, src, dst)
 
 
 def incoming(schedule: Schedule, rank: int, action: Action) -> Message | None:
     """The message ``action`` on ``rank`` must receive before it runs, if any."""
-    stage = schedule.virtual_stage(rank, action.chunk)
-    if action.op is Op.FORWARD and stage > 0:
-        return _message(schedule, Op.FORWARD, action.microbatch, stage - 1, stage)
-    if action.op.sends_gradient and stage < schedule.num_virtual_stages - 1:
-        return _message(schedule, Op.BACKWARD, action.microbatch, stage + 1, stage)
-    return None
+    return _message(schedule, _links(schedule, rank, action)[0])
 
 
 def outgoing(schedule: Schedule, rank: int, action: Action) -> Message | None:
     """The message ``action`` on ``rank`` sends after it runs, if any."""
-    stage = schedule.virtual_stage(rank, action.chunk)
-    if action.op is Op.FORWARD and stage < schedule.num_virtual_stages - 1:
-        return _message(schedule, Op.FORWARD, action.microbatch, stage, stage + 1)
-    if action.op.sends_gradient and stage > 0:
-        return _message(schedule, Op.BACKWARD, action.microbatch, stage, stage - 1)
-    return None
+    return _message(schedule, _links(schedule, rank, action)[1])
 
 
-def _units(schedule: Schedule, rank: int) -> list[tuple[Action, ...]]:
-    """Groups of actions that share one batch of messages: steady forward/backward
-    pairs when the schedule pairs them, single actions otherwise."""
+Links = tuple[tuple[tuple[Message | None, Message | None], ...], ...]
+
+
+def action_links(schedule: Schedule) -> Links:
+    """:func:`incoming` and :func:`outgoing` of every rank's every action, ``[rank][k]``,
+    each message made once (a sender's outgoing is its receiver's incoming)."""
+    made: dict[tuple, Message] = {}
+
+    def message(key: tuple | None) -> Message | None:
+        if key is None:
+            return None
+        found = made.get(key)
+        if found is None:
+            found = made[key] = _message(schedule, key)
+        return found
+
+    return tuple(
+        tuple(
+            (message(recv), message(send))
+            for recv, send in (_links(schedule, rank, a) for a in actions)
+        )
+        for rank, actions in enumerate(schedule.actions)
+    )
+
+
+def _units(schedule: Schedule, rank: int) -> list[range]:
+    """Indices of the groups of ``rank``'s actions that share one batch of messages: steady
+    forward/backward pairs when the schedule pairs them, single actions otherwise."""
     actions, warmup = schedule.actions[rank], schedule.warmup[rank]
     if not schedule.paired_steady_state:
-        return [(a,) for a in actions]
+        return [range(k, k + 1) for k in range(len(actions))]
     forwards = sum(a.op is Op.FORWARD for a in actions)
     steady_end = warmup + 2 * (forwards - warmup)
-    units = [(a,) for a in actions[:warmup]]
-    units += [actions[i : i + 2] for i in range(warmup, steady_end, 2)]
-    return units + [(a,) for a in actions[steady_end:]]
+    units = [range(k, k + 1) for k in range(warmup)]
+    units += [range(k, min(k + 2, len(actions))) for k in range(warmup, steady_end, 2)]
+    return units + [range(k, k + 1) for k in range(steady_end, len(actions))]
 
 
-def send_order(schedule: Schedule) -> dict[tuple[int, int], list[Message]]:
-    """Per ordered pair of ranks ``(src, dst)``, the messages ``src`` sends, in order."""
+def send_order(
+    schedule: Schedule, links: Links | None = None
+) -> dict[tuple[int, int], list[Message]]:
+    """Per ordered pair of ranks ``(src, dst)``, the messages ``src`` sends, in order
+    (``links``: :func:`action_links`, made here when not given)."""
+    links = action_links(schedule) if links is None else links
     channels: dict[tuple[int, int], list[Message]] = {}
-    for rank, actions in enumerate(schedule.actions):
-        for action in actions:
-            if (m := outgoing(schedule, rank, action)) is not None and not m.local:
+    for row in links:
+        for _, m in row:
+            if m is not None and not m.local:
                 channels.setdefault((m.src, m.dst), []).append(m)
     return channels
 
 
 def rank_plan(
-    schedule: Schedule, rank: int, channels: dict[tuple[int, int], list[Message]] | None = None
+    schedule: Schedule,
+    rank: int,
+    channels: dict[tuple[int, int], list[Message]] | None = None,
+    links: Links | None = None,
 ) -> list[Step]:
     """The steps of one rank: each action with the batch posted just before it.
 
@@ -139,27 +172,33 @@ def rank_plan(
     inbox for the later action that uses it, so messages between two ranks are always
     matched in the order they were sent, whatever order the actions use them in.
     """
-    channels = send_order(schedule) if channels is None else channels
+    links = action_links(schedule) if links is None else links
+    channels = send_order(schedule, links) if channels is None else channels
+    position = {  # of each message to this rank in its channel
+        m: k for (_, dst), queue in channels.items() if dst == rank for k, m in enumerate(queue)
+    }
     received = dict.fromkeys(channels, 0)  # per channel, how many are received
-    steps, pending, done = [], (), set()
 
     def receive(message: Message | None) -> tuple[Message, ...]:
-        if message is None or message.local or message in done:
+        if message is None or message.local:
             return ()
-        pair = (message.src, message.dst)
-        queue, start = channels.get(pair, []), received.get(pair, 0)
-        if message not in queue[start:]:
+        index = position.get(message)
+        if index is None:
             return (message,)  # never sent: the checks name it
-        end = queue.index(message, start) + 1
-        received[pair] = end
-        done.update(queue[start:end])
-        return tuple(queue[start:end])
+        pair = (message.src, message.dst)
+        start = received[pair]
+        if index < start:
+            return ()  # received with an earlier message of its channel
+        received[pair] = index + 1
+        return tuple(channels[pair][start : index + 1])
 
+    actions, row = schedule.actions[rank], links[rank]
+    steps, pending = [], ()
     for unit in _units(schedule, rank):
-        recvs = tuple(m for a in unit for m in receive(incoming(schedule, rank, a)))
-        for k, action in enumerate(unit):
-            steps.append(Step(pending, recvs, action) if k == 0 else Step((), (), action))
-        pending = tuple(m for a in unit if (m := outgoing(schedule, rank, a)) and not m.local)
+        recvs = tuple(m for k in unit for m in receive(row[k][0]))
+        steps.append(Step(pending, recvs, actions[unit[0]]))
+        steps += [Step((), (), actions[k]) for k in unit[1:]]
+        pending = tuple(m for k in unit if (m := row[k][1]) is not None and not m.local)
     steps.append(Step(pending, (), None))
     return steps
 
@@ -201,10 +240,13 @@ def communication_plan(schedule: Schedule) -> tuple[tuple[Step, ...], ...]:
     """:func:`rank_plan` for every rank, after :func:`check_actions`, then checked by
     :func:`check_fifo` and :func:`check_progress`. Built once per schedule (the engine,
     the simulator and the planner ask for the same one many times)."""
-    check_actions(schedule)
+    links = action_links(schedule)
+    check_actions(schedule, links)
     check_updates(schedule)
-    channels = send_order(schedule)
-    plan = tuple(tuple(rank_plan(schedule, rank, channels)) for rank in range(schedule.num_stages))
+    channels = send_order(schedule, links)
+    plan = tuple(
+        tuple(rank_plan(schedule, rank, channels, links)) for rank in range(schedule.num_stages)
+    )
     check_fifo(plan)
     check_progress(schedule.name, plan)
     return plan
@@ -239,22 +281,24 @@ def check_progress(name: str, plan: list[list[Step]]) -> None:
         raise ScheduleError(f"{name} deadlocks: its ranks wait on each other\n" + "\n".join(lines))
 
 
-def check_actions(schedule: Schedule) -> None:
+def check_actions(schedule: Schedule, links: Links | None = None) -> None:
     """Every (microbatch, chunk) runs its forward once, then either one backward ``B`` or
     an input-gradient ``I`` followed by a weight-gradient ``W``, on every rank; updates
-    are as :func:`check_updates` says."""
+    are as :func:`check_updates` says. (``links``: :func:`action_links`, made here when
+    not given.)"""
     if len(schedule.actions) != schedule.num_stages:
         raise ScheduleError(
             f"{schedule.name}: {len(schedule.actions)} action lists for "
             f"{schedule.num_stages} stages"
         )
+    links = action_links(schedule) if links is None else links
     pairs = {
         (mb, chunk)
         for mb in range(schedule.num_microbatches)
         for chunk in range(schedule.num_chunks)
     }
     for rank, actions in enumerate(schedule.actions):
-        _check_local_order(schedule, rank, actions)
+        _check_local_order(schedule, rank, actions, links[rank])
         seen: dict[tuple[int, int], list[Op]] = {}
         for action in actions:
             if action.op is Op.UPDATE:
@@ -319,11 +363,10 @@ def check_updates(schedule: Schedule) -> None:
         raise ScheduleError(f"{name}: ranks take different numbers of steps: {sorted(counts)}")
 
 
-def _check_local_order(schedule: Schedule, rank: int, actions) -> None:
+def _check_local_order(schedule: Schedule, rank: int, actions, links) -> None:
     """An action fed by a stage on its own rank runs after the action that feeds it."""
     done: set[tuple[Op, int, int]] = set()
-    for action in actions:
-        message = incoming(schedule, rank, action)
+    for action, (message, _) in zip(actions, links, strict=True):
         if message is not None and message.local:
             chunk = schedule.chunk_of(message.src_stage)
             producers = (Op.FORWARD,) if message.op is Op.FORWARD else (Op.BACKWARD, Op.INPUT_GRAD)

@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from megapp.pipeline_parallel.messages import Message, ScheduleError, Step, communication_plan
 from megapp.pipeline_parallel.network import Network, Rules
@@ -94,9 +95,9 @@ def _lookup(table: float | Sequence[Sequence[float]], rank: int, chunk: int) -> 
     return float(table[rank][chunk])
 
 
-@dataclass(frozen=True)
-class Event:
-    """One interval on one rank: an action (``kind`` "compute") or a wait for messages."""
+class Event(NamedTuple):
+    """One interval on one rank: an action (``kind`` "compute") or a wait for messages.
+    A named tuple: a simulated timeline holds one per action, and a tuple is quick to make."""
 
     rank: int
     kind: str  # "compute" or "wait"
@@ -111,6 +112,7 @@ class Timeline:
     schedule: Schedule
     events: list[Event] = field(default_factory=list)
     peak_in_flight: list[float] = field(default_factory=list)
+    ends: list[float] = field(default_factory=list)  # every rank's last end, where simulated
 
     @property
     def makespan(self) -> float:
@@ -196,8 +198,27 @@ def simulate(schedule: Schedule, costs: CostModel | None = None) -> Timeline:
     return timeline
 
 
+def finish_times(schedule: Schedule, costs: CostModel | None = None) -> list[float]:
+    """When every rank's last action of ``schedule`` ends under ``costs``: what
+    :func:`simulate`'s timeline says, without recording its events (a search simulates
+    many layouts to keep few). Raises :class:`ScheduleError` as :func:`simulate` does."""
+    costs = costs or CostModel()
+    if costs.rules is Rules.NCCL:
+        timeline = _simulate_channels(schedule, costs, communication_plan(schedule), False)
+        if timeline is not None:
+            return timeline.ends
+    timeline = simulate(schedule, costs)
+    ends = [0.0] * schedule.num_stages
+    for event in timeline.events:
+        ends[event.rank] = max(ends[event.rank], event.end)
+    return ends
+
+
 def _simulate_channels(
-    schedule: Schedule, costs: CostModel, plan: tuple[tuple[Step, ...], ...]
+    schedule: Schedule,
+    costs: CostModel,
+    plan: tuple[tuple[Step, ...], ...],
+    record: bool = True,
 ) -> Timeline | None:
     """:func:`simulate` under NCCL's rules, the same timeline faster; None where a rank or a
     message never completes (:func:`simulate` then names what each waits for).
@@ -206,7 +227,8 @@ def _simulate_channels(
     (one per direction of the pair), so the ``k``-th send on a channel meets the ``k``-th
     receive once both are posted and the message before them on the channel is done:
     ``done = max(send posted, receive posted, previous done) + latency``, the time
-    :class:`~megapp.pipeline_parallel.network.Network` gives it."""
+    :class:`~megapp.pipeline_parallel.network.Network` gives it. Without ``record`` the
+    timeline keeps no events, only every rank's end (``Timeline.ends``)."""
     p, latency = schedule.num_stages, costs.p2p_latency
     steps_of, messages, channels = _channel_plan(plan)
     sends: list[deque[tuple[int, float]]] = [deque() for _ in range(channels)]
@@ -239,7 +261,7 @@ def _simulate_channels(
         for rank in range(p):
             steps = steps_of[rank]
             while cursor[rank] < len(steps):
-                posts, waits, action, name = steps[cursor[rank]]
+                posts, waits, action = steps[cursor[rank]]
                 if not is_posted[rank]:
                     now = clock[rank]
                     for message, channel, is_send in posts:
@@ -256,7 +278,7 @@ def _simulate_channels(
                     ready = max(ready, at)
                 if waiting:
                     break  # what this rank waits for has not completed yet
-                if ready > clock[rank]:
+                if record and ready > clock[rank]:
                     events.append(Event(rank, "wait", "p2p", clock[rank], ready))
                 clock[rank] = ready
                 if action is not None:
@@ -264,7 +286,9 @@ def _simulate_channels(
                     if key not in durations:
                         durations[key] = (costs.time(rank, action), costs.memory(rank, action))
                     duration, memory = durations[key]
-                    events.append(Event(rank, "compute", name, ready, ready + duration))
+                    if record:
+                        name = str(action)
+                        events.append(Event(rank, "compute", name, ready, ready + duration))
                     clock[rank] = ready + duration
                     if keeps:
                         in_flight[rank] += memory
@@ -276,6 +300,7 @@ def _simulate_channels(
     if stuck or any(sends) or any(recvs):
         return None
     timeline.peak_in_flight = [int(x) if float(x).is_integer() else x for x in peak]
+    timeline.ends = clock
     return timeline
 
 
@@ -285,26 +310,27 @@ _CHANNEL_PLANS: dict[int, tuple[object, tuple]] = {}
 def _channel_plan(plan: tuple[tuple[Step, ...], ...]) -> tuple[tuple, int, int]:
     """``plan`` with messages and channels (ordered pairs of ranks) numbered: per rank and
     step, what it posts ``(message, channel, is_send)`` in posting order, the messages it
-    waits for, its action and the action's name; then the numbers of messages and
-    channels. Kept for the plans :func:`communication_plan` keeps."""
+    waits for and its action; then the numbers of messages and channels. Kept for the
+    plans :func:`communication_plan` keeps."""
     entry = _CHANNEL_PLANS.get(id(plan))
     if entry is not None and entry[0] is plan:
         return entry[1]
-    numbers: dict[Message, int] = {}
+    numbers: dict[Message, int] = {}  # in the order the messages are first posted
     channels: dict[tuple[int, int], int] = {}
-
-    def number(message: Message, is_send: bool) -> tuple[int, int, bool]:
-        channel = channels.setdefault((message.src, message.dst), len(channels))
-        return numbers.setdefault(message, len(numbers)), channel, is_send
-
+    for steps in plan:
+        for step in steps:
+            for message in (*step.sends, *step.recvs):
+                if message not in numbers:
+                    numbers[message] = len(numbers)
+                    channels.setdefault((message.src, message.dst), len(channels))
+    ids = {m: (n, channels[(m.src, m.dst)]) for m, n in numbers.items()}
     steps_of = tuple(
         tuple(
             (
-                tuple(number(m, True) for m in step.sends)
-                + tuple(number(m, False) for m in step.recvs),
+                tuple((*ids[m], True) for m in step.sends)
+                + tuple((*ids[m], False) for m in step.recvs),
                 tuple(numbers[m] for m in step.recvs),
                 step.action,
-                None if step.action is None else str(step.action),
             )
             for step in steps
         )

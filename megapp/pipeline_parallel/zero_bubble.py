@@ -67,7 +67,8 @@ def greedy(
     placement = tuple(tuple(row) for row in placement)
     last = p * v - 1
     where = {stage: r for r, row in enumerate(placement) for stage in row}
-    done: dict[tuple[Op, int, int], float] = {}  # (op, microbatch, stage) -> finish time
+    # (0 forward or 1 backward, microbatch, stage) -> finish time; W feeds no one
+    done: dict[tuple[int, int, int], float] = {}
     clock, held = [0.0] * p, [0.0] * p
     next_f = [[0] * v for _ in range(p)]
     next_b = [[0] * v for _ in range(p)]
@@ -75,59 +76,66 @@ def greedy(
     actions: list[list[Action]] = [[] for _ in range(p)]
     backward = I if split_backward else B
 
-    def ready_at(rank: int, op: Op, chunk: int) -> float | None:
-        """When the next ``op`` of ``chunk`` on ``rank`` has its input, if known."""
-        stage = placement[rank][chunk]
-        mb = (next_f if op is F else next_b)[rank][chunk]
-        if mb >= m:
-            return None
-        if op is F:
-            if stage == 0:
-                return 0.0
-            t = done.get((F, mb, stage - 1))
-            return None if t is None else t + latency(rank, stage - 1)
-        if (F, mb, stage) not in done:
-            return None
-        if stage == last:
-            return done[(F, mb, stage)]
-        t = done.get((backward, mb, stage + 1))
-        return None if t is None else t + latency(rank, stage + 1)
-
     def latency(rank: int, peer_stage: int) -> float:
         """A message from another rank takes the latency; one within the rank none."""
-        return 0.0 if where[peer_stage] == rank else costs.p2p_latency
+        return 0.0 if where.get(peer_stage, rank) == rank else costs.p2p_latency
+
+    # what a proposal reads, per [rank][chunk]: its stage, the latency of a message from
+    # the stage before and after (none from its own rank), a forward's activations, a W's time
+    stage_of = placement
+    from_prev = [[latency(r, s - 1) for s in row] for r, row in enumerate(placement)]
+    from_next = [[latency(r, s + 1) for s in row] for r, row in enumerate(placement)]
+    forward_memory = [[costs.memory(r, Action(F, 0, c)) for c in range(v)] for r in range(p)]
+    weight_time = [[costs.time(r, Action(W, 0, c)) for c in range(v)] for r in range(p)]
+
+    def ready_at(rank: int, op: Op, chunk: int) -> float | None:
+        """When the next ``op`` of ``chunk`` on ``rank`` has its input, if known."""
+        stage = stage_of[rank][chunk]
+        if op is F:
+            mb = next_f[rank][chunk]
+            if mb >= m:
+                return None
+            if stage == 0:
+                return 0.0
+            t = done.get((0, mb, stage - 1))
+            return None if t is None else t + from_prev[rank][chunk]
+        mb = next_b[rank][chunk]
+        if mb >= m:
+            return None
+        t = done.get((0, mb, stage))
+        if t is None or stage == last:
+            return t
+        t = done.get((1, mb, stage + 1))
+        return None if t is None else t + from_next[rank][chunk]
 
     def proposal(rank: int) -> tuple[float, Op, int] | None:
         """What ``rank`` would start next and when, from what is known now."""
         work = []  # (start, priority, tiebreak, op, chunk)
         memory_blocked = False
+        now = clock[rank]
         for chunk in range(v):
-            t = ready_at(rank, backward, chunk)
+            t = ready[rank][chunk][1]
             if t is not None:
                 # the first stage's input gradient feeds no one: forwards go first there
-                urgency = 2 if placement[rank][chunk] == 0 else 0
-                work.append((max(t, clock[rank]), urgency, next_b[rank][chunk], backward, chunk))
-            t = ready_at(rank, F, chunk)
+                urgency = 2 if stage_of[rank][chunk] == 0 else 0
+                work.append((max(t, now), urgency, next_b[rank][chunk], backward, chunk))
+            t = ready[rank][chunk][0]
             if t is not None:
-                if (
-                    held[rank] + costs.memory(rank, Action(F, 0, chunk))
-                    <= memory_limit[rank] + 1e-9
-                ):
-                    stage = placement[rank][chunk]
-                    work.append((max(t, clock[rank]), 1, -stage, F, chunk))
+                if held[rank] + forward_memory[rank][chunk] <= memory_limit[rank] + 1e-9:
+                    work.append((max(t, now), 1, -stage_of[rank][chunk], F, chunk))
                 else:
                     memory_blocked = True
         if deferred[rank]:
-            weight = deferred[rank][0]
+            chunk = deferred[rank][0].chunk
             soonest = min((w[0] for w in work), default=None)
-            backward_now = any(w[3] is not F and w[0] <= clock[rank] for w in work)
+            backward_now = any(w[3] is not F and w[0] <= now for w in work)
             # a W fills a gap it fits in, or frees memory a forward waits for
             if (
                 soonest is None
-                or soonest >= clock[rank] + costs.time(rank, weight)
+                or soonest >= now + weight_time[rank][chunk]
                 or (memory_blocked and not backward_now)
             ):
-                return clock[rank], W, weight.chunk
+                return now, W, chunk
         if not work:
             return None
         start, _, _, op, chunk = min(work)
@@ -136,6 +144,9 @@ def greedy(
     total = m * v * p * (3 if split_backward else 2)
     # A rank's proposal reads its own state and when its stages' neighbours finished: an
     # action changes only its own rank's and the ranks holding the next and previous stage.
+    # ready_at of every [rank][chunk]'s next forward and backward, refreshed as they change
+    ready = [[[ready_at(r, F, c), ready_at(r, backward, c)] for c in range(v)] for r in range(p)]
+    chunk_of = {stage: c for row in placement for c, stage in enumerate(row)}
     proposals = [proposal(rank) for rank in range(p)]
     for _ in range(total):
         best = None
@@ -158,7 +169,13 @@ def greedy(
             if op is I:
                 deferred[rank].append(Action(W, action.microbatch, chunk))
         end = start + costs.time(rank, action)
-        done[(op, action.microbatch, stage)] = end
+        if op is not W:  # its own next action of the chunk, and the stage it feeds
+            done[(int(op is not F), action.microbatch, stage)] = end
+            ready[rank][chunk] = [ready_at(rank, F, chunk), ready_at(rank, backward, chunk)]
+            fed = stage + 1 if op is F else stage - 1
+            if 0 <= fed <= last:
+                peer, peer_chunk = where[fed], chunk_of[fed]
+                ready[peer][peer_chunk][op is not F] = ready_at(peer, op, peer_chunk)
         clock[rank] = end
         held[rank] += costs.memory(rank, action)
         actions[rank].append(action)

@@ -13,6 +13,7 @@ from a :class:`~megapp.planning.timing.TimeModel`: devices of their own for a
 
 from __future__ import annotations
 
+import gc
 import math
 import time
 from collections.abc import Callable
@@ -23,6 +24,7 @@ from megapp.pipeline_parallel.catalog import build_schedule, default_schedule, s
 from megapp.pipeline_parallel.messages import ScheduleError
 from megapp.pipeline_parallel.partition import split_layers
 from megapp.pipeline_parallel.schedules import Schedule, looped_placement, v_placement
+from megapp.pipeline_parallel.simulate import finish_times
 from megapp.planning import step_time, timing
 from megapp.planning.hardware import Hardware
 from megapp.planning.layout import Layout, pretrain_config
@@ -39,6 +41,7 @@ _GIB = 2**30
 _BUCKET = ParallelArgs().ddp_bucket_size
 _COUNTED = {
     "slower": "timed",
+    "bounded": "rescaled",
     "invalid": "invalid",
     "memory": "over_memory",
     "deadlock": "deadlocks",
@@ -69,6 +72,7 @@ class PlanResult:
     invalid: int = 0  # refused by pretrain_gpt.py's checks
     deadlocks: int = 0  # the schedule cannot complete on the hardware's transport
     timed: int = 0  # simulated
+    rescaled: int = 0  # slower by a bound from their schedule's simulation with other costs
     seconds: float = 0.0
 
 
@@ -91,6 +95,8 @@ class Planner:
         self._states: dict[tuple, bool] = {}
         self._bounds: dict[tuple, float] = {}
         self._schedules: dict[tuple, Schedule | str] = {}
+        # per schedule, the first costs simulated with it and every rank's last event then
+        self._references: dict[tuple, tuple[timing.ActionCosts, list[float]]] = {}
 
     def gpt(self, layout: Layout) -> GPTConfig | None:
         """The model under ``layout`` as ``pretrain_gpt.py`` builds it from the model's flags
@@ -179,16 +185,27 @@ class Planner:
     ) -> Planned | str:
         """The prediction for ``layout``, or why it is dropped: "invalid" (refused by
         ``pretrain_gpt.py``'s checks), "deadlock" (the schedule cannot complete on this
-        transport), "slower" (not under ``cutoff`` seconds), "memory" (does not fit).
-        Simulates first: only a layout fast enough is checked and its memory predicted."""
+        transport), "slower" (not under ``cutoff`` seconds), "bounded" (not under it by
+        :meth:`scaled_bound`, without simulating), "memory" (does not fit). Simulates
+        first: only a layout fast enough is checked and its memory predicted."""
         m = self.gbs // (layout.micro_batch_size * layout.dp)
         schedule = self.schedule(layout, m)
         if isinstance(schedule, str):
             return schedule
+        key = (layout.schedule, layout.pp, m, layout.vpp)
+        if self.scaled_bound(key, costs) >= cutoff:
+            return "bounded"
         try:
+            if isinstance(self.time, timing.Devices) and not schedule.asynchronous:
+                # every rank's end first, without the timeline's events: most are slower
+                ends = finish_times(schedule, timing.cost_model(costs, self.hardware))
+                self._references.setdefault(key, (costs, ends))
+                finish = max(end + tail for end, tail in zip(ends, costs.tail, strict=True))
+                if finish + self.hardware.step_overhead >= cutoff:
+                    return "slower"
             costs, timeline = self.time.run(schedule, costs, layout.world_size)
         except ScheduleError:  # a property of the schedule alone: remember it
-            self._schedules[(layout.schedule, layout.pp, m, layout.vpp)] = "deadlock"
+            self._schedules[key] = "deadlock"
             return "deadlock"
         if max(step_time.rank_finish(costs, timeline)) + self.hardware.step_overhead >= cutoff:
             return "slower"
@@ -201,6 +218,26 @@ class Planner:
         gpt = config.gpt_config(self.model.vocab_size)
         step = step_time.step_time(config, gpt, costs, timeline, self.hardware)
         return Planned(layout, memory, step)
+
+    def scaled_bound(self, key: tuple, costs: timing.ActionCosts) -> float:
+        """A lower bound on the time of the schedule ``key`` under ``costs``, from its
+        simulation under other costs (``-inf`` before one). A simulated rank's last event
+        ends at the longest of its chains of actions and messages, each a sum of
+        durations: with every duration at least ``a`` times the reference's, each rank
+        ends no sooner than ``a`` times its reference end."""
+        if key not in self._references:
+            return -math.inf
+        reference, ends = self._references[key]
+        scale = math.inf
+        for name in ("forward", "input_grad", "weight_grad", "whole_backward"):
+            for now, then in zip(getattr(costs, name), getattr(reference, name), strict=True):
+                scale = min(scale, *(a / b for a, b in zip(now, then, strict=True) if b > 0))
+        if reference.p2p > 0:
+            scale = min(scale, costs.p2p / reference.p2p)
+        if not math.isfinite(scale):
+            return -math.inf
+        finish = max(scale * end + tail for end, tail in zip(ends, costs.tail, strict=True))
+        return finish + self.hardware.step_overhead
 
     def _config(self, layout: Layout) -> PretrainConfig | None:
         try:
@@ -218,7 +255,24 @@ class Planner:
         """The ``top_k`` fastest layouts that fit, fastest first (in ``space``, default
         :class:`Space`'s limits). ``progress``, where given, is called with "bounded" for
         every layout enumerated, then with "simulated" for every one the search visits."""
-        space = space or Space()
+        # The search makes millions of small objects (messages, steps, events) and keeps
+        # many in its caches, none in reference cycles: the cyclic collector would only
+        # rescan them, over and over (a third of the time of a large search).
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            return self._plan(gpus_per_node, top_k, space or Space(), progress)
+        finally:
+            if collecting:
+                gc.enable()
+
+    def _plan(
+        self,
+        gpus_per_node: int,
+        top_k: int,
+        space: Space,
+        progress: Callable[[str], object] | None,
+    ) -> PlanResult:
         start = time.perf_counter()
         result = PlanResult(best=[])
         bounded: list[tuple[float, int, Layout]] = []

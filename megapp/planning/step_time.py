@@ -29,12 +29,19 @@ class StepTime:
     breakdown: dict[str, float] = field(default_factory=dict)
 
 
+def rank_ends(timeline: Timeline) -> list[float]:
+    """When every pipeline rank's last event ends."""
+    ends = [0.0] * timeline.schedule.num_stages
+    for event in timeline.events:
+        if event.end > ends[event.rank]:
+            ends[event.rank] = event.end
+    return ends
+
+
 def rank_finish(costs: ActionCosts, timeline: Timeline) -> list[float]:
     """When every pipeline rank is done: its last action, then its tail (which for an
     asynchronous schedule is in its steps, among the actions)."""
-    ends = [0.0] * len(costs.tail)
-    for event in timeline.events:
-        ends[event.rank] = max(ends[event.rank], event.end)
+    ends = rank_ends(timeline)
     if timeline.schedule.asynchronous:
         return ends
     return [end + tail for end, tail in zip(ends, costs.tail, strict=True)]

@@ -56,6 +56,7 @@ own; processes sharing a CPU's cores have theirs in :mod:`megapp.planning.shared
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Protocol
@@ -166,14 +167,18 @@ class ActionCosts:
         b = [self.whole_backward[r][c] for r, c in order]
         # hop[s]: the message into stage s from stage s - 1 (none within a rank)
         hop = [0.0] + [self.p2p * (order[s][0] != order[s - 1][0]) for s in range(1, len(f))]
+        # sums of the first s stages' forwards and backwards, and of the hops into stages 0..s
+        f_before = list(itertools.accumulate(f, initial=0.0))
+        b_before = list(itertools.accumulate(b, initial=0.0))
+        hops_to = list(itertools.accumulate(hop))
         first_rank, first_chunk = order[0]
         bounds = []
         for rank in range(p):
             lowest = min(self.placement[rank])
-            done = sum(f[:lowest]) + sum(hop[: lowest + 1]) + self.busy(rank, m, split_backward)
+            done = f_before[lowest] + hops_to[lowest] + self.busy(rank, m, split_backward)
             bounds.append(done + self.tail[rank])
             if not split_backward and lowest > 0:
-                down = sum(b[:lowest]) + sum(hop[: lowest + 1])
+                down = b_before[lowest] + hops_to[lowest]
                 bounds.append(done + down + self.tail[first_rank])
         chain = m * f[0] + sum(f[1:]) + sum(i) + self.weight_grad[first_rank][first_chunk]
         bounds.append(chain + 2 * sum(hop) + self.tail[first_rank])
@@ -368,19 +373,19 @@ def action_costs(gpt: GPTConfig, shape: Shape, hardware: Hardware) -> ActionCost
     names += ("cpf", "cpb", "ccf", "ccb")
     tables: dict[str, Table] = {k: [] for k in names}
     params: list[float] = []
-    buckets: list[int] = []  # data-parallel gradient buckets per rank (per chunk, as DDP)
     layer_params = layer_parameters(gpt)
     moe_lin, a2a = 0.0, 0.0
     if gpt.num_moe_experts is not None:
         moe_lin, a2a = moe_layer_seconds(gpt, shape.seq_length, shape.micro_batch_size, hardware)
     moe_rerun = moe_lin if gpt.recompute_granularity == "full" else 0.0
-    experts: list[float] = []  # expert parameters per rank, reduced over the expert dp ranks
     chunks: dict[tuple[int, bool, bool], tuple[int, tuple[float, ...]]] = {}
 
-    def chunk(stage: int) -> tuple[int, tuple[float, ...]]:
+    def chunk(kind: tuple[int, bool, bool]) -> tuple[int, tuple[float, ...]]:
         """Parameters and (F, I, W, B seconds, F, I, W FLOPs, tp seconds in F, in I, tp
-        calls in F, in I, cp seconds in F, in I, cp transfers in F, in I) of one chunk."""
-        layers, first, last = len(ranges[stage]), stage == 0, stage == num_stages - 1
+        calls in F, in I, cp seconds in F, in I, cp transfers in F, in I) of a chunk of
+        ``(layers, first, last)``."""
+        layers, first, last = kind
+        stage = 0 if first else num_stages - 1 if last else 1
         chunk_params = chunk_parameters(gpt, stage, num_stages, layers)
         moe = moe_layer_count(gpt, layers)
         f = layers * (lin + core) + moe * moe_lin + logits * last
@@ -416,61 +421,67 @@ def action_costs(gpt: GPTConfig, shape: Shape, hardware: Hardware) -> ActionCost
         values = (f_s, i_s, w_s, b_s, f, i, w, tp_f, tp_b, calls_f, calls_b, *cp_seconds)
         return chunk_params, values
 
-    columns = list(tables.values())
-    for rank in range(p):
-        rows: list[list[float]] = [[] for _ in columns]
-        rank_params = rank_buckets = 0
-        experts.append(
-            sum(chunk_expert_parameters(gpt, len(ranges[st])) for st in shape.placement[rank])
-        )
-        for stage in shape.placement[rank]:
-            key = (len(ranges[stage]), stage == 0, stage == num_stages - 1)
-            if key not in chunks:  # chunks of one kind cost the same: compute once
-                chunks[key] = chunk(stage)
-            chunk_params, values = chunks[key]
-            rank_params += chunk_params
-            rank_buckets += max(1, math.ceil(chunk_params / shape.bucket_size))
-            for row, value in zip(rows, values, strict=True):
-                row.append(value)
-        for column, row in zip(columns, rows, strict=True):
-            column.append(row)
-        params.append(rank_params)
-        buckets.append(rank_buckets)
-
     sp = gpt.sequence_parallel
     p2p = pp_link.message(tokens * gpt.hidden_size * width / (tp if sp else 1))
     v_shaped = any(row[0] == 0 and row[-1] == num_stages - 1 for row in shape.placement[:1])
     tied = gpt.share_embeddings_and_output_weights and p > 1 and not v_shaped
     embedding_sum = pp_link.all_reduce(4 * vocab // tp * gpt.hidden_size, 2) if tied else 0.0
-    reduce, tail, optimizer, sums = [], [], [], []
     # the copies of each expert: world / (etp · ep · pp), spanning as many ranks as dp · cp
     edp = tp * dp // (gpt.expert_tensor_parallel_size * gpt.expert_model_parallel_size)
-    for rank in range(p):
-        dense = params[rank] - experts[rank]
-        calls = buckets[rank] - 1  # every bucket's collective beyond one pays its ring steps
+
+    def rank_costs(kinds: tuple[tuple[int, bool, bool], ...], ends: bool) -> tuple:
+        """A rank's rows of the tables and its (parameters, end-of-step reduction, tail,
+        optimizer step, embedding sum), from the kinds of its chunks."""
+        for key in kinds:
+            if key not in chunks:  # chunks of one kind cost the same: compute once
+                chunks[key] = chunk(key)
+        held = [chunks[key] for key in kinds]
+        rows = [list(row) for row in zip(*(values for _, values in held), strict=True)]
+        rank_params = sum(n for n, _ in held)
+        experts = sum(chunk_expert_parameters(gpt, layers) for layers, _, _ in kinds)
+        dense = rank_params - experts
+        # every bucket's collective beyond one pays its ring steps
+        calls = sum(max(1, math.ceil(n / shape.bucket_size)) for n, _ in held) - 1
         if shape.zero_stage == 0:
             end = dp_link.all_reduce(4 * dense, dp) + calls * dp_link.all_reduce(0.0, dp)
-            end += dp_link.all_reduce(4 * experts[rank], edp) if experts[rank] else 0.0
+            end += dp_link.all_reduce(4 * experts, edp) if experts else 0.0
         elif shape.zero_stage == 1:
             end = dp_link.all_gather(4 * dense, dp) + calls * dp_link.all_gather(0.0, dp)
-            end += dp_link.all_gather(4 * experts[rank], edp) if experts[rank] else 0.0
+            end += dp_link.all_gather(4 * experts, edp) if experts else 0.0
         else:
             end = 0.0  # reduced microbatch by microbatch inside the actions
-        window = sum(tables["w"][rank]) + sum(tables["i"][rank])  # the last microbatch
-        last_bucket = end * min(1.0, shape.bucket_size / max(params[rank], 1))
+        window = sum(rows[names.index("w")]) + sum(rows[names.index("i")])  # last microbatch
+        last_bucket = end * min(1.0, shape.bucket_size / max(rank_params, 1))
         exposed = max(end - window, last_bucket) if hardware.overlap_communication else end
         gather = 0.0
         if shape.zero_stage in (1, 2):
             gather = dp_link.all_gather(width * dense, dp)
-            gather += dp_link.all_gather(width * experts[rank], edp) if experts[rank] else 0.0
+            gather += dp_link.all_gather(width * experts, edp) if experts else 0.0
         owned = dense / (dp if shape.zero_stage >= 1 else 1)
-        owned += experts[rank] / (edp if shape.zero_stage >= 1 else 1)
+        owned += experts / (edp if shape.zero_stage >= 1 else 1)
         step = owned * _optimizer_bytes(width) / hardware.memory_bandwidth
-        ends = rank in (0, p - 1)
+        summed = embedding_sum * ends
+        return rows, rank_params, end, exposed + gather + step + summed, step, summed
+
+    columns = list(tables.values())
+    reduce, tail, optimizer, sums = [], [], [], []
+    ranks: dict[tuple, tuple] = {}  # ranks whose chunks are of the same kinds cost the same
+    for rank in range(p):
+        kinds = tuple(
+            (len(ranges[stage]), stage == 0, stage == num_stages - 1)
+            for stage in shape.placement[rank]
+        )
+        key = (kinds, rank in (0, p - 1))
+        if key not in ranks:
+            ranks[key] = rank_costs(*key)
+        rows, rank_params, end, rank_tail, step, summed = ranks[key]
+        for column, row in zip(columns, rows, strict=True):
+            column.append(list(row))
+        params.append(rank_params)
         reduce.append(end)
+        tail.append(rank_tail)
         optimizer.append(step)
-        sums.append(embedding_sum * ends)
-        tail.append(exposed + gather + step + sums[-1])
+        sums.append(summed)
     return ActionCosts(
         placement=shape.placement,
         forward=tables["f"],
