@@ -30,6 +30,16 @@ FLAGS += ("--seq-length", "512", "--bf16")
 MODEL = ModelPreset(FLAGS, 32000, "a small GPT")
 
 
+def _scheduled(planner: Planner, found):
+    """The layouts of ``found`` the planner would simulate, with their costs and schedule."""
+    for layout in found:
+        if planner.gpt(layout) is None or (costs := planner.costs(layout)) is None:
+            continue
+        schedule = planner.schedule(layout)
+        if not isinstance(schedule, str):
+            yield layout, costs, schedule
+
+
 def test_the_bound_is_never_above_the_simulated_time():
     """Every 13th layout of a space with every schedule: the bound the search stops by is at
     most the time the simulation gives it (plus the step overhead, as the search adds)."""
@@ -38,14 +48,9 @@ def test_the_bound_is_never_above_the_simulated_time():
     space = Space(max_micro_batch_size=2)
     found = list(layouts(planner.base, 8, 4, 16, space, seq_length=MODEL.seq_length))
     checked = 0
-    for layout in found[::13]:
-        if planner.gpt(layout) is None or (bound := planner.bound(layout)) is None:
-            continue
-        m = planner.gbs // (layout.micro_batch_size * layout.dp)
-        schedule = planner.schedule(layout, m)
-        if isinstance(schedule, str):
-            continue
-        costs, timeline = planner.time.run(schedule, planner.costs(layout), layout.world_size)
+    for layout, costs, schedule in _scheduled(planner, found[::13]):
+        bound = planner.bound(layout)
+        costs, timeline = planner.time.run(schedule, costs, layout.world_size)
         finish = max(step_time.rank_finish(costs, timeline)) + hardware.step_overhead
         assert bound <= finish * (1 + 1e-12), layout.name
         checked += 1
@@ -117,7 +122,7 @@ def test_finish_times_are_the_timelines_rank_ends():
             continue
         costs = _random_costs(rng, schedule.num_stages, schedule.num_chunks, 0.1)
         timeline = simulate.simulate(schedule, costs)
-        assert simulate.finish_times(schedule, costs) == step_time.rank_ends(timeline)
+        assert simulate.finish_times(schedule, costs) == timeline.rank_ends()
 
 
 def test_slower_costs_never_finish_sooner_than_their_scale():
@@ -159,14 +164,8 @@ def test_a_schedule_simulated_once_bounds_its_other_layouts():
     planner = Planner(MODEL, hardware, 16, 8)
     found = list(layouts(planner.base, 8, 4, 16, Space(max_micro_batch_size=2), seq_length=512))
     checked = 0
-    for layout in found:
-        if planner.gpt(layout) is None or (costs := planner.costs(layout)) is None:
-            continue
-        m = planner.gbs // (layout.micro_batch_size * layout.dp)
-        schedule = planner.schedule(layout, m)
-        if isinstance(schedule, str):
-            continue
-        scaled = planner.scaled_bound((layout.schedule, layout.pp, m, layout.vpp), costs)
+    for layout, costs, schedule in _scheduled(planner, found):
+        scaled = planner.scaled_bound(layout, costs)
         if scaled == -math.inf:  # the schedule's first layout: simulated, it is the reference
             assert planner.evaluate(layout, costs, cutoff=0.0) == "slower"
             continue

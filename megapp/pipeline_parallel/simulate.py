@@ -112,7 +112,14 @@ class Timeline:
     schedule: Schedule
     events: list[Event] = field(default_factory=list)
     peak_in_flight: list[float] = field(default_factory=list)
-    ends: list[float] = field(default_factory=list)  # every rank's last end, where simulated
+    ends: list[float] = field(default_factory=list)  # rank_ends() of a run kept without events
+
+    def rank_ends(self) -> list[float]:
+        """When every rank's last event ends."""
+        ends = [0.0] * self.schedule.num_stages
+        for event in self.events:
+            ends[event.rank] = max(ends[event.rank], event.end)
+        return ends
 
     @property
     def makespan(self) -> float:
@@ -207,11 +214,7 @@ def finish_times(schedule: Schedule, costs: CostModel | None = None) -> list[flo
         timeline = _simulate_channels(schedule, costs, communication_plan(schedule), False)
         if timeline is not None:
             return timeline.ends
-    timeline = simulate(schedule, costs)
-    ends = [0.0] * schedule.num_stages
-    for event in timeline.events:
-        ends[event.rank] = max(ends[event.rank], event.end)
-    return ends
+    return simulate(schedule, costs).rank_ends()
 
 
 def _simulate_channels(

@@ -80,9 +80,8 @@ def greedy(
         """A message from another rank takes the latency; one within the rank none."""
         return 0.0 if where.get(peer_stage, rank) == rank else costs.p2p_latency
 
-    # what a proposal reads, per [rank][chunk]: its stage, the latency of a message from
-    # the stage before and after (none from its own rank), a forward's activations, a W's time
-    stage_of = placement
+    # what a proposal reads, per [rank][chunk]: the latency of a message from the stage
+    # before and after (none from its own rank), a forward's activations, a W's time
     from_prev = [[latency(r, s - 1) for s in row] for r, row in enumerate(placement)]
     from_next = [[latency(r, s + 1) for s in row] for r, row in enumerate(placement)]
     forward_memory = [[costs.memory(r, Action(F, 0, c)) for c in range(v)] for r in range(p)]
@@ -90,7 +89,7 @@ def greedy(
 
     def ready_at(rank: int, op: Op, chunk: int) -> float | None:
         """When the next ``op`` of ``chunk`` on ``rank`` has its input, if known."""
-        stage = stage_of[rank][chunk]
+        stage = placement[rank][chunk]
         if op is F:
             mb = next_f[rank][chunk]
             if mb >= m:
@@ -117,12 +116,12 @@ def greedy(
             t = ready[rank][chunk][1]
             if t is not None:
                 # the first stage's input gradient feeds no one: forwards go first there
-                urgency = 2 if stage_of[rank][chunk] == 0 else 0
+                urgency = 2 if placement[rank][chunk] == 0 else 0
                 work.append((max(t, now), urgency, next_b[rank][chunk], backward, chunk))
             t = ready[rank][chunk][0]
             if t is not None:
                 if held[rank] + forward_memory[rank][chunk] <= memory_limit[rank] + 1e-9:
-                    work.append((max(t, now), 1, -stage_of[rank][chunk], F, chunk))
+                    work.append((max(t, now), 1, -placement[rank][chunk], F, chunk))
                 else:
                     memory_blocked = True
         if deferred[rank]:
@@ -142,10 +141,14 @@ def greedy(
         return start, op, chunk
 
     total = m * v * p * (3 if split_backward else 2)
+
     # A rank's proposal reads its own state and when its stages' neighbours finished: an
     # action changes only its own rank's and the ranks holding the next and previous stage.
+    def readiness(rank: int, chunk: int) -> list[float | None]:
+        return [ready_at(rank, F, chunk), ready_at(rank, backward, chunk)]
+
     # ready_at of every [rank][chunk]'s next forward and backward, refreshed as they change
-    ready = [[[ready_at(r, F, c), ready_at(r, backward, c)] for c in range(v)] for r in range(p)]
+    ready = [[readiness(r, c) for c in range(v)] for r in range(p)]
     chunk_of = {stage: c for row in placement for c, stage in enumerate(row)}
     proposals = [proposal(rank) for rank in range(p)]
     for _ in range(total):
@@ -171,7 +174,7 @@ def greedy(
         end = start + costs.time(rank, action)
         if op is not W:  # its own next action of the chunk, and the stage it feeds
             done[(int(op is not F), action.microbatch, stage)] = end
-            ready[rank][chunk] = [ready_at(rank, F, chunk), ready_at(rank, backward, chunk)]
+            ready[rank][chunk] = readiness(rank, chunk)
             fed = stage + 1 if op is F else stage - 1
             if 0 <= fed <= last:
                 peer, peer_chunk = where[fed], chunk_of[fed]

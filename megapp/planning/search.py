@@ -169,9 +169,14 @@ class Planner:
             return None
         return self._bounds[(*self._key(layout), _kind(layout).split_backward)]
 
-    def schedule(self, layout: Layout, num_microbatches: int) -> Schedule | str:
+    def _schedule_key(self, layout: Layout) -> tuple:
+        """What ``layout``'s schedule is built from: its name, p, m and v."""
+        num_microbatches = self.gbs // (layout.micro_batch_size * layout.dp)
+        return (layout.schedule, layout.pp, num_microbatches, layout.vpp)
+
+    def schedule(self, layout: Layout) -> Schedule | str:
         """The schedule ``layout`` runs (built once per name and sizes), or "invalid"."""
-        key = (layout.schedule, layout.pp, num_microbatches, layout.vpp)
+        key = self._schedule_key(layout)
         if key not in self._schedules:
             name = layout.schedule or default_schedule(layout.vpp)
             try:
@@ -188,12 +193,11 @@ class Planner:
         transport), "slower" (not under ``cutoff`` seconds), "bounded" (not under it by
         :meth:`scaled_bound`, without simulating), "memory" (does not fit). Simulates
         first: only a layout fast enough is checked and its memory predicted."""
-        m = self.gbs // (layout.micro_batch_size * layout.dp)
-        schedule = self.schedule(layout, m)
+        schedule = self.schedule(layout)
         if isinstance(schedule, str):
             return schedule
-        key = (layout.schedule, layout.pp, m, layout.vpp)
-        if self.scaled_bound(key, costs) >= cutoff:
+        key = self._schedule_key(layout)
+        if self.scaled_bound(layout, costs) >= cutoff:
             return "bounded"
         try:
             if isinstance(self.time, timing.Devices) and not schedule.asynchronous:
@@ -219,12 +223,13 @@ class Planner:
         step = step_time.step_time(config, gpt, costs, timeline, self.hardware)
         return Planned(layout, memory, step)
 
-    def scaled_bound(self, key: tuple, costs: timing.ActionCosts) -> float:
-        """A lower bound on the time of the schedule ``key`` under ``costs``, from its
+    def scaled_bound(self, layout: Layout, costs: timing.ActionCosts) -> float:
+        """A lower bound on ``layout``'s time under ``costs``, from its schedule's first
         simulation under other costs (``-inf`` before one). A simulated rank's last event
         ends at the longest of its chains of actions and messages, each a sum of
         durations: with every duration at least ``a`` times the reference's, each rank
         ends no sooner than ``a`` times its reference end."""
+        key = self._schedule_key(layout)
         if key not in self._references:
             return -math.inf
         reference, ends = self._references[key]

@@ -29,19 +29,10 @@ class StepTime:
     breakdown: dict[str, float] = field(default_factory=dict)
 
 
-def rank_ends(timeline: Timeline) -> list[float]:
-    """When every pipeline rank's last event ends."""
-    ends = [0.0] * timeline.schedule.num_stages
-    for event in timeline.events:
-        if event.end > ends[event.rank]:
-            ends[event.rank] = event.end
-    return ends
-
-
 def rank_finish(costs: ActionCosts, timeline: Timeline) -> list[float]:
     """When every pipeline rank is done: its last action, then its tail (which for an
     asynchronous schedule is in its steps, among the actions)."""
-    ends = rank_ends(timeline)
+    ends = timeline.rank_ends()
     if timeline.schedule.asynchronous:
         return ends
     return [end + tail for end, tail in zip(ends, costs.tail, strict=True)]

@@ -380,12 +380,15 @@ def action_costs(gpt: GPTConfig, shape: Shape, hardware: Hardware) -> ActionCost
     moe_rerun = moe_lin if gpt.recompute_granularity == "full" else 0.0
     chunks: dict[tuple[int, bool, bool], tuple[int, tuple[float, ...]]] = {}
 
-    def chunk(kind: tuple[int, bool, bool]) -> tuple[int, tuple[float, ...]]:
+    def kind(stage: int) -> tuple[int, bool, bool]:
+        """What a chunk's costs depend on: its layers, and whether it is the first or the
+        last stage (chunks of one kind cost the same)."""
+        return len(ranges[stage]), stage == 0, stage == num_stages - 1
+
+    def chunk(stage: int) -> tuple[int, tuple[float, ...]]:
         """Parameters and (F, I, W, B seconds, F, I, W FLOPs, tp seconds in F, in I, tp
-        calls in F, in I, cp seconds in F, in I, cp transfers in F, in I) of a chunk of
-        ``(layers, first, last)``."""
-        layers, first, last = kind
-        stage = 0 if first else num_stages - 1 if last else 1
+        calls in F, in I, cp seconds in F, in I, cp transfers in F, in I) of one chunk."""
+        layers, first, last = kind(stage)
         chunk_params = chunk_parameters(gpt, stage, num_stages, layers)
         moe = moe_layer_count(gpt, layers)
         f = layers * (lin + core) + moe * moe_lin + logits * last
@@ -429,16 +432,16 @@ def action_costs(gpt: GPTConfig, shape: Shape, hardware: Hardware) -> ActionCost
     # the copies of each expert: world / (etp · ep · pp), spanning as many ranks as dp · cp
     edp = tp * dp // (gpt.expert_tensor_parallel_size * gpt.expert_model_parallel_size)
 
-    def rank_costs(kinds: tuple[tuple[int, bool, bool], ...], ends: bool) -> tuple:
+    def rank_costs(stages: tuple[int, ...], ends: bool) -> tuple:
         """A rank's rows of the tables and its (parameters, end-of-step reduction, tail,
-        optimizer step, embedding sum), from the kinds of its chunks."""
-        for key in kinds:
-            if key not in chunks:  # chunks of one kind cost the same: compute once
-                chunks[key] = chunk(key)
-        held = [chunks[key] for key in kinds]
+        optimizer step, embedding sum), from the stages of its chunks."""
+        for stage in stages:
+            if kind(stage) not in chunks:
+                chunks[kind(stage)] = chunk(stage)
+        held = [chunks[kind(stage)] for stage in stages]
         rows = [list(row) for row in zip(*(values for _, values in held), strict=True)]
         rank_params = sum(n for n, _ in held)
-        experts = sum(chunk_expert_parameters(gpt, layers) for layers, _, _ in kinds)
+        experts = sum(chunk_expert_parameters(gpt, len(ranges[stage])) for stage in stages)
         dense = rank_params - experts
         # every bucket's collective beyond one pays its ring steps
         calls = sum(max(1, math.ceil(n / shape.bucket_size)) for n, _ in held) - 1
@@ -467,13 +470,10 @@ def action_costs(gpt: GPTConfig, shape: Shape, hardware: Hardware) -> ActionCost
     reduce, tail, optimizer, sums = [], [], [], []
     ranks: dict[tuple, tuple] = {}  # ranks whose chunks are of the same kinds cost the same
     for rank in range(p):
-        kinds = tuple(
-            (len(ranges[stage]), stage == 0, stage == num_stages - 1)
-            for stage in shape.placement[rank]
-        )
-        key = (kinds, rank in (0, p - 1))
+        stages, ends = shape.placement[rank], rank in (0, p - 1)
+        key = (tuple(map(kind, stages)), ends)
         if key not in ranks:
-            ranks[key] = rank_costs(*key)
+            ranks[key] = rank_costs(stages, ends)
         rows, rank_params, end, rank_tail, step, summed = ranks[key]
         for column, row in zip(columns, rows, strict=True):
             column.append(list(row))
