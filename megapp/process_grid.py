@@ -66,15 +66,15 @@ def _groups_along(
     fastest first, with their ``strides``), one sorted list per fixed rest, sorted."""
     fixed = [n for n in dims if n not in along]
     varying = [n for n in dims if n in along]  # fastest first, as in the order
-    groups = []
-    for rest in product(*(range(dims[n]) for n in fixed)):
-        base = sum(i * strides[n] for n, i in zip(fixed, rest, strict=True))
-        members = []
-        for index in product(*(range(dims[n]) for n in reversed(varying))):
-            offsets = zip(reversed(varying), index, strict=True)
-            members.append(base + sum(i * strides[n] for n, i in offsets))
-        groups.append(members)
-    return sorted(groups)
+
+    def offsets(names: list[str]) -> list[int]:
+        """Every combination of ``names``' coordinates as a rank offset, the first name
+        varying slowest."""
+        steps = product(*(range(0, dims[n] * strides[n], strides[n]) for n in names))
+        return [sum(step) for step in steps]
+
+    members = offsets(varying[::-1])
+    return sorted([base + m for m in members] for base in offsets(fixed))
 
 
 def _unknown_group(name: str) -> str:

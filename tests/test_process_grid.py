@@ -1,6 +1,7 @@
 """ProcessGrid: golden layouts written by hand, properties over many layouts, and every
 group against Megatron-Core's own rank generator."""
 
+import functools
 import itertools
 import math
 import re
@@ -226,12 +227,32 @@ MEGATRON_TOKENS = {
 }
 
 
+class _RememberedRanks:
+    """A Megatron-Core RankGenerator that computes each of its group lists once: its
+    arithmetic is slow, and the layouts below ask it for the same lists many times."""
+
+    def __init__(self, generator):
+        self._generator = generator
+        self._ranks = {}
+
+    def get_ranks(self, token):
+        if token not in self._ranks:
+            self._ranks[token] = self._generator.get_ranks(token)
+        return self._ranks[token]
+
+
 @pytest.fixture(scope="module")
 def rank_generator():
+    """Megatron-Core's RankGenerator, one per set of sizes and order."""
     with warnings.catch_warnings():  # it warns that Transformer Engine and Apex are missing
         warnings.simplefilter("ignore")
         module = pytest.importorskip("megatron.core.parallel_state")
-    return module.RankGenerator
+
+    @functools.cache
+    def generator(**sizes):
+        return _RememberedRanks(module.RankGenerator(**sizes))
+
+    return generator
 
 
 @pytest.mark.parametrize("world", [16, 32])
@@ -329,18 +350,9 @@ def test_grid_is_immutable():
     assert grid == ProcessGrid(8, 2, 2)
 
 
-def _print_layout(*flags: str) -> list[str]:
-    out = subprocess.run(
-        [sys.executable, "-m", "megapp.parallel_state", *flags],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    return out.splitlines()
-
-
-def test_cli_prints_the_layout():
-    lines = _print_layout("--world-size", "16", "--tp", "2", "--pp", "4")
+def test_cli_prints_the_layout(capsys):
+    parallel_state.main(["--world-size", "16", "--tp", "2", "--pp", "4"])
+    lines = capsys.readouterr().out.splitlines()
     assert "tp=2 × cp=1 × dp=2 × pp=4" in lines[0] and "order tp-cp-dp-pp" in lines[0]
     columns = re.split(r"\s{2,}", lines[1].strip())
     assert columns == [
@@ -378,6 +390,7 @@ def test_cli_prints_context_parallel_coordinates(capsys):
 
 
 def test_cli_rejects_bad_layout():
+    # the module run as a program (the others call its main): exit status 2 and the reason
     proc = subprocess.run(
         [sys.executable, "-m", "megapp.parallel_state", "--world-size", "6", "--tp", "4"],
         capture_output=True,
