@@ -118,7 +118,7 @@ def test_receives_follow_the_send_order():
     assert plan[1][2].recvs == ()
     simulate(swapped)
     broken = [list(steps) for steps in plan]
-    broken[1][0] = dataclasses.replace(broken[1][0], recvs=broken[1][0].recvs[::-1])
+    broken[1][0] = broken[1][0]._replace(recvs=broken[1][0].recvs[::-1])
     with pytest.raises(ScheduleError, match="matched in posting order"):
         check_fifo(broken)
 

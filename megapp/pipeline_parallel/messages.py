@@ -18,20 +18,20 @@ are posted so that no plan stalls under NCCL's stream rules is the transport's
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from megapp.pipeline_parallel.schedules import Action, Op, Schedule
-
-_OP_CODES = {op: code for code, op in enumerate(Op)}
 
 
 class ScheduleError(ValueError):
     """A schedule that cannot run: out-of-order actions, a FIFO violation or a deadlock."""
 
 
-@dataclass(frozen=True)
-class Message:
-    """An activation (forward) or gradient (backward) of one microbatch between virtual stages."""
+class Message(NamedTuple):
+    """An activation (forward) or gradient (backward) of one microbatch between virtual stages.
+
+    A named tuple: messages key the simulator's and the checks' tables, and a tuple of
+    integers (and an ``Op``, a string) hashes and compares without a Python call."""
 
     op: Op
     microbatch: int
@@ -39,16 +39,6 @@ class Message:
     dst_stage: int
     src: int
     dst: int
-    # Messages key the simulator's and the checks' tables: hash once, not per lookup.
-    _hash: int = field(init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        # from integers only, so a pickled copy in another process hashes the same
-        fields = (_OP_CODES[self.op], self.microbatch, self.src_stage, self.dst_stage, self.src)
-        object.__setattr__(self, "_hash", hash((*fields, self.dst)))
-
-    def __hash__(self) -> int:
-        return self._hash
 
     @property
     def local(self) -> bool:
@@ -62,8 +52,7 @@ class Message:
         return f"{what} of microbatch {self.microbatch} ({src} -> {dst})"
 
 
-@dataclass(frozen=True)
-class Step:
+class Step(NamedTuple):
     """Post ``sends`` and ``recvs`` together, wait for the receives, then run ``action``
     (``None`` for the final flush)."""
 
