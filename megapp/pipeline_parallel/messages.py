@@ -22,6 +22,8 @@ from typing import NamedTuple
 
 from megapp.pipeline_parallel.schedules import Action, Op, Schedule
 
+_LETTERS = {op: op.value for op in Op}  # read once: an enum's value is a Python property
+
 
 class ScheduleError(ValueError):
     """A schedule that cannot run: out-of-order actions, a FIFO violation or a deadlock."""
@@ -61,38 +63,34 @@ class Step(NamedTuple):
     action: Action | None
 
 
-def _links(schedule: Schedule, rank: int, action: Action) -> tuple[tuple | None, tuple | None]:
-    """``(op, microbatch, src_stage, dst_stage)`` of the message ``action`` on ``rank``
-    receives before it runs and of the one it sends after, each None where there is none."""
-    stage = schedule.placement[rank][action.chunk]
-    last = schedule.num_virtual_stages - 1
-    if action.op is Op.FORWARD:
-        recv = (Op.FORWARD, action.microbatch, stage - 1, stage) if stage > 0 else None
-        send = (Op.FORWARD, action.microbatch, stage, stage + 1) if stage < last else None
-        return recv, send
-    if action.op.sends_gradient:
-        recv = (Op.BACKWARD, action.microbatch, stage + 1, stage) if stage < last else None
-        send = (Op.BACKWARD, action.microbatch, stage, stage - 1) if stage > 0 else None
-        return recv, send
-    return None, None
-
-
-def _message(schedule: Schedule, key: tuple | None) -> Message | None:
-    if key is None:
-        return None
-    op, microbatch, src_stage, dst_stage = key
-    src, dst = schedule.rank_of(src_stage), schedule.rank_of(dst_stage)
-    return Message(op, microbatch, src_stage, dst_stage, src, dst)
+def _links(schedule: Schedule, rank: int, action: Action) -> tuple[Message | None, Message | None]:
+    """The message ``action`` on ``rank`` receives before it runs and the one it sends
+    after, each None where there is none."""
+    op = action.op
+    if op is Op.FORWARD:
+        kind, before, after = Op.FORWARD, -1, 1
+    elif op is Op.BACKWARD or op is Op.INPUT_GRAD:  # Op.sends_gradient
+        kind, before, after = Op.BACKWARD, 1, -1
+    else:
+        return None, None
+    stage = schedule.placement[rank][action.chunk]  # on this rank
+    src, dst = stage + before, stage + after
+    recv = send = None
+    if 0 <= src < schedule.num_virtual_stages:
+        recv = Message(kind, action.microbatch, src, stage, schedule.rank_of(src), rank)
+    if 0 <= dst < schedule.num_virtual_stages:
+        send = Message(kind, action.microbatch, stage, dst, rank, schedule.rank_of(dst))
+    return recv, send
 
 
 def incoming(schedule: Schedule, rank: int, action: Action) -> Message | None:
     """The message ``action`` on ``rank`` must receive before it runs, if any."""
-    return _message(schedule, _links(schedule, rank, action)[0])
+    return _links(schedule, rank, action)[0]
 
 
 def outgoing(schedule: Schedule, rank: int, action: Action) -> Message | None:
     """The message ``action`` on ``rank`` sends after it runs, if any."""
-    return _message(schedule, _links(schedule, rank, action)[1])
+    return _links(schedule, rank, action)[1]
 
 
 Links = tuple[tuple[tuple[Message | None, Message | None], ...], ...]
@@ -100,20 +98,13 @@ Links = tuple[tuple[tuple[Message | None, Message | None], ...], ...]
 
 def action_links(schedule: Schedule) -> Links:
     """:func:`incoming` and :func:`outgoing` of every rank's every action, ``[rank][k]``,
-    each message made once (a sender's outgoing is its receiver's incoming)."""
-    made: dict[tuple, Message] = {}
-
-    def message(key: tuple | None) -> Message | None:
-        if key is None:
-            return None
-        found = made.get(key)
-        if found is None:
-            found = made[key] = _message(schedule, key)
-        return found
-
+    each message one object (a sender's outgoing is its receiver's incoming): the tables
+    keyed by messages then find it by identity, without comparing fields."""
+    made: dict[Message, Message] = {}
+    one = made.setdefault
     return tuple(
         tuple(
-            (message(recv), message(send))
+            (None if recv is None else one(recv, recv), None if send is None else one(send, send))
             for recv, send in (_links(schedule, rank, a) for a in actions)
         )
         for rank, actions in enumerate(schedule.actions)
@@ -169,7 +160,7 @@ def rank_plan(
     received = dict.fromkeys(channels, 0)  # per channel, how many are received
 
     def receive(message: Message | None) -> tuple[Message, ...]:
-        if message is None or message.local:
+        if message is None or message.src == message.dst:  # none, or local
             return ()
         index = position.get(message)
         if index is None:
@@ -181,13 +172,22 @@ def rank_plan(
         received[pair] = index + 1
         return tuple(channels[pair][start : index + 1])
 
+    def sent(message: Message | None) -> tuple[Message, ...]:
+        return () if message is None or message.src == message.dst else (message,)
+
     actions, row = schedule.actions[rank], links[rank]
     steps, pending = [], ()
     for unit in _units(schedule, rank):
+        first = unit[0]
+        if len(unit) == 1:  # most steps: one action, at most one message each way
+            recv, send = row[first]
+            steps.append(Step(pending, () if recv is None else receive(recv), actions[first]))
+            pending = () if send is None else sent(send)
+            continue
         recvs = tuple(m for k in unit for m in receive(row[k][0]))
-        steps.append(Step(pending, recvs, actions[unit[0]]))
+        steps.append(Step(pending, recvs, actions[first]))
         steps += [Step((), (), actions[k]) for k in unit[1:]]
-        pending = tuple(m for k in unit if (m := row[k][1]) is not None and not m.local)
+        pending = tuple(m for k in unit for m in sent(row[k][1]))
     steps.append(Step(pending, (), None))
     return steps
 
@@ -253,13 +253,15 @@ def check_progress(name: str, plan: list[list[Step]]) -> None:
     while progress:
         progress = False
         for rank, steps in enumerate(plan):
-            while cursor[rank] < len(steps):
-                step = steps[cursor[rank]]
+            at = cursor[rank]
+            while at < len(steps):
+                step = steps[at]
                 posted.update(step.sends)
-                if not all(m in posted for m in step.recvs):
+                if not posted.issuperset(step.recvs):
                     break
-                cursor[rank] += 1
+                at += 1
                 progress = True
+            cursor[rank] = at
     stuck = [rank for rank, steps in enumerate(plan) if cursor[rank] < len(steps)]
     if stuck:
         lines = []
@@ -286,26 +288,26 @@ def check_actions(schedule: Schedule, links: Links | None = None) -> None:
         for mb in range(schedule.num_microbatches)
         for chunk in range(schedule.num_chunks)
     }
+    allowed = ("F",) if schedule.forward_only else ("FB", "FIW")
     for rank, actions in enumerate(schedule.actions):
         _check_local_order(schedule, rank, actions, links[rank])
-        seen: dict[tuple[int, int], list[Op]] = {}
+        seen: dict[tuple[int, int], str] = {}  # the ops of each pair, in order ("FIW")
         for action in actions:
             if action.op is Op.UPDATE:
                 continue
             key = (action.microbatch, action.chunk)
             if key not in pairs:
                 raise ScheduleError(f"{schedule.name}: rank {rank} runs {action}, out of range")
-            seen.setdefault(key, []).append(action.op)
-        for key in sorted(pairs):
-            ops = "".join(op.value for op in seen.get(key, []))
-            allowed = ("F",) if schedule.forward_only else ("FB", "FIW")
-            if ops not in allowed:
-                label = f"microbatch {key[0]} chunk {key[1]}"
-                raise ScheduleError(
-                    f"{schedule.name}: rank {rank} runs {label} as {ops or 'nothing'!r}; "
-                    f"every microbatch and chunk must run as one of {', '.join(allowed)}, "
-                    "in that order"
-                )
+            seen[key] = seen.get(key, "") + _LETTERS[action.op]
+        wrong = [key for key in pairs if seen.get(key, "") not in allowed]
+        if wrong:
+            key = min(wrong)
+            ops, label = seen.get(key, ""), f"microbatch {key[0]} chunk {key[1]}"
+            raise ScheduleError(
+                f"{schedule.name}: rank {rank} runs {label} as {ops or 'nothing'!r}; "
+                f"every microbatch and chunk must run as one of {', '.join(allowed)}, "
+                "in that order"
+            )
 
 
 def check_updates(schedule: Schedule) -> None:
@@ -356,7 +358,7 @@ def _check_local_order(schedule: Schedule, rank: int, actions, links) -> None:
     """An action fed by a stage on its own rank runs after the action that feeds it."""
     done: set[tuple[Op, int, int]] = set()
     for action, (message, _) in zip(actions, links, strict=True):
-        if message is not None and message.local:
+        if message is not None and message.src == message.dst:  # local
             chunk = schedule.chunk_of(message.src_stage)
             producers = (Op.FORWARD,) if message.op is Op.FORWARD else (Op.BACKWARD, Op.INPUT_GRAD)
             if not any((op, action.microbatch, chunk) in done for op in producers):
@@ -379,6 +381,8 @@ def check_fifo(plan: list[list[Step]]) -> None:
                 received.setdefault((msg.src, msg.dst), []).append(msg)
     for pair in sorted(set(sent) | set(received)):
         sends, recvs = sent.get(pair, []), received.get(pair, [])
+        if sends == recvs:  # element by element, each message found by identity
+            continue
         for index, (s, r) in enumerate(zip(sends, recvs, strict=False)):
             if s != r:
                 raise ScheduleError(

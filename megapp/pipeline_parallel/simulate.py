@@ -322,17 +322,21 @@ def _channel_plan(plan: tuple[tuple[Step, ...], ...]) -> tuple[tuple, int, int]:
     channels: dict[tuple[int, int], int] = {}
     for steps in plan:
         for step in steps:
-            for message in (*step.sends, *step.recvs):
+            for message in step.sends + step.recvs:
                 if message not in numbers:
                     numbers[message] = len(numbers)
                     channels.setdefault((message.src, message.dst), len(channels))
-    ids = {m: (n, channels[(m.src, m.dst)]) for m, n in numbers.items()}
+    posted_as = {}  # each message as a send, and as a receive: (number, channel, is_send)
+    for m, n in numbers.items():
+        channel = channels[(m.src, m.dst)]
+        posted_as[m] = (n, channel, True), (n, channel, False)
     steps_of = tuple(
         tuple(
             (
-                tuple((*ids[m], True) for m in step.sends)
-                + tuple((*ids[m], False) for m in step.recvs),
-                tuple(numbers[m] for m in step.recvs),
+                tuple([posted_as[m][0] for m in step.sends] + [posted_as[m][1] for m in step.recvs])
+                if step.sends or step.recvs
+                else (),
+                tuple([numbers[m] for m in step.recvs]),
                 step.action,
             )
             for step in steps
