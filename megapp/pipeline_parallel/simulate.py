@@ -250,7 +250,8 @@ def _simulate_channels(
             out.popleft()
             inbox.popleft()
 
-    durations: dict[tuple[int, Op, int], tuple[float, float]] = {}
+    # per rank, (seconds, memory) of each (op, chunk) its actions run, asked once
+    durations: list[dict[tuple[Op, int], tuple[float, float]]] = [{} for _ in range(p)]
     clock = [0.0] * p
     cursor = [0] * p
     is_posted = [False] * p
@@ -262,43 +263,47 @@ def _simulate_channels(
     while progress:
         progress = False
         for rank in range(p):
-            steps = steps_of[rank]
-            while cursor[rank] < len(steps):
-                posts, waits, action = steps[cursor[rank]]
-                if not is_posted[rank]:
-                    now = clock[rank]
+            steps, cost = steps_of[rank], durations[rank]
+            # this rank's state, in locals while it advances
+            at, now, posted = cursor[rank], clock[rank], is_posted[rank]
+            held, top = in_flight[rank], peak[rank]
+            while at < len(steps):
+                posts, waits, action = steps[at]
+                if not posted:
                     for message, channel, is_send in posts:
                         (sends if is_send else recvs)[channel].append((message, now))
                         match(channel)
-                    is_posted[rank] = True
-                ready = clock[rank]
-                waiting = False
+                    posted = True
+                ready, waiting = now, False
                 for message in waits:
-                    at = done[message]
-                    if at is None:
+                    arrived = done[message]
+                    if arrived is None:
                         waiting = True
                         break
-                    ready = max(ready, at)
+                    if arrived > ready:
+                        ready = arrived
                 if waiting:
                     break  # what this rank waits for has not completed yet
-                if record and ready > clock[rank]:
-                    events.append(Event(rank, "wait", "p2p", clock[rank], ready))
-                clock[rank] = ready
+                if record and ready > now:
+                    events.append(Event(rank, "wait", "p2p", now, ready))
+                now = ready
                 if action is not None:
-                    key = (rank, action.op, action.chunk)
-                    if key not in durations:
-                        durations[key] = (costs.time(rank, action), costs.memory(rank, action))
-                    duration, memory = durations[key]
+                    key = (action.op, action.chunk)
+                    entry = cost.get(key)
+                    if entry is None:
+                        entry = cost[key] = (costs.time(rank, action), costs.memory(rank, action))
+                    duration, memory = entry
                     if record:
-                        name = str(action)
-                        events.append(Event(rank, "compute", name, ready, ready + duration))
-                    clock[rank] = ready + duration
+                        events.append(Event(rank, "compute", str(action), now, now + duration))
+                    now += duration
                     if keeps:
-                        in_flight[rank] += memory
-                        peak[rank] = max(peak[rank], in_flight[rank])
-                cursor[rank] += 1
-                is_posted[rank] = False
+                        held += memory
+                        top = max(top, held)
+                at += 1
+                posted = False
                 progress = True
+            cursor[rank], clock[rank], is_posted[rank] = at, now, posted
+            in_flight[rank], peak[rank] = held, top
     stuck = any(cursor[r] < len(steps_of[r]) for r in range(p))
     if stuck or any(sends) or any(recvs):
         return None
