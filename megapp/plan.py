@@ -153,7 +153,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        return _run(build_parser().parse_args(argv))
+    finally:
+        gc.unfreeze()  # what the run froze is the collector's again (for callers in-process)
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         model = load_model(args.model, args.vocab_size)
         if args.seq_length is not None:
@@ -186,6 +192,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         finally:
             if bar is not None:
                 bar.close()
+        # The search left millions of small objects in the planner's caches: keep the
+        # collector from scanning them again while the answer is printed.
+        gc.freeze()
     except (ArgumentsError, ValueError) as error:  # a ScheduleError too: a layout's deadlock
         print(f"python -m megapp.plan: error: {' '.join(str(error).split())}", file=sys.stderr)
         return 2
