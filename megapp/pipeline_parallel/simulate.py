@@ -335,19 +335,17 @@ def _channel_plan(plan: tuple[tuple[Step, ...], ...]) -> tuple[tuple, int, int]:
     for m, n in numbers.items():
         channel = channels[(m.src, m.dst)]
         posted_as[m] = (n, channel, True), (n, channel, False)
-    steps_of = tuple(
-        tuple(
-            (
-                tuple([posted_as[m][0] for m in step.sends] + [posted_as[m][1] for m in step.recvs])
-                if step.sends or step.recvs
-                else (),
-                tuple([numbers[m] for m in step.recvs]),
-                step.action,
-            )
-            for step in steps
-        )
-        for steps in plan
-    )
+    steps_of = []
+    for steps in plan:
+        row = []
+        for sends, recvs, action in steps:
+            posts = waits = ()
+            if sends or recvs:
+                posts = tuple([posted_as[m][0] for m in sends] + [posted_as[m][1] for m in recvs])
+                waits = tuple([numbers[m] for m in recvs])
+            row.append((posts, waits, action))
+        steps_of.append(tuple(row))
+    steps_of = tuple(steps_of)
     compiled = (steps_of, len(numbers), len(channels))
     if len(_CHANNEL_PLANS) >= 64:
         _CHANNEL_PLANS.clear()
