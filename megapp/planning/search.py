@@ -4,7 +4,7 @@ timed, the fastest first.
 Arithmetic alone shapes the space (:func:`~megapp.planning.layout_space.layouts`);
 :func:`~megapp.planning.layout.pretrain_config` decides validity as ``pretrain_gpt.py``
 would, :func:`~megapp.planning.memory.predict_memory` the fit. Layouts are visited in order
-of a lower bound on their time (:meth:`~megapp.planning.timing.ActionCosts.lower_bound`,
+of a lower bound on their time (:meth:`~megapp.planning.timing.ActionCosts.lower_bounds`,
 shared by the schedules of one placement, no simulation) until the next bound is no better
 than the k-th best simulated time; docs/planning.md describes the search. The time comes
 from a :class:`~megapp.planning.timing.TimeModel`: devices of their own for a
@@ -157,8 +157,8 @@ class Planner:
             shape = timing.Shape(seq, mbs, placement, dp, layout.zero_stage, _BUCKET)
             costs = self.time.action_costs(gpt, shape)
             m = self.gbs // (mbs * dp)
-            for split in (False, True):
-                bound = costs.lower_bound(m, self.hardware.step_overhead, split)
+            bounds = costs.lower_bounds(m, self.hardware.step_overhead)
+            for split, bound in zip((False, True), bounds, strict=True):
                 self._bounds[(*key, split)] = bound
         self._costs[key] = costs
         return costs

@@ -149,13 +149,20 @@ class ActionCosts:
     def lower_bound(
         self, num_microbatches: int, step_overhead: float = 0.0, split_backward: bool = True
     ) -> float:
-        """A time no schedule beats, without simulating one: every rank idles until the
-        first microbatch reaches its earliest stage, then computes all its actions; and
-        the last microbatch to leave stage 0 (no sooner than ``m`` forwards of it) still
-        runs forward through every later stage and back before stage 0's ``I`` and ``W``.
-        Without split backwards (``split_backward=False``) a rank's last action is the
-        backward of its lowest stage, after which that microbatch's backward still runs
-        through every stage below it. Every step between stages on two ranks costs a
+        """A time no schedule beats, without simulating one: :meth:`lower_bounds`' with
+        whole (``split_backward=False``) or split backwards."""
+        return self.lower_bounds(num_microbatches, step_overhead)[split_backward]
+
+    def lower_bounds(
+        self, num_microbatches: int, step_overhead: float = 0.0
+    ) -> tuple[float, float]:
+        """Times no schedule beats, with whole backwards and with split ones, without
+        simulating one: every rank idles until the first microbatch reaches its earliest
+        stage, then computes all its actions; and the last microbatch to leave stage 0 (no
+        sooner than ``m`` forwards of it) still runs forward through every later stage and
+        back before stage 0's ``I`` and ``W``. Without split backwards a rank's last action
+        is the backward of its lowest stage, after which that microbatch's backward still
+        runs through every stage below it. Every step between stages on two ranks costs a
         pipeline message (``p2p``) on the way: its receiver starts no sooner."""
         p, m = len(self.forward), num_microbatches
         where = {
@@ -172,17 +179,19 @@ class ActionCosts:
         b_before = list(itertools.accumulate(b, initial=0.0))
         hops_to = list(itertools.accumulate(hop))
         first_rank, first_chunk = order[0]
-        bounds = []
-        for rank in range(p):
-            lowest = min(self.placement[rank])
-            done = f_before[lowest] + hops_to[lowest] + self.busy(rank, m, split_backward)
-            bounds.append(done + self.tail[rank])
-            if not split_backward and lowest > 0:
-                down = b_before[lowest] + hops_to[lowest]
-                bounds.append(done + down + self.tail[first_rank])
         chain = m * f[0] + sum(f[1:]) + sum(i) + self.weight_grad[first_rank][first_chunk]
-        bounds.append(chain + 2 * sum(hop) + self.tail[first_rank])
-        return step_overhead + max(bounds)
+        results = []
+        for split_backward in (False, True):
+            bounds = [chain + 2 * sum(hop) + self.tail[first_rank]]
+            for rank in range(p):
+                lowest = min(self.placement[rank])
+                done = f_before[lowest] + hops_to[lowest] + self.busy(rank, m, split_backward)
+                bounds.append(done + self.tail[rank])
+                if not split_backward and lowest > 0:
+                    down = b_before[lowest] + hops_to[lowest]
+                    bounds.append(done + down + self.tail[first_rank])
+            results.append(step_overhead + max(bounds))
+        return results[0], results[1]
 
 
 @functools.cache
