@@ -155,8 +155,9 @@ class Schedule:
         versions: the weights the schedule starts from)."""
         return self.versions[rank][microbatch] if self.versions else 0
 
-    @property
+    @functools.cached_property
     def num_virtual_stages(self) -> int:
+        """``p · v`` (read once: the message plan asks for it for every action)."""
         return self.num_stages * self.num_chunks
 
     @functools.cached_property
