@@ -153,10 +153,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    frozen_before = gc.get_freeze_count()
     try:
         return _run(build_parser().parse_args(argv))
     finally:
-        gc.unfreeze()  # what the run froze is the collector's again (for callers in-process)
+        if not frozen_before:  # what the run froze is the collector's again (in-process)
+            gc.unfreeze()
 
 
 def _run(args: argparse.Namespace) -> int:

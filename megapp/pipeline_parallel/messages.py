@@ -69,7 +69,7 @@ def _links(schedule: Schedule, rank: int, action: Action) -> tuple[Message | Non
     op = action.op
     if op is Op.FORWARD:
         kind, before, after = Op.FORWARD, -1, 1
-    elif op is Op.BACKWARD or op is Op.INPUT_GRAD:  # Op.sends_gradient
+    elif op is Op.BACKWARD or op is Op.INPUT_GRAD:  # the ops that send a gradient
         kind, before, after = Op.BACKWARD, 1, -1
     else:
         return None, None
