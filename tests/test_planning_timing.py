@@ -201,7 +201,7 @@ def test_lower_bound_holds_and_is_tight_for_1f1b(layout, split):
     cfg = config(layout)
     costs = action_costs(cfg.gpt_config(VOCAB), shape_of(cfg), GLOO)
     step = predict_step_time(cfg, VOCAB, GLOO)
-    bound = costs.lower_bound(cfg.num_microbatches, split_backward=split)
+    bound = costs.lower_bounds(cfg.num_microbatches)[split]
     assert bound <= step.seconds + 1e-12
     if layout.schedule is None and layout.vpp == 1:  # 1F1B: (m + p - 1)(F + B), nearly
         assert bound > 0.97 * step.seconds

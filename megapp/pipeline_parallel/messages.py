@@ -160,7 +160,7 @@ def rank_plan(
     received = dict.fromkeys(channels, 0)  # per channel, how many are received
 
     def receive(message: Message | None) -> tuple[Message, ...]:
-        if message is None or message.src == message.dst:  # none, or local
+        if message is None or message.local:
             return ()
         index = position.get(message)
         if index is None:
@@ -173,7 +173,7 @@ def rank_plan(
         return tuple(channels[pair][start : index + 1])
 
     def sent(message: Message | None) -> tuple[Message, ...]:
-        return () if message is None or message.src == message.dst else (message,)
+        return () if message is None or message.local else (message,)
 
     actions, row = schedule.actions[rank], links[rank]
     steps, pending = [], ()
@@ -181,8 +181,8 @@ def rank_plan(
         first = unit[0]
         if len(unit) == 1:  # most steps: one action, at most one message each way
             recv, send = row[first]
-            steps.append(Step(pending, () if recv is None else receive(recv), actions[first]))
-            pending = () if send is None else sent(send)
+            steps.append(Step(pending, receive(recv), actions[first]))
+            pending = sent(send)
             continue
         recvs = tuple(m for k in unit for m in receive(row[k][0]))
         steps.append(Step(pending, recvs, actions[first]))
@@ -358,7 +358,7 @@ def _check_local_order(schedule: Schedule, rank: int, actions, links) -> None:
     """An action fed by a stage on its own rank runs after the action that feeds it."""
     done: set[tuple[Op, int, int]] = set()
     for action, (message, _) in zip(actions, links, strict=True):
-        if message is not None and message.src == message.dst:  # local
+        if message is not None and message.local:
             chunk = schedule.chunk_of(message.src_stage)
             producers = (Op.FORWARD,) if message.op is Op.FORWARD else (Op.BACKWARD, Op.INPUT_GRAD)
             if not any((op, action.microbatch, chunk) in done for op in producers):

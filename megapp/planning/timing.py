@@ -146,13 +146,6 @@ class ActionCosts:
             backward = self.whole_backward[rank]
         return num_microbatches * (sum(self.forward[rank]) + sum(backward))
 
-    def lower_bound(
-        self, num_microbatches: int, step_overhead: float = 0.0, split_backward: bool = True
-    ) -> float:
-        """A time no schedule beats, without simulating one: :meth:`lower_bounds`' with
-        whole (``split_backward=False``) or split backwards."""
-        return self.lower_bounds(num_microbatches, step_overhead)[split_backward]
-
     def lower_bounds(
         self, num_microbatches: int, step_overhead: float = 0.0
     ) -> tuple[float, float]:
@@ -180,15 +173,18 @@ class ActionCosts:
         hops_to = list(itertools.accumulate(hop))
         first_rank, first_chunk = order[0]
         chain = m * f[0] + sum(f[1:]) + sum(i) + self.weight_grad[first_rank][first_chunk]
+        chain += 2 * sum(hop) + self.tail[first_rank]
+        lowest = [min(row) for row in self.placement]
+        # when each rank's first input can arrive: the forwards and hops before its lowest stage
+        start = [f_before[s] + hops_to[s] for s in lowest]
         results = []
         for split_backward in (False, True):
-            bounds = [chain + 2 * sum(hop) + self.tail[first_rank]]
+            bounds = [chain]
             for rank in range(p):
-                lowest = min(self.placement[rank])
-                done = f_before[lowest] + hops_to[lowest] + self.busy(rank, m, split_backward)
+                done = start[rank] + self.busy(rank, m, split_backward)
                 bounds.append(done + self.tail[rank])
-                if not split_backward and lowest > 0:
-                    down = b_before[lowest] + hops_to[lowest]
+                if not split_backward and lowest[rank] > 0:
+                    down = b_before[lowest[rank]] + hops_to[lowest[rank]]
                     bounds.append(done + down + self.tail[first_rank])
             results.append(step_overhead + max(bounds))
         return results[0], results[1]

@@ -5,10 +5,10 @@ in-world test pays for every collective it issues.
 
 Each world is the pool of processes the tests use (:mod:`megapp.testing`). Its ranks run
 ``iterations`` all-reduces, all-gathers and reduce-scatters of a 256-float tensor back to
-back, over the whole world and over pairs of neighbouring ranks (every pair at once, as
-the tensor-parallel groups of size 2 of a larger layout do), after a warm-up. A row is
-the slowest rank's time per call. A parity test multiplies it by its collective count
-(``megapp.testing.collective_count.Recorder`` counts them).
+back, over the whole world and, in an even world, over pairs of neighbouring ranks
+(every pair at once, as the tensor-parallel groups of size 2 of a larger layout do), after
+a warm-up. A row is the slowest rank's time per call. A parity test multiplies it by its
+collective count (``megapp.testing.collective_count.Recorder`` counts them).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ OPS = ("all_reduce", "all_gather", "reduce_scatter")
 NUMEL = 256
 
 
-def _call(op: str, group, size: int, x: torch.Tensor, whole: torch.Tensor) -> None:
+def _call(op: str, group, x: torch.Tensor, whole: torch.Tensor) -> None:
     if op == "all_reduce":
         dist.all_reduce(x, group=group)
     elif op == "all_gather":
@@ -37,30 +37,29 @@ def _call(op: str, group, size: int, x: torch.Tensor, whole: torch.Tensor) -> No
 
 
 def time_collectives(iterations: int, warmup: int = 10) -> dict[tuple[str, str], float]:
-    """On every rank of the world: seconds per call of each op over the world and over
-    pairs of neighbouring ranks (pairs only where the world has more than two ranks)."""
+    """On every rank of the world: seconds per call of each op over the world and, in an
+    even world of more than two ranks, over pairs of neighbouring ranks."""
     world, rank = dist.get_world_size(), dist.get_rank()
-    groups = {"world": (None, world)}
-    if world > 2:
-        pairs = [dist.new_group([r, r + 1]) for r in range(0, world - 1, 2)]
-        groups["pairs"] = (pairs[rank // 2], 2)
+    pairs = []
+    if world > 2 and world % 2 == 0:
+        pairs = [dist.new_group([r, r + 1]) for r in range(0, world, 2)]
+    groups = {"world": (None, world), **({"pairs": (pairs[rank // 2], 2)} if pairs else {})}
     seconds = {}
     try:
         for name, (group, size) in groups.items():
             x, whole = torch.ones(NUMEL), torch.ones(NUMEL * size)
             for op in OPS:
                 for _ in range(warmup):
-                    _call(op, group, size, x, whole)
+                    _call(op, group, x, whole)
                 dist.barrier()
                 start = time.perf_counter()
                 for _ in range(iterations):
-                    _call(op, group, size, x, whole)
+                    _call(op, group, x, whole)
                 seconds[(op, name)] = (time.perf_counter() - start) / iterations
                 dist.barrier()
     finally:
-        if "pairs" in groups:
-            for group in pairs:
-                dist.destroy_process_group(group)
+        for group in pairs:
+            dist.destroy_process_group(group)
     return seconds
 
 
