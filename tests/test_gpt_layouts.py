@@ -1,8 +1,8 @@
 """GPTModel trained under many (dp, tp, pp, vpp) layouts against the single-process run.
 
-Each case builds the model from one seed under its layout, runs five training
+Each case builds the model from one seed under its layout, runs three training
 steps (train_step: pipeline schedule, data-parallel buckets, finalize, clipped
-AdamW) and holds them to the same five steps of the single-process model with
+AdamW) and holds them to the same three steps of the single-process model with
 plain torch AdamW and clip_grad_norm_:
 
 - step 1: loss, gradient norm and every gathered (clipped) gradient;
@@ -10,7 +10,7 @@ plain torch AdamW and clip_grad_norm_:
 
 Everything is fp32; layouts sum the same terms in other orders (tensor-parallel
 partial matmuls, microbatch and data-parallel accumulation), which moves
-results by a few ulps per op; after five Adam steps (whose update divides by
+results by a few ulps per op; after the Adam steps (whose update divides by
 sqrt(v)) that stays below 1e-4 relative, so the tolerances are 1e-4 / 1e-6.
 Parameters are compared with atol 1e-4, 1/100 of one Adam step (lr 1e-2):
 Adam moves every element by about lr whatever its gradient's size, so where a

@@ -1,6 +1,6 @@
 """GPTModel trained under every pipeline schedule against the single-process run.
 
-The same five clipped AdamW steps as ``test_gpt_layouts`` (whose tolerances and
+The same clipped AdamW steps as ``test_gpt_layouts`` (whose tolerances and
 reasons apply), with the split-backward and V-shaped schedules, tensor and sequence
 parallelism, recompute and the distributed optimizer. A V puts the first and last
 stage on rank 0: the tied embedding's two copies are summed there. The chunks are built

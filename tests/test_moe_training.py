@@ -3,7 +3,7 @@
 Every second layer's MLP is a mixture of experts (dropless, top 2 of 4, with the
 load-balancing and z losses on). Expert parameters are reduced over the
 expert-data-parallel group, the rest over data × context ranks; the auxiliary losses are
-scaled as the main loss is. Held, as every layout, to five steps of the single-process
+scaled as the main loss is. Held, as every layout, to the same steps of the single-process
 model: each step's loss and gradient norm (so the auxiliary losses' gradients too), step
 1's gathered gradients (experts gathered over the expert-parallel ranks), the parameters
 at the end (tolerances in tests/support.py).
@@ -49,7 +49,7 @@ FULL_RECOMPUTE = {
 EXPERT_BIAS = {
     "moe_router_score_function": "sigmoid",
     "moe_router_enable_expert_bias": True,
-    "moe_router_bias_update_rate": 1e-2,  # moves the routing within the five steps
+    "moe_router_bias_update_rate": 1e-2,  # moves the routing within the steps
 }
 
 
