@@ -67,10 +67,12 @@ def _cases():
             yield asynchronous_run(schedule, 2) if schedule.asynchronous else schedule
 
 
+@pytest.mark.parametrize("rules", [Rules.NCCL, Rules.GLOO])
 @pytest.mark.parametrize("latency", [0.0, 0.01, 0.3])
-def test_nccl_fast_path_gives_the_network_models_timeline(latency, monkeypatch):
+def test_fast_path_gives_the_network_models_timeline(latency, rules, monkeypatch):
     """Uneven random costs per [rank][chunk]: the same events in the same order, and the
-    same peak activations, as the general walk through the network model."""
+    same peak activations, as the general walk through the network model, under NCCL's
+    rules and gloo's."""
     rng = random.Random(latency)
     cases = list(_cases())
     assert len(cases) > 30
@@ -89,7 +91,7 @@ def test_nccl_fast_path_gives_the_network_models_timeline(latency, monkeypatch):
             weight_grad_memory=0.4,
             p2p_latency=latency,
             update=[rng.random() for _ in range(p)],
-            rules=Rules.NCCL,
+            rules=rules,
         )
         fast = simulate.simulate(schedule, costs)
         with monkeypatch.context() as patch:

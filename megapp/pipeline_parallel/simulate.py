@@ -141,7 +141,7 @@ def simulate(schedule: Schedule, costs: CostModel | None = None) -> Timeline:
     NCCL's rules)."""
     costs = costs or CostModel()
     plan = communication_plan(schedule)
-    if costs.rules is Rules.NCCL:
+    if costs.rules in _CHANNEL_RULES:
         timeline = _simulate_channels(schedule, costs, plan)
         if timeline is not None:
             return timeline
@@ -210,11 +210,17 @@ def finish_times(schedule: Schedule, costs: CostModel | None = None) -> list[flo
     :func:`simulate`'s timeline says, without recording its events (a search simulates
     many layouts to keep few). Raises :class:`ScheduleError` as :func:`simulate` does."""
     costs = costs or CostModel()
-    if costs.rules is Rules.NCCL:
+    if costs.rules in _CHANNEL_RULES:
         timeline = _simulate_channels(schedule, costs, communication_plan(schedule), False)
         if timeline is not None:
             return timeline.ends
     return simulate(schedule, costs).rank_ends()
+
+
+# The rules under which a rank waits for its receives only and messages meet in order on
+# channels: for each, whether every message is a channel of its own (gloo) or a channel is
+# an ordered pair of ranks (NCCL, one communicator per direction).
+_CHANNEL_RULES = {Rules.NCCL: False, Rules.GLOO: True}
 
 
 def _simulate_channels(
@@ -223,17 +229,18 @@ def _simulate_channels(
     plan: tuple[tuple[Step, ...], ...],
     record: bool = True,
 ) -> Timeline | None:
-    """:func:`simulate` under NCCL's rules, the same timeline faster; None where a rank or a
-    message never completes (:func:`simulate` then names what each waits for).
+    """:func:`simulate` under NCCL's or gloo's rules, the same timeline faster; None where a
+    rank or a message never completes (:func:`simulate` then names what each waits for).
 
-    Under these rules every message between two ranks has a stream of its own at each end
+    Under NCCL's rules every message between two ranks has a stream of its own at each end
     (one per direction of the pair), so the ``k``-th send on a channel meets the ``k``-th
     receive once both are posted and the message before them on the channel is done:
     ``done = max(send posted, receive posted, previous done) + latency``, the time
-    :class:`~megapp.pipeline_parallel.network.Network` gives it. Without ``record`` the
-    timeline keeps no events, only every rank's end (``Timeline.ends``)."""
+    :class:`~megapp.pipeline_parallel.network.Network` gives it. Under gloo's every message
+    is a channel of its own, so nothing comes before it. Without ``record`` the timeline
+    keeps no events, only every rank's end (``Timeline.ends``)."""
     p, latency = schedule.num_stages, costs.p2p_latency
-    steps_of, messages, channels = _channel_plan(plan)
+    steps_of, messages, channels = _channel_plan(plan, _CHANNEL_RULES[costs.rules])
     sends: list[deque[tuple[int, float]]] = [deque() for _ in range(channels)]
     recvs: list[deque[tuple[int, float]]] = [deque() for _ in range(channels)]
     free = [0.0] * channels  # when the channel's last message completed
@@ -312,15 +319,17 @@ def _simulate_channels(
     return timeline
 
 
-_CHANNEL_PLANS: dict[int, tuple[object, tuple]] = {}
+_CHANNEL_PLANS: dict[tuple[int, bool], tuple[object, tuple]] = {}
 
 
-def _channel_plan(plan: tuple[tuple[Step, ...], ...]) -> tuple[tuple, int, int]:
-    """``plan`` with messages and channels (ordered pairs of ranks) numbered: per rank and
-    step, what it posts ``(message, channel, is_send)`` in posting order, the messages it
-    waits for and its action; then the numbers of messages and channels. Kept for the
-    plans :func:`communication_plan` keeps."""
-    entry = _CHANNEL_PLANS.get(id(plan))
+def _channel_plan(
+    plan: tuple[tuple[Step, ...], ...], per_message: bool = False
+) -> tuple[tuple, int, int]:
+    """``plan`` with messages and channels (ordered pairs of ranks, or with ``per_message``
+    one per message) numbered: per rank and step, what it posts ``(message, channel,
+    is_send)`` in posting order, the messages it waits for and its action; then the numbers
+    of messages and channels. Kept for the plans :func:`communication_plan` keeps."""
+    entry = _CHANNEL_PLANS.get((id(plan), per_message))
     if entry is not None and entry[0] is plan:
         return entry[1]
     numbers: dict[Message, int] = {}  # in the order the messages are first posted
@@ -333,7 +342,7 @@ def _channel_plan(plan: tuple[tuple[Step, ...], ...]) -> tuple[tuple, int, int]:
                     channels.setdefault((message.src, message.dst), len(channels))
     posted_as = {}  # each message as a send, and as a receive: (number, channel, is_send)
     for m, n in numbers.items():
-        channel = channels[(m.src, m.dst)]
+        channel = n if per_message else channels[(m.src, m.dst)]
         posted_as[m] = (n, channel, True), (n, channel, False)
     steps_of = []
     for steps in plan:
@@ -346,8 +355,8 @@ def _channel_plan(plan: tuple[tuple[Step, ...], ...]) -> tuple[tuple, int, int]:
             row.append((posts, waits, action))
         steps_of.append(tuple(row))
     steps_of = tuple(steps_of)
-    compiled = (steps_of, len(numbers), len(channels))
+    compiled = (steps_of, len(numbers), len(numbers) if per_message else len(channels))
     if len(_CHANNEL_PLANS) >= 64:
         _CHANNEL_PLANS.clear()
-    _CHANNEL_PLANS[id(plan)] = (plan, compiled)
+    _CHANNEL_PLANS[(id(plan), per_message)] = (plan, compiled)
     return compiled
