@@ -389,8 +389,16 @@ def test_cli_prints_context_parallel_coordinates(capsys):
     )
 
 
-def test_cli_rejects_bad_layout():
-    # the module run as a program (the others call its main): exit status 2 and the reason
+def test_cli_rejects_bad_layout(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        parallel_state.main(["--world-size", "6", "--tp", "4"])
+    assert exit_.value.code == 2
+    assert "world_size 6 is not divisible" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # a Python process of its own; the test above calls the same main
+def test_the_module_runs_as_a_program():
+    # exit status 2 and the reason, as from main
     proc = subprocess.run(
         [sys.executable, "-m", "megapp.parallel_state", "--world-size", "6", "--tp", "4"],
         capture_output=True,
