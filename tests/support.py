@@ -84,11 +84,13 @@ def single_process(config: GPTConfig) -> GPTConfig:
     )
 
 
-def global_batch(step: int, dp: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """All ``MICROBATCHES × dp`` microbatches of ``step``: (tokens, labels, loss_mask)."""
+def global_batch(
+    step: int, dp: int, microbatches: int = MICROBATCHES
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """All ``microbatches × dp`` microbatches of ``step``: (tokens, labels, loss_mask)."""
     g = torch.Generator().manual_seed(1000 + step)
     out = []
-    for _ in range(MICROBATCHES * dp):
+    for _ in range(microbatches * dp):
         data = torch.randint(0, VOCAB, (MICRO_BATCH, SEQ + 1), generator=g)
         mask = (torch.rand(MICRO_BATCH, SEQ, generator=g) > 0.25).float()
         mask[0, 0] = 1.0  # never an empty mask
@@ -100,9 +102,11 @@ def masked_mean(per_token: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (per_token * mask).sum() / mask.sum()
 
 
-def _reference_run(config: GPTConfig, steps: int, dp: int, lr: float, wd: float, clip: float):
+def _reference_run(
+    config: GPTConfig, steps: int, dp: int, lr: float, wd: float, clip: float, microbatches: int
+):
     model = GPTModel(single_process(config), seed=SEED)
-    batches_per_step = MICROBATCHES * dp
+    batches_per_step = microbatches * dp
     for module in model.modules():  # the auxiliary losses averaged as the main loss is
         if hasattr(module, "aux_loss_scale"):
             module.aux_loss_scale = 1.0 / batches_per_step
@@ -114,7 +118,7 @@ def _reference_run(config: GPTConfig, steps: int, dp: int, lr: float, wd: float,
     losses, norms, first_grads = [], [], None
     for step in range(steps):
         opt.zero_grad()
-        batches = global_batch(step, dp)
+        batches = global_batch(step, dp, microbatches)
         loss = sum(
             masked_mean(model(tokens, labels=labels), mask) for tokens, labels, mask in batches
         ) / len(batches)
@@ -130,18 +134,27 @@ def _reference_run(config: GPTConfig, steps: int, dp: int, lr: float, wd: float,
     return model, losses, norms, first_grads
 
 
-def reference_run(config: GPTConfig, steps: int, dp: int, lr: float, wd: float, clip: float):
-    """The same training in one process with plain torch: AdamW, clip_grad_norm_.
+def reference_run(
+    config: GPTConfig,
+    steps: int,
+    dp: int,
+    lr: float,
+    wd: float,
+    clip: float,
+    microbatches: int = MICROBATCHES,
+):
+    """The same training in one process with plain torch: AdamW, clip_grad_norm_, over
+    ``microbatches`` per data-parallel rank.
 
     Returns (model, losses, grad_norms, first-step clipped grads by name). Called on every
     rank of a world, it runs once, on rank 0, and every rank gets rank 0's results (the
     ranks share the machine's cores: one run instead of one per rank).
     """
     if not dist.is_initialized() or dist.get_world_size() == 1:
-        return _reference_run(config, steps, dp, lr, wd, clip)
+        return _reference_run(config, steps, dp, lr, wd, clip, microbatches)
     result = [None]
     if dist.get_rank() == 0:
-        result[0] = _reference_run(config, steps, dp, lr, wd, clip)
+        result[0] = _reference_run(config, steps, dp, lr, wd, clip, microbatches)
     dist.broadcast_object_list(result, src=0)
     return result[0]
 
@@ -194,6 +207,13 @@ def layout_layers(pp: int, vpp: int | None, schedule: str | None) -> int:
     so every layer a layout does not need is time."""
     chunks = max(vpp or 1, schedule_kind(schedule).min_chunks if schedule else 1)
     return 4 if pp * chunks <= 2 else 8
+
+
+def layout_microbatches(pp: int) -> int:
+    """Microbatches per data-parallel rank and step: 4 with a pipeline (every schedule up
+    to four stages runs its warm-up, steady state and cool-down), 2 without one (where they
+    are only accumulated, and two accumulate as four do)."""
+    return MICROBATCHES if pp > 1 else 2
 
 
 def gpt_forward_step(iterator, chunk, inputs):
@@ -261,7 +281,7 @@ def train_layout(
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     losses, norms, first_grads = [], [], None
     for step in range(STEPS):
-        batch = global_batch(step, dp)
+        batch = global_batch(step, dp, layout_microbatches(pp))
         mine = batch[dp_rank * len(batch) // dp : (dp_rank + 1) * len(batch) // dp]
         result = train_step(
             gpt_forward_step,
@@ -311,8 +331,9 @@ def check_against_reference(chunks, losses, norms, first_grads, config_kw):
     layout = ("sequence_parallel", "cp_comm_type")
     single = {k: v for k, v in config_kw.items() if k not in layout}
     single["num_layers"] = chunks[0].module.config.num_layers  # train_layout's choice
+    microbatches = layout_microbatches(ps.get_pipeline_model_parallel_world_size())
     reference, ref_losses, ref_norms, ref_grads = reference_run(
-        gpt_config(**single), STEPS, dp, LR, WD, CLIP
+        gpt_config(**single), STEPS, dp, LR, WD, CLIP, microbatches
     )
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), **GPT_TOL)
     torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), **GPT_TOL)
