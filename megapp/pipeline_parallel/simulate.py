@@ -322,9 +322,7 @@ def _simulate_channels(
 _CHANNEL_PLANS: dict[tuple[int, bool], tuple[object, tuple]] = {}
 
 
-def _channel_plan(
-    plan: tuple[tuple[Step, ...], ...], per_message: bool = False
-) -> tuple[tuple, int, int]:
+def _channel_plan(plan: tuple[tuple[Step, ...], ...], per_message: bool) -> tuple[tuple, int, int]:
     """``plan`` with messages and channels (ordered pairs of ranks, or with ``per_message``
     one per message) numbered: per rank and step, what it posts ``(message, channel,
     is_send)`` in posting order, the messages it waits for and its action; then the numbers
