@@ -44,6 +44,11 @@ class Op(str, Enum):
     WEIGHT_GRAD = "W"
     UPDATE = "U"
 
+    # An op hashes as its letter does (it equals it): in C, where Enum's own hash is a
+    # Python call, and actions, messages and the tables keyed by them hash ops by the
+    # million in a search.
+    __hash__ = str.__hash__
+
     @property
     def sends_gradient(self) -> bool:
         """Whether the action receives its output's gradient and sends its input's."""
@@ -60,7 +65,10 @@ class Action:
     chunk: int = 0
 
     def __str__(self) -> str:
-        return f"{self.op.value}{self.microbatch}" + (f".{self.chunk}" if self.chunk else "")
+        letter = self.op._value_  # the attribute behind Enum's ``value`` property
+        if self.chunk:
+            return f"{letter}{self.microbatch}.{self.chunk}"
+        return f"{letter}{self.microbatch}"
 
 
 def looped_placement(num_stages: int, num_chunks: int) -> tuple[tuple[int, ...], ...]:
