@@ -243,12 +243,14 @@ def train_layout(
     cp=1,
     ep=1,
     etp=None,
+    overlap_grad_reduce=True,
     **config,
 ):
     """Train STEPS steps under the layout (and pipeline ``schedule``, a name; default 1F1B
     or interleaved; ``strict_p2p``: messages under NCCL's rules; ``cp`` context-parallel
     ranks, with ``cp_comm_type`` in ``config``; ``ep`` expert-parallel and ``etp`` expert
-    tensor-parallel ranks for a model with ``num_moe_experts`` in ``config``; the depth
+    tensor-parallel ranks for a model with ``num_moe_experts`` in ``config``;
+    ``overlap_grad_reduce``: False reduces the gradients after the last backward; the depth
     :func:`layout_layers` unless ``config`` sets ``num_layers``); return (chunks, losses,
     grad norms, step-1 grads)."""
     config.setdefault("num_layers", layout_layers(pp, vpp, schedule))
@@ -274,6 +276,7 @@ def train_layout(
         ),
         bucket_size=bucket_size,
         zero_stage=max(zero_stage, int(distributed_optimizer)),
+        overlap_grad_reduce=overlap_grad_reduce,
         seed=SEED,
         schedule=schedule,
     )

@@ -85,6 +85,17 @@ def test_distributed_optimizer_matches_single_process(world_size, tp, pp, vpp):
     check_against_reference(chunks, losses, norms, first_grads, {})
 
 
+@pytest.mark.parametrize("world_size, tp, pp, vpp", [(4, 1, 2, None)])
+@distributed(timeout=240)
+def test_reducing_after_the_backward_matches_single_process(world_size, tp, pp, vpp):
+    """``--no-overlap-grad-reduce``: every bucket, the tied embedding's late one included,
+    reduced once the last backward is over (dp 2 × pp 2, ZeRO-1)."""
+    chunks, losses, norms, first_grads = train_layout(
+        tp, pp, vpp, distributed_optimizer=True, overlap_grad_reduce=False
+    )
+    check_against_reference(chunks, losses, norms, first_grads, {})
+
+
 # ZeRO-2: gradients reduce-scattered every microbatch into each rank's slice. Layouts with
 # late buckets (sequence parallelism; the tied embedding across stages) and recompute.
 ZERO2_LAYOUTS = [

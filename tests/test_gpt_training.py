@@ -93,7 +93,12 @@ def test_bad_layouts_and_configs_fail_clearly():
 
 
 def _dp_model(
-    distributed_optimizer=False, bucket_size=500, shard_grads=False, shard_params=False, **config
+    distributed_optimizer=False,
+    bucket_size=500,
+    shard_grads=False,
+    shard_params=False,
+    overlap_grad_reduce=True,
+    **config,
 ):
     ps.initialize_model_parallel(1, 1)
     groups = TrainGroups.from_parallel_state()
@@ -103,6 +108,7 @@ def _dp_model(
         dp_group=groups.dp,
         bucket_size=bucket_size,
         zero_stage=3 if shard_params else 2 if shard_grads else int(distributed_optimizer),
+        overlap_grad_reduce=overlap_grad_reduce,
     )
     return ddp, groups
 
@@ -134,6 +140,24 @@ def test_buckets_reduce_during_the_last_backward_only():
         g /= 2
     for p, want in zip(ddp.module.parameters(), mean, strict=True):
         torch.testing.assert_close(p.main_grad, want, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("distributed_optimizer", [False, True])
+@distributed(world_size=2)
+def test_without_overlap_the_buckets_reduce_after_the_backward(distributed_optimizer):
+    """``overlap_grad_reduce=False`` (``--no-overlap-grad-reduce``): no bucket starts during
+    any backward; finish_grad_sync reduces them all to the data-parallel mean."""
+    ddp, groups = _dp_model(distributed_optimizer, overlap_grad_reduce=False)
+    ddp.zero_grad_buffer()
+    batch = global_batch(0, 2)[dist.get_rank() :: 2][:3]
+    hooks = PipelineHooks(before_backward=lambda chunk, last: ddp.set_grad_sync(last))
+    forward_backward(gpt_forward_step, iter(batch), ddp, 3, pp_group=groups.pp, hooks=hooks)
+    assert all(b.work is None for b in ddp.buffer.buckets)
+    ddp.finish_grad_sync()
+    local = _local_grads(batch)
+    for p, grad in zip(ddp.module.parameters(), local, strict=True):
+        dist.all_reduce(grad)
+        torch.testing.assert_close(ddp.reduced_grad(p), grad / 2, rtol=1e-5, atol=1e-7)
 
 
 def _local_grads(batch):

@@ -183,6 +183,11 @@ def test_overlap_hides_the_reduction_under_the_last_backward_but_its_last_bucket
     ring = 2 * 1e-6  # and three collectives fewer, each 2 ring steps over dp 2
     assert whole.tail[0] == pytest.approx(exposed.tail[0] - 3 * ring)
     assert whole.grad_reduce[0] == pytest.approx(reduce - 3 * ring)
+    # --no-overlap-grad-reduce: every bucket after the backward, as without overlap
+    after = action_costs(gpt, dataclasses.replace(shape, overlap_grad_reduce=False), hidden)
+    assert after.tail[0] == pytest.approx(exposed.tail[0])
+    flagged = pretrain_config(Layout(dp=2), [*MODEL, "--no-overlap-grad-reduce"], 16)
+    assert shape_of(flagged).overlap_grad_reduce is False and shape_of(cfg).overlap_grad_reduce
 
 
 @pytest.mark.parametrize(

@@ -77,13 +77,24 @@ MATERIALIZED_ATTENTION = (NARAYANAN_2021, MT_NLG)
 softmax, before flash attention: priced so by the operation model."""
 
 
+REDUCE_AFTER_BACKWARD = (NARAYANAN_2021, MT_NLG)
+"""Sources whose code reduced the data-parallel gradients after the whole backward, not
+bucket by bucket under it: Megatron-LM of 2021 (``--DDP-impl local``, its default, calls
+``allreduce_gradients`` once ``forward_backward_func`` returns) and DeepSpeed's pipeline
+engine (``ReduceGrads`` after the schedule's last step). Their runs are predicted with
+``--no-overlap-grad-reduce``."""
+
+
 def model_flags(run: PublishedRun, model: ModelPreset, ops: bool = False) -> tuple[str, ...]:
     """The model's flags for ``run``: the preset's, with the source's uneven first and last
-    pipeline stages where it gives them; with ``ops``, the materialized attention of the
-    runs of :data:`MATERIALIZED_ATTENTION`."""
+    pipeline stages where it gives them, ``--no-overlap-grad-reduce`` for the runs of
+    :data:`REDUCE_AFTER_BACKWARD`; with ``ops``, the materialized attention of the runs of
+    :data:`MATERIALIZED_ATTENTION`."""
     flags = model.flags
     if ops and run.source in MATERIALIZED_ATTENTION:
         flags = (*flags, "--attention-backend", "fused_softmax")
+    if run.source in REDUCE_AFTER_BACKWARD:
+        flags = (*flags, "--no-overlap-grad-reduce")
     if run.stage_layers is None:
         return flags
     first, last = run.stage_layers

@@ -46,8 +46,9 @@ all-reduce of fp32 gradients; 1-2: reduce-scatter, then an all-gather of the upd
 16-bit weights; ZeRO-2's per-microbatch reductions are in the actions already), sums the
 tied embedding over the first and last stage, and steps the optimizer at the device's
 memory bandwidth. Overlap assumption: the gradient reduction
-runs under the rank's backward of the last microbatch, except its last bucket; the weights'
-all-gather, the embedding sum and the optimizer step are exposed.
+runs under the rank's backward of the last microbatch, except its last bucket (all of it
+after that backward with ``--no-overlap-grad-reduce``); the weights' all-gather, the
+embedding sum and the optimizer step are exposed.
 
 :func:`predict` runs any :class:`TimeModel`: :class:`Devices` is this one, devices of their
 own; processes sharing a CPU's cores have theirs in :mod:`megapp.planning.shared_cores`.
@@ -95,6 +96,7 @@ class Shape:
     dp: int
     zero_stage: int
     bucket_size: int  # elements per data-parallel gradient bucket
+    overlap_grad_reduce: bool = True  # buckets reduced under the last backward, not after
 
 
 @dataclass
@@ -460,7 +462,8 @@ def action_costs(gpt: GPTConfig, shape: Shape, hardware: Hardware) -> ActionCost
             end = 0.0  # reduced microbatch by microbatch inside the actions
         window = sum(rows[names.index("w")]) + sum(rows[names.index("i")])  # last microbatch
         last_bucket = end * min(1.0, shape.bucket_size / max(rank_params, 1))
-        exposed = max(end - window, last_bucket) if hardware.overlap_communication else end
+        overlapped = hardware.overlap_communication and shape.overlap_grad_reduce
+        exposed = max(end - window, last_bucket) if overlapped else end
         gather = 0.0
         if shape.zero_stage in (1, 2):
             gather = dp_link.all_gather(width * dense, dp)
@@ -547,6 +550,7 @@ def shape_of(config: PretrainConfig) -> Shape:
         dp=config.data_parallel_size,
         zero_stage=config.parallel.zero_stage,
         bucket_size=config.parallel.ddp_bucket_size,
+        overlap_grad_reduce=config.parallel.overlap_grad_reduce,
     )
 
 

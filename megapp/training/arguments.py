@@ -108,7 +108,11 @@ def _add_flag(group: argparse._ArgumentGroup, f: dataclasses.Field) -> None:
     kind = meta.pop("kind", None)
     meta.pop("flag", None)
     if isinstance(f.default, bool):
-        group.add_argument(flag_name(f), dest=f.name, action="store_true", help=help_text)
+        # a switch that is on unless turned off takes --name and --no-name
+        action = argparse.BooleanOptionalAction if f.default else "store_true"
+        group.add_argument(
+            flag_name(f), dest=f.name, action=action, default=f.default, help=help_text
+        )
         return
     if kind is None:
         kind = str if f.default is None or meta.get("nargs") else type(f.default)

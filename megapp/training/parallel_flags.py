@@ -81,6 +81,13 @@ class ParallelArgs:
         choices=(0, 1, 2, 3),
     )
     ddp_bucket_size: int = arg(40_000_000, "elements per data-parallel gradient bucket")
+    overlap_grad_reduce: bool = arg(
+        True,
+        "reduce each data-parallel gradient bucket as soon as the last microbatch's backward "
+        "fills it; --no-overlap-grad-reduce reduces them all after that backward, as "
+        "Megatron-LM's --DDP-impl local did (ZeRO 2 and 3 reduce every microbatch's "
+        "gradients inside its backward either way)",
+    )
     distributed_backend: str | None = arg(
         None, "default: nccl when CUDA is available, else gloo", choices=("nccl", "gloo")
     )

@@ -344,6 +344,7 @@ def pretrain(
             precision=config.precision,
             bucket_size=config.parallel.ddp_bucket_size,
             zero_stage=config.parallel.zero_stage,
+            overlap_grad_reduce=config.parallel.overlap_grad_reduce,
             device=device,
             per_stage_steps=config.schedule.asynchronous,
         )

@@ -55,6 +55,7 @@ def build_training_setup(
     precision: PrecisionArgs | None = None,
     bucket_size: int | None = 40_000_000,
     zero_stage: int = 0,
+    overlap_grad_reduce: bool = True,
     seed: int = 1234,
     device: torch.device | str = "cpu",
     schedule: str | Schedule | None = None,
@@ -70,7 +71,8 @@ def build_training_setup(
     built from flags sets it). The layout's groups (:class:`TrainGroups`) are handed to the
     chunks and the optimizer. ``zero_stage``: 1 shards the optimizer states over
     data-parallel ranks (Megatron's distributed optimizer), 2 also the gradients, 3 also
-    the weights.
+    the weights. ``overlap_grad_reduce``: reduce each gradient bucket as soon as the last
+    microbatch's backward fills it (else all of them after that backward).
     ``schedule``: the pipeline schedule (a name or a
     :class:`~megapp.pipeline_parallel.schedules.Schedule`) whose placement the GPT chunks
     are built for (default the looped one); ``stages``: this rank's virtual stages given
@@ -114,6 +116,7 @@ def build_training_setup(
             dp_group=groups.dp_cp,  # the replicas of these weights
             bucket_size=bucket_size,
             zero_stage=zero_stage,
+            overlap_grad_reduce=overlap_grad_reduce,
             expert_dp_group=groups.expt_dp,  # the replicas of the experts
         )
         for module in modules
