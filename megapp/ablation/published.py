@@ -26,7 +26,7 @@ the ring (``p2p``) for context parallelism, and the micro-batch size (1 to 8) an
 recompute (none, selective, full) megapp predicts fastest among those whose predicted
 memory fits, as a tuned run would have them. A run whose source splits the layers
 unevenly over the pipeline (``stage_layers``) runs with
-``--decoder-first/last-pipeline-num-layers``. An A100 40GB is the A100 profile with 40 GiB.
+``--decoder-first/last-pipeline-num-layers``.
 FP8 runs are predicted in 16-bit, so their ratio is not a test of the model. The planner's
 search takes minutes past a thousand GPUs; ``--pick-max-gpus`` bounds where it runs.
 """
@@ -56,14 +56,12 @@ MICRO_BATCH_SIZES = [1, 2, 4, 8]
 
 
 def hardware_for(run: PublishedRun, ops: bool = False) -> Hardware:
-    """The built-in profile of ``run.gpu`` (``a100-40gb``: the A100 with 40 GiB); with
-    ``ops`` the same device priced operation by operation (``h100-ops``, ...)."""
+    """The built-in profile of ``run.gpu`` (``a100-80gb``: ``a100``); with ``ops`` the same
+    device priced operation by operation (``a100-ops``, ...)."""
     part, memory = run.gpu.split("-")
     hardware = PROFILES[f"{part}-ops" if ops else part]
-    if memory == "40gb":
-        hardware = dataclasses.replace(
-            hardware, name=f"{hardware.name}-40gb", memory_bytes=40 * GIB
-        )
+    if abs(hardware.memory_bytes - int(memory.removesuffix("gb")) * GIB) > 2 * GIB:
+        raise ValueError(f"{run.name}: no built-in profile of {run.gpu}")
     return hardware
 
 

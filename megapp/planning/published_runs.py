@@ -201,7 +201,7 @@ def _mt_nlg(dp: int, tflops: float, seconds: float) -> PublishedRun:
     return PublishedRun(
         source=MT_NLG,
         model="gpt3-530b",
-        gpu="a100-40gb",
+        gpu="a100-80gb",
         gpus=8 * 35 * dp,
         global_batch_size=1920,
         seq_length=2048,
@@ -214,6 +214,7 @@ def _mt_nlg(dp: int, tflops: float, seconds: float) -> PublishedRun:
         sequence_parallel=False,
         counts_recompute=True,
         derived=(
+            "A100 80GB: the paper's Selene, 560 DGX A100 nodes of eight 80 GB A100s; "
             "dp = GPUs / (tp × pp); recompute and its FLOPs counted: only a rerun forward "
             "makes 1920 × 2048 tokens take the stated seconds at the stated TFLOP/s; no "
             "sequence parallelism: it was published later (arXiv:2205.05198)"
