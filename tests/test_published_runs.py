@@ -194,3 +194,13 @@ def test_runs_priced_by_operation_use_the_ops_profiles_and_their_attention():
     summary = tool.error_summary(rows[:2])
     expected = sum(abs(r.ratio - 1) for r in rows[:2]) / 2
     assert f"mean |pred/pub - 1| {expected:.1%}" in summary and "(2 runs)" in summary
+
+
+def test_match_takes_several_names_and_prints_those_runs(capsys):
+    tool = _compare_tool()
+    assert tool.main(["--no-pick", "--match", "gpt3-1.7b on", "mcore-1.7b"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert [row.split(" | ")[0] for row in rows[1:]] == [
+        "| gpt3-1.7b on 32 a100-80gb",
+        "| mcore-1.7b on 48 h100-80gb",
+    ]

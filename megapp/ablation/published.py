@@ -2,7 +2,7 @@
 planner's own pick for the same model, GPUs and batch. The command line of
 ``tools/compare_published.py``:
 
-    python tools/compare_published.py [--no-pick | --pick-max-gpus N] [--match gpt3-530b]
+    python tools/compare_published.py [--no-pick | --pick-max-gpus N] [--match gpt3-530b ...]
 
 For every run of :data:`megapp.planning.published_runs.RUNS` the tool builds the run's
 layout with :class:`~megapp.planning.layout.Layout` and the model preset, predicts its
@@ -306,7 +306,9 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
         default=1024,
         help="ask the planner only for runs of at most this many GPUs (default 1024)",
     )
-    parser.add_argument("--match", help="only runs whose name contains this")
+    parser.add_argument(
+        "--match", nargs="+", metavar="TEXT", help="only runs whose name contains one of these"
+    )
     parser.add_argument(
         "--ops",
         action="store_true",
@@ -314,7 +316,7 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
         "megapp.planning.op_profiles) instead of FLOPs at one sustained rate",
     )
     args = parser.parse_args(argv)
-    runs = [run for run in RUNS if args.match is None or args.match in run.name]
+    runs = [run for run in RUNS if args.match is None or any(m in run.name for m in args.match)]
     rows = []
     for i, run in enumerate(runs, 1):
         start = time.perf_counter()
