@@ -271,8 +271,10 @@ def _bad_start_cases(corpus: Path, tmp_path: Path) -> dict[str, Case]:
         ),
         TIMEOUT: (
             2,
-            [*good, "--distributed-timeout-minutes", "0.001"],
-            "--distributed-timeout-minutes 0.001 (0.1 s) is too short for start-up: rank ",
+            # 6 ms: shorter than any start-up wait (the ranks' arrival, rank 0's indexes),
+            # however fast the machine (at 60 ms a fast one once started the job in time)
+            [*good, "--distributed-timeout-minutes", "0.0001"],
+            "--distributed-timeout-minutes 0.0001 (0.006 s) is too short for start-up: rank ",
         ),
     }
 

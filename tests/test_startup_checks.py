@@ -195,8 +195,8 @@ def test_a_start_up_wait_that_times_out_names_the_flag(monkeypatch):
     with pytest.raises(ArgumentsError) as error, joining:
         raise dist.DistStoreError("wait timeout after 60ms, keys: /default_pg/0//cpu//0/0")
     assert str(error.value).startswith(
-        "--distributed-timeout-minutes 0.001 (0.1 s) is too short for start-up: rank 1 gave "
-        "up after 0.0 s waiting for the other ranks to join; raise"
+        "--distributed-timeout-minutes 0.001 (0.060 s) is too short for start-up: rank 1 gave "
+        "up after 0.000 s waiting for the other ranks to join; raise"
     )
     joining = start_up_timeout(short, "the other ranks to join")
     with pytest.raises(RuntimeError, match="Connection closed by peer"), joining:  # a dead peer

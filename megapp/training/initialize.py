@@ -96,11 +96,15 @@ def start_up_timeout(config: PretrainConfig, waiting_for: str) -> Iterator[None]
             raise
         minutes = config.parallel.distributed_timeout_minutes
         raise ArgumentsError(
-            f"--distributed-timeout-minutes {minutes:g} ({60 * minutes:.1f} s) is too short "
-            f"for start-up: rank {os.environ.get('RANK', '0')} gave up after "
-            f"{time.monotonic() - started:.1f} s waiting for {waiting_for}; raise "
+            f"--distributed-timeout-minutes {minutes:g} ({_seconds(60 * minutes)}) is too "
+            f"short for start-up: rank {os.environ.get('RANK', '0')} gave up after "
+            f"{_seconds(time.monotonic() - started)} waiting for {waiting_for}; raise "
             "--distributed-timeout-minutes"
         ) from None
+
+
+def _seconds(value: float) -> str:
+    return f"{value:.1f} s" if value >= 1 else f"{value:.3f} s"
 
 
 def initialize_distributed(config: PretrainConfig) -> torch.device:
