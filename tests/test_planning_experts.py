@@ -66,7 +66,7 @@ def test_a_layout_carries_ep_to_its_flags_and_the_config():
 
 def test_all_to_all_volume_and_link():
     from megapp.planning.hardware import PROFILES
-    from megapp.planning.timing import all_to_all_bytes, moe_layer_seconds
+    from megapp.planning.layer_costs import all_to_all_bytes, moe_layer_seconds
 
     config = GPTConfig(
         **{**MOE, "params_dtype": torch.bfloat16},

@@ -13,6 +13,7 @@ import torch
 
 from megapp.models.gpt import GPTConfig
 from megapp.planning.hardware import Hardware, load_hardware
+from megapp.planning.layer_costs import compute_seconds
 from megapp.planning.layout import Layout, pretrain_config
 from megapp.planning.op_fit import fit_attention, fit_matmul, op_rates, relative_least_squares
 from megapp.planning.op_profiles import H200_COPY, H200_MEASURED
@@ -25,7 +26,7 @@ from megapp.planning.operations import (
     layer_seconds,
     logits_seconds,
 )
-from megapp.planning.timing import action_costs, compute_seconds, predict_step_time, shape_of
+from megapp.planning.timing import action_costs, predict_step_time, shape_of
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "img"
 RATES = OpRates(

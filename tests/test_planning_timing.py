@@ -9,14 +9,10 @@ import pytest
 
 from megapp.models.gpt import GPTConfig
 from megapp.planning.hardware import PROFILES, Hardware, Link, load_hardware
+from megapp.planning.layer_costs import layer_flops
 from megapp.planning.layout import Layout, pretrain_config
 from megapp.planning.model_state import rank_parameters
-from megapp.planning.timing import (
-    action_costs,
-    layer_flops,
-    predict_step_time,
-    shape_of,
-)
+from megapp.planning.timing import action_costs, predict_step_time, shape_of
 from megapp.training.flops import gpt_training_flops
 
 MODEL = [

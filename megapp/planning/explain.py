@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from megapp.models.gpt import GPTConfig
 from megapp.pipeline_parallel.schedules import Op
 from megapp.pipeline_parallel.simulate import Timeline
+from megapp.planning.layer_costs import moe_layer_seconds
 from megapp.planning.layout import Layout, pretrain_config
 from megapp.planning.memory import RankMemory, predict_memory
 from megapp.planning.model_state import moe_layer_count
@@ -48,7 +49,6 @@ from megapp.planning.timing import (
     ActionCosts,
     Shape,
     TimeModel,
-    moe_layer_seconds,
     shape_layer_ranges,
     shape_of,
     simulate_step,

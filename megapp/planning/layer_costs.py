@@ -1,0 +1,185 @@
+"""What one layer costs for one microbatch on one rank: its forward FLOPs, its compute
+seconds (FLOPs at the profile's rate, or priced operation by operation by
+:mod:`megapp.planning.operations`), and its tensor-, context- and expert-parallel
+communication. :mod:`megapp.planning.timing` adds them up into every action of a schedule;
+its docstring states the model.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from megapp.models.gpt import GPTConfig
+from megapp.planning.hardware import Hardware, group_link
+from megapp.planning.operations import LayerSeconds, layer_seconds, logits_seconds
+from megapp.training.flops import layer_flops as layer_flops_per_token
+from megapp.training.flops import moe_mlp_flops
+
+
+@functools.cache
+def dtype_width(dtype: torch.dtype) -> int:
+    """Bytes per element of ``dtype``."""
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def layer_flops(gpt: GPTConfig, seq_length: int, micro_batch_size: int) -> tuple[float, float]:
+    """Forward FLOPs of one layer for one microbatch on one tensor- and context-parallel
+    rank: ``(linear, attention_core)`` of :func:`~megapp.training.flops.layer_flops` for its
+    ``s/cp`` tokens, whose queries see the whole sequence of ``seq_length``."""
+    linear, core = layer_flops_per_token(gpt, seq_length)
+    tokens = seq_length // gpt.context_parallel_size * micro_batch_size
+    tp = gpt.tensor_model_parallel_size
+    return tokens * linear / tp, tokens * core / tp
+
+
+def all_to_all_bytes(gpt: GPTConfig, seq_length: int, micro_batch_size: int) -> float:
+    """Bytes one rank's dispatch (or combine) all-to-all carries in one mixture-of-experts
+    layer: its ``T`` routed tokens (``s/cp·b``, ``/tp`` under sequence parallelism) ``k``
+    times, ``T·k·h`` elements; ``(ep−1)/ep`` of it leaves the rank."""
+    tokens = seq_length // gpt.context_parallel_size * micro_batch_size
+    if gpt.sequence_parallel:
+        tokens //= gpt.tensor_model_parallel_size
+    return tokens * gpt.moe_router_topk * gpt.hidden_size * dtype_width(gpt.params_dtype)
+
+
+def moe_layer_seconds(
+    gpt: GPTConfig, seq_length: int, micro_batch_size: int, hardware: Hardware
+) -> tuple[float, float]:
+    """What a mixture-of-experts layer adds to a dense one for one microbatch on one rank:
+    forward FLOPs (router and ``k`` experts less the dense MLP, the experts' scaled by the
+    load imbalance; negative where the experts are narrower) and the seconds of its dispatch
+    and combine all-to-alls in one pass (forward; backward moves the same)."""
+    tokens = seq_length // gpt.context_parallel_size * micro_batch_size
+    tp, ep = gpt.tensor_model_parallel_size, gpt.expert_model_parallel_size
+    experts = moe_mlp_flops(gpt) - 2 * gpt.hidden_size * gpt.num_moe_experts
+    router = 2 * gpt.hidden_size * gpt.num_moe_experts
+    per_token = router + experts * hardware.moe_load_imbalance
+    dense = (6 if gpt.activation == "swiglu" else 4) * gpt.hidden_size * gpt.ffn_hidden_size
+    flops = tokens * (per_token - dense) / tp
+    link = group_link(hardware, gpt.expert_tensor_parallel_size * ep)
+    volume = all_to_all_bytes(gpt, seq_length, micro_batch_size) * hardware.moe_load_imbalance
+    return flops, 2 * link.all_to_all(volume, ep)
+
+
+def context_parallel_seconds(
+    gpt: GPTConfig, seq_length: int, micro_batch_size: int, hardware: Hardware, core: float
+) -> tuple[float, float, int, int]:
+    """Exposed seconds of one layer's context-parallel transfers in its forward and its
+    backward on one rank, and the transfers each posts (ring steps or collective calls);
+    ``core`` is the seconds of the layer's attention core forward on the rank (what the ring
+    steps overlap, :func:`compute_seconds`).
+
+    Per rank, with ``n = s/cp`` tokens, ``w`` bytes per element and ``h_kv`` the key/value
+    width of the rank's tensor-parallel heads (docs/context_parallel.md), over the cp
+    group's link (:func:`~megapp.planning.hardware.group_link` of ``tp·cp`` ranks):
+
+    - ``p2p``: ``cp − 1`` ring steps forward, each sending ``2·n·b·h_kv·w`` while the step's
+      attention (``1/cp`` of the core's FLOPs) runs: exposed ``max(0, transfer − compute)``
+      per step. Backward: the keys and values again (``cp − 1`` steps) and an accumulator
+      of their gradients (``cp`` hops, in float32 for 16-bit models); step ``t`` overlaps
+      the next keys and the accumulator of step ``t − 1`` with its ``2/cp`` of the core's
+      FLOPs, the last hop overlaps nothing.
+    - ``all_gather``: an all-gather of the whole sequence's ``2·s·b·h_kv·w`` forward, a
+      reduce-scatter of its gradient backward; neither overlaps.
+    - ``a2a``: three all-to-alls forward (``n·b·h``, ``2·n·b·h_kv·f``, ``n·b·h`` for the
+      rank's heads, ``f`` the key/value repeats) and three backward; none overlaps.
+
+    Without ``hardware.overlap_communication`` nothing overlaps."""
+    cp = gpt.context_parallel_size
+    if cp == 1:
+        return 0.0, 0.0, 0, 0
+    from megapp.context_parallel.a2a import kv_repeats
+
+    tp, d = gpt.tensor_model_parallel_size, gpt.kv_channels
+    heads, groups = gpt.num_attention_heads // tp, gpt.num_query_groups // tp
+    link = group_link(hardware, tp * cp)
+    w = dtype_width(gpt.params_dtype)
+    n, b = seq_length // cp, micro_batch_size
+    kind = gpt.cp_comm_type
+    if kind == "all_gather":
+        gathered = 2 * seq_length * b * groups * d * w
+        return link.all_gather(gathered, cp), link.all_gather(gathered, cp), 1, 1
+    if kind == "a2a":
+        q_bytes = n * b * heads * d * w
+        kv_bytes = 2 * n * b * groups * kv_repeats(groups, cp) * d * w
+        seconds = 2 * link.all_to_all(q_bytes, cp) + link.all_to_all(kv_bytes, cp)
+        return seconds, seconds, 3, 3
+    step = core / cp  # every ring step attends over the same number of pairs
+    keys = link.message(2 * n * b * groups * d * w)
+    accumulator = link.message(2 * n * b * groups * d * max(w, 4))
+
+    def exposed(transfer: float, compute: float) -> float:
+        if not hardware.overlap_communication:
+            return transfer
+        return max(0.0, transfer - compute)
+
+    forward = (cp - 1) * exposed(keys, step)
+    backward = sum(
+        exposed(keys * (t < cp - 1) + accumulator * (t > 0), 2 * step) for t in range(cp)
+    )
+    return forward, backward + accumulator, cp - 1, 2 * cp - 1
+
+
+def compute_seconds(
+    gpt: GPTConfig, seq_length: int, micro_batch_size: int, vocab: int, hardware: Hardware
+) -> tuple[LayerSeconds, LayerSeconds]:
+    """One dense layer's and the output layer's compute for one microbatch on one rank:
+    priced operation by operation where ``hardware.ops`` has rates
+    (:mod:`megapp.planning.operations`), else their FLOPs at ``hardware.gemm_flops``."""
+    tokens = seq_length // gpt.context_parallel_size * micro_batch_size
+    if hardware.ops is not None:
+        return (
+            layer_seconds(gpt, seq_length, micro_batch_size, hardware.ops),
+            logits_seconds(gpt, tokens, vocab, hardware.ops),
+        )
+    lin, core = (x / hardware.gemm_flops for x in layer_flops(gpt, seq_length, micro_batch_size))
+    logits = 2.0 * tokens * gpt.hidden_size * vocab / gpt.tensor_model_parallel_size
+    logits /= hardware.gemm_flops
+    layer = LayerSeconds(lin + core, lin + 2 * core, lin, core_forward=core)
+    return layer, LayerSeconds(logits, logits, logits)
+
+
+def matmul_rate(hardware: Hardware) -> float:
+    """FLOP/s at which work priced by its FLOPs alone runs (the experts' matmuls)."""
+    return hardware.gemm_flops if hardware.ops is None else hardware.ops.matmul_flops
+
+
+def tensor_parallel_seconds(
+    gpt: GPTConfig,
+    seq_length: int,
+    micro_batch_size: int,
+    layers: int,
+    first: bool,
+    last: bool,
+    hardware: Hardware,
+) -> tuple[float, float, int, int]:
+    """Seconds of tensor-parallel collectives in the forward and the backward of one
+    microbatch through a chunk of ``layers`` layers (``first``, ``last``: the chunk holds
+    the embedding, the output layer and the loss), and their calls (a recomputed forward's
+    run again in the backward)."""
+    tp = gpt.tensor_model_parallel_size
+    if tp == 1:
+        return 0.0, 0.0, 0, 0
+    link = group_link(hardware, tp)
+    tokens = seq_length // gpt.context_parallel_size * micro_batch_size
+    act = tokens * gpt.hidden_size * dtype_width(gpt.params_dtype)
+    if gpt.sequence_parallel:  # an all-gather and a reduce-scatter move one all-reduce's bytes
+        pair = 2 * link.all_gather(act, tp)
+        fwd, bwd = 2 * pair * layers, 2 * pair * layers
+        fwd += pair / 2 * (first + last)  # embedding's reduce-scatter, output's all-gather
+        bwd += pair / 2 * (first + last)
+        calls_f = calls_b = 4 * layers + first + last
+    else:
+        fwd, bwd = 2 * layers * link.all_reduce(act, tp), 2 * layers * link.all_reduce(act, tp)
+        fwd += link.all_reduce(act, tp) * first  # the vocab-parallel embedding's sum
+        bwd += link.all_reduce(act, tp) * last  # the output layer's input gradient
+        calls_f, calls_b = 2 * layers + first, 2 * layers + last
+    if last:  # cross-entropy: max, sum of exponentials, target logit, each [s, b] fp32
+        fwd += 3 * link.all_reduce(4 * tokens, tp)
+        calls_f += 3
+    if gpt.recompute_granularity == "full":
+        bwd += fwd
+        calls_b += calls_f
+    return fwd, bwd, calls_f, calls_b
