@@ -100,9 +100,13 @@ def test_pruning_finds_what_brute_force_finds():
     got = [planned.step.seconds for planned in result.best]
     assert got == pytest.approx([seconds for seconds, _ in everything[:3]], rel=1e-12)
     assert result.timed < len(everything)  # it did prune
+    # most fast layouts do not fit here: the later ones are checked before simulating
+    assert result.checked_first > 0
     assert all(planned.memory_bytes <= hardware.usable_memory for planned in result.best)
     roomy = Planner(MODEL, dataclasses.replace(hardware, memory_bytes=80e9), 8, 4)
-    fastest = roomy.plan(4, 1, Space(max_micro_batch_size=2)).best[0]
+    roomy_result = roomy.plan(4, 1, Space(max_micro_batch_size=2))
+    assert roomy_result.checked_first == 0  # everything fits: simulated first
+    fastest = roomy_result.best[0]
     assert fastest.memory_bytes > hardware.usable_memory  # dropped above: it does not fit
     assert fastest.step.seconds < got[0]
 

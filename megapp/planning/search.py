@@ -73,6 +73,7 @@ class PlanResult:
     deadlocks: int = 0  # the schedule cannot complete on the hardware's transport
     timed: int = 0  # simulated
     rescaled: int = 0  # slower by a bound from their schedule's simulation with other costs
+    checked_first: int = 0  # checked and their memory predicted before any simulation
     seconds: float = 0.0
 
 
@@ -97,6 +98,10 @@ class Planner:
         self._schedules: dict[tuple, Schedule | str] = {}
         # per schedule, the first costs simulated with it and every rank's last event then
         self._references: dict[tuple, tuple[timing.ActionCosts, list[float]]] = {}
+        # of the layouts fast enough to be checked after simulating: how many fitted, how
+        # many did not (where most do not, checking first saves the simulations)
+        self._fitted = self._over = 0
+        self.checked_first = 0  # layouts checked before simulating, over every plan
 
     def gpt(self, layout: Layout) -> GPTConfig | None:
         """The model under ``layout`` as ``pretrain_gpt.py`` builds it from the model's flags
@@ -191,14 +196,25 @@ class Planner:
         """The prediction for ``layout``, or why it is dropped: "invalid" (refused by
         ``pretrain_gpt.py``'s checks), "deadlock" (the schedule cannot complete on this
         transport), "slower" (not under ``cutoff`` seconds), "bounded" (not under it by
-        :meth:`scaled_bound`, without simulating), "memory" (does not fit). Simulates
-        first: only a layout fast enough is checked and its memory predicted."""
+        :meth:`scaled_bound`, without simulating), "memory" (does not fit). A layout is
+        simulated, on devices every rank's end first, and checked and its memory predicted
+        only if fast enough, then given its full timeline. Where most layouts checked so far
+        did not fit (models whose activations fill the devices: their state alone passed),
+        each is checked first instead: a few milliseconds against tens for a simulation.
+        Either order gives the same prediction; only the counts of why others were dropped
+        differ."""
         schedule = self.schedule(layout)
         if isinstance(schedule, str):
             return schedule
         key = self._schedule_key(layout)
         if self.scaled_bound(layout, costs) >= cutoff:
             return "bounded"
+        checked = None
+        if self._over > 2 * self._fitted + 8:
+            self.checked_first += 1
+            checked = self._fits(layout)
+            if isinstance(checked, str):
+                return checked
         try:
             if isinstance(self.time, timing.Devices) and not schedule.asynchronous:
                 # every rank's end first, without the timeline's events: most are slower
@@ -207,21 +223,42 @@ class Planner:
                 finish = max(end + tail for end, tail in zip(ends, costs.tail, strict=True))
                 if finish + self.hardware.step_overhead >= cutoff:
                     return "slower"
+                checked = checked or self._counted_fits(layout)
+                if isinstance(checked, str):
+                    return checked
             costs, timeline = self.time.run(schedule, costs, layout.world_size)
         except ScheduleError:  # a property of the schedule alone: remember it
             self._schedules[key] = "deadlock"
             return "deadlock"
         if max(step_time.rank_finish(costs, timeline)) + self.hardware.step_overhead >= cutoff:
             return "slower"
+        checked = checked or self._counted_fits(layout)
+        if isinstance(checked, str):
+            return checked
+        config, memory = checked
+        gpt = config.gpt_config(self.model.vocab_size)
+        step = step_time.step_time(config, gpt, costs, timeline, self.hardware)
+        return Planned(layout, memory, step)
+
+    def _counted_fits(self, layout: Layout) -> tuple[PretrainConfig, float] | str:
+        """:meth:`_fits`, counting how many fit and how many are over memory."""
+        checked = self._fits(layout)
+        if checked == "memory":
+            self._over += 1
+        elif not isinstance(checked, str):
+            self._fitted += 1
+        return checked
+
+    def _fits(self, layout: Layout) -> tuple[PretrainConfig, float] | str:
+        """``layout``'s checked config and its largest predicted memory, or why it is
+        dropped: "invalid" (refused by ``pretrain_gpt.py``'s checks), "memory"."""
         config = self._config(layout)
         if config is None:
             return "invalid"
         memory = max(r.total for r in predict_memory(config, self.model.vocab_size))
         if memory > self.hardware.usable_memory:
             return "memory"
-        gpt = config.gpt_config(self.model.vocab_size)
-        step = step_time.step_time(config, gpt, costs, timeline, self.hardware)
-        return Planned(layout, memory, step)
+        return config, memory
 
     def scaled_bound(self, layout: Layout, costs: timing.ActionCosts) -> float:
         """A lower bound on ``layout``'s time under ``costs``, from its schedule's first
@@ -296,6 +333,7 @@ class Planner:
                 continue
             bounded.append((bound, len(bounded), layout))
         bounded.sort(key=lambda item: (item[0], item[1]))
+        checked_before = self.checked_first
         for bound, _, layout in bounded:
             if len(result.best) >= top_k and bound >= result.best[top_k - 1].step.seconds:
                 break
@@ -311,5 +349,6 @@ class Planner:
                 result.best.append(outcome)
                 result.best.sort(key=lambda planned: planned.step.seconds)
                 del result.best[top_k:]
+        result.checked_first = self.checked_first - checked_before
         result.seconds = time.perf_counter() - start
         return result
