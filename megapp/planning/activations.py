@@ -49,7 +49,7 @@ def layer_activation_bytes(
     s, b, h = seq_length, micro_batch_size, config.hidden_size
     tp = config.tensor_model_parallel_size
     heads, d = config.num_attention_heads // tp, config.kv_channels
-    w = torch.empty((), dtype=config.params_dtype).element_size()
+    w = config.params_dtype.itemsize
     norms = 2 * s * b * h // (tp if config.sequence_parallel else 1) * w
     fc1 = config.ffn_hidden_size * (2 if config.activation == "swiglu" else 1) // tp
     if config.context_parallel_size > 1:
@@ -81,7 +81,7 @@ def moe_activation_bytes(config: TransformerConfig, seq_length: int, micro_batch
     if config.num_moe_experts is None:
         return 0
     s, b, h = seq_length, micro_batch_size, config.hidden_size
-    w = torch.empty((), dtype=config.params_dtype).element_size()
+    w = config.params_dtype.itemsize
     moe = config.moe_config()
     rows = moe_routed_rows(config, s, b)
     tokens = rows // config.moe_router_topk
@@ -127,7 +127,7 @@ def compute_width(config: TransformerConfig) -> int:
     """Bytes per element of the context-parallel attention's arithmetic: float32 for
     16-bit models (the softmax and its statistics), the model's own width otherwise."""
     dtype = torch.promote_types(config.params_dtype, torch.float32)
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 def context_parallel_attention_bytes(
@@ -158,7 +158,7 @@ def context_parallel_attention_bytes(
     s, chunk = n * cp, n // 2
     tp, d = config.tensor_model_parallel_size, config.kv_channels
     a, g = config.num_attention_heads // tp, config.num_query_groups // tp
-    w, c = torch.empty((), dtype=config.params_dtype).element_size(), compute_width(config)
+    w, c = config.params_dtype.itemsize, compute_width(config)
     kind = config.cp_comm_type
     if config.recompute_granularity == "selective" or kind == "p2p":
         kept = n * b * _qkv_elements(config, expand_kv=False) * w
@@ -197,6 +197,6 @@ def full_recompute_layer_bytes(
 ) -> int:
     """Bytes a fully recomputed group of layers keeps: its input."""
     sp = config.sequence_parallel
-    width = torch.empty((), dtype=config.params_dtype).element_size()
+    width = config.params_dtype.itemsize
     tokens = seq_length * micro_batch_size // (config.tensor_model_parallel_size if sp else 1)
     return tokens * config.hidden_size * width

@@ -7,21 +7,11 @@ its docstring states the model.
 
 from __future__ import annotations
 
-import functools
-
-import torch
-
 from megapp.models.gpt import GPTConfig
 from megapp.planning.hardware import Hardware, group_link
 from megapp.planning.operations import LayerSeconds, layer_seconds, logits_seconds
 from megapp.training.flops import layer_flops as layer_flops_per_token
 from megapp.training.flops import moe_mlp_flops
-
-
-@functools.cache
-def dtype_width(dtype: torch.dtype) -> int:
-    """Bytes per element of ``dtype``."""
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def layer_flops(gpt: GPTConfig, seq_length: int, micro_batch_size: int) -> tuple[float, float]:
@@ -41,7 +31,7 @@ def all_to_all_bytes(gpt: GPTConfig, seq_length: int, micro_batch_size: int) -> 
     tokens = seq_length // gpt.context_parallel_size * micro_batch_size
     if gpt.sequence_parallel:
         tokens //= gpt.tensor_model_parallel_size
-    return tokens * gpt.moe_router_topk * gpt.hidden_size * dtype_width(gpt.params_dtype)
+    return tokens * gpt.moe_router_topk * gpt.hidden_size * gpt.params_dtype.itemsize
 
 
 def moe_layer_seconds(
@@ -95,7 +85,7 @@ def context_parallel_seconds(
     tp, d = gpt.tensor_model_parallel_size, gpt.kv_channels
     heads, groups = gpt.num_attention_heads // tp, gpt.num_query_groups // tp
     link = group_link(hardware, tp * cp)
-    w = dtype_width(gpt.params_dtype)
+    w = gpt.params_dtype.itemsize
     n, b = seq_length // cp, micro_batch_size
     kind = gpt.cp_comm_type
     if kind == "all_gather":
@@ -164,7 +154,7 @@ def tensor_parallel_seconds(
         return 0.0, 0.0, 0, 0
     link = group_link(hardware, tp)
     tokens = seq_length // gpt.context_parallel_size * micro_batch_size
-    act = tokens * gpt.hidden_size * dtype_width(gpt.params_dtype)
+    act = tokens * gpt.hidden_size * gpt.params_dtype.itemsize
     if gpt.sequence_parallel:  # an all-gather and a reduce-scatter move one all-reduce's bytes
         pair = 2 * link.all_gather(act, tp)
         fwd, bwd = 2 * pair * layers, 2 * pair * layers

@@ -35,7 +35,6 @@ memory includes the dispatch's send and receive buffers of the routed rows.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -91,15 +90,6 @@ class RankMemory:
         return self.state + self.activations + self.working
 
 
-def _width(config: GPTConfig) -> int:
-    return _dtype_width(config.params_dtype)
-
-
-@functools.cache
-def _dtype_width(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 def _vocab_shard(config: GPTConfig) -> int:
     return config.padded_vocab_size // config.tensor_model_parallel_size
 
@@ -120,7 +110,7 @@ def chunk_activation_bytes(
     is known to be done: at once where sends report completion (NCCL); on gloo when the
     plan proves it delivered, in practice when its gradient comes back
     (``keeps_sent_output``)."""
-    s, b, h, w = seq_length, mbs, config.hidden_size, _width(config)
+    s, b, h, w = seq_length, mbs, config.hidden_size, config.params_dtype.itemsize
     tp, sp = config.tensor_model_parallel_size, config.sequence_parallel
     if config.recompute_granularity == "full":
         held = num_layers * full_recompute_layer_bytes(config, s, b)
@@ -147,7 +137,7 @@ def layer_backward_bytes(config: GPTConfig, seq_length: int, mbs: int) -> int:
     of its widest activation, one of its input) and one weight gradient, or, where it is
     larger, context-parallel attention's backward (:func:`attention_working_bytes`; with
     selective recompute it first rebuilds what attention keeps)."""
-    s, b, h, w = seq_length, mbs, config.hidden_size, _width(config)
+    s, b, h, w = seq_length, mbs, config.hidden_size, config.params_dtype.itemsize
     tp = config.tensor_model_parallel_size
     fc1 = config.ffn_hidden_size * (2 if config.activation == "swiglu" else 1) // tp
     mlp = (2 * s * b * fc1 + s * b * h + h * fc1) * w
@@ -187,7 +177,7 @@ def attention_working_bytes(config: GPTConfig, seq_length: int, mbs: int, backwa
     n, b, s = seq_length, mbs, seq_length * config.context_parallel_size
     tp, d, h = config.tensor_model_parallel_size, config.kv_channels, config.hidden_size
     a, g = config.num_attention_heads // tp, config.num_query_groups // tp
-    w, c = _width(config), compute_width(config)
+    w, c = config.params_dtype.itemsize, compute_width(config)
     kind = config.cp_comm_type
     if kind == "p2p":
         slices = 2 * (2 * n * b * g * d * w)  # the keys and values held and the next ones
@@ -216,7 +206,7 @@ def chunk_working_bytes(
     """Working bytes of ``op`` on a chunk above what the rank holds before it (``F``: the
     temporaries of the widest layer op and the output until sent; ``B``/``I``/``W``: the
     incoming gradient and one layer's backward, or the output layer's logit gradients)."""
-    s, b, h, w = seq_length, mbs, config.hidden_size, _width(config)
+    s, b, h, w = seq_length, mbs, config.hidden_size, config.params_dtype.itemsize
     tp, sp = config.tensor_model_parallel_size, config.sequence_parallel
     tokens = s * b // (tp if sp else 1)
     fc1 = config.ffn_hidden_size * (2 if config.activation == "swiglu" else 1) // tp
@@ -248,7 +238,7 @@ def weight_grad_store_bytes(
     """What a split backward keeps from its ``I`` to its ``W``: the input and the output
     gradient of every weight matmul (QKV, projection, the two MLP matmuls; the output
     layer on the last stage), on one tensor-parallel rank."""
-    s, b, h, w = seq_length, mbs, config.hidden_size, _width(config)
+    s, b, h, w = seq_length, mbs, config.hidden_size, config.params_dtype.itemsize
     tp, sp = config.tensor_model_parallel_size, config.sequence_parallel
     heads, groups, d = config.num_attention_heads, config.num_query_groups, config.kv_channels
     fc1 = config.ffn_hidden_size * (2 if config.activation == "swiglu" else 1) // tp
@@ -267,7 +257,7 @@ def zero3_gathered_bytes(config: GPTConfig, dp: int, outer_parameters: int) -> f
     whole from forward to backward), the layer in use and the one prefetched, less this
     rank's slices of them (already counted in the state)."""
     whole = outer_parameters + 2 * layer_parameters(config)
-    return whole * _width(config) * (1 - 1 / dp)
+    return whole * config.params_dtype.itemsize * (1 - 1 / dp)
 
 
 def stage_layers(config) -> list[int]:
@@ -381,7 +371,7 @@ def _buffer_bytes(model, params, stages, layers, dp, zero, s, b, chunks) -> floa
     tp, sp = model.tensor_model_parallel_size, model.sequence_parallel
     total = 0.0
     if len(layers) > 1:
-        total += s * b // (tp if sp else 1) * model.hidden_size * _width(model)
+        total += s * b // (tp if sp else 1) * model.hidden_size * model.params_dtype.itemsize
     if zero >= 2 and dp > 1:  # two microbatches' scratch meet at the next one's first gradient
         total += 2 * 4 * params * (1 - 1 / dp)
     if zero == 3 and dp > 1:

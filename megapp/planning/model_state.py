@@ -150,7 +150,7 @@ def model_state(
         raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage}")
     if dp < 1:
         raise ValueError(f"dp must be >= 1, got {dp}")
-    width = torch.empty((), dtype=dtype).element_size()
+    width = dtype.itemsize
     masters = 4 if dtype != torch.float32 else 0
     return ModelState(
         weights=width * parameters / (dp if zero_stage >= 3 else 1),

@@ -101,7 +101,7 @@ class Planner:
         # of the layouts fast enough to be checked after simulating: how many fitted, how
         # many did not (where most do not, checking first saves the simulations)
         self._fitted = self._over = 0
-        self.checked_first = 0  # layouts checked before simulating, over every plan
+        self._checked_first = 0  # layouts checked before simulating, over every plan
 
     def gpt(self, layout: Layout) -> GPTConfig | None:
         """The model under ``layout`` as ``pretrain_gpt.py`` builds it from the model's flags
@@ -211,7 +211,7 @@ class Planner:
             return "bounded"
         checked = None
         if self._over > 2 * self._fitted + 8:
-            self.checked_first += 1
+            self._checked_first += 1
             checked = self._fits(layout)
             if isinstance(checked, str):
                 return checked
@@ -333,7 +333,7 @@ class Planner:
                 continue
             bounded.append((bound, len(bounded), layout))
         bounded.sort(key=lambda item: (item[0], item[1]))
-        checked_before = self.checked_first
+        checked_before = self._checked_first
         for bound, _, layout in bounded:
             if len(result.best) >= top_k and bound >= result.best[top_k - 1].step.seconds:
                 break
@@ -349,6 +349,6 @@ class Planner:
                 result.best.append(outcome)
                 result.best.sort(key=lambda planned: planned.step.seconds)
                 del result.best[top_k:]
-        result.checked_first = self.checked_first - checked_before
+        result.checked_first = self._checked_first - checked_before
         result.seconds = time.perf_counter() - start
         return result

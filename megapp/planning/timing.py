@@ -73,7 +73,6 @@ from megapp.planning.hardware import Hardware, group_link
 from megapp.planning.layer_costs import (
     compute_seconds,
     context_parallel_seconds,
-    dtype_width,
     layer_flops,
     matmul_rate,
     moe_layer_seconds,
@@ -207,7 +206,7 @@ def action_costs(gpt: GPTConfig, shape: Shape, hardware: Hardware) -> ActionCost
     pp_link = group_link(hardware, tp * dp * p)
     ranges = shape_layer_ranges(gpt, shape)
     tokens = shape.seq_length // cp * shape.micro_batch_size
-    width = dtype_width(gpt.params_dtype)
+    width = gpt.params_dtype.itemsize
     vocab = gpt.padded_vocab_size
     logits = 2.0 * tokens * gpt.hidden_size * vocab / tp
     loss_seconds = 5 * 4 * tokens * vocab / tp / hardware.memory_bandwidth  # fp32 passes
