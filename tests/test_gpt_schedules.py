@@ -111,6 +111,42 @@ def test_uneven_first_and_last_stages_match_single_process(
     check_against_reference(chunks, losses, norms, first_grads, config)
 
 
+COUNTED = {
+    "account_for_embedding_in_pipeline_split": True,
+    "account_for_loss_in_pipeline_split": True,
+}
+EMBEDDING_AND_LOSS = [
+    # (world, tp, pp, vpp, schedule, config, layers of every virtual stage)
+    # fast: the only in-world check of chunks that hold no layer
+    (4, 1, 2, 2, "interleaved-1f1b", {"num_layers": 2, **COUNTED}, [0, 1, 1, 0]),
+    pytest.param(
+        4,
+        1,
+        4,
+        None,
+        "1f1b",
+        {"num_layers": 7, "account_for_loss_in_pipeline_split": True},
+        [2, 2, 2, 1],
+        marks=SLOW,
+    ),
+]
+
+
+@pytest.mark.parametrize("world_size, tp, pp, vpp, schedule, config, stages", EMBEDDING_AND_LOSS)
+@distributed(timeout=240)
+def test_embedding_and_loss_counted_in_the_split_match_single_process(
+    world_size, tp, pp, vpp, schedule, config, stages
+):
+    """Megatron's --account-for-embedding/loss-in-pipeline-split: the first (last) virtual
+    stage holds one layer fewer, none where the stages hold one each, so a chunk may run
+    only the embedding, or only the final norm, the output layer and the loss; the model
+    trains as the single process does."""
+    chunks, losses, norms, first_grads = train_layout(tp, pp, vpp, schedule=schedule, **config)
+    rank = ps.get_pipeline_model_parallel_rank()
+    assert [len(c.module.decoder.layers) for c in chunks] == stages[rank::pp]
+    check_against_reference(chunks, losses, norms, first_grads, config)
+
+
 def _never_called(iterator, chunk, inputs):
     raise AssertionError("no microbatch may run on chunks built for another placement")
 

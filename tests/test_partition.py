@@ -157,3 +157,62 @@ def test_impossible_uneven_stages_say_what_to_change(args, kwargs, message):
     assert message in str(info.value)
     with pytest.raises(ValueError):
         check_layer_split(*args, **kwargs)
+
+
+COUNTED = [  # (num_layers, pp, vpp, embedding, loss)
+    (126, 16, 8, True, True),  # Llama 3.1 405B: the first and the last chunk hold no layer
+    (94, 8, 4, True, True),  # Qwen3-235B-A22B: 2, then 3 on each of 30, then 2
+    (94, 32, 3, True, True),
+    (7, 4, None, True, False),
+    (7, 2, 2, False, True),
+    (6, 2, 2, True, True),
+    (5, 1, None, True, True),
+]
+
+
+@pytest.mark.parametrize("num_layers, pp, vpp, embedding, loss", COUNTED)
+@pytest.mark.filterwarnings("ignore:full scope is deprecated")  # Megatron-Core's own default
+def test_embedding_and_loss_counted_as_layers_split_as_megatron_core_does(
+    num_layers, pp, vpp, embedding, loss
+):
+    """Every chunk's layers (offset and count) equal Megatron-Core's own under
+    account_for_embedding/loss_in_pipeline_split, empty chunks included."""
+    config_module = pytest.importorskip("megatron.core.transformer.transformer_config")
+    block = pytest.importorskip("megatron.core.transformer.transformer_block")
+    layer = pytest.importorskip("megatron.core.transformer.transformer_layer")
+    config = config_module.TransformerConfig(
+        num_layers=num_layers,
+        hidden_size=8,
+        num_attention_heads=2,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
+        account_for_embedding_in_pipeline_split=embedding,
+        account_for_loss_in_pipeline_split=loss,
+        pipeline_dtype=torch.float32,
+    )
+    ranges = stage_layer_ranges(num_layers, pp, vpp, embedding=embedding, loss=loss)
+    assert _covers(ranges, num_layers)
+    assert len(ranges) == pp * (vpp or 1)
+    for rank, chunk in itertools.product(range(pp), range(vpp or 1)):
+        vp_stage = chunk if vpp else None
+        count = block.get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=rank)
+        got = ranges[chunk * pp + rank]
+        assert len(got) == count, (rank, chunk)
+        if count:  # Megatron's offset of an empty chunk is where it would start
+            offset = layer.get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=rank)
+            assert got == range(offset, offset + count), (rank, chunk)
+
+
+@pytest.mark.parametrize(
+    "args, kwargs, message",
+    [
+        ((126, 16, 8), {"embedding": True}, "num_layers (126) + embedding = 127 is not divisible"),
+        ((94, 8, 5), {"embedding": True, "loss": True}, "leaves 12 per pipeline rank, which is"),
+        ((8, 2, None), {"loss": True, "first": 4}, "cannot go with account_for_loss_in_pipeline"),
+    ],
+)
+def test_impossible_counted_splits_say_what_to_change(args, kwargs, message):
+    for check in (stage_layer_ranges, check_layer_split):
+        with pytest.raises(ValueError) as info:
+            check(*args, **kwargs)
+        assert message in str(info.value)

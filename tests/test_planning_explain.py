@@ -40,6 +40,7 @@ LAYOUTS = [
     "tp1.cp2-p2p.pp2.dp2.v1.mb1.default.selective.z1",
     "tp4.pp1.dp2.v1.mb1.default.sp.norecompute.z0",
     "tp1.ep2.pp2.dp4.v1.mb1.1f1b.full.z1",
+    "tp1.pp2.dp4.v3+el.mb1.interleaved-1f1b.norecompute.z1",  # 0 1 1 1 1 0 layers
 ]
 
 

@@ -93,6 +93,7 @@ RUN = ["--lr", "1e-4", "--train-iters", "1", "--use-default-corpus"]
         Layout(pp=2, dp=2, vpp=2, schedule="zb-v", micro_batch_size=2, recompute="selective"),
         Layout(pp=4, schedule="zb-h1", zero_stage=3, dp=2),
         Layout(pp=2, dp=2, schedule=PIPEDREAM_VSYNC),
+        Layout(pp=2, dp=2, vpp=5, embedding_in_split=True, loss_in_split=True),
     ],
     ids=lambda layout: layout.name,
 )

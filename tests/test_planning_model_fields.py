@@ -35,12 +35,26 @@ SHAPE = shlex.split(
     "--max-position-embeddings 512 --untie-embeddings-and-output-weights --bf16"
 )
 """Model flags that give every field of the model a value other than its default."""
-LAYOUT = shlex.split(
+SIZES = shlex.split(
     "--tensor-model-parallel-size 2 --sequence-parallel --pipeline-model-parallel-size 2 "
-    "--context-parallel-size 2 --cp-comm-type a2a "
-    "--decoder-first-pipeline-num-layers 2 --decoder-last-pipeline-num-layers 6 "
+    "--context-parallel-size 2 --cp-comm-type a2a"
+)
+RECOMPUTE = shlex.split(
     "--recompute-granularity full --recompute-method block --recompute-num-layers 2"
 )
+LAYOUT = [
+    *SIZES,
+    *shlex.split("--decoder-first-pipeline-num-layers 2 --decoder-last-pipeline-num-layers 6"),
+    *RECOMPUTE,
+]
+COUNTED_LAYOUT = [
+    *SIZES,
+    "--account-for-embedding-in-pipeline-split",
+    "--account-for-loss-in-pipeline-split",
+    *RECOMPUTE,
+]
+"""The layout once with the end stages' layer counts given, once with the embedding and the
+loss counted in the split (the two cannot go together)."""
 EXPERTS = shlex.split(
     "--num-experts 8 --moe-layer-freq 2 --moe-ffn-hidden-size 96 --moe-router-topk 3 "
     "--moe-router-pre-softmax --moe-router-norm-topk-prob "
@@ -75,7 +89,10 @@ def test_every_gpt_field_comes_from_the_flags():
     translated by ModelArgs, or set from another group; the flags above move every field
     off its default, so a field no flag reaches would fail here, by name."""
     sigmoid = [f for f in EXPERTS if not f.startswith(("--moe-router-pre", "--moe-router-norm"))]
-    runs = [[*SHAPE, *EXPERTS, *LAYOUT, *RUN], [*SHAPE, *sigmoid, *SIGMOID_ROUTER, *LAYOUT, *RUN]]
+    runs = [
+        [*SHAPE, *EXPERTS, *LAYOUT, *RUN],
+        [*SHAPE, *sigmoid, *SIGMOID_ROUTER, *COUNTED_LAYOUT, *RUN],
+    ]
     configs = [config_from_flags(flags, world_size=8) for flags in runs]
     own_name = {f.name for group in (ModelArgs, ParallelArgs) for f in dataclasses.fields(group)}
     for field in dataclasses.fields(GPTConfig):

@@ -19,6 +19,7 @@ from megapp.pipeline_parallel.catalog import (
 from megapp.pipeline_parallel.network import Rules
 from megapp.planning import step_time, timing
 from megapp.planning.hardware import load_hardware
+from megapp.planning.layout import pretrain_config
 from megapp.planning.layout_space import Space, layouts
 from megapp.planning.models import ModelPreset
 from megapp.planning.search import Planner
@@ -55,6 +56,29 @@ def test_the_bound_is_never_above_the_simulated_time():
         assert bound <= finish * (1 + 1e-12), layout.name
         checked += 1
     assert checked > 30
+
+
+def test_layers_that_do_not_divide_are_split_with_the_embedding_and_the_loss_counted():
+    """Six layers do not divide over four pipeline stages; six and the embedding and the
+    loss do: the search lays out pp 4 that way alone (one chunk per rank, 1, 2, 2, 1
+    layers, or two, 0, 1, 1, 1, 1, 1, 1, 0), each layout valid for pretrain_gpt.py and
+    priced with those layers."""
+    flags = ("--num-layers", "6", *FLAGS[2:])
+    planner = Planner(ModelPreset(flags, 32000, "six layers"), load_hardware("h100"), 16, 8)
+    space = Space(max_micro_batch_size=1, schedules=("1f1b", "interleaved-1f1b"))
+    found = [lay for lay in layouts(planner.base, 8, 8, 16, space, seq_length=512) if lay.pp == 4]
+    assert {(lay.vpp, lay.embedding_in_split, lay.loss_in_split) for lay in found} == {
+        (1, True, True),
+        (2, True, True),
+    }
+    want = {1: [1, 2, 2, 1], 2: [0, 1, 1, 1, 1, 1, 1, 0]}
+    for layout, costs, schedule in _scheduled(planner, found):
+        gpt = planner.gpt(layout)
+        ranges = timing.placement_layer_ranges(gpt, costs.placement)
+        assert [len(r) for r in ranges] == want[layout.vpp], layout.name
+        config = pretrain_config(layout, flags, 16)
+        assert config.parallel.account_for_embedding_in_pipeline_split, layout.name
+        assert schedule.num_chunks == layout.vpp
 
 
 def _cases():

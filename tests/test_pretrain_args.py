@@ -282,7 +282,47 @@ def test_uneven_first_and_last_stages_reach_the_model_chunks():
         assert layers == want
 
 
+def test_embedding_and_loss_counted_in_the_split_reach_the_model_chunks():
+    """Megatron's --account-for-embedding/loss-in-pipeline-split: 6 layers and the two
+    counted split 4 per rank, one per virtual stage (--num-layers-per-virtual-pipeline-stage
+    counts them too), so the first chunk holds only the embedding and the last only the
+    loss."""
+    counted = "--account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split"
+    config = args_for(
+        f"--num-layers 6 --pipeline-model-parallel-size 2 "
+        f"--num-layers-per-virtual-pipeline-stage 1 --global-batch-size 4 {counted}",
+        2,
+    )
+    assert config.virtual_pipeline_model_parallel_size == 4
+    gpt = config.gpt_config(vocab_size=257)
+    assert gpt.account_for_embedding_in_pipeline_split and gpt.account_for_loss_in_pipeline_split
+    layers = [
+        [
+            len(chunk.decoder.layers)
+            for chunk in build_gpt_chunks(
+                gpt, pp_rank=rank, pp_size=2, vpp_size=4, schedule=config.schedule
+            )
+        ]
+        for rank in range(2)
+    ]
+    assert layers == [[0, 1, 1, 1], [1, 1, 1, 0]]
+
+
 UNEVEN_ERRORS = [
+    (
+        "--pipeline-model-parallel-size 2 --account-for-embedding-in-pipeline-split",
+        2,
+        r"^--num-layers \(4\) \+ embedding = 5 is not divisible by "
+        r"--pipeline-model-parallel-size \(2\); use 4 or 6 counted layers or another pipeline "
+        r"size$",
+    ),
+    (
+        "--pipeline-model-parallel-size 2 --account-for-loss-in-pipeline-split "
+        "--decoder-last-pipeline-num-layers 2",
+        2,
+        r"^--decoder-first/last-pipeline-num-layers and "
+        r"--account-for-embedding/loss-in-pipeline-split both size the end stages; give one$",
+    ),
     # (extra flags, world size, what the message must say)
     (
         "--decoder-first-pipeline-num-layers 2",

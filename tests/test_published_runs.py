@@ -3,6 +3,8 @@ numbers that tie to each other in a source agree."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from megapp.planning.layout import Layout, pretrain_config
@@ -30,7 +32,8 @@ def test_every_run_has_a_source_and_a_known_model(run: PublishedRun):
     assert run.model in MODELS
     assert run.recompute in (None, "none", "selective", "full")
     assert run.precision in ("fp16", "bf16", "fp8")
-    assert MODELS[run.model].num_layers % (run.pp * run.vpp) == 0 or run.vpp == 1
+    counted = MODELS[run.model].num_layers + 2 * run.counts_embedding_and_loss
+    assert counted % (run.pp * run.vpp) == 0 or run.vpp == 1
 
 
 STATED = [r for r in RUNS if r.peak_fraction is not None]
@@ -84,11 +87,17 @@ def test_published_layout_builds(run: PublishedRun):
         cp_comm_type=run.cp_comm_type or "p2p",
         ep=run.ep,
         etp=run.etp,
+        embedding_in_split=run.counts_embedding_and_loss,
+        loss_in_split=run.counts_embedding_and_loss,
     )
     if run.stage_layers is not None:
         with pytest.raises(ArgumentsError, match="not divisible by --pipeline-model-parallel"):
             pretrain_config(layout, preset.flags, run.global_batch_size)
         assert (preset.num_layers - sum(run.stage_layers)) % (run.pp - 2) == 0
+    if run.counts_embedding_and_loss:  # the split must count them
+        even = dataclasses.replace(layout, embedding_in_split=False, loss_in_split=False)
+        with pytest.raises((ArgumentsError, ValueError), match=r"do not split|not divisible"):
+            pretrain_config(even, preset.flags, run.global_batch_size)
     config = pretrain_config(layout, model_flags(run, preset), run.global_batch_size)
     assert config.data_parallel_size == run.dp
     assert config.model.seq_length == run.seq_length
@@ -107,13 +116,12 @@ LONG_CONTEXT = next(r for r in RUNS if r.cp > 1)
 
 def test_the_long_context_run_is_predicted_within_a_factor_of_two():
     """Llama 3.1 405B's 128K-token stage (tp 8 × cp 16 × pp 16, 380 TFLOP/s), never used to
-    set any constant of the model: predicted within a factor of two. Below, for known
-    reasons (docs/planning.md): one chunk per rank, where the run interleaved one layer
-    per chunk, leaves a 1F1B bubble of 15/31 at 16 microbatches; and megapp's attention,
-    which materializes the all-gather's scores, fits no recompute setting in 80 GB, so the
-    heaviest (full) is assumed."""
+    set any constant of the model: predicted within a factor of two, interleaved one layer
+    per chunk with the embedding and the loss in chunks of their own, as the run was.
+    megapp's attention, which materializes the all-gather's scores, fits no recompute
+    setting in 80 GB, so the heaviest (full) is assumed (docs/planning.md)."""
     row = _compare_tool().compare(LONG_CONTEXT, pick=False)
-    assert row.layout.startswith("tp8.cp16-all_gather.pp16.dp8.v1.mb1.")
+    assert row.layout.startswith("tp8.cp16-all_gather.pp16.dp8.v8+el.mb1.")
     assert row.predicted is not None and 0.5 < row.ratio < 2.0
     assert "over memory" in row.note and row.memory > row.capacity
     assert "sp" in row.assumed.split(", ") and "cp p2p" not in row.assumed
@@ -132,7 +140,7 @@ def test_compare_fills_what_a_source_leaves_open():
     assert first.layout.startswith("tp8.pp35.dp8.") and ".full." in first.layout
     assert first.predicted is not None and first.ratio == first.predicted / 126
     assert first.hiding_tp is not None and first.hiding_tp > first.predicted
-    assert rows[1].predicted is not None and rows[1].layout.endswith("(7, ..., 7 layers)")
+    assert rows[1].predicted is not None and ".v8+el." in rows[1].layout
     table = tool.markdown(rows).splitlines()
     assert len(table) == 2 + len(rows) and all(line.count("|") == 13 for line in table)
 
@@ -146,27 +154,18 @@ MOE = [
 
 @pytest.mark.parametrize("run", MOE, ids=lambda r: f"{r.name} tp{r.tp} ep{r.ep} pp{r.pp}")
 def test_moe_run_is_predicted_and_fits(run: PublishedRun):
-    """Every published mixture-of-experts layout, as the comparison builds it without
-    recompute: a finite iteration time and TFLOP/s, and a fullest GPU within its memory.
-    No accuracy bound: docs/planning.md says where and why the prediction misses."""
+    """Every published mixture-of-experts layout, as the comparison builds it: a finite
+    iteration time and TFLOP/s, and a fullest GPU within its memory. No accuracy bound:
+    docs/planning.md says where and why the prediction misses."""
     import math
 
-    from megapp.ablation.published import hardware_for, model_flags, peak_memory
+    from megapp.ablation.published import hardware_for, peak_memory, published_layout
     from megapp.planning.timing import predict_step_time
 
     hardware = hardware_for(run)
     preset = MODELS[run.model].with_seq_length(run.seq_length)
-    layout = Layout(
-        tp=run.tp,
-        pp=run.pp,
-        dp=run.dp,
-        micro_batch_size=run.micro_batch_size or 1,
-        sequence_parallel=run.tp > 1,
-        zero_stage=1,
-        ep=run.ep,
-        etp=run.etp,
-    )
-    config = pretrain_config(layout, model_flags(run, preset), run.global_batch_size)
+    layout, config, _ = published_layout(run, preset, hardware)
+    assert (layout.ep, layout.vpp) == (run.ep, run.vpp)
     assert config.parallel.expert_model_parallel_size == run.ep
     step = predict_step_time(config, preset.vocab_size, hardware)
     assert math.isfinite(step.seconds) and step.seconds > 0

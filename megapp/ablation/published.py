@@ -135,6 +135,8 @@ def published_layout(
         cp_comm_type=comm_type,
         ep=run.ep,
         etp=run.etp,
+        embedding_in_split=run.counts_embedding_and_loss,
+        loss_in_split=run.counts_embedding_and_loss,
     )
     flags = model_flags(run, model, ops=hardware.ops is not None)
     per_replica = run.global_batch_size // run.dp
@@ -147,9 +149,13 @@ def published_layout(
         if per_replica % mbs == 0
         for recompute in recomputes
     ]
-    best = None
+    best, refused = None, None
     for layout in candidates:
-        config = pretrain_config(layout, flags, run.global_batch_size)
+        try:
+            config = pretrain_config(layout, flags, run.global_batch_size)
+        except ArgumentsError as error:  # e.g. too few microbatches for the schedule
+            refused = refused or error
+            continue
         fits = peak_memory(config, model.vocab_size) <= hardware.usable_memory
         if len(candidates) > 1 and not fits:
             continue

@@ -73,6 +73,14 @@ class GPTConfig(TransformerConfig):
     layout, like the tensor-parallel size: with one pipeline stage it does not apply."""
     num_layers_in_last_pipeline_stage: int | None = None
     """Layers of the last pipeline rank, as ``num_layers_in_first_pipeline_stage``."""
+    account_for_embedding_in_pipeline_split: bool = False
+    """Count the embedding as one layer where the layers split over the virtual stages:
+    the first virtual stage holds one transformer layer fewer (none where the stages
+    hold one each); :func:`~megapp.pipeline_parallel.partition.counted_stage_sizes`. A
+    layout, as the counts above."""
+    account_for_loss_in_pipeline_split: bool = False
+    """Count the output layer and the loss as one layer: the last virtual stage holds one
+    transformer layer fewer."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -335,7 +343,9 @@ def build_gpt_chunks(
     is given (``config.num_layers_in_first_pipeline_stage`` / ``..._last_...``, or
     ``first_stage_layers`` / ``last_stage_layers`` here, which win): then the other
     ranks split the rest evenly, and every rank's layers split evenly over its chunks
-    (:func:`~megapp.pipeline_parallel.partition.stage_layer_ranges`).
+    (:func:`~megapp.pipeline_parallel.partition.stage_layer_ranges`); or with the embedding
+    and/or the loss counted as a layer (``config.account_for_..._in_pipeline_split``), where
+    the first or the last chunk may hold no transformer layer.
     """
     v = vpp_size or 1
     if pp_size < 1 or v < 1 or not 0 <= pp_rank < pp_size:
@@ -358,7 +368,14 @@ def build_gpt_chunks(
             "schedule= (the whole placement) instead of stages="
         )
     ranges = stage_layer_ranges(
-        config.num_layers, pp_size, vpp_size, first=first, last=last, placement=placement
+        config.num_layers,
+        pp_size,
+        vpp_size,
+        first=first,
+        last=last,
+        placement=placement,
+        embedding=config.account_for_embedding_in_pipeline_split,
+        loss=config.account_for_loss_in_pipeline_split,
     )
     chunks = []
     for stage in stages:

@@ -9,7 +9,11 @@ saying what to change.
 A model's split (:func:`stage_layer_ranges`) is Megatron's: even over the ``p·v``
 virtual stages, or with the first and/or last pipeline rank's layer count given
 (``num_layers_in_first_pipeline_stage``, ``num_layers_in_last_pipeline_stage``) and
-the rest even over the other ranks; each rank's layers split evenly over its chunks.
+the rest even over the other ranks; each rank's layers split evenly over its chunks. Or
+the embedding and/or the loss count as one layer each
+(``account_for_embedding_in_pipeline_split``, ``account_for_loss_in_pipeline_split``):
+the counted layers split evenly over the virtual stages, and the first (last) virtual
+stage holds one transformer layer fewer, none where it holds one.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from torch import nn
 from megapp.pipeline_parallel.schedules import looped_placement
 
 FIRST, LAST = "num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage"
+EMBEDDING, LOSS = "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split"
 
 
 def split_layers(
@@ -90,10 +95,18 @@ def check_layer_split(
     *,
     first: int | None = None,
     last: int | None = None,
+    embedding: bool = False,
+    loss: bool = False,
 ) -> None:
-    """Megatron's rules for a model's split (:func:`rank_layer_counts`): without a
-    ``first`` or ``last`` pipeline rank's count, ``num_layers`` divides by the ``pp × vpp``
-    virtual stages."""
+    """Megatron's rules for a model's split (:func:`rank_layer_counts`,
+    :func:`counted_stage_sizes`): without a ``first`` or ``last`` pipeline rank's count,
+    nor the ``embedding`` or the ``loss`` counted as a layer, ``num_layers`` divides by the
+    ``pp × vpp`` virtual stages."""
+    if embedding or loss:
+        counted_stage_sizes(
+            num_layers, pp, vpp, embedding=embedding, loss=loss, first=first, last=last
+        )
+        return
     if first is not None or last is not None:
         rank_layer_counts(num_layers, pp, vpp, first=first, last=last)
         return
@@ -178,11 +191,21 @@ def stage_layer_ranges(
     first: int | None = None,
     last: int | None = None,
     placement: Sequence[Sequence[int]] | None = None,
+    embedding: bool = False,
+    loss: bool = False,
 ) -> list[range]:
     """The layers of every virtual stage, in stage order: the stage that runs as one of
     rank ``r``'s chunks under ``placement`` (``placement[rank][chunk]``, default looped)
-    holds ``1/vpp`` of rank ``r``'s layers (:func:`rank_layer_counts`)."""
+    holds ``1/vpp`` of rank ``r``'s layers (:func:`rank_layer_counts`); with the
+    ``embedding`` or the ``loss`` counted as a layer, :func:`counted_stage_sizes` (the
+    first virtual stage, or the last, may hold none)."""
     v = vpp or 1
+    if embedding or loss:
+        sizes = counted_stage_sizes(
+            num_layers, pp, vpp, embedding=embedding, loss=loss, first=first, last=last
+        )
+        bounds = [0, *accumulate(sizes)]
+        return [range(a, b) for a, b in pairwise(bounds)]
     if first is None and last is None:
         check_layer_split(num_layers, pp, vpp)
         return split_layers(num_layers, pp * v)
@@ -195,23 +218,73 @@ def stage_layer_ranges(
     return split_layers(num_layers, pp * v, sizes=[counts[rank_of[s]] // v for s in range(pp * v)])
 
 
-def virtual_stages(num_layers: int, pp: int, layers_per_virtual_stage: int) -> int | None:
+def counted_stage_sizes(
+    num_layers: int,
+    pp: int,
+    vpp: int | None = None,
+    *,
+    embedding: bool = False,
+    loss: bool = False,
+    first: int | None = None,
+    last: int | None = None,
+) -> list[int]:
+    """Layers of every virtual stage, in stage order, with the ``embedding`` and/or the
+    ``loss`` counted as a layer of the split (Megatron-Core's
+    ``--account-for-embedding-in-pipeline-split``, ``--account-for-loss-in-pipeline-split``):
+    ``num_layers`` plus those split evenly over the ``pp`` ranks and each rank's over its
+    ``vpp`` chunks; virtual stage 0 then holds one transformer layer fewer for the
+    embedding and the last one fewer for the loss, which leaves a stage of one counted
+    layer with none (an embedding-only or loss-only chunk). Raises ``ValueError`` naming
+    what to change; the first/last ranks' counts (``first``, ``last``) cannot go with it."""
+    given = [name for name, on in ((EMBEDDING, embedding), (LOSS, loss)) if on]
+    if first is not None or last is not None:
+        raise ValueError(
+            f"{FIRST} and {LAST} cannot go with {' and '.join(given)}: give the ranks' "
+            "counts or count the embedding and the loss as layers, not both"
+        )
+    v = vpp or 1
+    counted = num_layers + embedding + loss
+    what = f"num_layers ({num_layers}) + {' + '.join(g.split('_')[2] for g in given)}"
+    if counted % pp:
+        raise ValueError(
+            f"{what} = {counted} is not divisible by pipeline_model_parallel_size ({pp}); use "
+            f"{nearest_multiples(counted, pp)} counted layers or another pipeline size"
+        )
+    if (counted // pp) % v:
+        raise ValueError(
+            f"{what} = {counted} leaves {counted // pp} per pipeline rank, which is not "
+            f"divisible by virtual_pipeline_model_parallel_size ({v})"
+        )
+    sizes = [counted // (pp * v)] * (pp * v)
+    sizes[0] -= embedding
+    sizes[-1] -= loss
+    if min(sizes) < 0 or sum(sizes) != num_layers:
+        raise ValueError(f"{what} is too few to split over {pp * v} virtual stages")
+    return sizes
+
+
+def virtual_stages(
+    num_layers: int, pp: int, layers_per_virtual_stage: int, *, counted: int = 0
+) -> int | None:
     """Model chunks per pipeline rank when each virtual stage holds
     ``layers_per_virtual_stage`` layers (Megatron's way of asking for the interleaved
-    schedule); None when that leaves one chunk per rank."""
+    schedule), ``counted`` more layers counted in the split (the embedding, the loss:
+    :func:`counted_stage_sizes`); None when that leaves one chunk per rank."""
     if pp < 2:
         raise ValueError(
             "num_layers_per_virtual_pipeline_stage needs pipeline_model_parallel_size >= 2; "
             "drop it or use more pipeline stages"
         )
     group = pp * layers_per_virtual_stage
-    if num_layers % group:
+    total = num_layers + counted
+    if total % group:
+        what = f"num_layers ({num_layers})" if not counted else f"num_layers + {counted} ({total})"
         raise ValueError(
-            f"num_layers ({num_layers}) is not divisible by pipeline_model_parallel_size × "
+            f"{what} is not divisible by pipeline_model_parallel_size × "
             f"num_layers_per_virtual_pipeline_stage ({pp} × {layers_per_virtual_stage} = "
-            f"{group}); use {nearest_multiples(num_layers, group)} layers or change the two sizes"
+            f"{group}); use {nearest_multiples(total, group)} layers or change the two sizes"
         )
-    chunks = num_layers // group
+    chunks = total // group
     return chunks if chunks > 1 else None
 
 

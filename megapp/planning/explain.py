@@ -49,7 +49,7 @@ from megapp.planning.timing import (
     ActionCosts,
     Shape,
     TimeModel,
-    shape_layer_ranges,
+    placement_layer_ranges,
     shape_of,
     simulate_step,
 )
@@ -175,12 +175,12 @@ class Explanation:
 
 _NAME = re.compile(
     r"tp(?P<tp>\d+)(?:\.cp(?P<cp>\d+)-(?P<cp_comm_type>[a-z0-9_]+))?(?:\.ep(?P<ep>\d+))?"
-    r"(?:\.etp(?P<etp>\d+))?\.pp(?P<pp>\d+)\.dp(?P<dp>\d+)\.v(?P<vpp>\d+)"
+    r"(?:\.etp(?P<etp>\d+))?\.pp(?P<pp>\d+)\.dp(?P<dp>\d+)\.v(?P<vpp>\d+)(?:\+(?P<split>e?l?))?"
     r"\.mb(?P<micro_batch_size>\d+)\.(?P<schedule>[a-z0-9-]+)(?P<sp>\.sp)?"
     r"\.(?P<recompute>norecompute|selective|full)\.z(?P<zero_stage>\d)"
 )
 LAYOUT_FORMAT = (
-    "tp<n>[.cp<n>-<comm>][.ep<n>][.etp<n>].pp<n>.dp<n>.v<n>.mb<n>.<schedule|default>[.sp]"
+    "tp<n>[.cp<n>-<comm>][.ep<n>][.etp<n>].pp<n>.dp<n>.v<n>[+e|+l|+el].mb<n>.<schedule|default>[.sp]"
     ".<norecompute|selective|full>.z<n>"
 )
 
@@ -197,6 +197,8 @@ def parse_layout(name: str) -> Layout:
             fields[key] = int(fields[key])
     fields["sequence_parallel"] = "sp" in fields
     fields.pop("sp", None)
+    split = fields.pop("split", "")
+    fields["embedding_in_split"], fields["loss_in_split"] = "e" in split, "l" in split
     fields["schedule"] = None if fields["schedule"] == "default" else fields["schedule"]
     fields["recompute"] = None if fields["recompute"] == "norecompute" else fields["recompute"]
     try:
@@ -268,7 +270,7 @@ def action_parts(
     a2a = 0.0
     if gpt.num_moe_experts is not None:
         a2a = moe_layer_seconds(gpt, shape.seq_length, shape.micro_batch_size, model.hardware)[1]
-    ranges = shape_layer_ranges(gpt, shape)
+    ranges = placement_layer_ranges(gpt, shape.placement)
     zeros = [[0.0] * len(row) for row in shape.placement]
     tables = {
         Op.FORWARD: ("forward", bare.tp_forward, bare.cp_forward or zeros, 1),

@@ -51,7 +51,10 @@ class Layout:
     split every sequence; ``cp_comm_type``: one of :data:`CP_COMM_TYPES` (it changes
     nothing while cp is 1). ``ep``: ranks that split the experts of a mixture-of-experts
     layer; ``etp``: ranks that split each expert's matrices (None: tp); both need a model
-    with ``--num-experts`` beyond their defaults."""
+    with ``--num-experts`` beyond their defaults. ``embedding_in_split``,
+    ``loss_in_split``: the embedding, the loss count as a layer where the layers split over
+    the virtual stages (``--account-for-embedding/loss-in-pipeline-split``: the first, the
+    last virtual stage holds one transformer layer fewer)."""
 
     tp: int = 1
     pp: int = 1
@@ -66,6 +69,8 @@ class Layout:
     cp_comm_type: str = "p2p"
     ep: int = 1
     etp: int | None = None
+    embedding_in_split: bool = False
+    loss_in_split: bool = False
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp", "vpp", "micro_batch_size", "cp", "ep"):
@@ -99,15 +104,22 @@ class Layout:
         return self.tp * self.cp * self.pp * self.dp
 
     @property
+    def counted(self) -> int:
+        """Layers the pipeline split counts besides the transformer layers (0, 1 or 2)."""
+        return self.embedding_in_split + self.loss_in_split
+
+    @property
     def name(self) -> str:
         """A short label, e.g. ``tp2.pp2.dp2.v1.mb1.1f1b.sp.selective.z1``; with context
         parallelism its size and communication follow tp: ``tp2.cp4-p2p.pp2...``; with
-        expert parallelism ep (and etp where it is not tp) follows them: ``tp2.ep8.etp1...``."""
+        expert parallelism ep (and etp where it is not tp) follows them: ``tp2.ep8.etp1...``;
+        with the embedding (e) and the loss (l) counted in the split, ``v8+el``."""
         parts = [f"tp{self.tp}"]
         parts += [f"cp{self.cp}-{self.cp_comm_type}"] if self.cp > 1 else []
         parts += [f"ep{self.ep}"] if self.ep > 1 else []
         parts += [f"etp{self.etp}"] if self.etp is not None else []
-        parts += [f"pp{self.pp}", f"dp{self.dp}", f"v{self.vpp}"]
+        split = "e" * self.embedding_in_split + "l" * self.loss_in_split
+        parts += [f"pp{self.pp}", f"dp{self.dp}", f"v{self.vpp}" + (f"+{split}" if split else "")]
         parts += [f"mb{self.micro_batch_size}", self.schedule or "default"]
         parts += ["sp"] if self.sequence_parallel else []
         parts += [self.recompute or "norecompute", f"z{self.zero_stage}"]
@@ -129,12 +141,17 @@ class Layout:
             out.append(("parallel", "expert_model_parallel_size", self.ep))
         if self.etp is not None:
             out.append(("parallel", "expert_tensor_parallel_size", self.etp))
+        if self.embedding_in_split:
+            out.append(("parallel", "account_for_embedding_in_pipeline_split", True))
+        if self.loss_in_split:
+            out.append(("parallel", "account_for_loss_in_pipeline_split", True))
         if self.vpp > 1:
-            per_stage = num_layers // (self.pp * self.vpp)
-            if per_stage * self.pp * self.vpp != num_layers:
+            counted = num_layers + self.counted
+            per_stage = counted // (self.pp * self.vpp)
+            if per_stage * self.pp * self.vpp != counted:
                 raise ValueError(
-                    f"{num_layers} layers do not split into {self.pp} pipeline ranks × "
-                    f"{self.vpp} chunks"
+                    f"{num_layers} layers{f' + {self.counted}' if self.counted else ''} do not "
+                    f"split into {self.pp} pipeline ranks × {self.vpp} chunks"
                 )
             out.append(("parallel", "num_layers_per_virtual_pipeline_stage", per_stage))
         if self.schedule == PIPEDREAM_VSYNC:

@@ -132,16 +132,36 @@ def _cp_choices(
     return choices
 
 
-def _schedule_names(layers: int, pp: int, space: Space) -> list[tuple[int, list]]:
-    """Each number of chunks per pipeline rank (whole chunks of layers) with the schedules
-    that run it (the V-shaped ones need exactly two)."""
+COUNTED_SPLITS = {0: (False, False), 1: (False, True), 2: (True, True)}
+"""What a split that counts ``c`` more layers counts: (the embedding, the loss); one alone
+is the loss, whose output layer outweighs the embedding's lookup."""
+
+
+def _chunk_splits(layers: int, pp: int, space: Space) -> list[tuple[int, int]]:
+    """Each number of chunks per pipeline rank with the layers its split counts besides
+    the transformer layers: 0 where the layers divide into whole chunks, else 2 (the
+    embedding and the loss counted) or 1 (the loss) where that count divides."""
     if pp == 1:
-        return [(1, [None])]
-    most = min(space.max_chunks, layers // pp)
-    chunks = [1] + [v for v in range(2, most + 1) if layers % (pp * v) == 0]
+        return [(1, 0)]
+    out = []
+    for v in range(1, min(space.max_chunks, (layers + 2) // pp) + 1):
+        counted = next((c for c in (0, 2, 1) if (layers + c) % (pp * v) == 0), None)
+        if counted is not None:
+            out.append((v, counted))
+        elif v == 1:
+            out.append((1, 0))  # one chunk per rank splits any count, a layer apart
+    return out
+
+
+def _schedule_names(layers: int, pp: int, space: Space) -> list[tuple[int, int, list]]:
+    """Each number of chunks per pipeline rank, the layers its split counts
+    (:func:`_chunk_splits`), and the schedules that run it (the V-shaped ones need
+    exactly two)."""
+    if pp == 1:
+        return [(1, 0, [None])]
     return [
-        (v, [n for n in space.schedules if not SCHEDULE_KINDS[n].v_shaped or v == 2])
-        for v in chunks
+        (v, c, [n for n in space.schedules if not SCHEDULE_KINDS[n].v_shaped or v == 2])
+        for v, c in _chunk_splits(layers, pp, space)
     ]
 
 
@@ -167,11 +187,13 @@ def layouts(
             if global_batch_size % dp:
                 continue
             eps = expert_sizes(base, tp, rest, space)
-            for vpp, names in _schedule_names(base.num_layers, pp, space):
+            for vpp, counted, names in _schedule_names(base.num_layers, pp, space):
+                embedding, loss = COUNTED_SPLITS[counted]
                 for mbs in (1 << i for i in range(space.max_micro_batch_size.bit_length())):
                     if mbs > space.max_micro_batch_size or global_batch_size % (mbs * dp):
                         continue
                     sizes = dict(tp=tp, pp=pp, dp=dp, vpp=vpp, micro_batch_size=mbs)
+                    sizes |= dict(embedding_in_split=embedding, loss_in_split=loss)
                     for recompute in RECOMPUTE:
                         for zero in range(4) if dp * cp > 1 else [0]:
                             for sp in (sp for sp in sps if (cp, kind) in by_sp[sp]):

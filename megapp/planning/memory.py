@@ -262,8 +262,9 @@ def zero3_gathered_bytes(config: GPTConfig, dp: int, outer_parameters: int) -> f
 
 def stage_layers(config) -> list[int]:
     """Layers of every virtual stage of the run ``config`` (a
-    :class:`~megapp.training.config.PretrainConfig`), as the model builds them: even, or with
-    the first and last pipeline ranks' counts its flags give."""
+    :class:`~megapp.training.config.PretrainConfig`), as the model builds them: even, with
+    the first and last pipeline ranks' counts its flags give, or with the embedding and
+    the loss counted as layers."""
     par, schedule = config.parallel, config.schedule
     ranges = stage_layer_ranges(
         config.model.num_layers,
@@ -272,6 +273,8 @@ def stage_layers(config) -> list[int]:
         first=par.decoder_first_pipeline_num_layers if schedule.num_stages > 1 else None,
         last=par.decoder_last_pipeline_num_layers if schedule.num_stages > 1 else None,
         placement=schedule.placement,
+        embedding=par.account_for_embedding_in_pipeline_split,
+        loss=par.account_for_loss_in_pipeline_split,
     )
     return [len(r) for r in ranges]
 

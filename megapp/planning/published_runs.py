@@ -24,7 +24,10 @@ class PublishedRun:
     expert (None: tp), ``cp_comm_type``: how its ranks
     exchanged keys and values (megapp's ``--cp-comm-type`` name) where stated,
     ``stage_layers``: the first and the last pipeline rank's layers where the source splits
-    the layers unevenly, ``recompute``: "full", "selective", "none" or None (not stated),
+    the layers unevenly, ``counts_embedding_and_loss``: the source counts the embedding and
+    the loss as a layer each where the layers split over the virtual stages (Megatron's
+    ``--account-for-embedding/loss-in-pipeline-split``), ``recompute``: "full",
+    "selective", "none" or None (not stated),
     ``precision``: the matmul precision the throughput was measured in."""
 
     source: str
@@ -42,6 +45,7 @@ class PublishedRun:
     ep: int = 1
     etp: int | None = None
     stage_layers: tuple[int, int] | None = None
+    counts_embedding_and_loss: bool = False
     vpp: int = 1
     micro_batch_size: int | None = None
     recompute: str | None = None
@@ -75,9 +79,10 @@ LLAMA3 = (
     "Balaji at SC'24 and listed at glennklockwood.com/garden/llama-3.1"
 )
 LLAMA3_STAGES = (
-    "one layer fewer on the first and the last pipeline stage (Dubey et al. 2024, "
-    "Sec. 3.3.2: 7, then 8 on each of 14, then 7 = 126); their interleaved chunks, the "
-    "first holding only the embedding, are not expressible: one chunk per rank"
+    "one layer fewer on the first and the last pipeline stage, the first model chunk "
+    "holding only the embedding and the last only the output layer and the loss (Dubey et "
+    "al. 2024, Sec. 3.3.2): one layer per chunk, so vpp = (126 + 2) / 16 = 8 with the "
+    "embedding and the loss counted as layers"
 )
 NEMO_H100_FP8 = (
     "NeMo Framework performance summary, NeMo 2.0 on DGX-H100 "
@@ -101,8 +106,7 @@ BRIDGE_H100_2509 = (
 QWEN3_STAGES = (
     "94 layers over {chunks} virtual stages, the embedding and the loss each counted as a "
     "layer (--account-for-embedding/loss-in-pipeline-split), leave the first and the last "
-    "virtual stage one layer fewer; chunks of equal size cannot interleave that, so megapp "
-    "runs one chunk per rank, {first} layers on the first and the last"
+    "virtual stage one layer fewer"
 )
 DEEPSEEK_V3_STAGES = (
     "the recipe's --pipeline-model-parallel-layout 'Et|(tt|)*30mL' (the embedding and one "
@@ -112,9 +116,7 @@ DEEPSEEK_V3_STAGES = (
 )
 
 
-def _qwen3_zoo(
-    tp: int, ep: int, pp: int, vpp: int, tflops: float, seconds: float, stages: tuple[int, int]
-) -> PublishedRun:
+def _qwen3_zoo(tp: int, ep: int, pp: int, vpp: int, tflops: float, seconds: float) -> PublishedRun:
     dp = 256 // (tp * pp)
     return PublishedRun(
         source=MOE_ZOO_QWEN3,
@@ -129,18 +131,18 @@ def _qwen3_zoo(
         ep=ep,
         etp=1,
         tflops_per_gpu=tflops,
-        stage_layers=stages,
+        vpp=vpp,
+        counts_embedding_and_loss=True,
         micro_batch_size=1,
         distributed_optimizer=True,
         sequence_parallel=True,
         step_time=seconds,
         counts_recompute=False,
         derived=(
-            f"published vpp {vpp}; etp 1, the distributed optimizer and sequence "
+            "etp 1, the distributed optimizer and sequence "
             "parallelism from model_configs/benchmarking/Qwen3-235B-A22B.yaml; the "
             "fine-grained recompute of norms and the expert activation (where stated) has "
-            "no megapp equivalent and is left to the tool; "
-            + QWEN3_STAGES.format(chunks=pp * vpp, first=stages[0])
+            "no megapp equivalent and is left to the tool; " + QWEN3_STAGES.format(chunks=pp * vpp)
         ),
     )
 
@@ -256,7 +258,8 @@ RUNS: tuple[PublishedRun, ...] = (
         pp=16,
         dp=64,
         tflops_per_gpu=430,
-        stage_layers=(7, 7),
+        vpp=8,
+        counts_embedding_and_loss=True,
         derived=f"batch = 16M tokens / 8192; dp = GPUs / (tp × cp × pp); {LLAMA3_STAGES}",
     ),
     PublishedRun(
@@ -270,7 +273,8 @@ RUNS: tuple[PublishedRun, ...] = (
         pp=16,
         dp=128,
         tflops_per_gpu=400,
-        stage_layers=(7, 7),
+        vpp=8,
+        counts_embedding_and_loss=True,
         derived=f"batch = 16M tokens / 8192; dp = GPUs / (tp × cp × pp); {LLAMA3_STAGES}",
     ),
     PublishedRun(
@@ -285,7 +289,8 @@ RUNS: tuple[PublishedRun, ...] = (
         dp=8,
         cp=16,
         cp_comm_type="all_gather",
-        stage_layers=(7, 7),
+        vpp=8,
+        counts_embedding_and_loss=True,
         tflops_per_gpu=380,
         derived=(
             "sequence: the 128K long-context stage; batch = 16M tokens / 131072; "
@@ -327,9 +332,9 @@ RUNS: tuple[PublishedRun, ...] = (
         counts_recompute=False,
         derived="dp = GPUs / (tp × pp)",
     ),
-    _qwen3_zoo(tp=2, ep=32, pp=8, vpp=4, tflops=245, seconds=19.7, stages=(11, 11)),
-    _qwen3_zoo(tp=2, ep=8, pp=32, vpp=3, tflops=200, seconds=24.2, stages=(2, 2)),
-    _qwen3_zoo(tp=4, ep=8, pp=8, vpp=4, tflops=167, seconds=29.0, stages=(11, 11)),
+    _qwen3_zoo(tp=2, ep=32, pp=8, vpp=4, tflops=245, seconds=19.7),
+    _qwen3_zoo(tp=2, ep=8, pp=32, vpp=3, tflops=200, seconds=24.2),
+    _qwen3_zoo(tp=4, ep=8, pp=8, vpp=4, tflops=167, seconds=29.0),
     PublishedRun(
         source=BRIDGE_H100_FP8,
         model="qwen3-235b-a22b",
@@ -343,13 +348,14 @@ RUNS: tuple[PublishedRun, ...] = (
         ep=32,
         etp=1,
         tflops_per_gpu=233,
-        stage_layers=(11, 11),
+        vpp=4,
+        counts_embedding_and_loss=True,
         micro_batch_size=1,
         precision="fp8",
         counts_recompute=False,
         derived=(
             "dropless, experts force-balanced; 1575 tokens/s per GPU; dp = GPUs / (tp × pp); "
-            "etp 1 as the 25.09 recipe sets it; " + QWEN3_STAGES.format(chunks=32, first=11)
+            "etp 1 as the 25.09 recipe sets it; " + QWEN3_STAGES.format(chunks=32)
         ),
     ),
     PublishedRun(

@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from megapp.models.gpt import GPTConfig
 from megapp.pipeline_parallel.catalog import build_schedule, default_schedule, schedule_kind
 from megapp.pipeline_parallel.messages import ScheduleError
-from megapp.pipeline_parallel.partition import split_layers
 from megapp.pipeline_parallel.schedules import Schedule, looped_placement, v_placement
 from megapp.pipeline_parallel.simulate import finish_times
 from megapp.planning import step_time, timing
@@ -110,8 +109,10 @@ class Planner:
         them."""
         key = (layout.tp, layout.sequence_parallel, layout.recompute, layout.cp)
         key += (layout.cp_comm_type, layout.ep, layout.etp)
+        key += (layout.embedding_in_split, layout.loss_in_split)
         if key not in self._gpts:
             names = ("tp", "sequence_parallel", "recompute", "cp", "cp_comm_type", "ep", "etp")
+            names += ("embedding_in_split", "loss_in_split")
             # enough data-parallel ranks for one copy of the expert grid
             model_only = Layout(
                 **dict(zip(names, key, strict=True)), dp=layout.ep * layout.expert_tp
@@ -127,10 +128,10 @@ class Planner:
         """Whether every rank's model state alone fits in memory (a bound on the total);
         ZeRO shards it over the data- and context-parallel ranks."""
         key = (layout.tp, layout.dp * layout.cp, layout.zero_stage, placement)
-        key += (layout.ep, layout.etp)
+        key += (layout.ep, layout.etp, layout.embedding_in_split, layout.loss_in_split)
         if key not in self._states:
             stages = layout.pp * layout.vpp
-            ranges = split_layers(gpt.num_layers, stages)
+            ranges = timing.placement_layer_ranges(gpt, placement)
             per_stage = [chunk_parameters(gpt, s, stages, len(ranges[s])) for s in range(stages)]
             params = max(sum(per_stage[s] for s in row) for row in placement)
             state = model_state(params, gpt.params_dtype, key[1], layout.zero_stage)
@@ -144,6 +145,7 @@ class Planner:
             *(layout.tp, layout.pp, layout.dp, layout.vpp, layout.micro_batch_size),
             *(layout.sequence_parallel, layout.recompute, layout.zero_stage),
             *(layout.cp, layout.cp_comm_type, layout.ep, layout.etp),
+            *(layout.embedding_in_split, layout.loss_in_split),
             _kind(layout).v_shaped,
         )
 

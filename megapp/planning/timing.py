@@ -204,7 +204,7 @@ def action_costs(gpt: GPTConfig, shape: Shape, hardware: Hardware) -> ActionCost
     dp = shape.dp * cp  # the ranks that reduce the gradients and share ZeRO's shards
     dp_link = group_link(hardware, tp * dp)
     pp_link = group_link(hardware, tp * dp * p)
-    ranges = shape_layer_ranges(gpt, shape)
+    ranges = placement_layer_ranges(gpt, shape.placement)
     tokens = shape.seq_length // cp * shape.micro_batch_size
     width = gpt.params_dtype.itemsize
     vocab = gpt.padded_vocab_size
@@ -363,16 +363,26 @@ def action_costs(gpt: GPTConfig, shape: Shape, hardware: Hardware) -> ActionCost
     )
 
 
-def shape_layer_ranges(gpt: GPTConfig, shape: Shape) -> list[range]:
-    """The layers of every virtual stage of ``shape``'s placement: even, or with the first
-    and last pipeline ranks' counts the model's config gives."""
-    p, v = len(shape.placement), len(shape.placement[0])
+def placement_layer_ranges(gpt: GPTConfig, placement: tuple[tuple[int, ...], ...]) -> list[range]:
+    """The layers of every virtual stage of ``placement`` (``[rank][chunk]``): even, with
+    the first and last pipeline ranks' counts the model's config gives, or with the
+    embedding and the loss counted as layers."""
+    p, v = len(placement), len(placement[0])
     first = gpt.num_layers_in_first_pipeline_stage if p > 1 else None
     last = gpt.num_layers_in_last_pipeline_stage if p > 1 else None
-    if first is None and last is None:
+    embedding = gpt.account_for_embedding_in_pipeline_split
+    loss = gpt.account_for_loss_in_pipeline_split
+    if (first, last, embedding, loss) == (None, None, False, False):
         return split_layers(gpt.num_layers, p * v)
     return stage_layer_ranges(
-        gpt.num_layers, p, v, first=first, last=last, placement=shape.placement
+        gpt.num_layers,
+        p,
+        v,
+        first=first,
+        last=last,
+        placement=placement,
+        embedding=embedding,
+        loss=loss,
     )
 
 

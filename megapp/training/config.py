@@ -148,7 +148,7 @@ class PretrainConfig:
                 )
             vpp = kind.fixed_chunks  # the only count it runs: nothing to choose
             even = (par.decoder_first_pipeline_num_layers, par.decoder_last_pipeline_num_layers)
-            if even == (None, None) and layers % (pp * vpp):
+            if even == (None, None) and not self._counted() and layers % (pp * vpp):
                 raise ArgumentsError(
                     f"--pipeline-schedule {name} {kind.chunks_text()}, so --num-layers "
                     f"({layers}) must split into {vpp} × --pipeline-model-parallel-size ({pp}) "
@@ -236,6 +236,12 @@ class PretrainConfig:
             loss_scaling=self.precision.fp16,
         )
 
+    def _counted(self) -> int:
+        """Layers the split counts besides the transformer layers: the embedding and the
+        loss where ``--account-for-embedding/loss-in-pipeline-split`` count them."""
+        par = self.parallel
+        return par.account_for_embedding_in_pipeline_split + par.account_for_loss_in_pipeline_split
+
     def _derive(self) -> None:
         from megapp.optimizer.lr_scheduler import check_schedule
         from megapp.pipeline_parallel.partition import check_layer_split, virtual_stages
@@ -246,7 +252,7 @@ class PretrainConfig:
         vpp = par.num_virtual_stages_per_pipeline_rank
         if par.num_layers_per_virtual_pipeline_stage is not None:
             lps = par.num_layers_per_virtual_pipeline_stage
-            vpp = virtual_stages(model.num_layers, pp, lps) or 1
+            vpp = virtual_stages(model.num_layers, pp, lps, counted=self._counted()) or 1
         name, vpp = self._schedule_chunks(pp, vpp)
         vpp = vpp if vpp != 1 else None  # one chunk per rank: no virtual stages
         cp = par.context_parallel_size
@@ -269,6 +275,8 @@ class PretrainConfig:
             vpp,
             first=par.decoder_first_pipeline_num_layers,
             last=par.decoder_last_pipeline_num_layers,
+            embedding=par.account_for_embedding_in_pipeline_split,
+            loss=par.account_for_loss_in_pipeline_split,
         )
         # The model's own rules (sizes, heads, widths, recompute, positions, padding); the
         # vocabulary comes from the tokenizer later and no rule but its own depends on it.

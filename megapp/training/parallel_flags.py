@@ -50,6 +50,16 @@ class ParallelArgs:
     decoder_last_pipeline_num_layers: int | None = arg(
         None, "layers on the last pipeline rank, as --decoder-first-pipeline-num-layers", kind=int
     )
+    account_for_embedding_in_pipeline_split: bool = arg(
+        False,
+        "count the embedding as a layer where the layers split over the virtual stages: the "
+        "first holds one transformer layer fewer (none with one layer per virtual stage)",
+    )
+    account_for_loss_in_pipeline_split: bool = arg(
+        False,
+        "count the output layer and the loss as a layer: the last virtual stage holds "
+        "one transformer layer fewer",
+    )
     pipeline_schedule: str | None = arg(
         None,
         "default 1f1b, interleaved-1f1b with virtual stages; zb-v and dualpipev place two "
@@ -121,6 +131,14 @@ class ParallelArgs:
                 "--num-virtual-stages-per-pipeline-rank both ask for virtual stages; give one"
             )
         uneven = (self.decoder_first_pipeline_num_layers, self.decoder_last_pipeline_num_layers)
+        counted = self.account_for_embedding_in_pipeline_split
+        counted = counted or self.account_for_loss_in_pipeline_split
+        if counted and uneven != (None, None):
+            raise ArgumentsError(
+                "--decoder-first/last-pipeline-num-layers and "
+                "--account-for-embedding/loss-in-pipeline-split both size the end stages; "
+                "give one"
+            )
         if by_layers and uneven != (None, None):
             raise ArgumentsError(
                 "--num-layers-per-virtual-pipeline-stage assumes even stages; with "

@@ -44,7 +44,8 @@ def _holds(module: nn.Module, tensors: dict[str, torch.Tensor]) -> bool:
 
 class TransformerBlock(nn.Module):
     """Layers ``first_layer .. first_layer + num_layers - 1`` of the model (a pipeline
-    chunk holds a slice), optionally followed by the final norm.
+    chunk holds a slice, none in a chunk of only the embedding or the loss), optionally
+    followed by the final norm.
 
     Recompute (``config.recompute_granularity``):
       - ``selective``: each layer's core attention is recomputed (Megatron's choice:
@@ -75,7 +76,7 @@ class TransformerBlock(nn.Module):
         super().__init__()
         self.config = config
         num_layers = config.num_layers if num_layers is None else num_layers
-        if num_layers < 1 or first_layer < 0 or first_layer + num_layers > config.num_layers:
+        if num_layers < 0 or first_layer < 0 or first_layer + num_layers > config.num_layers:
             raise ValueError(
                 f"layers {first_layer}..{first_layer + num_layers - 1} are outside the model's "
                 f"{config.num_layers} layers"
