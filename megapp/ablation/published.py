@@ -26,7 +26,8 @@ the ring (``p2p``) for context parallelism, and the micro-batch size (1 to 8) an
 recompute (none, selective, full) megapp predicts fastest among those whose predicted
 memory fits, as a tuned run would have them. A run whose source splits the layers
 unevenly over the pipeline (``stage_layers``) runs with
-``--decoder-first/last-pipeline-num-layers``.
+``--decoder-first/last-pipeline-num-layers``, one whose source counts the embedding and the
+loss as layers of the split with ``--account-for-embedding/loss-in-pipeline-split``.
 FP8 runs are predicted in 16-bit, so their ratio is not a test of the model. The planner's
 search takes minutes past a thousand GPUs; ``--pick-max-gpus`` bounds where it runs.
 """
@@ -73,6 +74,11 @@ def peak_memory(config: PretrainConfig, vocab_size: int) -> float:
 MATERIALIZED_ATTENTION = (NARAYANAN_2021, MT_NLG)
 """Sources whose runs (2021) computed attention with materialized scores and apex's fused
 softmax, before flash attention: priced so by the operation model."""
+
+
+FIT_SOURCE = NARAYANAN_2021
+"""The one source a constant of the operation model is fitted on (the A100's compute share,
+:data:`megapp.planning.op_profiles.A100_COMPUTE_FIT`); every other run is held out."""
 
 
 REDUCE_AFTER_BACKWARD = (NARAYANAN_2021, MT_NLG)
@@ -196,10 +202,13 @@ class Row:
         return self.predicted / self.run.tflops_per_gpu
 
 
-def compare(run: PublishedRun, pick: bool, ops: bool = False) -> Row:
+def compare(
+    run: PublishedRun, pick: bool, ops: bool = False, hardware: Hardware | None = None
+) -> Row:
     """Predict ``run``'s layout and, with ``pick``, the planner's best layout; ``ops``: on
-    the profile priced operation by operation."""
-    hardware = hardware_for(run, ops)
+    the profile priced operation by operation; ``hardware``: on this profile instead of
+    the run's GPU's built-in one."""
+    hardware = hardware or hardware_for(run, ops)
     model = MODELS[run.model].with_seq_length(run.seq_length)
     row = Row(run, capacity=hardware.memory_bytes)
     seconds = None
@@ -270,11 +279,18 @@ def markdown(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-def error_summary(rows: list[Row]) -> str:
+def error_summary(rows: list[Row], ops: bool = False) -> str:
     """Mean and worst ``|predicted / published − 1|`` over the 16-bit runs predicted, and
-    over the dense ones among them (FP8 runs are listed, not counted)."""
+    over the dense ones among them (FP8 runs are listed, not counted); with ``ops``, also
+    over the runs of :data:`FIT_SOURCE` and the dense ones held out, apart."""
+    groups = [("16-bit runs", lambda r: True), ("dense 16-bit runs", _dense)]
+    if ops:
+        groups += [
+            ("fitted on (Narayanan et al. 2021)", lambda r: r.run.source == FIT_SOURCE),
+            ("held out, dense", lambda r: _dense(r) and r.run.source != FIT_SOURCE),
+        ]
     lines = []
-    for label, keep in (("16-bit runs", lambda r: True), ("dense 16-bit runs", _dense)):
+    for label, keep in groups:
         errors = [
             abs(r.ratio - 1)
             for r in rows
@@ -334,7 +350,7 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
     command = " ".join(["python", prog, shlex.join(flags)]).rstrip()
     print(f"`{command}`\n")
     print(markdown(rows))
-    print("\n" + error_summary(rows))
+    print("\n" + error_summary(rows, args.ops))
     print(
         "\n(hw): the source counts recompute's rerun forward, and so does the prediction "
         "beside it; hiding tp: the prediction with the tensor-parallel collectives off the "
