@@ -185,6 +185,14 @@ RESHARD = [
     dict(tp=1, pp=2, vpp=2),
     dict(tp=4, pp=1),
     dict(tp=1, pp=2, zero_stage=2),  # dp 2, ZeRO-2
+    # the embedding and the loss counted in the split: chunks of 0, 1, 1, 1, 1, 0 layers
+    dict(
+        tp=1,
+        pp=2,
+        vpp=3,
+        account_for_embedding_in_pipeline_split=True,
+        account_for_loss_in_pipeline_split=True,
+    ),
 ]
 
 

@@ -119,6 +119,9 @@ EMBEDDING_AND_LOSS = [
     # (world, tp, pp, vpp, schedule, config, layers of every virtual stage)
     # fast: the only in-world check of chunks that hold no layer
     (4, 1, 2, 2, "interleaved-1f1b", {"num_layers": 2, **COUNTED}, [0, 1, 1, 0]),
+    # a V places virtual stages 0 and 3 on rank 0: both its chunks hold no layer
+    pytest.param(4, 1, 2, 2, "dualpipev", {"num_layers": 2, **COUNTED}, [0, 1, 1, 0], marks=SLOW),
+    pytest.param(4, 1, 2, 2, "zb-v", {"num_layers": 2, **COUNTED}, [0, 1, 1, 0], marks=SLOW),
     pytest.param(
         4,
         1,
@@ -142,8 +145,9 @@ def test_embedding_and_loss_counted_in_the_split_match_single_process(
     only the embedding, or only the final norm, the output layer and the loss; the model
     trains as the single process does."""
     chunks, losses, norms, first_grads = train_layout(tp, pp, vpp, schedule=schedule, **config)
+    placement = build_schedule(schedule, pp, 4, vpp or 1).placement
     rank = ps.get_pipeline_model_parallel_rank()
-    assert [len(c.module.decoder.layers) for c in chunks] == stages[rank::pp]
+    assert [len(c.module.decoder.layers) for c in chunks] == [stages[s] for s in placement[rank]]
     check_against_reference(chunks, losses, norms, first_grads, config)
 
 
