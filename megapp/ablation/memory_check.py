@@ -36,6 +36,7 @@ LAYOUTS = (
     Layout(tp=2, pp=2, dp=2, micro_batch_size=2),
     Layout(pp=4, dp=2, micro_batch_size=2),
     Layout(pp=2, dp=4, vpp=2),
+    Layout(pp=2, vpp=3, embedding_in_split=True, loss_in_split=True),  # chunks of 0 and 1 layer
     Layout(tp=2, pp=2, dp=2, vpp=2, schedule="zb-v"),
     Layout(tp=2, pp=4, schedule="zb-h1"),
     Layout(tp=2, pp=2, dp=2, sequence_parallel=True, recompute="selective"),
