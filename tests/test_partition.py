@@ -100,11 +100,10 @@ UNEVEN = [  # (num_layers, pp, vpp, first, last)
 ]
 
 
-@pytest.mark.parametrize("num_layers, pp, vpp, first, last", UNEVEN)
-@pytest.mark.filterwarnings("ignore:full scope is deprecated")  # Megatron-Core's own default
-def test_uneven_first_and_last_stages_split_as_megatron_core_does(num_layers, pp, vpp, first, last):
-    """Every chunk's layers (offset and count) equal Megatron-Core's own for the same
-    num_layers_in_first/last_pipeline_stage, with and without virtual stages."""
+def megatron_chunks(num_layers: int, pp: int, vpp: int | None, **split) -> dict:
+    """Megatron-Core's own split: ``{(rank, chunk): (offset, count)}`` of every chunk for a
+    TransformerConfig with ``split`` (its uneven-stage or embedding/loss fields); an empty
+    chunk's offset is None (Megatron's is where it would start)."""
     config_module = pytest.importorskip("megatron.core.transformer.transformer_config")
     block = pytest.importorskip("megatron.core.transformer.transformer_block")
     layer = pytest.importorskip("megatron.core.transformer.transformer_layer")
@@ -114,16 +113,33 @@ def test_uneven_first_and_last_stages_split_as_megatron_core_does(num_layers, pp
         num_attention_heads=2,
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp,
+        pipeline_dtype=torch.float32,
+        **split,
+    )
+    out = {}
+    for rank, chunk in itertools.product(range(pp), range(vpp or 1)):
+        vp_stage = chunk if vpp else None
+        count = block.get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=rank)
+        offset = layer.get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=rank)
+        out[rank, chunk] = (offset if count else None, count)
+    return out
+
+
+@pytest.mark.parametrize("num_layers, pp, vpp, first, last", UNEVEN)
+@pytest.mark.filterwarnings("ignore:full scope is deprecated")  # Megatron-Core's own default
+def test_uneven_first_and_last_stages_split_as_megatron_core_does(num_layers, pp, vpp, first, last):
+    """Every chunk's layers (offset and count) equal Megatron-Core's own for the same
+    num_layers_in_first/last_pipeline_stage, with and without virtual stages."""
+    theirs = megatron_chunks(
+        num_layers,
+        pp,
+        vpp,
         num_layers_in_first_pipeline_stage=first,
         num_layers_in_last_pipeline_stage=last,
-        pipeline_dtype=torch.float32,
     )
     ranges = stage_layer_ranges(num_layers, pp, vpp, first=first, last=last)
     assert _covers(ranges, num_layers)
-    for rank, chunk in itertools.product(range(pp), range(vpp or 1)):
-        vp_stage = chunk if vpp else None
-        offset = layer.get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=rank)
-        count = block.get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=rank)
+    for (rank, chunk), (offset, count) in theirs.items():
         assert ranges[chunk * pp + rank] == range(offset, offset + count), (rank, chunk)
     counts = rank_layer_counts(num_layers, pp, vpp, first=first, last=last)
     assert counts == [sum(len(r) for r in rank_chunks(ranges, pp, rank)) for rank in range(pp)]
@@ -177,30 +193,19 @@ def test_embedding_and_loss_counted_as_layers_split_as_megatron_core_does(
 ):
     """Every chunk's layers (offset and count) equal Megatron-Core's own under
     account_for_embedding/loss_in_pipeline_split, empty chunks included."""
-    config_module = pytest.importorskip("megatron.core.transformer.transformer_config")
-    block = pytest.importorskip("megatron.core.transformer.transformer_block")
-    layer = pytest.importorskip("megatron.core.transformer.transformer_layer")
-    config = config_module.TransformerConfig(
-        num_layers=num_layers,
-        hidden_size=8,
-        num_attention_heads=2,
-        pipeline_model_parallel_size=pp,
-        virtual_pipeline_model_parallel_size=vpp,
+    theirs = megatron_chunks(
+        num_layers,
+        pp,
+        vpp,
         account_for_embedding_in_pipeline_split=embedding,
         account_for_loss_in_pipeline_split=loss,
-        pipeline_dtype=torch.float32,
     )
     ranges = stage_layer_ranges(num_layers, pp, vpp, embedding=embedding, loss=loss)
     assert _covers(ranges, num_layers)
-    assert len(ranges) == pp * (vpp or 1)
-    for rank, chunk in itertools.product(range(pp), range(vpp or 1)):
-        vp_stage = chunk if vpp else None
-        count = block.get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=rank)
+    assert len(ranges) == len(theirs) == pp * (vpp or 1)
+    for (rank, chunk), (offset, count) in theirs.items():
         got = ranges[chunk * pp + rank]
-        assert len(got) == count, (rank, chunk)
-        if count:  # Megatron's offset of an empty chunk is where it would start
-            offset = layer.get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=rank)
-            assert got == range(offset, offset + count), (rank, chunk)
+        assert len(got) == count and (count == 0 or got.start == offset), (rank, chunk)
 
 
 @pytest.mark.parametrize(
