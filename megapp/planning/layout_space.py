@@ -149,7 +149,7 @@ def _chunk_splits(layers: int, pp: int, space: Space) -> list[tuple[int, int]]:
         if counted is not None:
             out.append((v, counted))
         elif v == 1:
-            out.append((1, 0))  # one chunk per rank splits any count, a layer apart
+            out.append((1, 0))  # laid out as ever: pretrain_gpt.py's refusal is counted
     return out
 
 
