@@ -4,13 +4,18 @@ the all-to-all volumes, the searched expert layouts and the sweep's ep axis."""
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
+import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from megapp.models import GPTConfig, build_gpt_chunks
 from megapp.planning.layout import Layout, pretrain_config
 from megapp.planning.model_state import expert_parameters, layer_parameters, rank_parameters
 from megapp.tensor_parallel.random import model_parallel_manual_seed
+from megapp.testing import distributed
 
 MOE = dict(
     num_layers=4,
@@ -105,3 +110,84 @@ def test_the_search_yields_expert_layouts_for_moe_models_only():
     assert {layout.ep for layout in layouts(_planner_base("mixtral-8x7b"), 16, 8, 16, chosen)} == {
         2
     }
+
+
+class OperandBytes(TorchDispatchMode):
+    """Bytes of the operands (inputs and outputs) of every operation but matmuls, views,
+    collectives and bare allocations; a zeroed buffer counts its output alone."""
+
+    SKIP: ClassVar = {"mm", "addmm", "bmm", "_grouped_mm", "randn_like"}
+    SKIP |= {"empty", "empty_like", "new_empty", "empty_strided"}  # allocate, write nothing
+    FRESH: ClassVar = {"new_zeros", "zeros", "zeros_like"}
+
+    def __init__(self):
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.__name__.split(".")[0]
+        schema = func._schema
+        views = any(a.alias_info is not None and not a.alias_info.is_write for a in schema.returns)
+        if name in self.SKIP or views or func.namespace == "c10d":
+            return out
+        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        ins = [] if name in self.FRESH else tree_flatten((args, kwargs))[0]
+        tensors = outs + [t for t in ins if isinstance(t, torch.Tensor)]
+        self.bytes += sum(t.numel() * t.element_size() for t in tensors)
+        return out
+
+
+def _moe_pass_bytes(gpt: GPTConfig, tokens: int, group=None) -> tuple[int, int]:
+    """The operand bytes of one MoE layer's forward and backward over ``tokens`` tokens."""
+    from megapp.moe.layer import MoELayer
+
+    torch.manual_seed(5)
+    layer = MoELayer(gpt.moe_config(), ep_group=group)
+    x = torch.randn(tokens, 1, gpt.hidden_size, dtype=gpt.params_dtype, requires_grad=True)
+    grad = torch.randn(tokens, 1, gpt.hidden_size, dtype=gpt.params_dtype)
+    with OperandBytes() as forward:
+        y, _ = layer(x)
+    with OperandBytes() as backward:
+        y.backward(grad)
+    return forward.bytes, backward.bytes
+
+
+MOE_PASSES = dict(
+    MOE,
+    hidden_size=512,  # wide against the routing's [T, E] scores, as a priced model is
+    ffn_hidden_size=768,
+    moe_ffn_hidden_size=384,
+    params_dtype=torch.bfloat16,
+    moe_grouped_gemm=True,
+    add_bias_linear=False,
+)
+
+
+@pytest.mark.parametrize("topk, activation", [(2, "swiglu"), (8, "swiglu"), (4, "gelu")])
+def test_the_moe_layers_memory_bound_passes_move_the_bytes_priced(topk, activation):
+    """Every operand megapp's MoE layer reads and writes outside its matmuls, counted as it
+    runs on one rank, against moe_memory_bytes: within 2% (the routing's [T, E] and [T, k]
+    tensors are left out of the price)."""
+    from megapp.planning.layer_costs import moe_memory_bytes
+
+    gpt = GPTConfig(**dict(MOE_PASSES, moe_router_topk=topk, activation=activation))
+    measured = _moe_pass_bytes(gpt, 256)
+    forward, backward, _, _ = moe_memory_bytes(gpt, 256, 1)
+    assert forward == pytest.approx(measured[0], rel=0.02)
+    assert backward == pytest.approx(measured[1], rel=0.02)
+
+
+@distributed(world_size=2)
+def test_expert_parallelism_adds_its_buffers_to_the_priced_passes():
+    """With ep 2 the all-to-alls' send and receive buffers, both ways: within 5% of the
+    count (the buffers are padded to the busiest destination; the price assumes balance)."""
+    import torch.distributed as dist
+
+    from megapp.planning.layer_costs import moe_memory_bytes
+
+    gpt = GPTConfig(**dict(MOE_PASSES, moe_router_topk=4, expert_model_parallel_size=2))
+    measured = _moe_pass_bytes(gpt, 2048, dist.group.WORLD)
+    forward, backward, _, _ = moe_memory_bytes(gpt, 2048, 1)
+    assert forward == pytest.approx(measured[0], rel=0.05), (forward, backward, measured)
+    assert backward == pytest.approx(measured[1], rel=0.05)

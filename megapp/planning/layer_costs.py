@@ -53,6 +53,66 @@ def moe_layer_seconds(
     return flops, 2 * link.all_to_all(volume, ep)
 
 
+def moe_memory_bytes(
+    gpt: GPTConfig, seq_length: int, micro_batch_size: int
+) -> tuple[float, float, int, int]:
+    """Bytes the memory-bound passes of one mixture-of-experts layer move on one rank for
+    one microbatch (its forward, its backward) and their kernels, as megapp's all-to-all
+    dispatcher runs them (:mod:`megapp.moe.dispatch`): each pass's operands, read and
+    written, a fresh buffer only written.
+
+    With ``T`` routed tokens (as :func:`all_to_all_bytes`), ``R = T·k`` rows, ``w`` bytes
+    per element, the weights combined in float32 (``c = 4``; a cast moves ``u = w + c``
+    per element where ``w < c``), ``f`` the experts' width per expert-tensor-parallel rank:
+
+    - forward, per element of ``h``: the router's input cast ``T·u``; the permutation
+      ``(T + R)·w``; the un-permutation's zeroed buffer and copy ``4R·w``; the weighted sum
+      of the ``k`` outputs, ``R·u + 2R·c + (R + T)·c + T·u``; and the activation over
+      ``R·f`` (SwiGLU ``3R·f·w``, GeLU ``2R·f·w``);
+    - backward: the weighted sum's gradients ``6R·c + R·u + T·u`` and the router cast's
+      ``T·u``, the un-permutation's ``2R·w``, the permutation's ``(3T + R)·w``, the two
+      paths into the input summed ``3T·w``; the activation's ``5R·f·w`` (GeLU ``3R·f·w``);
+    - with ``ep > 1`` the send and receive buffers of both all-to-alls, ``12R·h·w`` each
+      way (balanced: ``R`` rows a buffer; the transfers themselves are
+      :func:`moe_layer_seconds`'s).
+
+    ``tests/test_planning_experts.py`` counts a layer's passes and checks these. Expert
+    tensor parallelism's gathers (etp > 1) and the router's ``[T, E]`` scores are left
+    out, as are the experts' biases (a model with ``--disable-bias-linear`` has none)."""
+    tokens = seq_length // gpt.context_parallel_size * micro_batch_size
+    if gpt.sequence_parallel:
+        tokens //= gpt.tensor_model_parallel_size
+    t, k, h = tokens, gpt.moe_router_topk, gpt.hidden_size
+    r, w, c = t * k, gpt.params_dtype.itemsize, 4
+    u = w + c if w < c else 0
+    f = gpt.moe_ffn_hidden_size // gpt.expert_tensor_parallel_size
+    gated = gpt.activation == "swiglu"
+    forward = h * (t * u + (t + r) * w + 4 * r * w + r * u + 2 * r * c + (r + t) * c + t * u)
+    forward += (3 if gated else 2) * r * f * w
+    backward = h * (6 * r * c + r * u + 2 * t * u + 2 * r * w + (3 * t + r) * w + 3 * t * w)
+    backward += (5 if gated else 3) * r * f * w
+    kernels_f, kernels_b = 9, 11
+    if gpt.expert_model_parallel_size > 1:
+        forward += 12 * r * h * w
+        backward += 12 * r * h * w
+        kernels_f, kernels_b = kernels_f + 6, kernels_b + 6
+    return forward, backward, kernels_f, kernels_b
+
+
+def moe_memory_seconds(
+    gpt: GPTConfig, seq_length: int, micro_batch_size: int, hardware: Hardware
+) -> tuple[float, float]:
+    """Forward and backward seconds of :func:`moe_memory_bytes`: at the copy rate and
+    per-kernel cost of the profile's operation rates, or its memory bandwidth."""
+    forward, backward, kernels_f, kernels_b = moe_memory_bytes(gpt, seq_length, micro_batch_size)
+    ops = hardware.ops
+    if ops is None:
+        return forward / hardware.memory_bandwidth, backward / hardware.memory_bandwidth
+    rate_f, rate_b = ops.kernel("copy", 0, forward, backward)
+    extra = ops.kernel_overhead
+    return rate_f + (kernels_f - 1) * extra, rate_b + (kernels_b - 1) * extra
+
+
 def context_parallel_seconds(
     gpt: GPTConfig, seq_length: int, micro_batch_size: int, hardware: Hardware, core: float
 ) -> tuple[float, float, int, int]:

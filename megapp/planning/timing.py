@@ -32,8 +32,11 @@ core ``core`` = q·kᵀ and p·v, as :func:`~megapp.training.flops.gpt_training_
   ``Hardware.moe_load_imbalance``), and per layer an all-to-all dispatch and combine in
   forward and again in backward, each of ``T·k·h`` elements per rank, of which
   ``(ep−1)/ep`` leaves it, over NVLink while the ep group's ``etp·ep`` ranks fit a node;
-  nothing overlaps them. The experts' gradients reduce over the expert-data-parallel
-  ranks, the rest over ``dp·cp``;
+  nothing overlaps them; and the layer's memory-bound passes (permutation, the
+  all-to-alls' buffers, the weighted sum of the ``k`` outputs, the activation:
+  :func:`~megapp.planning.layer_costs.moe_memory_seconds`) at the copy rate, forward in F
+  and backward in I. The experts' gradients reduce over the expert-data-parallel ranks,
+  the rest over ``dp·cp``;
 - ZeRO-3 all-gathers a chunk's weights for each microbatch's forward and its layers'
   again for its backward; ZeRO-2 and -3 reduce-scatter the chunk's fp32 gradients after
   each microbatch's backward. Where the hardware overlaps communication (NCCL streams,
@@ -76,6 +79,7 @@ from megapp.planning.layer_costs import (
     layer_flops,
     matmul_rate,
     moe_layer_seconds,
+    moe_memory_seconds,
     tensor_parallel_seconds,
 )
 from megapp.planning.model_state import (
@@ -227,10 +231,15 @@ def action_costs(gpt: GPTConfig, shape: Shape, hardware: Hardware) -> ActionCost
     tables: dict[str, Table] = {k: [] for k in names}
     params: list[float] = []
     layer_params = layer_parameters(gpt)
-    moe_lin, a2a = 0.0, 0.0
+    moe_lin, a2a, moe_mem_f, moe_mem_b = 0.0, 0.0, 0.0, 0.0
     if gpt.num_moe_experts is not None:
         moe_lin, a2a = moe_layer_seconds(gpt, shape.seq_length, shape.micro_batch_size, hardware)
+        moe_mem_f, moe_mem_b = moe_memory_seconds(
+            gpt, shape.seq_length, shape.micro_batch_size, hardware
+        )
     moe_rerun = moe_lin if gpt.recompute_granularity == "full" else 0.0
+    if gpt.recompute_granularity == "full":  # the rerun forward's passes, in the backward
+        moe_mem_b += moe_mem_f
     chunks: dict[tuple[int, bool, bool], tuple[int, tuple[float, ...]]] = {}
 
     def kind(stage: int) -> tuple[int, bool, bool]:
@@ -253,13 +262,13 @@ def action_costs(gpt: GPTConfig, shape: Shape, hardware: Hardware) -> ActionCost
         fixed = hardware.action_overhead + layers * hardware.layer_overhead
         loss = loss_seconds * last
         moe_s = moe * moe_lin / rate
-        f_s = layers * one.forward + output.forward * last + moe_s
+        f_s = layers * one.forward + output.forward * last + moe_s + moe * moe_mem_f
         f_s += fixed + tp_f + layers * cp_f + 3 / 5 * loss + moe * a2a
         rerun_passes = (
             layers * hardware.layer_overhead if gpt.recompute_granularity == "full" else 0
         )
         i_s = layers * (one.input_grad + rerun_s) + output.input_grad * last
-        i_s += moe_s + moe * moe_rerun / rate
+        i_s += moe_s + moe * (moe_rerun / rate + moe_mem_b)
         i_s += fixed + rerun_passes + tp_b + layers * cp_b
         i_s += 2 / 5 * loss + moe * a2a * (2 if gpt.recompute_granularity == "full" else 1)
         w_s = layers * one.weight_grad + output.weight_grad * last + moe_s + fixed
