@@ -87,8 +87,31 @@ def test_all_to_all_volume_and_link():
     )
     # dispatch and combine over etp × ep = 8 ranks: one node
     assert moe_layer_seconds(config, 32, 2, h100)[1] == 2 * nvlink
+    # etp 2 × ep 8 = 16 ranks over two nodes, 4 members on each: the 4 on the other node
+    # over InfiniBand while the 3 on this one go over NVLink
     wide = dataclasses.replace(config, expert_model_parallel_size=8)
-    assert moe_layer_seconds(wide, 32, 2, h100)[1] > 2 * nvlink  # 16 ranks: InfiniBand
+    share = all_to_all_bytes(wide, 32, 2) / 8
+    remote = 4 * (h100.inter_node_latency + share / h100.inter_node_bandwidth)
+    assert remote > 3 * (h100.intra_node_latency + share / h100.intra_node_bandwidth)
+    assert moe_layer_seconds(wide, 32, 2, h100)[1] == pytest.approx(2 * remote, rel=1e-12)
+
+
+def test_an_all_to_all_across_nodes_is_as_slow_as_its_remote_shares():
+    from megapp.planning.hardware import PROFILES, all_to_all_seconds, group_link
+
+    h100 = PROFILES["h100"]
+    nvlink = group_link(h100, 8).all_to_all(1e9, 8)
+    assert all_to_all_seconds(h100, 1e9, 8, 8) == nvlink
+    assert all_to_all_seconds(h100, 1e9, 4, 8) == group_link(h100, 8).all_to_all(1e9, 4)
+    # 32 ranks on 4 nodes: 24 remote shares over InfiniBand, not 31
+    infiniband = group_link(h100, 32)
+    expected = 24 * (infiniband.latency + 1e9 / 32 / infiniband.bandwidth)
+    assert all_to_all_seconds(h100, 1e9, 32, 32) == pytest.approx(expected, rel=1e-12)
+    assert all_to_all_seconds(h100, 1e9, 32, 32) < infiniband.all_to_all(1e9, 32)
+    # one member per node (a group strided over nodes): every share remote
+    spread = all_to_all_seconds(h100, 1e9, 4, 32)
+    assert spread == pytest.approx(infiniband.all_to_all(1e9, 4), rel=1e-12)
+    assert all_to_all_seconds(h100, 1e9, 1, 32) == 0.0
 
 
 def _planner_base(name: str) -> GPTConfig:

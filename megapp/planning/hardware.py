@@ -252,3 +252,22 @@ def group_link(hardware: Hardware, span: int) -> Link:
     if span <= hardware.gpus_per_node:
         return Link(hardware.intra_node_bandwidth, hardware.intra_node_latency)
     return Link(hardware.inter_node_bandwidth, hardware.inter_node_latency)
+
+
+def all_to_all_seconds(hardware: Hardware, nbytes: float, ranks: int, span: int) -> float:
+    """Seconds of an all-to-all of each rank's ``nbytes`` over ``ranks`` members spread
+    evenly over ``span`` consecutive ranks. Within a node, :meth:`Link.all_to_all` over
+    NVLink; across nodes, every rank exchanges with its node's members over NVLink and with
+    the others over InfiniBand at once, so the slower of the two: the ``n − m`` remote
+    shares (``m`` members per node) over InfiniBand, against ``m − 1`` over NVLink."""
+    if ranks <= 1:
+        return 0.0
+    if span <= hardware.gpus_per_node:
+        return group_link(hardware, span).all_to_all(nbytes, ranks)
+    per_node = max(1, ranks * hardware.gpus_per_node // span)
+    share = nbytes / ranks
+    remote = (ranks - per_node) * (
+        hardware.inter_node_latency + share / hardware.inter_node_bandwidth
+    )
+    local = (per_node - 1) * (hardware.intra_node_latency + share / hardware.intra_node_bandwidth)
+    return max(remote, local)

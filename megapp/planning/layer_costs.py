@@ -8,7 +8,7 @@ its docstring states the model.
 from __future__ import annotations
 
 from megapp.models.gpt import GPTConfig
-from megapp.planning.hardware import Hardware, group_link
+from megapp.planning.hardware import Hardware, all_to_all_seconds, group_link
 from megapp.planning.operations import LayerSeconds, layer_seconds, logits_seconds
 from megapp.training.flops import layer_flops as layer_flops_per_token
 from megapp.training.flops import moe_mlp_flops
@@ -48,9 +48,9 @@ def moe_layer_seconds(
     per_token = router + experts * hardware.moe_load_imbalance
     dense = (6 if gpt.activation == "swiglu" else 4) * gpt.hidden_size * gpt.ffn_hidden_size
     flops = tokens * (per_token - dense) / tp
-    link = group_link(hardware, gpt.expert_tensor_parallel_size * ep)
+    span = gpt.expert_tensor_parallel_size * ep
     volume = all_to_all_bytes(gpt, seq_length, micro_batch_size) * hardware.moe_load_imbalance
-    return flops, 2 * link.all_to_all(volume, ep)
+    return flops, 2 * all_to_all_seconds(hardware, volume, ep, span)
 
 
 def moe_memory_bytes(
@@ -134,7 +134,9 @@ def context_parallel_seconds(
     - ``all_gather``: an all-gather of the whole sequence's ``2·s·b·h_kv·w`` forward, a
       reduce-scatter of its gradient backward; neither overlaps.
     - ``a2a``: three all-to-alls forward (``n·b·h``, ``2·n·b·h_kv·f``, ``n·b·h`` for the
-      rank's heads, ``f`` the key/value repeats) and three backward; none overlaps.
+      rank's heads, ``f`` the key/value repeats) and three backward; none overlaps; a cp
+      group across nodes pays its remote shares over InfiniBand
+      (:func:`~megapp.planning.hardware.all_to_all_seconds`).
 
     Without ``hardware.overlap_communication`` nothing overlaps."""
     cp = gpt.context_parallel_size
@@ -154,7 +156,9 @@ def context_parallel_seconds(
     if kind == "a2a":
         q_bytes = n * b * heads * d * w
         kv_bytes = 2 * n * b * groups * kv_repeats(groups, cp) * d * w
-        seconds = 2 * link.all_to_all(q_bytes, cp) + link.all_to_all(kv_bytes, cp)
+        span = tp * cp
+        seconds = 2 * all_to_all_seconds(hardware, q_bytes, cp, span)
+        seconds += all_to_all_seconds(hardware, kv_bytes, cp, span)
         return seconds, seconds, 3, 3
     step = core / cp  # every ring step attends over the same number of pairs
     keys = link.message(2 * n * b * groups * d * w)

@@ -31,9 +31,11 @@ core ``core`` = q·kᵀ and p·v, as :func:`~megapp.training.flops.gpt_training_
   :func:`~megapp.training.flops.gpt_training_flops` counts them, the experts' share scaled by
   ``Hardware.moe_load_imbalance``), and per layer an all-to-all dispatch and combine in
   forward and again in backward, each of ``T·k·h`` elements per rank, of which
-  ``(ep−1)/ep`` leaves it, over NVLink while the ep group's ``etp·ep`` ranks fit a node;
-  nothing overlaps them; and the layer's memory-bound passes (permutation, the
-  all-to-alls' buffers, the weighted sum of the ``k`` outputs, the activation:
+  ``(ep−1)/ep`` leaves it, over NVLink while the ep group's ``etp·ep`` ranks fit a node,
+  else its remote shares over InfiniBand
+  (:func:`~megapp.planning.hardware.all_to_all_seconds`); nothing overlaps them; and the
+  layer's memory-bound passes (permutation, the all-to-alls' buffers, the weighted sum
+  of the ``k`` outputs, the activation:
   :func:`~megapp.planning.layer_costs.moe_memory_seconds`) at the copy rate, forward in F
   and backward in I. The experts' gradients reduce over the expert-data-parallel ranks,
   the rest over ``dp·cp``;
