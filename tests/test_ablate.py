@@ -746,6 +746,9 @@ def test_the_memory_check_reads_a_layout_as_data():
         tp=2, dp=4, sequence_parallel=True, recompute="selective", schedule="zb-v"
     )
     assert parse_layout("pp=2, recompute=None").recompute is None
+    assert parse_layout("tp=2, ep=2, etp=1") == Layout(tp=2, ep=2, etp=1)
+    assert parse_layout("etp=None").etp is None
+    assert parse_layout("dp=2, embedding_in_split=true").embedding_in_split
     refused = {
         "tp=two": "tp is an integer, got 'two'",
         "tensor=2": "'tensor=2' in 'tensor=2' is not name=value with a Layout field",

@@ -214,3 +214,35 @@ def test_expert_parallelism_adds_its_buffers_to_the_priced_passes():
     forward, backward, _, _ = moe_memory_bytes(gpt, 2048, 1)
     assert forward == pytest.approx(measured[0], rel=0.05), (forward, backward, measured)
     assert backward == pytest.approx(measured[1], rel=0.05)
+
+
+@pytest.mark.parametrize("dtype, activation", [(torch.bfloat16, "swiglu"), (torch.float32, "gelu")])
+def test_the_moe_layers_kept_activations_are_the_priced_ones(dtype, activation):
+    """The tensors megapp's MoE layer keeps for its backward (every storage saved, less its
+    weights and its input), against moe_activation_bytes with the dense MLP's output it
+    takes off added back: within 1% (the routing's indices are left out of the price)."""
+    from megapp.moe.layer import MoELayer
+    from megapp.planning.activations import moe_activation_bytes
+
+    gpt = GPTConfig(**dict(MOE_PASSES, activation=activation, params_dtype=dtype))
+    torch.manual_seed(5)
+    layer = MoELayer(gpt.moe_config())
+    tokens = 256
+    x = torch.randn(tokens, 1, gpt.hidden_size, dtype=dtype, requires_grad=True)
+    held = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    held.add(x.untyped_storage().data_ptr())
+    kept: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in held:
+            kept[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        layer(x)
+    gated = 2 if activation == "swiglu" else 1
+    dense = tokens * gpt.ffn_hidden_size * gated * dtype.itemsize
+    assert moe_activation_bytes(gpt, tokens, 1) + dense == pytest.approx(
+        sum(kept.values()), rel=0.01
+    )

@@ -27,6 +27,9 @@ from megapp.training.launch import run_pretrain
 from megapp.training.metrics import read_records
 
 MODEL = [*MODELS["tiny"].flags, "--hidden-dropout", "0", "--attention-dropout", "0"]
+EXPERTS = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "256"]
+"""A layout with ep > 1 runs the model with these experts in every layer (4 of width 256, 2
+per token, the all-to-all dispatcher)."""
 GLOBAL_BATCH = 16
 TIMEOUT_S = 900.0
 LAYOUTS = (
@@ -50,9 +53,12 @@ _NONE = ("none", "")
 
 
 def _field_value(field: dataclasses.Field, text: str) -> Any:
-    """``text`` as a value of the Layout field ``field`` (int, bool, or a word or None)."""
+    """``text`` as a value of the Layout field ``field`` (int, an int or None, bool, or a
+    word or None)."""
     word = text.strip().strip("'\"")
-    if field.type in ("int", int):
+    if field.type == "int | None" and word.lower() in _NONE:
+        return None
+    if field.type in ("int", int, "int | None"):
         if not word.lstrip("-").isdigit():
             raise ValueError(f"{field.name} is an integer, got {text.strip()!r}")
         return int(word)
@@ -87,11 +93,17 @@ def parse_layout(text: str) -> Layout:
     return Layout(**values)
 
 
+def model_flags(layout: Layout) -> list[str]:
+    """The model a layout is measured on: the CPU demo's, with :data:`EXPERTS` where the
+    layout splits experts."""
+    return [*MODEL, *EXPERTS] if layout.ep > 1 else MODEL
+
+
 def measure(layout: Layout, workdir: str | Path) -> dict:
     """The profile record of one run of ``layout``; SystemExit with the run's output when
     it fails."""
     metrics = Path(workdir) / f"{layout.name}.jsonl"
-    flags = [*MODEL, *layout.flags(4), "--global-batch-size", str(GLOBAL_BATCH)]
+    flags = [*model_flags(layout), *layout.flags(4), "--global-batch-size", str(GLOBAL_BATCH)]
     flags += ["--lr", "1e-3", "--train-iters", "3", "--profile-iteration", "2"]
     flags += ["--eval-iters", "0", "--use-default-corpus", "--metrics-path", str(metrics)]
     done = run_pretrain(layout.world_size, flags, timeout_s=TIMEOUT_S)
@@ -120,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as workdir:
         for layout in layouts:
             profile = measure(layout, workdir)
-            config = pretrain_config(layout, MODEL, GLOBAL_BATCH)
+            config = pretrain_config(layout, model_flags(layout), GLOBAL_BATCH)
             predicted = predict_memory(config, MODELS["tiny"].vocab_size)
             for rank in profile["ranks"]:
                 if rank["tp"] or rank["dp"]:
