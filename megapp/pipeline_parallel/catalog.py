@@ -71,12 +71,16 @@ class ScheduleKind:
             return f"runs at least {self.min_chunks} model chunks per rank"
         return "runs any number of model chunks per rank"
 
+    def runs_chunks(self, num_chunks: int) -> bool:
+        """Whether it runs ``num_chunks`` model chunks per rank."""
+        return self.min_chunks <= num_chunks and (
+            self.max_chunks is None or num_chunks <= self.max_chunks
+        )
+
     def check_chunks(self, num_chunks: int) -> None:
         """Raise ``ValueError`` saying what this schedule runs unless it runs
         ``num_chunks`` model chunks per rank."""
-        if num_chunks < self.min_chunks or (
-            self.max_chunks is not None and num_chunks > self.max_chunks
-        ):
+        if not self.runs_chunks(num_chunks):
             raise ValueError(
                 f"{self.name} {self.chunks_text()}, not {num_chunks}"
                 + (

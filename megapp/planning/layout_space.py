@@ -155,12 +155,12 @@ def _chunk_splits(layers: int, pp: int, space: Space) -> list[tuple[int, int]]:
 
 def _schedule_names(layers: int, pp: int, space: Space) -> list[tuple[int, int, list]]:
     """Each number of chunks per pipeline rank, the layers its split counts
-    (:func:`_chunk_splits`), and the schedules that run it (the V-shaped ones need
-    exactly two)."""
+    (:func:`_chunk_splits`), and the schedules that run that many chunks (the V-shaped
+    ones exactly two, GPipe and 1F1B one, interleaving two or more)."""
     if pp == 1:
         return [(1, 0, [None])]
     return [
-        (v, c, [n for n in space.schedules if not SCHEDULE_KINDS[n].v_shaped or v == 2])
+        (v, c, [n for n in space.schedules if SCHEDULE_KINDS[n].runs_chunks(v)])
         for v, c in _chunk_splits(layers, pp, space)
     ]
 
