@@ -10,6 +10,7 @@ import random
 
 import pytest
 
+from megapp.models.gpt import placement_layer_ranges
 from megapp.pipeline_parallel.catalog import (
     ASYNC_SCHEDULES,
     SCHEDULES,
@@ -74,7 +75,7 @@ def test_layers_that_do_not_divide_are_split_with_the_embedding_and_the_loss_cou
     want = {1: [1, 2, 2, 1], 2: [0, 1, 1, 1, 1, 1, 1, 0]}
     for layout, costs, schedule in _scheduled(planner, found):
         gpt = planner.gpt(layout)
-        ranges = timing.placement_layer_ranges(gpt, costs.placement)
+        ranges = placement_layer_ranges(gpt, costs.placement)
         assert [len(r) for r in ranges] == want[layout.vpp], layout.name
         config = pretrain_config(layout, flags, 16)
         assert config.parallel.account_for_embedding_in_pipeline_split, layout.name

@@ -155,13 +155,12 @@ def published_layout(
         if per_replica % mbs == 0
         for recompute in recomputes
     ]
-    best, refused = None, None
+    best = None
     for layout in candidates:
         try:
             config = pretrain_config(layout, flags, run.global_batch_size)
-        except ArgumentsError as error:  # e.g. too few microbatches for the schedule
-            refused = refused or error
-            continue
+        except ArgumentsError:  # e.g. too few microbatches for the schedule; where every
+            continue  # candidate is refused, the fallback below raises the refusal
         fits = peak_memory(config, model.vocab_size) <= hardware.usable_memory
         if len(candidates) > 1 and not fits:
             continue

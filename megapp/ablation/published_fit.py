@@ -32,17 +32,9 @@ PART = "a100-ops"
 def scaled_compute(hardware: Hardware, factor: float) -> Hardware:
     """``hardware`` with its operation rates' matmul and attention rates times ``factor``
     (memory-bound work, overheads and links unchanged)."""
-    ops = hardware.ops
-    if ops is None:
+    if hardware.ops is None:
         raise ValueError(f"{hardware.name} has no operation rates to scale")
-    attention = tuple(
-        dataclasses.replace(
-            a, forward_flops=a.forward_flops * factor, backward_flops=a.backward_flops * factor
-        )
-        for a in ops.attention
-    )
-    scaled = dataclasses.replace(ops, matmul_flops=ops.matmul_flops * factor, attention=attention)
-    return dataclasses.replace(hardware, ops=scaled)
+    return dataclasses.replace(hardware, ops=hardware.ops.scaled_compute(factor))
 
 
 def mean_error(runs: Sequence[PublishedRun], hardware: Hardware) -> float:

@@ -34,7 +34,7 @@ from megapp.fusions.rope import rotary_freqs
 from megapp.param_attributes import mark_tied_embedding
 from megapp.pipeline_parallel.catalog import default_schedule, schedule_placement
 from megapp.pipeline_parallel.engine import mark_chunk_stage
-from megapp.pipeline_parallel.partition import stage_layer_ranges
+from megapp.pipeline_parallel.partition import split_layers, stage_layer_ranges
 from megapp.pipeline_parallel.schedules import Schedule
 from megapp.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megapp.tensor_parallel.layers import (
@@ -394,6 +394,31 @@ def build_gpt_chunks(
         mark_chunk_stage(chunk, stage, placement)
         chunks.append(chunk)
     return chunks
+
+
+def placement_layer_ranges(gpt: GPTConfig, placement: Sequence[Sequence[int]]) -> list[range]:
+    """The layers of every virtual stage of ``placement`` (``[rank][chunk]``) as the
+    model is split: even, with the first and last pipeline ranks' counts the config gives,
+    or with the embedding and the loss counted as layers. Unlike :func:`build_gpt_chunks`
+    it does not check that even stages divide the layers (a planner prices layouts before
+    checking them): they differ by one layer at most."""
+    p, v = len(placement), len(placement[0])
+    first = gpt.num_layers_in_first_pipeline_stage if p > 1 else None
+    last = gpt.num_layers_in_last_pipeline_stage if p > 1 else None
+    embedding = gpt.account_for_embedding_in_pipeline_split
+    loss = gpt.account_for_loss_in_pipeline_split
+    if (first, last, embedding, loss) == (None, None, False, False):
+        return split_layers(gpt.num_layers, p * v)
+    return stage_layer_ranges(
+        gpt.num_layers,
+        p,
+        v,
+        first=first,
+        last=last,
+        placement=placement,
+        embedding=embedding,
+        loss=loss,
+    )
 
 
 def _placement(

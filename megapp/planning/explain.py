@@ -37,7 +37,7 @@ import dataclasses
 import re
 from dataclasses import dataclass
 
-from megapp.models.gpt import GPTConfig
+from megapp.models.gpt import GPTConfig, placement_layer_ranges
 from megapp.pipeline_parallel.schedules import Op
 from megapp.pipeline_parallel.simulate import Timeline
 from megapp.planning.layer_costs import moe_layer_seconds
@@ -49,7 +49,6 @@ from megapp.planning.timing import (
     ActionCosts,
     Shape,
     TimeModel,
-    placement_layer_ranges,
     shape_of,
     simulate_step,
 )

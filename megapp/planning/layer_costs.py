@@ -8,6 +8,7 @@ its docstring states the model.
 from __future__ import annotations
 
 from megapp.models.gpt import GPTConfig
+from megapp.planning.activations import moe_routed_rows
 from megapp.planning.hardware import Hardware, all_to_all_seconds, group_link
 from megapp.planning.operations import LayerSeconds, layer_seconds, logits_seconds
 from megapp.training.flops import layer_flops as layer_flops_per_token
@@ -28,10 +29,8 @@ def all_to_all_bytes(gpt: GPTConfig, seq_length: int, micro_batch_size: int) -> 
     """Bytes one rank's dispatch (or combine) all-to-all carries in one mixture-of-experts
     layer: its ``T`` routed tokens (``s/cp·b``, ``/tp`` under sequence parallelism) ``k``
     times, ``T·k·h`` elements; ``(ep−1)/ep`` of it leaves the rank."""
-    tokens = seq_length // gpt.context_parallel_size * micro_batch_size
-    if gpt.sequence_parallel:
-        tokens //= gpt.tensor_model_parallel_size
-    return tokens * gpt.moe_router_topk * gpt.hidden_size * gpt.params_dtype.itemsize
+    rows = moe_routed_rows(gpt, seq_length // gpt.context_parallel_size, micro_batch_size)
+    return rows * gpt.hidden_size * gpt.params_dtype.itemsize
 
 
 def moe_layer_seconds(
@@ -79,11 +78,9 @@ def moe_memory_bytes(
     ``tests/test_planning_experts.py`` counts a layer's passes and checks these. Expert
     tensor parallelism's gathers (etp > 1) and the router's ``[T, E]`` scores are left
     out, as are the experts' biases (a model with ``--disable-bias-linear`` has none)."""
-    tokens = seq_length // gpt.context_parallel_size * micro_batch_size
-    if gpt.sequence_parallel:
-        tokens //= gpt.tensor_model_parallel_size
-    t, k, h = tokens, gpt.moe_router_topk, gpt.hidden_size
-    r, w, c = t * k, gpt.params_dtype.itemsize, 4
+    k, h = gpt.moe_router_topk, gpt.hidden_size
+    r = moe_routed_rows(gpt, seq_length // gpt.context_parallel_size, micro_batch_size)
+    t, w, c = r // k, gpt.params_dtype.itemsize, 4
     u = w + c if w < c else 0
     f = gpt.moe_ffn_hidden_size // gpt.expert_tensor_parallel_size
     gated = gpt.activation == "swiglu"

@@ -40,10 +40,9 @@ from dataclasses import dataclass
 
 import torch
 
-from megapp.models.gpt import GPTConfig
+from megapp.models.gpt import GPTConfig, placement_layer_ranges
 from megapp.pipeline_parallel.asynchronous import stash_profile
 from megapp.pipeline_parallel.catalog import asynchronous_run
-from megapp.pipeline_parallel.partition import stage_layer_ranges
 from megapp.pipeline_parallel.schedules import Op
 from megapp.planning.activations import (
     compute_width,
@@ -260,25 +259,6 @@ def zero3_gathered_bytes(config: GPTConfig, dp: int, outer_parameters: int) -> f
     return whole * config.params_dtype.itemsize * (1 - 1 / dp)
 
 
-def stage_layers(config) -> list[int]:
-    """Layers of every virtual stage of the run ``config`` (a
-    :class:`~megapp.training.config.PretrainConfig`), as the model builds them: even, with
-    the first and last pipeline ranks' counts its flags give, or with the embedding and
-    the loss counted as layers."""
-    par, schedule = config.parallel, config.schedule
-    ranges = stage_layer_ranges(
-        config.model.num_layers,
-        schedule.num_stages,
-        schedule.num_chunks,
-        first=par.decoder_first_pipeline_num_layers if schedule.num_stages > 1 else None,
-        last=par.decoder_last_pipeline_num_layers if schedule.num_stages > 1 else None,
-        placement=schedule.placement,
-        embedding=par.account_for_embedding_in_pipeline_split,
-        loss=par.account_for_loss_in_pipeline_split,
-    )
-    return [len(r) for r in ranges]
-
-
 def predict_memory(config, vocab_size: int) -> list[RankMemory]:
     """Peak memory of every pipeline rank of the run ``config`` (a
     :class:`~megapp.training.config.PretrainConfig`) for a tokenizer of ``vocab_size`` ids."""
@@ -290,7 +270,7 @@ def predict_memory(config, vocab_size: int) -> list[RankMemory]:
     num_stages = schedule.num_virtual_stages
     backend = config.parallel.distributed_backend
     gloo = backend == "gloo" or (backend is None and not torch.cuda.is_available())
-    layers = stage_layers(config)
+    layers = [len(r) for r in placement_layer_ranges(model, schedule.placement)]
     run = None  # an asynchronous schedule over the iterations between two flushes
     if schedule.asynchronous:
         run = asynchronous_run(schedule, config.parallel.pipeline_flush_interval)

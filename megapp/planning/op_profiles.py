@@ -64,19 +64,9 @@ PARTS = {
 def op_rates(part: str) -> OpRates:
     """The derived operation rates of a built-in part (``h100``, ``h200``, ``a100``)."""
     units, compute, hbm = PARTS[part]
-    h = H200_MEASURED
     return dataclasses.replace(
-        h,
-        matmul_flops=h.matmul_flops * compute,
+        H200_MEASURED.scaled_compute(compute),
         multiprocessors=units,
-        attention=tuple(
-            dataclasses.replace(
-                a,
-                forward_flops=a.forward_flops * compute,
-                backward_flops=a.backward_flops * compute,
-            )
-            for a in h.attention
-        ),
         kernels=(),
         memory_bandwidth=H200_COPY / H200_HBM * hbm,
     )

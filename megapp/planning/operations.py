@@ -39,6 +39,7 @@ Per operation, with ``w`` bytes per element:
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from dataclasses import dataclass
@@ -108,6 +109,19 @@ class OpRates:
         kernels = tuple((name, width, f, b) for name, width, f, b in data.get("kernels", ()))
         return cls(**{**data, "tile": tuple(data["tile"]), "attention": attention,
                       "kernels": kernels})  # fmt: skip
+
+    def scaled_compute(self, factor: float) -> OpRates:
+        """These rates with the matmuls' and the attention's times ``factor`` (memory-bound
+        work and the overheads as they are)."""
+        attention = tuple(
+            dataclasses.replace(
+                a, forward_flops=a.forward_flops * factor, backward_flops=a.backward_flops * factor
+            )
+            for a in self.attention
+        )
+        return dataclasses.replace(
+            self, matmul_flops=self.matmul_flops * factor, attention=attention
+        )
 
     def split(self, m: int, n: int, k: int, batch: int = 1) -> int:
         """Pieces the reduction of ``k`` is split into when the output has fewer tiles than

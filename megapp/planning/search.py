@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from megapp.models.gpt import GPTConfig
+from megapp.models.gpt import GPTConfig, placement_layer_ranges
 from megapp.pipeline_parallel.catalog import build_schedule, default_schedule, schedule_kind
 from megapp.pipeline_parallel.messages import ScheduleError
 from megapp.pipeline_parallel.schedules import Schedule, looped_placement, v_placement
@@ -131,7 +131,7 @@ class Planner:
         key += (layout.ep, layout.etp, layout.embedding_in_split, layout.loss_in_split)
         if key not in self._states:
             stages = layout.pp * layout.vpp
-            ranges = timing.placement_layer_ranges(gpt, placement)
+            ranges = placement_layer_ranges(gpt, placement)
             per_stage = [chunk_parameters(gpt, s, stages, len(ranges[s])) for s in range(stages)]
             params = max(sum(per_stage[s] for s in row) for row in placement)
             state = model_state(params, gpt.params_dtype, key[1], layout.zero_stage)

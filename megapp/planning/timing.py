@@ -68,10 +68,9 @@ import math
 from dataclasses import dataclass
 from typing import Protocol
 
-from megapp.models.gpt import GPTConfig
+from megapp.models.gpt import GPTConfig, placement_layer_ranges
 from megapp.pipeline_parallel.catalog import asynchronous_run
 from megapp.pipeline_parallel.network import Rules
-from megapp.pipeline_parallel.partition import split_layers, stage_layer_ranges
 from megapp.pipeline_parallel.schedules import Schedule
 from megapp.pipeline_parallel.simulate import CostModel, Timeline, simulate
 from megapp.planning.hardware import Hardware, group_link
@@ -371,29 +370,6 @@ def action_costs(gpt: GPTConfig, shape: Shape, hardware: Hardware) -> ActionCost
         cp_backward=tables["cpb"],
         cp_calls_forward=tables["ccf"],
         cp_calls_backward=tables["ccb"],
-    )
-
-
-def placement_layer_ranges(gpt: GPTConfig, placement: tuple[tuple[int, ...], ...]) -> list[range]:
-    """The layers of every virtual stage of ``placement`` (``[rank][chunk]``): even, with
-    the first and last pipeline ranks' counts the model's config gives, or with the
-    embedding and the loss counted as layers."""
-    p, v = len(placement), len(placement[0])
-    first = gpt.num_layers_in_first_pipeline_stage if p > 1 else None
-    last = gpt.num_layers_in_last_pipeline_stage if p > 1 else None
-    embedding = gpt.account_for_embedding_in_pipeline_split
-    loss = gpt.account_for_loss_in_pipeline_split
-    if (first, last, embedding, loss) == (None, None, False, False):
-        return split_layers(gpt.num_layers, p * v)
-    return stage_layer_ranges(
-        gpt.num_layers,
-        p,
-        v,
-        first=first,
-        last=last,
-        placement=placement,
-        embedding=embedding,
-        loss=loss,
     )
 
 
