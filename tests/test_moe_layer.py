@@ -18,7 +18,13 @@ import torch
 from megapp.moe import MoEConfig, MoELayer, aux_losses, layer_losses
 from megapp.moe.capacity import expert_capacity, kept_pairs
 from megapp.moe.experts import grouped_mm_supported
-from megapp.moe.permutation import combine_slots, permute, sort_by_expert, unpermute
+from megapp.moe.permutation import (
+    combine_slots,
+    permute,
+    sort_by_expert,
+    unpermute,
+    weigh_rows,
+)
 from megapp.parallel_state import TrainGroups
 from megapp.training.step import moe_losses, routed_tokens
 
@@ -439,6 +445,50 @@ def test_grouped_matmul_equals_the_loop():
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-6, atol=1e-6)
     for a, b in zip(*grads, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_weighing_keeps_the_rows_in_their_dtype_with_the_same_values(dtype):
+    """weigh_rows against autograd through the widened product: the same output and
+    gradients bit for bit, while backward keeps the 16-bit rows, not a float32 copy."""
+    y = _randn(5, 3, 8, seed=11).to(dtype)
+    probs = _randn(5, 3, seed=12).float().softmax(-1)
+    grad = _randn(5, 8, seed=13).to(dtype)
+    results = []
+    for weigh in (weigh_rows, lambda a, b: a.float() * b.float().unsqueeze(-1)):
+        a, b = y.clone().requires_grad_(), probs.clone().requires_grad_()
+        kept = set()
+
+        def pack(t: torch.Tensor, kept=kept) -> torch.Tensor:
+            kept.add((t.dtype, t.shape))
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = weigh(a, b).sum(1).to(dtype)
+        out.backward(grad)
+        results.append((out, a.grad, b.grad, kept))
+    for mine, autograd in zip(results[0][:3], results[1][:3], strict=True):
+        assert torch.equal(mine, autograd)
+    assert (dtype, y.shape) in results[0][3]
+    if dtype == torch.bfloat16:  # autograd keeps a float32 copy of the rows; weigh_rows not
+        assert (torch.float32, y.shape) in results[1][3]
+        assert (torch.float32, y.shape) not in results[0][3]
+
+
+def test_rebuilding_the_experts_activations_changes_no_gradient():
+    """The experts rebuild their activations' outputs in backward from the pre-activations
+    (as the dense MLP does); the gradients equal keeping them, bit for bit."""
+    grads = []
+    for rebuild in (True, False):
+        layer = _layer(_config(activation="swiglu", moe_shared_expert_intermediate_size=4))
+        layer.recompute_saved_inputs = rebuild
+        assert layer.shared_expert.recompute_saved_inputs == rebuild
+        x = _randn(S, B, H, seed=6).requires_grad_()
+        out, _ = layer(x)
+        out.square().sum().backward()
+        grads.append([x.grad] + [p.grad for p in layer.parameters()])
+    for a, b in zip(*grads, strict=True):
+        assert torch.equal(a, b)
 
 
 def test_same_seed_same_experts_under_any_expert_parallel_size():

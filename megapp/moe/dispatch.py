@@ -38,6 +38,7 @@ from megapp.moe.permutation import (
     permute,
     sort_by_expert,
     unpermute,
+    weigh_rows,
 )
 from megapp.moe.router import Routing
 from megapp.tensor_parallel.mappings import (
@@ -152,8 +153,7 @@ class AllGatherDispatcher:
             return self.one_rank.combine(out, dispatched)
         perm = dispatched.perm
         weights = dispatched.probs.reshape(-1).index_select(0, perm.pairs)
-        dtype = torch.promote_types(out.dtype, weights.dtype)
-        weighted = (out.to(dtype) * weights.to(dtype).unsqueeze(-1)).to(out.dtype)
+        weighted = weigh_rows(out, weights).to(out.dtype)
         partial = out.new_zeros(perm.num_tokens, out.shape[-1])
         partial = partial.index_add(0, perm.tokens, weighted)  # [ep·T, h]: this rank's share
         return reduce_scatter_to_sequence_parallel_region(partial, self.group)

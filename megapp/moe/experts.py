@@ -23,6 +23,10 @@ Two ways to run them, with the same results (checked in the tests):
 Every expert's weights are drawn from a generator seeded by the expert's global index and
 one seed from the default generator, so the same seed gives every expert the same weights
 whatever the expert-parallel size, without building the other ranks' experts.
+
+The second matmul's input, the activation's output, is not kept for backward: it is rebuilt
+from the kept pre-activation (``recompute_saved_inputs``, as the dense MLP does; off inside
+full recompute, which rebuilds the whole layer).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megapp import comm
+from megapp.autograd.saved import recompute_saved
 from megapp.comm import Group
 from megapp.fusions.bias_ops import bias_swiglu
 from megapp.moe.config import MoEConfig
@@ -81,6 +86,8 @@ class GroupedExperts(nn.Module):
     def __init__(self, config: MoEConfig, ep_rank: int = 0, etp_group: Group = None):
         super().__init__()
         self.config, self.etp_group = config, etp_group
+        # Rebuild fc2's saved input in backward (turned off inside full recompute).
+        self.recompute_saved_inputs = True
         etp, etp_rank = comm.world_size(etp_group), comm.rank(etp_group)
         if etp != config.expert_tensor_parallel_size:
             raise ValueError(
@@ -143,7 +150,12 @@ class GroupedExperts(nn.Module):
         if self.fc1_bias is not None:
             counts = torch.tensor(tokens_per_expert, device=rows.device)
             inner = inner + self.fc1_bias.repeat_interleave(counts, dim=0)
-        return matmul(activation(inner, self.config.activation), self.fc2, tokens_per_expert)
+        hidden = activation(inner, self.config.activation)
+        if not self.recompute_saved_inputs:
+            return matmul(hidden, self.fc2, tokens_per_expert)
+        # fc2 would save the activation's output; rebuild it from the kept pre-activation.
+        with recompute_saved(hidden, activation, inner, self.config.activation):
+            return matmul(hidden, self.fc2, tokens_per_expert)
 
     def _split_over_ranks(self, rows: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
         """Every etp rank's rows through this rank's shard; this rank's rows' sums back."""

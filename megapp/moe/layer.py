@@ -80,6 +80,18 @@ class MoELayer(nn.Module):
         self.losses: dict[str, torch.Tensor] = {}
         self.reset_loss_sums()
 
+    @property
+    def recompute_saved_inputs(self) -> bool:
+        """Whether the experts rebuild their activations' outputs in backward (the layer
+        turns it off where the whole layer is recomputed)."""
+        return self.experts.recompute_saved_inputs
+
+    @recompute_saved_inputs.setter
+    def recompute_saved_inputs(self, value: bool) -> None:
+        self.experts.recompute_saved_inputs = value
+        if self.shared_expert is not None:
+            self.shared_expert.recompute_saved_inputs = value
+
     def reset_loss_sums(self) -> None:
         """Start summing the losses of the training forwards again (a training step's
         microbatches); :meth:`mean_losses` is their mean."""

@@ -5,7 +5,9 @@ A token chooses ``k`` experts, so the unit of work is the (token, slot) *pair*, 
 the kept pairs grouped by expert (ascending), in token order within an expert, which is
 the order the grouped matmul wants; :func:`permute` gathers their tokens, :func:`unpermute`
 puts expert outputs back in pair order (a dropped pair gets zeros) and
-:func:`combine_slots` adds each token's ``k`` outputs with its routing weights.
+:func:`combine_slots` adds each token's ``k`` outputs with its routing weights. The weights
+apply in the wider of the two dtypes (float32 for 16-bit outputs and float32 weights) and
+:func:`weigh_rows` keeps the outputs for backward in their own dtype, not a float32 copy.
 
 Under expert parallelism rank ``r`` of ``ep`` holds experts ``[r·L, (r+1)·L)``
 (``L = E / ep``), so sorting by expert also sorts the pairs by destination rank.
@@ -32,6 +34,7 @@ __all__ = [
     "permute",
     "sort_by_expert",
     "unpermute",
+    "weigh_rows",
 ]
 
 
@@ -82,11 +85,38 @@ def unpermute(y: torch.Tensor, perm: Permutation) -> torch.Tensor:
     return out.view(perm.num_tokens, perm.topk, y.shape[-1])
 
 
+class _WeighRows(torch.autograd.Function):
+    """``y · w[..., None]`` in the wider dtype; backward reads ``y`` in its own dtype (the
+    product of the two promotes it again, exactly), so no widened copy is kept."""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        dtype = torch.promote_types(y.dtype, w.dtype)
+        ctx.save_for_backward(y, w)
+        return y * w.to(dtype).unsqueeze(-1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        y, w = ctx.saved_tensors
+        grad_y = grad_w = None
+        if ctx.needs_input_grad[0]:
+            grad_y = (grad * w.to(grad.dtype).unsqueeze(-1)).to(y.dtype)
+        if ctx.needs_input_grad[1]:
+            grad_w = (grad * y).sum(-1).to(w.dtype)
+        return grad_y, grad_w
+
+
+def weigh_rows(y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``y`` ``[..., h]`` scaled by ``w`` ``[...]``, in the wider of their dtypes; the same
+    values and gradients as ``y.to(d) * w.to(d).unsqueeze(-1)``, keeping ``y`` itself for
+    backward."""
+    return _WeighRows.apply(y, w)
+
+
 def combine_slots(y: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
     """``Σ_slot probs[t, slot] · y[t, slot]``: ``y`` ``[T, k, h]``, ``probs`` ``[T, k]`` ->
-    ``[T, h]``, in y's dtype (the product in the wider of the two)."""
-    dtype = torch.promote_types(y.dtype, probs.dtype)
-    return (y.to(dtype) * probs.to(dtype).unsqueeze(-1)).sum(dim=1).to(y.dtype)
+    ``[T, h]``, in y's dtype (the product and the sum in the wider of the two)."""
+    return weigh_rows(y, probs).sum(dim=1).to(y.dtype)
 
 
 @dataclass(frozen=True)

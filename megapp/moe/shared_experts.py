@@ -4,7 +4,8 @@
 ``fc2(act(fc1(x)))`` with ``fc1`` ``[F, h]`` (``[gate; up]`` for SwiGLU) and ``fc2`` ``[h, f]``
 (``f = moe_shared_expert_intermediate_size``), built from the tensor-parallel linear layers on
 one rank. With ``moe_shared_expert_gate`` the output is scaled per token by
-``sigmoid(x · w)``, ``w`` ``[1, h]`` (Qwen2-MoE's ``shared_expert_gate``).
+``sigmoid(x · w)``, ``w`` ``[1, h]`` (Qwen2-MoE's ``shared_expert_gate``). Like the routed
+experts it rebuilds the activation's output in backward rather than keeping it.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from megapp.autograd.saved import recompute_saved
 from megapp.moe.config import MoEConfig
 from megapp.moe.experts import activation
 from megapp.tensor_parallel.layers import (
@@ -29,6 +31,7 @@ class SharedExpert(nn.Module):
     def __init__(self, config: MoEConfig):
         super().__init__()
         self.config = config
+        self.recompute_saved_inputs = True  # off inside full recompute
         width = config.moe_shared_expert_intermediate_size
         swiglu = config.activation == "swiglu"
         init = init_method_normal(config.init_method_std)
@@ -55,7 +58,12 @@ class SharedExpert(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         inner, _ = self.linear_fc1(x)
-        out, _ = self.linear_fc2(activation(inner, self.config.activation))
+        hidden = activation(inner, self.config.activation)
+        if self.recompute_saved_inputs:  # rebuild fc2's saved input from the pre-activation
+            with recompute_saved(hidden, activation, inner, self.config.activation):
+                out, _ = self.linear_fc2(hidden)
+        else:
+            out, _ = self.linear_fc2(hidden)
         if self.gate_weight is not None:
             out = out * torch.sigmoid(x @ self.gate_weight.t())
         return out

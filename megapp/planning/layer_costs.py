@@ -66,11 +66,12 @@ def moe_memory_bytes(
 
     - forward, per element of ``h``: the router's input cast ``T·u``; the permutation
       ``(T + R)·w``; the un-permutation's zeroed buffer and copy ``4R·w``; the weighted sum
-      of the ``k`` outputs, ``R·u + 2R·c + (R + T)·c + T·u``; and the activation over
+      of the ``k`` outputs, ``R·(w + c) + (R + T)·c + T·u``; and the activation over
       ``R·f`` (SwiGLU ``3R·f·w``, GeLU ``2R·f·w``);
-    - backward: the weighted sum's gradients ``6R·c + R·u + T·u`` and the router cast's
-      ``T·u``, the un-permutation's ``2R·w``, the permutation's ``(3T + R)·w``, the two
-      paths into the input summed ``3T·w``; the activation's ``5R·f·w`` (GeLU ``3R·f·w``);
+    - backward: the weighted sum's gradients ``5R·c + R·w + R·u + T·u`` and the router
+      cast's ``T·u``, the un-permutation's ``2R·w``, the permutation's ``(3T + R)·w``, the
+      two paths into the input summed ``3T·w``; the activation rebuilt and its gradient,
+      ``8R·f·w`` (GeLU ``5R·f·w``);
     - with ``ep > 1`` the send and receive buffers of both all-to-alls, ``12R·h·w`` each
       way (balanced: ``R`` rows a buffer; the transfers themselves are
       :func:`moe_layer_seconds`'s).
@@ -84,11 +85,11 @@ def moe_memory_bytes(
     u = w + c if w < c else 0
     f = gpt.moe_ffn_hidden_size // gpt.expert_tensor_parallel_size
     gated = gpt.activation == "swiglu"
-    forward = h * (t * u + (t + r) * w + 4 * r * w + r * u + 2 * r * c + (r + t) * c + t * u)
+    forward = h * (t * u + (t + r) * w + 4 * r * w + r * (w + c) + (r + t) * c + t * u)
     forward += (3 if gated else 2) * r * f * w
-    backward = h * (6 * r * c + r * u + 2 * t * u + 2 * r * w + (3 * t + r) * w + 3 * t * w)
-    backward += (5 if gated else 3) * r * f * w
-    kernels_f, kernels_b = 9, 11
+    backward = h * (5 * r * c + r * w + r * u + 2 * t * u + 2 * r * w + (3 * t + r) * w)
+    backward += h * 3 * t * w + (8 if gated else 5) * r * f * w
+    kernels_f, kernels_b = 8, 12
     if gpt.expert_model_parallel_size > 1:
         forward += 12 * r * h * w
         backward += 12 * r * h * w
