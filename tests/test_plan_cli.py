@@ -100,8 +100,20 @@ def test_pruning_finds_what_brute_force_finds():
     got = [planned.step.seconds for planned in result.best]
     assert got == pytest.approx([seconds for seconds, _ in everything[:3]], rel=1e-12)
     assert result.timed < len(everything)  # it did prune
-    # most fast layouts do not fit here: the later ones are checked before simulating
-    assert result.checked_first > 0
+    # many layouts do not fit here (644): the memory floor drops over half of them (347)
+    # without a config built or a memory predicted (a floor: the backward's working memory
+    # is not in it, and at 0.5 GB that is often the peak)
+    planner, over, floored = Planner(MODEL, hardware, 8, 4), 0, 0
+    for layout in layouts(planner.base, 4, 4, 8, Space(max_micro_batch_size=2)):
+        try:
+            config = pretrain_config(layout, FLAGS, 8)
+        except (ArgumentsError, ValueError):
+            continue
+        if max(r.total for r in predict_memory(config, MODEL.vocab_size)) > hardware.usable_memory:
+            over += 1
+            floor = planner.memory_floor(layout, planner.gpt(layout), planner.schedule(layout))
+            floored += floor > hardware.usable_memory
+    assert over > 0 and floored > over / 2, (over, floored)
     assert all(planned.memory_bytes <= hardware.usable_memory for planned in result.best)
     roomy = Planner(MODEL, dataclasses.replace(hardware, memory_bytes=80e9), 8, 4)
     roomy_result = roomy.plan(4, 1, Space(max_micro_batch_size=2))

@@ -21,6 +21,7 @@ from megapp.planning.op_profiles import op_rates as derived_op_rates
 from megapp.planning.operations import (
     AttentionRates,
     OpRates,
+    expert_parts,
     layer_kernels,
     layer_parts,
     layer_seconds,
@@ -111,6 +112,53 @@ def test_tensor_parallelism_splits_a_layers_matmuls():
     one, two = layer_parts(GPT, 2048, 4, RATES), layer_parts(tp2, 2048, 4, RATES)
     assert two["matmul"][0] < 0.6 * one["matmul"][0]
     assert two["attention"][0] < 0.6 * one["attention"][0]
+
+
+MOE_GPT = dataclasses.replace(
+    GPT, num_moe_experts=16, moe_router_topk=4, moe_ffn_hidden_size=1024, activation="swiglu"
+)
+
+
+def test_a_moe_layer_is_its_attention_half_and_its_experts_grouped_matmuls():
+    """An MoE layer's parts: the dense layer's without the MLP's two linear layers and
+    activation, plus the router and the experts, each linear layer one grouped matmul of
+    its L local experts over T·k·etp/L rows (forward, input gradient, weight gradient)."""
+    tokens, ep = 2048 * 4, 4
+    moe = dataclasses.replace(MOE_GPT, expert_model_parallel_size=ep)
+    dense, half = (
+        layer_parts(moe, 2048, 4, RATES),
+        layer_parts(moe, 2048, 4, RATES, dense_mlp=False),
+    )
+    ffn = moe.ffn_hidden_size
+    mlp = [RATES.linear(tokens, 2048, 2 * ffn), RATES.linear(tokens, ffn, 2048)]
+    assert half["matmul"] == pytest.approx(
+        [a - b - c for a, b, c in zip(dense["matmul"], *mlp, strict=True)]
+    )
+    assert half["memory"][0] < dense["memory"][0]  # no dense activation
+    local, rows = 16 // ep, tokens * 4 // (16 // ep)
+    expected = [RATES.linear(tokens, 2048, 16, 4)]
+    for k, n in ((2048, 2 * 1024), (1024, 2048)):
+        expected.append(
+            (RATES.matmul(rows, n, k, 2, local), RATES.matmul(rows, k, n, 2, local),
+             RATES.matmul(k, n, rows, 2, local))
+        )  # fmt: skip
+    experts = expert_parts(moe, 2048, 4, RATES)
+    assert experts["matmul"] == pytest.approx([sum(c) for c in zip(*expected, strict=True)])
+    layer = layer_seconds(moe, 2048, 4, RATES, experts=True)
+    sums = [sum(c) for c in zip(*half.values(), *experts.values(), strict=True)]
+    assert (layer.forward, layer.input_grad, layer.weight_grad) == pytest.approx(sums)
+
+
+def test_fewer_rows_per_expert_waste_more_of_each_wave():
+    """The same routed rows and FLOPs over more experts, so fewer rows each: each expert's
+    last tile and the last wave are partly empty, so the experts' matmuls take no less
+    time, and all of them more than the full-wave rate gives."""
+    seconds = []
+    for experts in (4, 16, 64):
+        moe = dataclasses.replace(MOE_GPT, num_moe_experts=experts)
+        seconds.append(expert_parts(moe, 512, 1, RATES)["matmul"][0])
+    flops = 2 * 512 * 4 * 2048 * 3 * 1024  # T·k rows through fc1 (gated) and fc2
+    assert flops / RATES.matmul_flops < seconds[0] <= seconds[1] <= seconds[2]
 
 
 def test_the_time_model_prices_actions_by_operations_when_the_profile_has_rates():

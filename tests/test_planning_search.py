@@ -213,3 +213,34 @@ def test_progress_counts_every_layout_bounded_then_every_one_visited():
     visited = result.timed + result.rescaled + result.over_memory + result.invalid
     visited += result.deadlocks
     assert 0 < len(phases) - bounded <= visited
+
+
+MOE_FLAGS = (*FLAGS, "--num-experts", "8", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "256")
+
+
+@pytest.mark.parametrize("flags", [FLAGS, MOE_FLAGS], ids=["dense", "moe"])
+def test_the_memory_floor_is_never_above_the_predicted_memory(flags):
+    """Every 5th layout pretrain_gpt.py accepts, every schedule, ZeRO stage and expert
+    layout: the floor the search refuses by (state and held activations, no working memory,
+    from the schedule alone) is at most the predicted peak, and the ranks' model states
+    are predict_memory's."""
+    from megapp.planning.memory import predict_memory
+
+    model = ModelPreset(flags, 32000, "a small GPT")
+    planner = Planner(model, load_hardware("h100").with_gpus_per_node(4), 16, 8)
+    space = Space(max_micro_batch_size=2)
+    found = list(layouts(planner.base, 8, 4, 16, space, seq_length=512))
+    checked = 0
+    for layout, _, schedule in _scheduled(planner, found[::5]):
+        try:
+            config = pretrain_config(layout, flags, 16)
+        except ValueError:
+            continue
+        predicted = predict_memory(config, model.vocab_size)
+        gpt = planner.gpt(layout)
+        floor = planner.memory_floor(layout, gpt, schedule)
+        assert 0 < floor <= max(r.total for r in predicted), layout.name
+        states = planner.rank_states(layout, gpt, schedule.placement)
+        assert states == pytest.approx([r.state - r.stashed for r in predicted]), layout.name
+        checked += 1
+    assert checked > 40

@@ -8,6 +8,7 @@ Everything that asks a trait of a schedule by name asks it here, once.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -162,7 +163,23 @@ def build_schedule(
     interleaved 1F1B's microbatches per group (Megatron's
     ``microbatch_group_size_per_vp_stage``). ``iterations``: how many iterations of
     ``num_microbatches`` an asynchronous schedule runs without a flush;
-    ``vertical_sync``: PipeDream's, every stage on the first stage's weights version."""
+    ``vertical_sync``: PipeDream's, every stage on the first stage's weights version.
+    A schedule is immutable: the last few built are returned again for the same
+    arguments (a planner and the config it checks ask for the same one in turn)."""
+    return _build(name, num_stages, num_microbatches, num_chunks, group_size, iterations,
+                  vertical_sync)  # fmt: skip
+
+
+@functools.lru_cache(maxsize=32)
+def _build(
+    name: str,
+    num_stages: int,
+    num_microbatches: int,
+    num_chunks: int,
+    group_size: int | None,
+    iterations: int,
+    vertical_sync: bool,
+) -> Schedule:
     kind = schedule_kind(name)
     if group_size is not None and not kind.grouped:
         grouped = ", ".join(k.name for k in _KINDS if k.grouped)

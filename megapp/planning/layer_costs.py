@@ -193,9 +193,27 @@ def compute_seconds(
     return layer, LayerSeconds(logits, logits, logits)
 
 
-def matmul_rate(hardware: Hardware) -> float:
-    """FLOP/s at which work priced by its FLOPs alone runs (the experts' matmuls)."""
-    return hardware.gemm_flops if hardware.ops is None else hardware.ops.matmul_flops
+def moe_compute_seconds(
+    gpt: GPTConfig, seq_length: int, micro_batch_size: int, hardware: Hardware
+) -> LayerSeconds:
+    """One mixture-of-experts layer's compute for one microbatch on one rank, as
+    :func:`compute_seconds` prices a dense one: operation by operation, the experts as
+    grouped matmuls (:func:`~megapp.planning.operations.expert_parts`, their rows scaled by
+    the load imbalance), else the dense layer's FLOPs with :func:`moe_layer_seconds`' added
+    at ``hardware.gemm_flops``. Their memory-bound passes are :func:`moe_memory_seconds`'."""
+    if hardware.ops is not None:
+        return layer_seconds(
+            gpt, seq_length, micro_batch_size, hardware.ops,
+            experts=True, imbalance=hardware.moe_load_imbalance,
+        )  # fmt: skip
+    dense, _ = compute_seconds(gpt, seq_length, micro_batch_size, 1, hardware)
+    extra = moe_layer_seconds(gpt, seq_length, micro_batch_size, hardware)[0] / hardware.gemm_flops
+    return LayerSeconds(
+        dense.forward + extra,
+        dense.input_grad + extra,
+        dense.weight_grad + extra,
+        core_forward=dense.core_forward,
+    )
 
 
 def tensor_parallel_seconds(

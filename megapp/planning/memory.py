@@ -43,7 +43,7 @@ import torch
 from megapp.models.gpt import GPTConfig, placement_layer_ranges
 from megapp.pipeline_parallel.asynchronous import stash_profile
 from megapp.pipeline_parallel.catalog import asynchronous_run
-from megapp.pipeline_parallel.schedules import Op
+from megapp.pipeline_parallel.schedules import Op, Schedule
 from megapp.planning.activations import (
     compute_width,
     context_parallel_attention_bytes,
@@ -274,23 +274,13 @@ def predict_memory(config, vocab_size: int) -> list[RankMemory]:
     run = None  # an asynchronous schedule over the iterations between two flushes
     if schedule.asynchronous:
         run = asynchronous_run(schedule, config.parallel.pipeline_flush_interval)
+    edp = expert_data_parallel_size(
+        model, config.world_size, config.parallel.pipeline_model_parallel_size
+    )
     out = []
     for rank, stages in enumerate(schedule.placement):
         params = sum(chunk_parameters(model, st, num_stages, layers[st]) for st in stages)
-        experts = sum(chunk_expert_parameters(model, layers[st]) for st in stages)
-        state = model_state(params - experts, model.params_dtype, dp, zero)
-        if experts:  # the experts' copies: world / (etp · ep · pp) ranks
-            edp = config.world_size // (
-                config.parallel.expert_model_parallel_size
-                * model.expert_tensor_parallel_size
-                * config.parallel.pipeline_model_parallel_size
-            )
-            state += model_state(experts, model.params_dtype, edp, zero)
-        if zero >= 2 and dp > 1:  # embedding gradients are summed over stages first: whole
-            late = _embedding_parameters(model, stages, num_stages)
-            state = ModelState(
-                state.weights, state.grads + 4 * late * (1 - 1 / dp), state.optimizer
-            )
+        state = rank_state(model, stages, layers, dp, zero, edp)
         buffers = _buffer_bytes(model, params, stages, layers, dp, zero, s, b, len(stages))
         sizes, stores = [], []  # per chunk: held after F, kept from I to W
         for stage in stages:
@@ -302,13 +292,18 @@ def predict_memory(config, vocab_size: int) -> list[RankMemory]:
             )
             stores.append(weight_grad_store_bytes(model, layers[stage], last, s, b))
         held, in_flight, peak = 0.0, 0.0, (0.0, 0.0, 0.0)
+        working: dict[tuple[int, Op], float] = {}
         for action in schedule.actions[rank]:
             if action.op is Op.UPDATE:
                 continue
             stage = stages[action.chunk]
             size, store = sizes[action.chunk], stores[action.chunk]
             last = stage == num_stages - 1
-            work = buffers + chunk_working_bytes(model, layers[stage], last, action.op, s, b)
+            if (stage, action.op) not in working:  # the same for every microbatch
+                working[(stage, action.op)] = chunk_working_bytes(
+                    model, layers[stage], last, action.op, s, b
+                )
+            work = buffers + working[(stage, action.op)]
             if action.op is Op.FORWARD:
                 held, in_flight = held + size, in_flight + 1
             if held + work > peak[0] + peak[1]:
@@ -333,6 +328,69 @@ def predict_memory(config, vocab_size: int) -> list[RankMemory]:
             )
         )
     return out
+
+
+def expert_data_parallel_size(model: GPTConfig, world_size: int, pp: int) -> int:
+    """The ranks that hold copies of the same experts: world / (etp · ep · pp)."""
+    ep, etp = model.expert_model_parallel_size, model.expert_tensor_parallel_size
+    return world_size // (ep * etp * pp)
+
+
+def rank_state(
+    model: GPTConfig, stages: Sequence[int], layers: Sequence[int], dp: int, zero: int, edp: int
+) -> ModelState:
+    """Model state of the pipeline rank that holds virtual ``stages`` (``layers``: every
+    virtual stage's layer count): ZeRO shards the experts' over the ``edp``
+    expert-data-parallel ranks (:func:`expert_data_parallel_size`), the rest over the
+    ``dp`` ranks that reduce the gradients (data × context parallel)."""
+    num_stages = len(layers)
+    params = sum(chunk_parameters(model, st, num_stages, layers[st]) for st in stages)
+    experts = sum(chunk_expert_parameters(model, layers[st]) for st in stages)
+    state = model_state(params - experts, model.params_dtype, dp, zero)
+    if experts:
+        state += model_state(experts, model.params_dtype, edp, zero)
+    if zero >= 2 and dp > 1:  # embedding gradients are summed over stages first: whole
+        late = _embedding_parameters(model, stages, num_stages)
+        state = ModelState(state.weights, state.grads + 4 * late * (1 - 1 / dp), state.optimizer)
+    return state
+
+
+@dataclass(frozen=True)
+class HeldCounts:
+    """How many microbatches a rank's chunks hold for backward at once (forwarded, their
+    input gradient not yet run): ``most``, all chunks together at any moment, and
+    ``each[c]``, chunk ``c`` alone."""
+
+    most: int
+    each: tuple[int, ...]
+
+    def floor(self, sizes: Sequence[float], working: Sequence[float]) -> float:
+        """A floor on the rank's peak of held and working bytes when a microbatch of chunk
+        ``c`` holds ``sizes[c]`` and its forward works with ``working[c]``: each count is
+        reached just after a forward, which works with at least the smallest; at the moment
+        of ``most`` each microbatch holds at least the smallest size, at chunk ``c``'s own
+        peak its ``each[c]`` hold ``sizes[c]`` (what a split backward keeps from ``I`` to
+        ``W`` only adds)."""
+        alone = max(
+            (n * size + work for n, size, work in zip(self.each, sizes, working, strict=True)),
+            default=0,
+        )
+        return max(self.most * min(sizes, default=0) + min(working, default=0), alone)
+
+
+def held_counts(schedule: Schedule, rank: int) -> HeldCounts:
+    """:class:`HeldCounts` of ``rank`` under ``schedule``, whose actions it walks as
+    :func:`predict_memory` does."""
+    counts = [0] * len(schedule.placement[rank])
+    each, most = list(counts), 0
+    for action in schedule.actions[rank]:
+        if action.op is Op.FORWARD:
+            counts[action.chunk] += 1
+            each[action.chunk] = max(each[action.chunk], counts[action.chunk])
+            most = max(most, sum(counts))
+        elif action.op in (Op.INPUT_GRAD, Op.BACKWARD):
+            counts[action.chunk] -= 1
+    return HeldCounts(most, tuple(each))
 
 
 def _embedding_parameters(model: GPTConfig, stages: Sequence[int], num_stages: int) -> int:

@@ -236,23 +236,30 @@ def attention_seconds(
 
 
 def layer_parts(
-    gpt: GPTConfig, seq_length: int, micro_batch_size: int, rates: OpRates
+    gpt: GPTConfig,
+    seq_length: int,
+    micro_batch_size: int,
+    rates: OpRates,
+    *,
+    dense_mlp: bool = True,
 ) -> dict[str, tuple[float, float, float]]:
     """One dense layer's seconds on one rank by kind of work, each as (forward, input
     gradient, weight gradient): ``matmul``, ``attention`` (the core), ``memory`` (memory-bound
-    passes) and ``grad_accumulation`` (16-bit weight gradients added into fp32 ``main_grad``)."""
+    passes) and ``grad_accumulation`` (16-bit weight gradients added into fp32 ``main_grad``).
+    ``dense_mlp=False``: without the MLP's matmuls, activation and weights (a
+    mixture-of-experts layer's attention half, :func:`expert_parts` the rest)."""
     tp, cp = gpt.tensor_model_parallel_size, gpt.context_parallel_size
     tokens = seq_length // cp * micro_batch_size
     h, d, w = gpt.hidden_size, gpt.kv_channels, _width(gpt)
     heads, groups = gpt.num_attention_heads // tp, gpt.num_query_groups // tp
-    ffn = gpt.ffn_hidden_size // tp
+    ffn = gpt.ffn_hidden_size // tp if dense_mlp else 0
     gated = gpt.activation == "swiglu"
     linears = (
         (h, (heads + 2 * groups) * d),  # QKV
         (heads * d, h),  # projection
         (h, ffn * (2 if gated else 1)),  # fc1 (with SwiGLU's gate)
         (ffn, h),  # fc2
-    )
+    )[: 4 if dense_mlp else 2]
     timed = [rates.linear(tokens, inputs, outputs, w) for inputs, outputs in linears]
     matmul = tuple(sum(column) for column in zip(*timed, strict=True))
     core_f, core_b = attention_seconds(gpt, seq_length, micro_batch_size, rates)
@@ -269,9 +276,10 @@ def layer_parts(
         ("copy", 0, 0.0, 3 * rows * h * w),
         ("copy", 0, 0.0, 3 * rows * h * w),
     ]
-    if gated:  # [gate | up] → out; dy, x → dx
+    # the activation ([gate | up] → out; dy, x → dx); the experts' is among their passes
+    if dense_mlp and gated:
         passes.append(("bias_swiglu", ffn, 3 * tokens * ffn * w, 5 * tokens * ffn * w))
-    else:
+    elif dense_mlp:
         passes.append(("bias_gelu", ffn, 2 * tokens * ffn * w, 3 * tokens * ffn * w))
     if gpt.position_embedding_type == "rope":  # queries, keys
         passes.append(("rope", d, 2 * tokens * heads * d * w, 2 * tokens * heads * d * w))
@@ -279,16 +287,57 @@ def layer_parts(
     timed_passes = [rates.kernel(*p) for p in passes]
     memory = tuple(sum(column) for column in zip(*timed_passes, strict=True))
     params = h * (heads + 2 * groups) * d + heads * d * h + (3 if gated else 2) * h * ffn
-    accumulate = 0.0  # 16-bit grads added into fp32 main_grad: read both, write fp32
-    if w < 4:
-        accumulate = rates.kernel("add", 0, 0.0, params * (w + 8))[1]
-        accumulate += (parameter_tensors(gpt) - 1) * rates.kernel_overhead
+    tensors = parameter_tensors(gpt) - (0 if dense_mlp else 2 + 2 * gpt.add_bias_linear)
+    accumulate = _accumulate_seconds(params, tensors, w, rates)
     return {
         "matmul": (matmul[0], matmul[1], matmul[2]),
         "attention": (core_f, core_b, 0.0),
         "memory": (memory[0], memory[1], 0.0),
         "grad_accumulation": (0.0, 0.0, accumulate),
     }
+
+
+def _accumulate_seconds(params: int, tensors: int, width: int, rates: OpRates) -> float:
+    """16-bit weight gradients of ``params`` parameters in ``tensors`` tensors added into
+    their fp32 ``main_grad`` (read both, write fp32; nothing in fp32 training)."""
+    if width >= 4 or params == 0:
+        return 0.0
+    return (
+        rates.kernel("add", 0, 0.0, params * (width + 8))[1] + (tensors - 1) * rates.kernel_overhead
+    )
+
+
+def expert_parts(
+    gpt: GPTConfig, seq_length: int, micro_batch_size: int, rates: OpRates, imbalance: float = 1.0
+) -> dict[str, tuple[float, float, float]]:
+    """A mixture-of-experts MLP's matmuls on one rank, as (forward, input gradient, weight
+    gradient): the router's ``[T, h] × [h, E]`` in fp32 and the ``L = E/ep`` local experts'
+    two linear layers, each a grouped matmul of ``L`` products over ``R·etp/L`` rows (the
+    ``R = T·k`` routed rows balanced over the experts, times ``imbalance``, gathered over
+    the etp ranks) with tiles and waves counted over all of them; and the experts' and the
+    router's weight gradients added into ``main_grad``. The memory-bound passes are
+    :func:`~megapp.planning.layer_costs.moe_memory_bytes`'."""
+    from megapp.planning.activations import moe_routed_rows
+
+    h, w, experts = gpt.hidden_size, _width(gpt), gpt.num_moe_experts
+    rows = moe_routed_rows(gpt, seq_length // gpt.context_parallel_size, micro_batch_size)
+    tokens = rows // gpt.moe_router_topk
+    etp, local = gpt.expert_tensor_parallel_size, experts // gpt.expert_model_parallel_size
+    f = gpt.moe_ffn_hidden_size // etp
+    f1 = f * (2 if gpt.activation == "swiglu" else 1)
+    m = math.ceil(rows * etp * imbalance / local)
+    timed = [rates.linear(tokens, h, experts, 4)]  # the router, on its fp32 input copy
+    for inputs, outputs in ((h, f1), (f, h)):
+        timed.append(
+            (
+                rates.matmul(m, outputs, inputs, w, local),
+                rates.matmul(m, inputs, outputs, w, local),
+                rates.matmul(inputs, outputs, m, w, local),
+            )
+        )
+    matmul = tuple(sum(column) for column in zip(*timed, strict=True))
+    accumulate = _accumulate_seconds(local * h * (f1 + f), 2, w, rates)
+    return {"matmul": matmul, "grad_accumulation": (0.0, 0.0, accumulate)}
 
 
 def memory_kernels(gpt: GPTConfig) -> int:
@@ -311,12 +360,25 @@ def layer_kernels(gpt: GPTConfig) -> tuple[int, int, int]:
 
 
 def layer_seconds(
-    gpt: GPTConfig, seq_length: int, micro_batch_size: int, rates: OpRates
+    gpt: GPTConfig,
+    seq_length: int,
+    micro_batch_size: int,
+    rates: OpRates,
+    *,
+    experts: bool = False,
+    imbalance: float = 1.0,
 ) -> LayerSeconds:
     """One dense layer's forward, input gradient and weight gradient on one rank, without
-    recompute (the time model adds a rerun's forward to the input gradient). A pass lasts
-    the longer of its device time and its kernels' host launches."""
-    parts = layer_parts(gpt, seq_length, micro_batch_size, rates)
+    recompute (the time model adds a rerun's forward to the input gradient); with
+    ``experts`` a mixture-of-experts layer's, its MLP :func:`expert_parts` (their
+    memory-bound passes apart). A pass lasts the longer of its device time and its kernels'
+    host launches."""
+    parts = layer_parts(gpt, seq_length, micro_batch_size, rates, dense_mlp=not experts)
+    if experts:
+        moe = expert_parts(gpt, seq_length, micro_batch_size, rates, imbalance)
+        parts = {name: parts.get(name, (0.0,) * 3) for name in (*parts, *moe)}
+        for name, values in moe.items():
+            parts[name] = tuple(a + b for a, b in zip(parts[name], values, strict=True))
     device = (sum(column) for column in zip(*parts.values(), strict=True))
     host = (n * rates.launch_overhead for n in layer_kernels(gpt))
     f, i, w = (max(d, h) for d, h in zip(device, host, strict=True))

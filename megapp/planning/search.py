@@ -22,14 +22,21 @@ from dataclasses import dataclass
 from megapp.models.gpt import GPTConfig, placement_layer_ranges
 from megapp.pipeline_parallel.catalog import build_schedule, default_schedule, schedule_kind
 from megapp.pipeline_parallel.messages import ScheduleError
-from megapp.pipeline_parallel.schedules import Schedule, looped_placement, v_placement
+from megapp.pipeline_parallel.schedules import Op, Schedule, looped_placement, v_placement
 from megapp.pipeline_parallel.simulate import finish_times
 from megapp.planning import step_time, timing
 from megapp.planning.hardware import Hardware
 from megapp.planning.layout import Layout, pretrain_config
 from megapp.planning.layout_space import Space, layouts
-from megapp.planning.memory import predict_memory
-from megapp.planning.model_state import chunk_parameters, model_state
+from megapp.planning.memory import (
+    HeldCounts,
+    chunk_activation_bytes,
+    chunk_working_bytes,
+    expert_data_parallel_size,
+    held_counts,
+    predict_memory,
+    rank_state,
+)
 from megapp.planning.models import ModelPreset
 from megapp.planning.profiles import time_model
 from megapp.training.config import PretrainConfig
@@ -92,7 +99,9 @@ class Planner:
         self.base = pretrain_config(Layout(), model.flags, 1).gpt_config(model.vocab_size)
         self._costs: dict[tuple, timing.ActionCosts | None] = {}
         self._gpts: dict[tuple, GPTConfig | None] = {}
-        self._states: dict[tuple, bool] = {}
+        self._states: dict[tuple, list[float]] = {}
+        self._held: dict[tuple, HeldCounts] = {}
+        self._chunks: dict[tuple, float] = {}
         self._bounds: dict[tuple, float] = {}
         self._schedules: dict[tuple, Schedule | str] = {}
         # per schedule, the first costs simulated with it and every rank's last event then
@@ -124,19 +133,59 @@ class Planner:
                 self._gpts[key] = None
         return self._gpts[key]
 
-    def state_fits(self, layout: Layout, gpt: GPTConfig, placement) -> bool:
-        """Whether every rank's model state alone fits in memory (a bound on the total);
-        ZeRO shards it over the data- and context-parallel ranks."""
+    def rank_states(self, layout: Layout, gpt: GPTConfig, placement) -> list[float]:
+        """Every pipeline rank's model state in bytes (:func:`rank_state`): ZeRO shards it
+        over the data- and context-parallel ranks, the experts' over their data-parallel
+        ranks."""
         key = (layout.tp, layout.dp * layout.cp, layout.zero_stage, placement)
         key += (layout.ep, layout.etp, layout.embedding_in_split, layout.loss_in_split)
         if key not in self._states:
-            stages = layout.pp * layout.vpp
-            ranges = placement_layer_ranges(gpt, placement)
-            per_stage = [chunk_parameters(gpt, s, stages, len(ranges[s])) for s in range(stages)]
-            params = max(sum(per_stage[s] for s in row) for row in placement)
-            state = model_state(params, gpt.params_dtype, key[1], layout.zero_stage)
-            self._states[key] = state.total <= self.hardware.usable_memory
+            layers = [len(r) for r in placement_layer_ranges(gpt, placement)]
+            edp = expert_data_parallel_size(gpt, layout.world_size, layout.pp)
+            dp, zero = key[1], layout.zero_stage
+            self._states[key] = [
+                rank_state(gpt, row, layers, dp, zero, edp).total for row in placement
+            ]
         return self._states[key]
+
+    def state_fits(self, layout: Layout, gpt: GPTConfig, placement) -> bool:
+        """Whether every rank's model state alone fits in memory (a bound on the total)."""
+        return max(self.rank_states(layout, gpt, placement)) <= self.hardware.usable_memory
+
+    def memory_floor(self, layout: Layout, gpt: GPTConfig, schedule: Schedule) -> float:
+        """A floor on ``layout``'s predicted peak memory (:func:`predict_memory`, which needs
+        the checked config): the worst rank's model state and the activations its schedule
+        holds at once, without the working memory."""
+        placement = schedule.placement
+        layers = [len(r) for r in placement_layer_ranges(gpt, placement)]
+        states = self.rank_states(layout, gpt, placement)
+        s, b, last = self.model.seq_length // layout.cp, layout.micro_batch_size, len(layers) - 1
+        key = self._schedule_key(layout)
+        floor = 0.0
+        for rank, row in enumerate(placement):
+            if (*key, rank) not in self._held:
+                self._held[(*key, rank)] = held_counts(schedule, rank)
+            sizes = [self._chunk_bytes(gpt, layers[st], st == 0, st == last, s, b) for st in row]
+            working = [self._forward_working(gpt, layers[st], st == last, s, b) for st in row]
+            floor = max(floor, states[rank] + self._held[(*key, rank)].floor(sizes, working))
+        return floor
+
+    def _chunk_bytes(self, gpt: GPTConfig, *shape: int | bool) -> int:
+        """:func:`chunk_activation_bytes` of ``gpt`` (one of :meth:`gpt`'s, which live as
+        long as the planner) for a chunk of ``shape``: layers, first, last, s, b."""
+        key = (id(gpt), *shape)
+        if key not in self._chunks:
+            self._chunks[key] = chunk_activation_bytes(gpt, *shape)
+        return self._chunks[key]
+
+    def _forward_working(self, gpt: GPTConfig, *shape: int | bool) -> float:
+        """:func:`chunk_working_bytes` of a forward through a chunk of ``shape``: layers,
+        last, s, b (cached as :meth:`_chunk_bytes`)."""
+        key = (id(gpt), "F", *shape)
+        if key not in self._chunks:
+            layers, last, s, b = shape
+            self._chunks[key] = chunk_working_bytes(gpt, layers, last, Op.FORWARD, s, b)
+        return self._chunks[key]
 
     @staticmethod
     def _key(layout: Layout) -> tuple:
@@ -211,6 +260,9 @@ class Planner:
         key = self._schedule_key(layout)
         if self.scaled_bound(layout, costs) >= cutoff:
             return "bounded"
+        gpt = self.gpt(layout)
+        if self.memory_floor(layout, gpt, schedule) > self.hardware.usable_memory:
+            return "memory"
         checked = None
         if self._over > 2 * self._fitted + 8:
             self._checked_first += 1

@@ -78,7 +78,7 @@ from megapp.planning.layer_costs import (
     compute_seconds,
     context_parallel_seconds,
     layer_flops,
-    matmul_rate,
+    moe_compute_seconds,
     moe_layer_seconds,
     moe_memory_seconds,
     tensor_parallel_seconds,
@@ -221,7 +221,6 @@ def action_costs(gpt: GPTConfig, shape: Shape, hardware: Hardware) -> ActionCost
     rerun_s = {"full": one.forward, "selective": one.core_forward}.get(
         gpt.recompute_granularity, 0.0
     )
-    rate = matmul_rate(hardware)
     cp_f, cp_b, cp_calls_f, cp_calls_b = context_parallel_seconds(
         gpt, shape.seq_length, shape.micro_batch_size, hardware, one.core_forward
     )
@@ -233,10 +232,15 @@ def action_costs(gpt: GPTConfig, shape: Shape, hardware: Hardware) -> ActionCost
     params: list[float] = []
     layer_params = layer_parameters(gpt)
     moe_lin, a2a, moe_mem_f, moe_mem_b = 0.0, 0.0, 0.0, 0.0
+    moe_one, moe_rerun_s = one, rerun_s  # a mixture-of-experts layer's compute
     if gpt.num_moe_experts is not None:
         moe_lin, a2a = moe_layer_seconds(gpt, shape.seq_length, shape.micro_batch_size, hardware)
         moe_mem_f, moe_mem_b = moe_memory_seconds(
             gpt, shape.seq_length, shape.micro_batch_size, hardware
+        )
+        moe_one = moe_compute_seconds(gpt, shape.seq_length, shape.micro_batch_size, hardware)
+        moe_rerun_s = {"full": moe_one.forward, "selective": moe_one.core_forward}.get(
+            gpt.recompute_granularity, 0.0
         )
     moe_rerun = moe_lin if gpt.recompute_granularity == "full" else 0.0
     if gpt.recompute_granularity == "full":  # the rerun forward's passes, in the backward
@@ -262,17 +266,18 @@ def action_costs(gpt: GPTConfig, shape: Shape, hardware: Hardware) -> ActionCost
         )
         fixed = hardware.action_overhead + layers * hardware.layer_overhead
         loss = loss_seconds * last
-        moe_s = moe * moe_lin / rate
-        f_s = layers * one.forward + output.forward * last + moe_s + moe * moe_mem_f
+        f_s = layers * one.forward + output.forward * last
+        f_s += moe * (moe_one.forward - one.forward + moe_mem_f)
         f_s += fixed + tp_f + layers * cp_f + 3 / 5 * loss + moe * a2a
         rerun_passes = (
             layers * hardware.layer_overhead if gpt.recompute_granularity == "full" else 0
         )
         i_s = layers * (one.input_grad + rerun_s) + output.input_grad * last
-        i_s += moe_s + moe * (moe_rerun / rate + moe_mem_b)
+        i_s += moe * (moe_one.input_grad - one.input_grad + moe_rerun_s - rerun_s + moe_mem_b)
         i_s += fixed + rerun_passes + tp_b + layers * cp_b
         i_s += 2 / 5 * loss + moe * a2a * (2 if gpt.recompute_granularity == "full" else 1)
-        w_s = layers * one.weight_grad + output.weight_grad * last + moe_s + fixed
+        w_s = layers * one.weight_grad + output.weight_grad * last + fixed
+        w_s += moe * (moe_one.weight_grad - one.weight_grad)
         # ZeRO-3 gathers the chunk before its forward and the layers before backward;
         # ZeRO-2/3 reduce-scatter the chunk's fp32 gradients after every backward.
         gather_f = gather_b = scatter = 0.0
