@@ -155,8 +155,10 @@ MOE = [
 @pytest.mark.parametrize("run", MOE, ids=lambda r: f"{r.name} tp{r.tp} ep{r.ep} pp{r.pp}")
 def test_moe_run_is_predicted_and_fits(run: PublishedRun):
     """Every published mixture-of-experts layout, as the comparison builds it: a finite
-    iteration time and TFLOP/s, and a fullest GPU within its memory. No accuracy bound:
-    docs/planning.md says where and why the prediction misses."""
+    iteration time and TFLOP/s, and, where the source leaves the recompute to the tool, a
+    fullest GPU within its memory (a stated recompute is run as stated, over megapp's
+    memory or not). No accuracy bound: docs/planning.md says where and why the
+    prediction misses."""
     import math
 
     from megapp.ablation.published import hardware_for, peak_memory, published_layout
@@ -170,7 +172,10 @@ def test_moe_run_is_predicted_and_fits(run: PublishedRun):
     step = predict_step_time(config, preset.vocab_size, hardware)
     assert math.isfinite(step.seconds) and step.seconds > 0
     assert math.isfinite(step.tflops_per_gpu) and step.tflops_per_gpu > 0
-    assert 0 < peak_memory(config, preset.vocab_size) <= hardware.usable_memory
+    memory = peak_memory(config, preset.vocab_size)
+    assert memory > 0
+    if run.recompute is None:  # the lightest recompute that fits
+        assert memory <= hardware.usable_memory
 
 
 def test_runs_priced_by_operation_use_the_ops_profiles_and_their_attention():
