@@ -216,19 +216,14 @@ def test_expert_parallelism_adds_its_buffers_to_the_priced_passes():
     assert backward == pytest.approx(measured[1], rel=0.05)
 
 
-@pytest.mark.parametrize("dtype, activation", [(torch.bfloat16, "swiglu"), (torch.float32, "gelu")])
-def test_the_moe_layers_kept_activations_are_the_priced_ones(dtype, activation):
-    """The tensors megapp's MoE layer keeps for its backward (every storage saved, less its
-    weights and its input), against moe_activation_bytes with the dense MLP's output it
-    takes off added back: within 1% (the routing's indices are left out of the price)."""
+def _kept_bytes(gpt: GPTConfig, tokens: int, ep_group=None) -> int:
+    """Bytes of every storage a MoE layer saves for its backward, less its weights and its
+    input, over ``tokens`` tokens."""
     from megapp.moe.layer import MoELayer
-    from megapp.planning.activations import moe_activation_bytes
 
-    gpt = GPTConfig(**dict(MOE_PASSES, activation=activation, params_dtype=dtype))
     torch.manual_seed(5)
-    layer = MoELayer(gpt.moe_config())
-    tokens = 256
-    x = torch.randn(tokens, 1, gpt.hidden_size, dtype=dtype, requires_grad=True)
+    layer = MoELayer(gpt.moe_config(), ep_group=ep_group)
+    x = torch.randn(tokens, 1, gpt.hidden_size, dtype=gpt.params_dtype, requires_grad=True)
     held = {p.untyped_storage().data_ptr() for p in layer.parameters()}
     held.add(x.untyped_storage().data_ptr())
     kept: dict[int, int] = {}
@@ -241,8 +236,35 @@ def test_the_moe_layers_kept_activations_are_the_priced_ones(dtype, activation):
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         layer(x)
-    gated = 2 if activation == "swiglu" else 1
-    dense = tokens * gpt.ffn_hidden_size * gated * dtype.itemsize
-    assert moe_activation_bytes(gpt, tokens, 1) + dense == pytest.approx(
-        sum(kept.values()), rel=0.01
-    )
+    return sum(kept.values())
+
+
+def _dense_mlp_output(gpt: GPTConfig, tokens: int) -> int:
+    gated = 2 if gpt.activation == "swiglu" else 1
+    return tokens * gpt.ffn_hidden_size * gated * gpt.params_dtype.itemsize
+
+
+@pytest.mark.parametrize("dtype, activation", [(torch.bfloat16, "swiglu"), (torch.float32, "gelu")])
+def test_the_moe_layers_kept_activations_are_the_priced_ones(dtype, activation):
+    """The tensors megapp's MoE layer keeps for its backward (every storage saved, less its
+    weights and its input), against moe_activation_bytes with the dense MLP's output it
+    takes off added back: within 1% (the routing's indices are left out of the price)."""
+    from megapp.planning.activations import moe_activation_bytes
+
+    gpt = GPTConfig(**dict(MOE_PASSES, activation=activation, params_dtype=dtype))
+    priced = moe_activation_bytes(gpt, 256, 1) + _dense_mlp_output(gpt, 256)
+    assert priced == pytest.approx(_kept_bytes(gpt, 256), rel=0.01)
+
+
+@distributed(world_size=2)
+def test_expert_parallelism_keeps_no_more_than_one_rank():
+    """With ep 2 the all-to-alls' buffers keep only their indices for backward: the kept
+    tensors are one rank's, as priced, within 2% (a rank's experts receive more or fewer
+    rows than the balanced share the price assumes)."""
+    import torch.distributed as dist
+
+    from megapp.planning.activations import moe_activation_bytes
+
+    gpt = GPTConfig(**dict(MOE_PASSES, moe_router_topk=2, expert_model_parallel_size=2))
+    priced = moe_activation_bytes(gpt, 1024, 1) + _dense_mlp_output(gpt, 1024)
+    assert priced == pytest.approx(_kept_bytes(gpt, 1024, dist.group.WORLD), rel=0.02)

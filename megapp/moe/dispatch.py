@@ -36,6 +36,7 @@ from megapp.moe.permutation import (
     all_to_all_plan,
     combine_slots,
     permute,
+    place_rows,
     sort_by_expert,
     unpermute,
     weigh_rows,
@@ -106,8 +107,7 @@ class AllToAllDispatcher:
         plan = all_to_all_plan(counts, self.rank)
         if plan.slot == 0:  # no rank routes any pair: every rank skips the exchange alike
             return Dispatched(rows, plan.tokens_per_local_expert, perm, routing.probs, plan)
-        send = rows.new_zeros(self.ep * plan.slot, x.shape[-1])
-        send = send.index_copy(0, plan.send_rows.to(x.device), rows)
+        send = place_rows(rows, plan.send_rows.to(x.device), self.ep * plan.slot)
         received = all_to_all(send, self.group)
         mine = received.index_select(0, plan.recv_rows.to(x.device))
         return Dispatched(mine, plan.tokens_per_local_expert, perm, routing.probs, plan)
@@ -116,8 +116,7 @@ class AllToAllDispatcher:
         """The experts' rows ``[M, h]`` -> this rank's routed output ``[T, h]``."""
         plan = dispatched.plan
         if plan is not None and plan.slot > 0:
-            back = out.new_zeros(self.ep * plan.slot, out.shape[-1])
-            back = back.index_copy(0, plan.recv_rows.to(out.device), out)
+            back = place_rows(out, plan.recv_rows.to(out.device), self.ep * plan.slot)
             returned = all_to_all(back, self.group)
             out = returned.index_select(0, plan.send_rows.to(out.device))
         return combine_slots(unpermute(out, dispatched.perm), dispatched.probs)

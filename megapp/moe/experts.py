@@ -40,7 +40,7 @@ from megapp.autograd.saved import recompute_saved
 from megapp.comm import Group
 from megapp.fusions.bias_ops import bias_swiglu
 from megapp.moe.config import MoEConfig
-from megapp.moe.permutation import expert_major_rows
+from megapp.moe.permutation import expert_major_rows, place_rows
 from megapp.param_attributes import shard
 from megapp.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
@@ -169,7 +169,7 @@ class GroupedExperts(nn.Module):
         gathered = gather_from_sequence_parallel_region(padded, group)  # [etp · slot, h]
         order = expert_major_rows(counts, slot).to(rows.device)
         out = self._partial(gathered.index_select(0, order), counts.sum(dim=0).tolist())
-        back = out.new_zeros(etp * slot, out.shape[-1]).index_copy(0, order, out)
+        back = place_rows(out, order, etp * slot)
         return reduce_scatter_to_sequence_parallel_region(back, group)[: rows.shape[0]]
 
     @staticmethod

@@ -32,6 +32,7 @@ __all__ = [
     "combine_slots",
     "expert_major_rows",
     "permute",
+    "place_rows",
     "sort_by_expert",
     "unpermute",
     "weigh_rows",
@@ -77,11 +78,16 @@ def permute(x: torch.Tensor, perm: Permutation) -> torch.Tensor:
     return x.index_select(0, perm.tokens)
 
 
+def place_rows(rows: torch.Tensor, index: torch.Tensor, count: int) -> torch.Tensor:
+    """``[count, h]`` zeros with ``rows`` at ``index`` (distinct). Backward keeps the index
+    alone (``index_copy`` would keep ``rows`` as well)."""
+    return rows.new_zeros(count, rows.shape[-1]).index_put((index,), rows)
+
+
 def unpermute(y: torch.Tensor, perm: Permutation) -> torch.Tensor:
     """Rows of the sorted pairs ``[N, h]`` -> ``[T, k, h]`` in pair order, zeros for dropped
     pairs."""
-    out = y.new_zeros(perm.num_tokens * perm.topk, y.shape[-1])
-    out = out.index_copy(0, perm.pairs, y)
+    out = place_rows(y, perm.pairs, perm.num_tokens * perm.topk)
     return out.view(perm.num_tokens, perm.topk, y.shape[-1])
 
 

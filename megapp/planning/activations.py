@@ -26,12 +26,12 @@ MLP's matmul output, the router's fp32 logits and probabilities (``2·T·E``, ``
 tokens the rank routes: ``s·b``, ``/tp`` under sequence parallelism) and its fp32 copy of
 a 16-bit input (``T·h``), and for the ``R = T·k`` routed rows (dropless, balanced: as many
 arrive as leave) the permuted input ``R·h``, the experts' first matmul output
-``R·f_e/etp`` (``2·`` for SwiGLU; the activation's output is rebuilt from it in backward),
-the experts' output ``R·h`` (the un-permutation keeps it) and that output again in pair
-order, which the combine weights by the probabilities (in its own dtype). With expert
-tensor parallelism the experts take their ``etp`` ranks' rows gathered: the permuted input,
-the first matmul's output and the partial outputs kept before their reduce-scatter are of
-``etp·R`` rows.
+``R·f_e/etp`` (``2·`` for SwiGLU; the activation's output is rebuilt from it in backward)
+and the experts' output ``R·h`` in pair order, which the combine weights by the
+probabilities (in its own dtype). The rows moved into place (the all-to-alls' buffers, the
+un-permutation) keep only their indices. With expert tensor parallelism the experts take
+their ``etp`` ranks' rows gathered: the permuted input and the first matmul's output are
+of ``etp·R`` rows.
 
 Under context parallelism ``s`` is the ``s/cp`` tokens of a sequence one rank holds, and
 attention is the mechanism's of ``megapp.context_parallel`` whatever the backend
@@ -93,9 +93,7 @@ def moe_activation_bytes(config: TransformerConfig, seq_length: int, micro_batch
     router = 2 * tokens * config.num_moe_experts * 4 + (tokens * h * 4 if w < 4 else 0)
     etp = moe.expert_tensor_parallel_size
     # with etp > 1 the experts take the etp ranks' rows gathered: etp·R of them
-    experts = etp * rows * (h + moe.fc1_width // etp) * w + 2 * rows * h * w
-    if etp > 1:  # the partial outputs, kept before their reduce-scatter
-        experts += etp * rows * h * w
+    experts = etp * rows * (h + moe.fc1_width // etp) * w + rows * h * w
     dense = config.ffn_hidden_size * (2 if config.activation == "swiglu" else 1)
     return router + experts - s * b * dense // config.tensor_model_parallel_size * w
 
