@@ -153,6 +153,7 @@ class AllGatherDispatcher:
         perm = dispatched.perm
         weights = dispatched.probs.reshape(-1).index_select(0, perm.pairs)
         weighted = weigh_rows(out, weights).to(out.dtype)
-        partial = out.new_zeros(perm.num_tokens, out.shape[-1])
-        partial = partial.index_add(0, perm.tokens, weighted)  # [ep·T, h]: this rank's share
+        partial = out.new_zeros(perm.num_tokens, out.shape[-1])  # [ep·T, h]: this rank's share
+        # summed in place by index (index_add would keep the weighted rows for backward)
+        partial = partial.index_put((perm.tokens,), weighted, accumulate=True)
         return reduce_scatter_to_sequence_parallel_region(partial, self.group)
