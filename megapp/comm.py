@@ -188,6 +188,23 @@ def all_to_all_into(
     return _run("all-to-all", group, async_op, dist.all_to_all_single, out, x)
 
 
+def all_to_all_split(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    out_splits: list[int],
+    in_splits: list[int],
+    group: Group,
+    async_op: bool = False,
+) -> Pending | None:
+    """Send ``x``'s i-th slice of ``in_splits[i]`` rows (dimension 0) to rank i of
+    ``group`` and put rank i's ``out_splits[i]`` rows for this rank at ``out``'s i-th
+    slice: an all-to-all of uneven slices, each rank's sizes agreed beforehand."""
+    return _run(
+        "all-to-all", group, async_op, dist.all_to_all_single, out, x,
+        output_split_sizes=out_splits, input_split_sizes=in_splits,
+    )  # fmt: skip
+
+
 def barrier(group: Group = None) -> None:
     """Wait until every rank of ``group`` (default: all) arrives."""
     _run("barrier", group, False, dist.barrier)

@@ -50,6 +50,9 @@ def _randn(*shape, seed):
 
 @pytest.mark.parametrize("ep", [1, 2, 3, 4])
 def test_all_to_all_plan_delivers_every_pair_and_back(ep):
+    """Each rank sends its sorted pairs as they are, slice j to rank j, exactly the pairs
+    for rank j's experts (no padding); each receiver takes every pair for its experts out
+    in expert-major order, nothing else."""
     local = 2
     generator = torch.Generator().manual_seed(ep)
     counts = torch.randint(0, 4, (ep, ep * local), generator=generator)
@@ -60,18 +63,16 @@ def test_all_to_all_plan_delivers_every_pair_and_back(ep):
         [(src, e, i) for e in range(ep * local) for i in range(int(counts[src, e]))]
         for src in range(ep)
     ]
-    slot = plans[0].slot
-    assert all(p.slot == slot for p in plans)
-    sent = []
+    assert all(p.total == int(counts.sum()) for p in plans)
+    slices = []  # slices[src][dst]: what src sends to dst
     for src in range(ep):
-        buffer = [None] * (ep * slot)
-        for row, label in zip(plans[src].send_rows.tolist(), labels[src], strict=True):
-            assert buffer[row] is None
-            buffer[row] = label
-        sent.append(buffer)
+        assert sum(plans[src].send_splits) == len(labels[src])
+        ends = torch.tensor(plans[src].send_splits).cumsum(0).tolist()
+        slices.append([labels[src][a:b] for a, b in zip([0, *ends[:-1]], ends, strict=True)])
     for dst in range(ep):
+        assert plans[dst].recv_splits == [plans[src].send_splits[dst] for src in range(ep)]
         # the all-to-all: slice dst of every source, in source order
-        received = [sent[src][dst * slot + i] for src in range(ep) for i in range(slot)]
+        received = [label for src in range(ep) for label in slices[src][dst]]
         rows = [received[r] for r in plans[dst].recv_rows.tolist()]
         expected = [
             (src, e, i)
@@ -80,6 +81,7 @@ def test_all_to_all_plan_delivers_every_pair_and_back(ep):
             for i in range(int(counts[src, e]))
         ]
         assert rows == expected  # every pair for dst's experts, expert-major, nothing else
+        assert sorted(plans[dst].recv_rows.tolist()) == list(range(len(received)))
         assert (
             plans[dst].tokens_per_local_expert
             == counts[:, dst * local : (dst + 1) * local].sum(0).tolist()

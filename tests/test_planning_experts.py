@@ -203,8 +203,9 @@ def test_the_moe_layers_memory_bound_passes_move_the_bytes_priced(topk, activati
 
 @distributed(world_size=2)
 def test_expert_parallelism_adds_its_buffers_to_the_priced_passes():
-    """With ep 2 the all-to-alls' send and receive buffers, both ways: within 5% of the
-    count (the buffers are padded to the busiest destination; the price assumes balance)."""
+    """With ep 2 the received rows reordered by expert and placed back, both ways: within
+    5% of the count (a rank receives more or fewer rows than the balanced share the price
+    assumes)."""
     import torch.distributed as dist
 
     from megapp.planning.layer_costs import moe_memory_bytes

@@ -7,11 +7,10 @@ routed output ``[T, h]``. The routing weights are applied after the experts, at 
 Megatron-Core applies them. With one rank both are the plain permute / un-permute.
 
 - :class:`AllToAllDispatcher` (``alltoall``): the pairs' counts per expert are all-gathered
-  first (``E`` integers per rank), then the tokens go out in one all-to-all and the outputs
-  come back in a second; each rank applies the weights to its own tokens' outputs. The
-  slices are padded to the largest (source, destination) slice (see
-  :func:`~megapp.moe.permutation.all_to_all_plan`) because ``comm.all_to_all_into``
-  exchanges equal slices.
+  first (``E`` integers per rank), then the tokens go out in one all-to-all of uneven
+  slices, exactly the rows routed to each rank (see
+  :func:`~megapp.moe.permutation.all_to_all_plan`), and the outputs come back in a second;
+  each rank applies the weights to its own tokens' outputs.
 - :class:`AllGatherDispatcher` (``allgather``): every rank all-gathers all tokens, their
   choices and weights, runs its experts on the pairs routed to them, weights them and
   reduce-scatters the sums back (Megatron-Core's ``allgather`` dispatcher). Every rank must
@@ -52,28 +51,33 @@ __all__ = ["AllGatherDispatcher", "AllToAllDispatcher", "Dispatched", "all_to_al
 
 
 class _AllToAll(torch.autograd.Function):
-    """Forward: send slice i of dimension 0 (equal slices) to rank i. Backward: the same
-    all-to-all of the gradients, which returns every slice to the rank it came from."""
+    """Forward: send slice i of dimension 0 (``in_splits[i]`` rows) to rank i, receive
+    ``out_splits[i]`` rows from it. Backward: the all-to-all of the gradients the other way,
+    which returns every slice to the rank it came from."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: Group) -> torch.Tensor:
-        ctx.group = group
-        out = torch.empty_like(x, memory_format=torch.contiguous_format)
-        comm.all_to_all_into(out, x.contiguous(), group)
+    def forward(ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Group):
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        out = x.new_empty(sum(out_splits), *x.shape[1:])
+        comm.all_to_all_split(out, x.contiguous(), out_splits, in_splits, group)
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        out = torch.empty_like(grad, memory_format=torch.contiguous_format)
-        comm.all_to_all_into(out, grad.contiguous(), ctx.group)
-        return out, None
+        out_splits, in_splits = ctx.splits
+        out = grad.new_empty(sum(in_splits), *grad.shape[1:])
+        comm.all_to_all_split(out, grad.contiguous(), in_splits, out_splits, ctx.group)
+        return out, None, None, None
 
 
-def all_to_all(x: torch.Tensor, group: Group) -> torch.Tensor:
-    """Differentiable all-to-all of equal slices of dimension 0 over ``group``."""
+def all_to_all(
+    x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Group
+) -> torch.Tensor:
+    """Differentiable all-to-all of uneven slices of dimension 0 over ``group``:
+    ``in_splits[i]`` rows of ``x`` to rank i, ``out_splits[i]`` rows from it."""
     if comm.world_size(group) == 1:
         return x
-    return _AllToAll.apply(x, group)
+    return _AllToAll.apply(x, out_splits, in_splits, group)
 
 
 @dataclass
@@ -105,20 +109,18 @@ class AllToAllDispatcher:
             return Dispatched(rows, perm.tokens_per_expert.tolist(), perm, routing.probs)
         counts = gather_first(perm.tokens_per_expert, self.group).view(self.ep, -1)
         plan = all_to_all_plan(counts, self.rank)
-        if plan.slot == 0:  # no rank routes any pair: every rank skips the exchange alike
+        if plan.total == 0:  # no rank routes any pair: every rank skips the exchange alike
             return Dispatched(rows, plan.tokens_per_local_expert, perm, routing.probs, plan)
-        send = place_rows(rows, plan.send_rows.to(x.device), self.ep * plan.slot)
-        received = all_to_all(send, self.group)
+        received = all_to_all(rows, plan.recv_splits, plan.send_splits, self.group)
         mine = received.index_select(0, plan.recv_rows.to(x.device))
         return Dispatched(mine, plan.tokens_per_local_expert, perm, routing.probs, plan)
 
     def combine(self, out: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
         """The experts' rows ``[M, h]`` -> this rank's routed output ``[T, h]``."""
         plan = dispatched.plan
-        if plan is not None and plan.slot > 0:
-            back = place_rows(out, plan.recv_rows.to(out.device), self.ep * plan.slot)
-            returned = all_to_all(back, self.group)
-            out = returned.index_select(0, plan.send_rows.to(out.device))
+        if plan is not None and plan.total > 0:
+            back = place_rows(out, plan.recv_rows.to(out.device), out.shape[0])
+            out = all_to_all(back, plan.send_splits, plan.recv_splits, self.group)
         return combine_slots(unpermute(out, dispatched.perm), dispatched.probs)
 
 

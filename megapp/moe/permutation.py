@@ -11,12 +11,13 @@ apply in the wider of the two dtypes (float32 for 16-bit outputs and float32 wei
 
 Under expert parallelism rank ``r`` of ``ep`` holds experts ``[r·L, (r+1)·L)``
 (``L = E / ep``), so sorting by expert also sorts the pairs by destination rank.
-:func:`all_to_all_plan` lays the rows out for an all-to-all of equal slices: every
-(source, destination) slice is padded to the largest one, the ``slot`` rows; the
-receiving rank takes its rows out in local-expert-major order (expert ``l`` from source 0,
-1, ..., then expert ``l + 1``; :func:`expert_major_rows`), and the return trip uses the
-same rows the other way, so the un-permutation is exact. Expert tensor parallelism gathers
-the rows of its ranks in the same expert-major layout.
+:func:`all_to_all_plan` lays the rows out for an all-to-all of uneven slices: each rank
+sends its sorted pairs as they are, slice ``j`` to rank ``j``, exactly the rows routed
+there; the receiving rank takes its rows out in local-expert-major order (expert ``l``
+from source 0, 1, ..., then expert ``l + 1``; :func:`expert_major_rows`), and the return
+trip puts them back in the same rows, so the un-permutation is exact. Expert tensor
+parallelism gathers the rows of its ranks (padded to the largest) in the same
+expert-major layout.
 """
 
 from __future__ import annotations
@@ -127,18 +128,20 @@ def combine_slots(y: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class AllToAllPlan:
-    """Where rows go in an all-to-all of equal slices over ``ep`` ranks (one rank's view).
+    """Where rows go in an all-to-all of uneven slices over ``ep`` ranks (one rank's view).
 
-    ``slot``: rows per (source, destination) slice; the buffers are ``[ep · slot, h]``.
-    ``send_rows`` ``[N]``: the send-buffer row of each of this rank's sorted pairs.
-    ``recv_rows`` ``[M]``: the receive-buffer rows of the pairs for this rank's experts, in
-    local-expert-major order. ``tokens_per_local_expert``: ``M`` split by local expert.
+    ``send_splits[j]``: this rank's sorted pairs for rank ``j`` (they are already grouped by
+    destination, so they go out as they are); ``recv_splits[i]``: the rows rank ``i``
+    sends here. ``recv_rows`` ``[M]``: the receive buffer's rows for this rank's experts in
+    local-expert-major order (a permutation of ``0..M-1``); ``tokens_per_local_expert``:
+    ``M`` split by local expert.
     """
 
-    slot: int
-    send_rows: torch.Tensor
+    send_splits: list[int]
+    recv_splits: list[int]
     recv_rows: torch.Tensor
     tokens_per_local_expert: list[int]
+    total: int  # rows all ranks send, together (every rank computes the same)
 
 
 def all_to_all_plan(counts: torch.Tensor, rank: int) -> AllToAllPlan:
@@ -149,28 +152,29 @@ def all_to_all_plan(counts: torch.Tensor, rank: int) -> AllToAllPlan:
     local = num_experts // ep
     counts = counts.to(torch.int64).cpu()
     by_destination = counts.view(ep, ep, local).sum(dim=-1)  # [source, destination]
-    slot = int(by_destination.max())
-    # send: this rank's pairs, sorted by expert, are already grouped by destination
-    mine = by_destination[rank]
-    destination = torch.repeat_interleave(torch.arange(ep), mine)
-    first = torch.cumsum(mine, 0) - mine  # where each destination's pairs start
-    within = torch.arange(destination.numel()) - first[destination]
-    send_rows = destination * slot + within
     received = counts[:, rank * local : (rank + 1) * local]  # [source, local expert]
-    recv_rows = expert_major_rows(received, slot)
-    return AllToAllPlan(slot, send_rows, recv_rows, received.sum(dim=0).tolist())
+    starts = torch.cumsum(by_destination[:, rank], 0) - by_destination[:, rank]
+    return AllToAllPlan(
+        send_splits=by_destination[rank].tolist(),
+        recv_splits=by_destination[:, rank].tolist(),
+        recv_rows=expert_major_rows(received, starts),
+        tokens_per_local_expert=received.sum(dim=0).tolist(),
+        total=int(counts.sum()),
+    )
 
 
-def expert_major_rows(counts: torch.Tensor, slot: int) -> torch.Tensor:
-    """Rows of a buffer of ``sources`` slices of ``slot`` rows each, where slice ``i`` starts
-    with ``counts[i, l]`` rows for expert ``l`` for every ``l`` in turn (``counts``
-    ``[sources, L]``), listed expert-major: expert 0's rows from source 0, 1, ..., then
-    expert 1's."""
+def expert_major_rows(counts: torch.Tensor, starts: torch.Tensor | int) -> torch.Tensor:
+    """Rows of a buffer of ``sources`` slices, slice ``i`` starting at row ``starts[i]``
+    (an int ``slot``: at ``i · slot``) with ``counts[i, l]`` rows for expert ``l`` for every
+    ``l`` in turn (``counts`` ``[sources, L]``), listed expert-major: expert 0's rows from
+    source 0, 1, ..., then expert 1's."""
     counts = counts.to(torch.int64).cpu()
     sources, local = counts.shape
-    offsets = torch.cumsum(counts, 1) - counts
+    if isinstance(starts, int):
+        starts = torch.arange(sources) * starts
+    offsets = torch.cumsum(counts, 1) - counts + starts.view(-1, 1)
     pieces = [
-        torch.arange(int(counts[i, l])) + i * slot + int(offsets[i, l])
+        torch.arange(int(counts[i, l])) + int(offsets[i, l])
         for l in range(local)
         for i in range(sources)
     ]

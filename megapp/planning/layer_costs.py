@@ -72,9 +72,9 @@ def moe_memory_bytes(
       cast's ``T·u``, the un-permutation's ``2R·w``, the permutation's ``(3T + R)·w``, the
       two paths into the input summed ``3T·w``; the activation rebuilt and its gradient,
       ``8R·f·w`` (GeLU ``5R·f·w``);
-    - with ``ep > 1`` the send and receive buffers of both all-to-alls, ``12R·h·w`` each
-      way (balanced: ``R`` rows a buffer; the transfers themselves are
-      :func:`moe_layer_seconds`'s).
+    - with ``ep > 1`` the received rows reordered by expert and placed back for the
+      return trip, ``6R·h·w`` each way (balanced: ``R`` rows arrive; the sorted pairs go out
+      as they are; the transfers themselves are :func:`moe_layer_seconds`'s).
 
     ``tests/test_planning_experts.py`` counts a layer's passes and checks these. Expert
     tensor parallelism's gathers (etp > 1) and the router's ``[T, E]`` scores are left
@@ -91,9 +91,9 @@ def moe_memory_bytes(
     backward += h * 3 * t * w + (8 if gated else 5) * r * f * w
     kernels_f, kernels_b = 8, 12
     if gpt.expert_model_parallel_size > 1:
-        forward += 12 * r * h * w
-        backward += 12 * r * h * w
-        kernels_f, kernels_b = kernels_f + 6, kernels_b + 6
+        forward += 6 * r * h * w
+        backward += 6 * r * h * w
+        kernels_f, kernels_b = kernels_f + 3, kernels_b + 3
     return forward, backward, kernels_f, kernels_b
 
 
