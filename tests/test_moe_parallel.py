@@ -18,6 +18,7 @@ import torch.distributed as dist
 from megapp import comm
 from megapp import parallel_state as ps
 from megapp.moe import MoEConfig, MoELayer
+from megapp.moe.hierarchical import fan_out
 from megapp.moe.permutation import all_to_all_plan
 from megapp.param_attributes import shard
 from megapp.testing import distributed
@@ -88,6 +89,17 @@ def test_all_to_all_plan_delivers_every_pair_and_back(ep):
         )
 
 
+def test_fan_out_sends_a_row_once_per_distinct_key():
+    """Rows to keys (nodes or ranks): one pair per row and distinct valid key, sorted by
+    key then row, with the row's slots of that key; a row with no valid slot sends none."""
+    keys = torch.tensor([[0, 0], [1, 0], [1, 1], [2, 0]])
+    valid = torch.tensor([[True, True], [True, True], [True, False], [False, False]])
+    rows, key, slots, per_key = fan_out(keys, valid, 3)
+    assert list(zip(key.tolist(), rows.tolist(), strict=True)) == [(0, 0), (0, 1), (1, 1), (1, 2)]
+    assert slots.tolist() == [[True, True], [False, True], [True, False], [True, False]]
+    assert per_key.tolist() == [2, 2, 0]
+
+
 # ----- on gloo ranks -----------------------------------------------------------------
 
 
@@ -143,7 +155,7 @@ def _summed(t, group):
     return t
 
 
-def _check_expert_parallel(ep, dispatcher, case, tp=1, etp=None):
+def _check_expert_parallel(ep, dispatcher, case, tp=1, etp=None, node_size=None):
     grid = ps.initialize_model_parallel(
         tp, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp
     )
@@ -158,8 +170,10 @@ def _check_expert_parallel(ep, dispatcher, case, tp=1, etp=None):
         expert_model_parallel_size=ep,
         expert_tensor_parallel_size=grid.etp,
         moe_token_dispatcher_type=dispatcher,
+        moe_dispatch_node_size=node_size,
     )
     whole, part = _layers(_config(**overrides), config_ep, ep_group, etp_group, case)
+    assert type(part.dispatcher).__name__.lower().startswith(dispatcher.replace("_", ""))
     batches = [_randn(S, B, H, seed=100 + r) for r in members]
     grads = [_randn(S, B, H, seed=200 + r) for r in members]
     # the reference: every member's batch through the whole layer, gradients summed
@@ -218,6 +232,46 @@ def _check_expert_parallel(ep, dispatcher, case, tp=1, etp=None):
 @distributed(world_size=2)
 def test_two_expert_parallel_ranks_equal_one_process(dispatcher, case):
     _check_expert_parallel(2, dispatcher, case)
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("node_size", [1, 2])
+@distributed(world_size=2)
+def test_hierarchical_dispatch_equals_one_process(node_size, case):
+    """Node-deduplicated dispatch on two ranks, as two nodes of one rank (every token
+    crosses once per node it needs) and as one node of two."""
+    _check_expert_parallel(2, "hierarchical", case, node_size=node_size)
+
+
+@pytest.mark.parametrize("node_size", [1, 2, 4])
+@distributed(world_size=4)
+def test_hierarchical_dispatch_on_four_ranks_equals_one_process(node_size):
+    """Four expert-parallel ranks as four nodes, two nodes of two (both steps carry rows)
+    and one node."""
+    for case in ("dropless-swiglu-z-loss", "capacity-shared-gate", "all-to-rank-0"):
+        _check_expert_parallel(4, "hierarchical", case, node_size=node_size)
+
+
+@distributed(world_size=4)
+def test_hierarchical_dispatch_crosses_to_a_node_once_per_token():
+    """Two nodes of two ranks, 8 experts, 4 per token: a token leaves for the other node
+    once if it chose any expert there; the flat dispatcher sends one row per such expert."""
+    from megapp.moe.dispatch import AllToAllDispatcher
+    from megapp.moe.hierarchical import HierarchicalDispatcher
+    from megapp.moe.router import Routing
+
+    rank, tokens = dist.get_rank(), 32
+    generator = torch.Generator().manual_seed(rank)
+    experts = torch.stack([torch.randperm(8, generator=generator)[:4] for _ in range(tokens)])
+    routing = Routing(torch.rand(tokens, 4, generator=generator), experts, None, None)
+    x = torch.randn(tokens, H, generator=generator)
+    steps = HierarchicalDispatcher(8, dist.group.WORLD, 2).dispatch(x, routing).steps
+    node = experts // 2 // 2  # expert -> rank -> node
+    other = 1 - rank // 2
+    leaving = steps[0].send_splits[other * 2 + rank % 2]
+    assert leaving == int((node == other).any(dim=1).sum())
+    flat = AllToAllDispatcher(8, dist.group.WORLD).dispatch(x, routing).plan.send_splits
+    assert sum(flat[other * 2 : other * 2 + 2]) == int((node == other).sum()) > leaving
 
 
 @pytest.mark.parametrize("ep", [2, 4])

@@ -16,7 +16,7 @@ ACTIVATIONS = ("gelu", "gelu_erf", "swiglu")
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "none")
 DROP_POLICIES = ("probs", "position")
-DISPATCHERS = ("alltoall", "allgather")
+DISPATCHERS = ("alltoall", "allgather", "hierarchical")
 
 
 @dataclass
@@ -68,7 +68,12 @@ class MoEConfig:
     """Scale the shared expert's output by ``sigmoid(x · w)`` (Qwen2-MoE's
     ``shared_expert_gate``)."""
     moe_token_dispatcher_type: str = "alltoall"
-    """How tokens reach other expert-parallel ranks: ``alltoall`` or ``allgather``."""
+    """How tokens reach other expert-parallel ranks: ``alltoall``, ``allgather`` or
+    ``hierarchical`` (once per destination node, then within it:
+    :mod:`megapp.moe.hierarchical`)."""
+    moe_dispatch_node_size: int | None = None
+    """``hierarchical``: expert-parallel ranks per node, consecutive in the group (None: all
+    of them, one node)."""
     moe_grouped_gemm: bool = True
     """Run the local experts as one grouped matmul where torch has one for the dtype and
     shapes (``torch._grouped_mm``); otherwise, or with False, a loop over the experts."""
@@ -113,6 +118,15 @@ class MoEConfig:
                 f"num_moe_experts ({self.num_moe_experts}) is not divisible by "
                 f"expert_model_parallel_size ({ep}); every expert-parallel rank holds the same "
                 "number of experts"
+            )
+        node = self.moe_dispatch_node_size
+        if node is not None and (
+            self.moe_token_dispatcher_type != "hierarchical" or node < 1 or ep % node
+        ):
+            raise ValueError(
+                f"moe_dispatch_node_size ({node}) applies to the hierarchical dispatcher and "
+                f"must divide expert_model_parallel_size ({ep}); the ranks of a node are "
+                "consecutive in the expert-parallel group"
             )
         if self.moe_ffn_hidden_size % etp:
             raise ValueError(

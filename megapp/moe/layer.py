@@ -26,6 +26,7 @@ from megapp.comm import Group
 from megapp.moe.config import MoEConfig
 from megapp.moe.dispatch import AllGatherDispatcher, AllToAllDispatcher
 from megapp.moe.experts import GroupedExperts
+from megapp.moe.hierarchical import HierarchicalDispatcher
 from megapp.moe.router import Router
 from megapp.moe.shared_experts import SharedExpert
 
@@ -72,10 +73,13 @@ class MoELayer(nn.Module):
             self.shared_expert = SharedExpert(config)
         else:
             self.shared_expert = None
-        dispatcher = {"alltoall": AllToAllDispatcher, "allgather": AllGatherDispatcher}
-        self.dispatcher = dispatcher[config.moe_token_dispatcher_type](
-            config.num_moe_experts, ep_group
-        )
+        kind, experts = config.moe_token_dispatcher_type, config.num_moe_experts
+        if kind == "hierarchical":
+            node = config.moe_dispatch_node_size
+            self.dispatcher = HierarchicalDispatcher(experts, ep_group, node)
+        else:
+            dispatcher = {"alltoall": AllToAllDispatcher, "allgather": AllGatherDispatcher}
+            self.dispatcher = dispatcher[kind](experts, ep_group)
         self.aux_loss_scale = 1.0
         self.losses: dict[str, torch.Tensor] = {}
         self.reset_loss_sums()

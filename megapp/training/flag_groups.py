@@ -143,8 +143,14 @@ class ModelArgs:
     )
     moe_token_dispatcher_type: str = arg(
         "alltoall",
-        "how tokens reach the experts' ranks: alltoall, or allgather (small ep)",
-        choices=("alltoall", "allgather"),
+        "how tokens reach the experts' ranks: alltoall, allgather (small ep), or "
+        "hierarchical (once per destination node, then within it)",
+        choices=("alltoall", "allgather", "hierarchical"),
+    )
+    moe_dispatch_node_size: int | None = arg(
+        None,
+        "hierarchical dispatch: expert-parallel ranks per node (default: all, one node)",
+        kind=int,
     )
     recompute_granularity: str | None = arg(None, "", choices=("full", "selective"))
     recompute_method: str | None = arg(None, "", choices=("uniform", "block"))

@@ -130,7 +130,9 @@ class TransformerConfig:
     moe_shared_expert_gate: bool = False
     """The shared expert's output scaled per token by ``sigmoid(x · w)`` (Qwen2-MoE)."""
     moe_token_dispatcher_type: str = "alltoall"
-    """``alltoall`` or ``allgather``."""
+    """``alltoall``, ``allgather`` or ``hierarchical``."""
+    moe_dispatch_node_size: int | None = None
+    """``hierarchical``: expert-parallel ranks per node (None: one node)."""
     moe_grouped_gemm: bool = True
     """Run the local experts as one grouped matmul where torch has it."""
     expert_model_parallel_size: int = 1
