@@ -66,6 +66,13 @@ CASES = [
     # there by test_moe_parallel)
     case(2, {"ep": 2}, {}, name="dp2"),
     case(4, {"ep": 4}, {"moe_token_dispatcher_type": "allgather"}, slow=True, name="dp4-allgather"),
+    case(
+        4,
+        {"ep": 4},
+        {"moe_token_dispatcher_type": "hierarchical", "moe_dispatch_node_size": 2},
+        slow=True,
+        name="dp4-hierarchical",
+    ),
     case(4, {"tp": 2, "ep": 2}, SP, name="sp"),
     case(4, {"pp": 2, "ep": 2}, {"activation": "swiglu", "add_bias_linear": False}),
     case(4, {"ep": 2}, {}, slow=True, name="dp4-edp2"),

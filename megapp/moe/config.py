@@ -72,8 +72,8 @@ class MoEConfig:
     ``hierarchical`` (once per destination node, then within it:
     :mod:`megapp.moe.hierarchical`)."""
     moe_dispatch_node_size: int | None = None
-    """``hierarchical``: expert-parallel ranks per node, consecutive in the group (None: all
-    of them, one node)."""
+    """``hierarchical``: expert-parallel ranks per node, consecutive in the group (None, or
+    at least the group's size: one node)."""
     moe_grouped_gemm: bool = True
     """Run the local experts as one grouped matmul where torch has one for the dtype and
     shapes (``torch._grouped_mm``); otherwise, or with False, a loop over the experts."""
@@ -120,13 +120,12 @@ class MoEConfig:
                 "number of experts"
             )
         node = self.moe_dispatch_node_size
-        if node is not None and (
-            self.moe_token_dispatcher_type != "hierarchical" or node < 1 or ep % node
-        ):
+        hierarchical = self.moe_token_dispatcher_type == "hierarchical"
+        if node is not None and (not hierarchical or node < 1 or (ep % node and node % ep)):
             raise ValueError(
                 f"moe_dispatch_node_size ({node}) applies to the hierarchical dispatcher and "
-                f"must divide expert_model_parallel_size ({ep}); the ranks of a node are "
-                "consecutive in the expert-parallel group"
+                f"must divide expert_model_parallel_size ({ep}) or be a multiple of it (a "
+                "node holds whole groups); the ranks of a node are consecutive in the group"
             )
         if self.moe_ffn_hidden_size % etp:
             raise ValueError(

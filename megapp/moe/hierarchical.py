@@ -74,17 +74,18 @@ class HierarchicalDispatched(Dispatched):
 
 class HierarchicalDispatcher:
     """Tokens to experts over ``group`` in two steps, across nodes of ``node_size`` ranks
-    (``None``: one node), then within them (see the module docstring)."""
+    (``None``, or at least the group: one node), then within them (see the module
+    docstring)."""
 
     def __init__(self, num_experts: int, group: Group = None, node_size: int | None = None):
         self.num_experts, self.group = num_experts, group
         self.ep, self.rank = comm.world_size(group), comm.rank(group)
         self.local = num_experts // self.ep
-        self.node_size = node_size or self.ep
+        self.node_size = min(node_size or self.ep, self.ep)  # a node may hold whole groups
         if self.node_size < 1 or self.ep % self.node_size:
             raise ValueError(
-                f"the hierarchical dispatcher's node size ({self.node_size}) must divide the "
-                f"expert-parallel size ({self.ep})"
+                f"the hierarchical dispatcher's node size ({node_size}) must divide the "
+                f"expert-parallel size ({self.ep}) or be a multiple of it"
             )
         self.one_rank = AllToAllDispatcher(num_experts)  # with ep 1 both are the same
 
