@@ -114,6 +114,41 @@ def test_an_all_to_all_across_nodes_is_as_slow_as_its_remote_shares():
     assert all_to_all_seconds(h100, 1e9, 1, 32) == 0.0
 
 
+def test_hierarchical_dispatch_is_priced_by_the_rows_it_sends():
+    """16 experts on 8 ranks of 2-GPU nodes (4 nodes), 4 per token: the rows a token sends
+    across nodes and within a node, averaged over every choice of its experts, priced over
+    InfiniBand, then NVLink; fewer bytes cross InfiniBand than the flat all-to-all sends."""
+    import dataclasses
+    import itertools
+
+    from megapp.planning.hardware import PROFILES, all_to_all_seconds
+    from megapp.planning.layer_costs import hierarchical_dispatch_seconds, missed
+
+    hardware = dataclasses.replace(
+        PROFILES["h100"], gpus_per_node=2, inter_node_latency=0.0, intra_node_latency=0.0
+    )
+    sizes = dict(num_moe_experts=16, moe_router_topk=4, expert_model_parallel_size=8)
+    gpt = GPTConfig(**dict(MOE, **sizes, expert_tensor_parallel_size=1))
+    me, choices = 0, list(itertools.combinations(range(16), 4))
+    rank = [e // 2 for e in range(16)]  # two experts a rank, two ranks a node
+    across = sum(len({rank[e] // 2 for e in c} - {me // 2}) for c in choices) / len(choices)
+    # within a node, every node's arrived rows (one per token that needs it) to its ranks
+    within = sum(
+        len({rank[e] for e in c if rank[e] // 2 == node} - {2 * node}) for c in choices
+        for node in range(4)
+    ) / len(choices)  # fmt: skip
+    assert missed(16, 4, 4) == pytest.approx(
+        sum(not set(c) & {0, 1, 2, 3} for c in choices) / len(choices)
+    )
+    row = 1e6  # bytes of one token's row; R = k rows
+    expected = across * row / hardware.inter_node_bandwidth
+    expected += within * row / hardware.intra_node_bandwidth
+    seconds = hierarchical_dispatch_seconds(gpt, 4 * row, hardware)
+    assert seconds == pytest.approx(expected, rel=1e-12)
+    flat = all_to_all_seconds(hardware, 4 * row, 8, 8)
+    assert across * row / hardware.inter_node_bandwidth < flat
+
+
 def _planner_base(name: str) -> GPTConfig:
     from megapp.planning.models import MODELS
 

@@ -90,11 +90,16 @@ engine (``ReduceGrads`` after the schedule's last step). Their runs are predicte
 
 
 def model_flags(run: PublishedRun, model: ModelPreset, ops: bool = False) -> tuple[str, ...]:
-    """The model's flags for ``run``: the preset's, with the source's uneven first and last
+    """The model's flags for ``run``: the preset's, with the run's token dispatcher (and
+    its node) where it is not the all-to-all, the source's uneven first and last
     pipeline stages where it gives them, ``--no-overlap-grad-reduce`` for the runs of
     :data:`REDUCE_AFTER_BACKWARD`; with ``ops``, the materialized attention of the runs of
     :data:`MATERIALIZED_ATTENTION`."""
     flags = model.flags
+    if run.dispatcher != "alltoall":  # its node: the GPUs a node holds, over etp
+        node = hardware_for(run).gpus_per_node // (run.etp or run.tp)
+        flags = (*flags, "--moe-token-dispatcher-type", run.dispatcher)
+        flags = (*flags, "--moe-dispatch-node-size", str(node))
     if ops and run.source in MATERIALIZED_ATTENTION:
         flags = (*flags, "--attention-backend", "fused_softmax")
     if run.source in REDUCE_AFTER_BACKWARD:

@@ -254,6 +254,12 @@ def group_link(hardware: Hardware, span: int) -> Link:
     return Link(hardware.inter_node_bandwidth, hardware.inter_node_latency)
 
 
+def members_per_node(hardware: Hardware, ranks: int, span: int) -> int:
+    """Members of a group of ``ranks`` spread evenly over ``span`` consecutive ranks that
+    share a node."""
+    return min(ranks, max(1, ranks * hardware.gpus_per_node // span))
+
+
 def all_to_all_seconds(hardware: Hardware, nbytes: float, ranks: int, span: int) -> float:
     """Seconds of an all-to-all of each rank's ``nbytes`` over ``ranks`` members spread
     evenly over ``span`` consecutive ranks. Within a node, :meth:`Link.all_to_all` over
@@ -264,7 +270,7 @@ def all_to_all_seconds(hardware: Hardware, nbytes: float, ranks: int, span: int)
         return 0.0
     if span <= hardware.gpus_per_node:
         return group_link(hardware, span).all_to_all(nbytes, ranks)
-    per_node = max(1, ranks * hardware.gpus_per_node // span)
+    per_node = members_per_node(hardware, ranks, span)
     share = nbytes / ranks
     remote = (ranks - per_node) * (
         hardware.inter_node_latency + share / hardware.inter_node_bandwidth

@@ -7,9 +7,16 @@ its docstring states the model.
 
 from __future__ import annotations
 
+import math
+
 from megapp.models.gpt import GPTConfig
 from megapp.planning.activations import moe_routed_rows
-from megapp.planning.hardware import Hardware, all_to_all_seconds, group_link
+from megapp.planning.hardware import (
+    Hardware,
+    all_to_all_seconds,
+    group_link,
+    members_per_node,
+)
 from megapp.planning.operations import LayerSeconds, layer_seconds, logits_seconds
 from megapp.training.flops import layer_flops as layer_flops_per_token
 from megapp.training.flops import moe_mlp_flops
@@ -49,7 +56,39 @@ def moe_layer_seconds(
     flops = tokens * (per_token - dense) / tp
     span = gpt.expert_tensor_parallel_size * ep
     volume = all_to_all_bytes(gpt, seq_length, micro_batch_size) * hardware.moe_load_imbalance
+    if gpt.moe_token_dispatcher_type == "hierarchical":
+        return flops, 2 * hierarchical_dispatch_seconds(gpt, volume, hardware)
     return flops, 2 * all_to_all_seconds(hardware, volume, ep, span)
+
+
+def missed(experts: int, held: int, k: int) -> float:
+    """The chance that none of ``k`` distinct experts chosen uniformly from ``experts`` is
+    one of ``held`` given ones: ``C(E − H, k) / C(E, k)``."""
+    return math.prod((experts - held - i) / (experts - i) for i in range(k))
+
+
+def hierarchical_dispatch_seconds(gpt: GPTConfig, routed_bytes: float, hardware: Hardware) -> float:
+    """Seconds of one dispatch (or combine) of the hierarchical dispatcher
+    (:mod:`megapp.moe.hierarchical`) for a rank whose ``R = T·k`` routed rows are
+    ``routed_bytes``, the experts chosen uniformly: the ``m`` members of the expert-parallel
+    group on a node (``n`` nodes) exchange, first over InfiniBand, a token once per other
+    node holding one of its experts (``(n − 1)(1 − P_node)`` rows a token, ``P_node`` the
+    chance a node holds none of its ``k``), then over NVLink each arrived row once per
+    other member holding one of its experts (``n·(m − 1)(1 − P_rank)`` rows a token), one
+    step after the other."""
+    ep, k, experts = gpt.expert_model_parallel_size, gpt.moe_router_topk, gpt.num_moe_experts
+    span = gpt.expert_tensor_parallel_size * ep
+    m = members_per_node(hardware, ep, span)
+    nodes, row = ep // m, routed_bytes / k  # bytes of one token
+    across = row * (nodes - 1) * (1 - missed(experts, experts // nodes, k))
+    within = row * nodes * (m - 1) * (1 - missed(experts, experts // ep, k))
+    seconds = 0.0
+    if nodes > 1:
+        seconds += (nodes - 1) * hardware.inter_node_latency
+        seconds += across / hardware.inter_node_bandwidth
+    if m > 1:
+        seconds += (m - 1) * hardware.intra_node_latency + within / hardware.intra_node_bandwidth
+    return seconds
 
 
 def moe_memory_bytes(

@@ -28,7 +28,9 @@ class PublishedRun:
     the loss as a layer each where the layers split over the virtual stages (Megatron's
     ``--account-for-embedding/loss-in-pipeline-split``), ``recompute``: "full",
     "selective", "none" or None (not stated),
-    ``precision``: the matmul precision the throughput was measured in."""
+    ``precision``: the matmul precision the throughput was measured in, ``dispatcher``:
+    megapp's name of the mixture-of-experts token dispatcher the run used (DeepEP's
+    node-deduplicated dispatch is ``hierarchical``)."""
 
     source: str
     model: str
@@ -55,6 +57,7 @@ class PublishedRun:
     step_time: float | None = None
     sequence_parallel: bool | None = None
     counts_recompute: bool | None = None
+    dispatcher: str = "alltoall"
     derived: str = ""
 
     @property
@@ -117,7 +120,7 @@ DEEPSEEK_V3_STAGES = (
 
 
 def _qwen3_zoo(
-    tp: int, ep: int, pp: int, vpp: int, tflops: float, seconds: float, recompute: str
+    tp: int, ep: int, pp: int, vpp: int, tflops: float, seconds: float, recompute: str, deepep: bool
 ) -> PublishedRun:
     dp = 256 // (tp * pp)
     return PublishedRun(
@@ -141,7 +144,9 @@ def _qwen3_zoo(
         sequence_parallel=True,
         step_time=seconds,
         counts_recompute=False,
+        dispatcher="hierarchical" if deepep else "alltoall",
         derived=(
+            f"dispatcher {'DeepEP' if deepep else 'all-to-all'} as the table states it; "
             "etp 1, the distributed optimizer and sequence "
             "parallelism from model_configs/benchmarking/Qwen3-235B-A22B.yaml; recompute "
             f"'{recompute}' as the table states it: megapp's layers always rebuild the norms' "
@@ -337,9 +342,9 @@ RUNS: tuple[PublishedRun, ...] = (
         counts_recompute=False,
         derived="dp = GPUs / (tp × pp)",
     ),
-    _qwen3_zoo(tp=2, ep=32, pp=8, vpp=4, tflops=245, seconds=19.7, recompute="norm, act"),
-    _qwen3_zoo(tp=2, ep=8, pp=32, vpp=3, tflops=200, seconds=24.2, recompute="norm, act"),
-    _qwen3_zoo(tp=4, ep=8, pp=8, vpp=4, tflops=167, seconds=29.0, recompute="none"),
+    _qwen3_zoo(2, 32, 8, 4, tflops=245, seconds=19.7, recompute="norm, act", deepep=True),
+    _qwen3_zoo(2, 8, 32, 3, tflops=200, seconds=24.2, recompute="norm, act", deepep=False),
+    _qwen3_zoo(4, 8, 8, 4, tflops=167, seconds=29.0, recompute="none", deepep=True),
     PublishedRun(
         source=BRIDGE_H100_FP8,
         model="qwen3-235b-a22b",
