@@ -121,7 +121,8 @@ def test_recompute_costs_what_it_adds_to_the_actions():
 @pytest.mark.parametrize("name", LAYOUTS[:3])
 def test_memory_lines_add_up_worst_rank_first(name):
     layout, e = parse_layout(name), explained(name)
-    predicted = predict_memory(pretrain_config(layout, TINY.flags, GBS), TINY.vocab_size)
+    config = pretrain_config(layout, TINY.flags, GBS)
+    predicted = predict_memory(config, TINY.vocab_size, H100.hardware.transport)
     assert sorted(m.pp_rank for m in e.memory) == list(range(layout.pp))
     assert [m.total for m in e.memory] == sorted((m.total for m in e.memory), reverse=True)
     for m in e.memory:

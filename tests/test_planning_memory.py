@@ -77,8 +77,27 @@ def test_a_chunk_holds_what_the_model_predicts(pp_rank, pp, settings):
 
 @pytest.mark.parametrize("schedule, expected", [("gpipe", [8, 8, 8, 8]), ("1f1b", [4, 3, 2, 1])])
 def test_in_flight_follows_the_schedule(schedule, expected):
+    """On NCCL (no optimizer temporaries that could outgrow one microbatch's activations)."""
     config = pretrain_config(Layout(pp=4, schedule=schedule), MODEL, global_batch_size=8)
-    assert [m.in_flight for m in predict_memory(config, VOCAB)] == expected
+    assert [m.in_flight for m in predict_memory(config, VOCAB, "nccl")] == expected
+
+
+def test_a_cpu_step_can_be_the_peak():
+    """On gloo (CPU, multi-tensor AdamW) the step's fp32 temporary per optimized parameter
+    can outgrow the held activations: then it is the rank's peak, with nothing in flight
+    (1F1B's last rank here, which holds one microbatch)."""
+    from megapp.planning.memory import optimizer_step_bytes
+    from megapp.planning.model_state import ModelState
+
+    config = pretrain_config(Layout(pp=4), MODEL, global_batch_size=8)
+    on_gpu, on_cpu = predict_memory(config, VOCAB, "nccl"), predict_memory(config, VOCAB, "gloo")
+    last_gpu, last_cpu = on_gpu[-1], on_cpu[-1]
+    state = ModelState(last_gpu.weights, last_gpu.grads, last_gpu.optimizer)
+    step = optimizer_step_bytes(state, config.gpt_config(VOCAB).params_dtype)
+    assert step == pytest.approx(last_gpu.optimizer / 2)  # fp32: 4 of the moments' 8 bytes
+    assert (last_cpu.in_flight, last_cpu.activations) == (0, 0)
+    assert last_cpu.working >= step and last_cpu.total > last_gpu.total
+    assert all(cpu.total >= gpu.total for gpu, cpu in zip(on_gpu, on_cpu, strict=True))
 
 
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])

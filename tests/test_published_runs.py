@@ -172,7 +172,7 @@ def test_moe_run_is_predicted_and_fits(run: PublishedRun):
     step = predict_step_time(config, preset.vocab_size, hardware)
     assert math.isfinite(step.seconds) and step.seconds > 0
     assert math.isfinite(step.tflops_per_gpu) and step.tflops_per_gpu > 0
-    memory = peak_memory(config, preset.vocab_size)
+    memory = peak_memory(config, preset.vocab_size, hardware)
     assert memory > 0
     if run.recompute is None:  # the lightest recompute that fits
         assert memory <= hardware.usable_memory

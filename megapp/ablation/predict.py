@@ -45,6 +45,10 @@ def predict(config: PretrainConfig, hardware: str | None) -> Prediction:
         except (ValueError, NotImplementedError) as error:
             notes.append(f"memory: {error}")
     timing = _optional_module("megapp.planning.timing")
+    # the memory of the run as it is measured, on this machine, whatever profile times it
+    memory_transport = None
+    if memory is not None:
+        memory_transport = "gloo" if memory.runs_on_gloo(config) else "nccl"
     if hardware is None:
         notes.append("no hardware profile for the time")
     elif timing is None:
@@ -53,20 +57,27 @@ def predict(config: PretrainConfig, hardware: str | None) -> Prediction:
         from megapp.planning.profiles import load_profile, time_model
 
         try:
-            explain_into(out, config, vocab, time_model(load_profile(hardware)))
+            explain_into(out, config, vocab, time_model(load_profile(hardware)), memory_transport)
         except (ValueError, NotImplementedError) as error:
             notes.append(f"time: {error}")
     out.note = "; ".join(notes) or None
     return out
 
 
-def explain_into(out: Prediction, config: PretrainConfig, vocab: int, model: TimeModel) -> None:
+def explain_into(
+    out: Prediction,
+    config: PretrainConfig,
+    vocab: int,
+    model: TimeModel,
+    transport: str | None = None,
+) -> None:
     """Store in ``out`` the rows of :func:`megapp.planning.explain.explain` of ``config``
-    under the time ``model`` (a row without a value, MFU on a machine without a peak, as
-    None) and the pipeline ranks they describe."""
+    under the time ``model``, its memory on devices moving tensors by ``transport`` (a row
+    without a value, MFU on a machine without a peak, as None) and the pipeline ranks they
+    describe."""
     from megapp.planning.explain import explain, explanation_rows
 
-    explanation = explain(config, vocab, model)
+    explanation = explain(config, vocab, model, transport=transport)
     step = explanation.step_time  # the step timing.predict gives, and why
     out.iteration_seconds, out.bubble = float(step.seconds), float(step.bubble)
     rows = explanation_rows(explanation)

@@ -66,9 +66,9 @@ def hardware_for(run: PublishedRun, ops: bool = False) -> Hardware:
     return hardware
 
 
-def peak_memory(config: PretrainConfig, vocab_size: int) -> float:
-    """Predicted bytes on the fullest GPU of ``config``."""
-    return peak_bytes(predict_memory(config, vocab_size))
+def peak_memory(config: PretrainConfig, vocab_size: int, hardware: Hardware) -> float:
+    """Predicted bytes on the fullest GPU of ``config`` on ``hardware``."""
+    return peak_bytes(predict_memory(config, vocab_size, hardware.transport))
 
 
 MATERIALIZED_ATTENTION = (NARAYANAN_2021, MT_NLG)
@@ -166,7 +166,7 @@ def published_layout(
             config = pretrain_config(layout, flags, run.global_batch_size)
         except ArgumentsError:  # e.g. too few microbatches for the schedule; where every
             continue  # candidate is refused, the fallback below raises the refusal
-        fits = peak_memory(config, model.vocab_size) <= hardware.usable_memory
+        fits = peak_memory(config, model.vocab_size, hardware) <= hardware.usable_memory
         if len(candidates) > 1 and not fits:
             continue
         seconds = predict_step_time(config, model.vocab_size, hardware).seconds
@@ -227,7 +227,7 @@ def compare(
         row.predicted = step.tflops_per_gpu + (recompute if run.counts_recompute else 0.0)
         hidden = step.seconds - step.breakdown["tensor_parallel"]
         row.hiding_tp = row.predicted * step.seconds / hidden
-        row.memory = peak_memory(config, model.vocab_size)
+        row.memory = peak_memory(config, model.vocab_size, hardware)
         row.layout, row.assumed = layout.name, ", ".join(assumed)
         if run.stage_layers is not None:
             row.layout += " ({}, ..., {} layers)".format(*run.stage_layers)

@@ -230,17 +230,25 @@ def explain_layout(
 
 
 def explain(
-    config: PretrainConfig, vocab_size: int, model: TimeModel, name: str = ""
+    config: PretrainConfig,
+    vocab_size: int,
+    model: TimeModel,
+    name: str = "",
+    transport: str | None = None,
 ) -> Explanation:
     """The predicted step of ``config`` (as :func:`~megapp.planning.timing.predict`
-    predicts it) and its memory, each broken down."""
+    predicts it) and its memory, each broken down; the memory on devices that move tensors
+    by ``transport`` (None: the time model's hardware's)."""
     run = simulate_step(config, vocab_size, model)
     free = dataclasses.replace(run.planned, p2p=0.0)  # the schedule's own bubble
     _, quiet = model.run(run.schedule, free, config.world_size)
     breakdown = step_breakdown(config, run.gpt, model, run.planned, run.costs, run.step, quiet)
     step = run.step
     memory = sorted(
-        (MemoryBreakdown.of(m) for m in predict_memory(config, vocab_size)),
+        (
+            MemoryBreakdown.of(m)
+            for m in predict_memory(config, vocab_size, transport or model.hardware.transport)
+        ),
         key=lambda m: (-m.total, m.pp_rank),
     )
     return Explanation(name, step, breakdown, memory, model.hardware.usable_memory)

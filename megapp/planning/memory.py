@@ -259,17 +259,37 @@ def zero3_gathered_bytes(config: GPTConfig, dp: int, outer_parameters: int) -> f
     return whole * config.params_dtype.itemsize * (1 - 1 / dp)
 
 
-def predict_memory(config, vocab_size: int) -> list[RankMemory]:
+def runs_on_gloo(config, transport: str | None = None) -> bool:
+    """Whether the run ``config`` moves its tensors with gloo on CPU (``transport``, a
+    hardware profile's: ``gloo`` or ``nccl``; None: the config's backend, or where it names
+    none, this machine's: gloo without CUDA)."""
+    if transport is not None:
+        return transport == "gloo"
+    backend = config.parallel.distributed_backend
+    return backend == "gloo" or (backend is None and not torch.cuda.is_available())
+
+
+def optimizer_step_bytes(state: ModelState, dtype: torch.dtype) -> float:
+    """What torch's multi-tensor AdamW (megapp's optimizer on CPU) allocates in its step
+    beyond the state: one fp32 tensor per optimized parameter (the square roots of the
+    second moments). The fused CUDA kernels allocate none."""
+    per_parameter = 8 + (4 if dtype != torch.float32 else 0)  # moments, fp32 master copy
+    return 4 * state.optimizer / per_parameter
+
+
+def predict_memory(config, vocab_size: int, transport: str | None = None) -> list[RankMemory]:
     """Peak memory of every pipeline rank of the run ``config`` (a
-    :class:`~megapp.training.config.PretrainConfig`) for a tokenizer of ``vocab_size`` ids."""
+    :class:`~megapp.training.config.PretrainConfig`) for a tokenizer of ``vocab_size`` ids,
+    on devices whose tensors move by ``transport`` (:func:`runs_on_gloo`). A run on gloo
+    keeps a sent output until the plan proves it delivered, and its optimizer step's
+    temporaries (:func:`optimizer_step_bytes`) can be its peak, after the backward."""
     model = config.gpt_config(vocab_size)
     schedule = config.schedule
     cp = config.parallel.context_parallel_size
     s, b = config.model.seq_length // cp, config.training.micro_batch_size
     dp, zero = config.data_parallel_size * cp, config.parallel.zero_stage  # ZeRO's ranks
     num_stages = schedule.num_virtual_stages
-    backend = config.parallel.distributed_backend
-    gloo = backend == "gloo" or (backend is None and not torch.cuda.is_available())
+    gloo = runs_on_gloo(config, transport)
     layers = [len(r) for r in placement_layer_ranges(model, schedule.placement)]
     run = None  # an asynchronous schedule over the iterations between two flushes
     if schedule.asynchronous:
@@ -314,6 +334,9 @@ def predict_memory(config, vocab_size: int) -> list[RankMemory]:
                 held, in_flight = held - store, in_flight - 1
             elif action.op is Op.BACKWARD:
                 held, in_flight = held - size, in_flight - 1
+        step = optimizer_step_bytes(state, model.params_dtype) if gloo else 0.0
+        if buffers + step > peak[0] + peak[1]:  # the step, after every backward
+            peak = (0.0, buffers + step, 0.0)
         copies = stash_profile(run, rank)[1] if run is not None else 0
         out.append(
             RankMemory(

@@ -309,7 +309,8 @@ class Planner:
         config = self._config(layout)
         if config is None:
             return "invalid"
-        memory = max(r.total for r in predict_memory(config, self.model.vocab_size))
+        predicted = predict_memory(config, self.model.vocab_size, self.hardware.transport)
+        memory = max(r.total for r in predicted)
         if memory > self.hardware.usable_memory:
             return "memory"
         return config, memory
