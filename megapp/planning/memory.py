@@ -16,7 +16,11 @@ For each pipeline rank (tensor- and data-parallel ranks of one stage hold the sa
   layer's activations and weights, the output layer's logit gradients; ZeRO-3 adds the
   weights gathered for the layer in use and the one prefetched;
 
-and the peak is the state plus the largest held + working sum over the rank's actions.
+and the peak is the state plus the largest held + working sum over the rank's actions, or,
+on gloo (CPU), the optimizer step's temporaries after the backward where they are larger
+(:func:`optimizer_step_bytes`; the fused CUDA optimizer allocates none). Which transport a
+run uses is the hardware profile's for a plan, else the config's
+(:func:`runs_on_gloo`).
 Every term is a count of the tensors megapp's layers create (measured, on CPU, by
 :class:`~megapp.training.live_memory.LiveTensorMemory`; see docs/planning.md).
 
