@@ -18,7 +18,8 @@ each rank and the second still sends a token once per destination rank.
 
 Both steps are all-to-alls of uneven slices over the expert-parallel group
 (:func:`~megapp.moe.dispatch.all_to_all`); a rank's slices for ranks it does not talk to in
-a step are empty. The counts each step needs are all-gathered first. Backward is autograd
+a step are empty. The counts each step needs are all-gathered first; beside the rows, each
+step sends the slots' experts (-1 for the slots elsewhere) and their weights. Backward is autograd
 through the index operations and the all-to-alls.
 """
 
@@ -104,8 +105,6 @@ class HierarchicalDispatcher:
 
     def _forward(self, values: torch.Tensor, step: _Step) -> torch.Tensor:
         """One row per pair of ``step`` (in its order) to where the step sends it."""
-        if values.dtype == torch.bool:  # not every backend exchanges booleans
-            return self._forward(values.to(torch.uint8), step).bool()
         return all_to_all(values.contiguous(), step.recv_splits, step.send_splits, self.group)
 
     def dispatch(self, x: torch.Tensor, routing: Routing) -> Dispatched:
@@ -120,17 +119,18 @@ class HierarchicalDispatcher:
         step1, slots1, x1 = self._step(
             x, owner // g, valid, lambda node: node * g + lane, self.ep // g
         )
-        experts1 = self._forward(experts.index_select(0, step1.rows), step1)
-        valid1 = self._forward(slots1, step1)
+        # the slots there: their experts (-1 for the others) and weights (0 for the others)
+        experts1 = self._forward(experts.index_select(0, step1.rows).where(slots1, -1), step1)
         probs1 = self._forward(routing.probs.index_select(0, step1.rows) * slots1, step1)
         # 2: within the node, to each rank holding one of them
-        step2, slots2, x2 = self._step(x1, experts1 // self.local, valid1, lambda r: r, self.ep)
-        experts2 = self._forward(experts1.index_select(0, step2.rows), step2)
-        valid2 = self._forward(slots2, step2)
+        valid1 = experts1 >= 0
+        owners1 = experts1.clamp(min=0) // self.local
+        step2, slots2, x2 = self._step(x1, owners1, valid1, lambda r: r, self.ep)
+        experts2 = self._forward(experts1.index_select(0, step2.rows).where(slots2, -1), step2)
         probs2 = self._forward(probs1.index_select(0, step2.rows) * slots2, step2)
         # here: each arrived row's slots for this rank's experts, by local expert
         local = (experts2 - self.rank * self.local).clamp(0, self.local - 1)
-        perm = sort_by_expert(local, valid2, self.local)
+        perm = sort_by_expert(local, experts2 >= 0, self.local)
         rows = x2.index_select(0, perm.tokens)
         tokens_per_expert = perm.tokens_per_expert.tolist()
         return HierarchicalDispatched(rows, tokens_per_expert, perm, probs2, None, (step1, step2))
