@@ -304,3 +304,35 @@ def test_expert_parallelism_keeps_no_more_than_one_rank():
     gpt = GPTConfig(**dict(MOE_PASSES, moe_router_topk=2, expert_model_parallel_size=2))
     priced = moe_activation_bytes(gpt, 1024, 1) + _dense_mlp_output(gpt, 1024)
     assert priced == pytest.approx(_kept_bytes(gpt, 1024, dist.group.WORLD), rel=0.02)
+
+
+@distributed(world_size=2)
+def test_a_moe_forward_holds_no_more_at_once_than_its_priced_working_memory():
+    """Beyond what the layer keeps, a MoE layer's forward at ep 2 holds at most the
+    working memory the planner prices for it (two buffers of the routed rows, and the
+    layer's output): each buffer of the dispatch and the combine is freed once the next is
+    made (before, the sent rows, the received and returned buffers and the experts' output
+    lived to the end of the layer: 3 R·h·w more)."""
+    import gc
+
+    import torch.distributed as dist
+
+    from megapp.moe.layer import MoELayer
+    from megapp.planning.activations import moe_routed_rows
+    from megapp.training.live_memory import LiveTensorMemory
+
+    gpt = GPTConfig(**dict(MOE_PASSES, moe_router_topk=2, expert_model_parallel_size=2))
+    torch.manual_seed(5)
+    layer = MoELayer(gpt.moe_config(), ep_group=dist.group.WORLD)
+    tokens, h, w = 1024, gpt.hidden_size, gpt.params_dtype.itemsize
+    x = torch.randn(tokens, 1, h, dtype=gpt.params_dtype, requires_grad=True)
+    with LiveTensorMemory() as memory:
+        start = memory.current()
+        output, _ = layer(x)
+        gc.collect()
+        memory.sweep()
+        kept = memory.current() - start  # what backward needs, and the output
+    priced = 2 * moe_routed_rows(gpt, tokens, 1) * h * w + tokens * h * w
+    assert output.shape == x.shape
+    # within 1%: the routing's [T, k] and [T, E] tensors are left out of the price
+    assert 0 < memory.peak - start - kept <= 1.01 * priced, (memory.peak - start - kept, priced)

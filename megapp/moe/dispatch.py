@@ -112,16 +112,19 @@ class AllToAllDispatcher:
         if plan.total == 0:  # no rank routes any pair: every rank skips the exchange alike
             return Dispatched(rows, plan.tokens_per_local_expert, perm, routing.probs, plan)
         received = all_to_all(rows, plan.recv_splits, plan.send_splits, self.group)
+        del rows  # sent: free it before the next copy (on any device, a reference holds it)
         mine = received.index_select(0, plan.recv_rows.to(x.device))
         return Dispatched(mine, plan.tokens_per_local_expert, perm, routing.probs, plan)
 
     def combine(self, out: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
         """The experts' rows ``[M, h]`` -> this rank's routed output ``[T, h]``."""
         plan = dispatched.plan
-        if plan is not None and plan.total > 0:
-            back = place_rows(out, plan.recv_rows.to(out.device), out.shape[0])
-            out = all_to_all(back, plan.send_splits, plan.recv_splits, self.group)
-        return combine_slots(unpermute(out, dispatched.perm), dispatched.probs)
+        if plan is not None and plan.total > 0:  # each buffer freed once the next is made
+            out = place_rows(out, plan.recv_rows.to(out.device), out.shape[0])
+            out = all_to_all(out, plan.send_splits, plan.recv_splits, self.group)
+        pairs = unpermute(out, dispatched.perm)
+        del out
+        return combine_slots(pairs, dispatched.probs)
 
 
 class AllGatherDispatcher:

@@ -139,10 +139,13 @@ class HierarchicalDispatcher:
         """The experts' rows ``[M, h]`` -> this rank's routed output ``[T, h]``."""
         if self.ep == 1:
             return self.one_rank.combine(out, dispatched)
-        summed = combine_slots(unpermute(out, dispatched.perm), dispatched.probs)
+        pairs = unpermute(out, dispatched.perm)
+        del out  # each buffer freed once the next is made
+        summed = combine_slots(pairs, dispatched.probs)
+        del pairs
         for step in reversed(dispatched.steps):  # each arrived row's sum back to its sender
-            back = all_to_all(summed, step.send_splits, step.recv_splits, self.group)
-            summed = _sum_rows(back, step.rows, step.sources)
+            summed = all_to_all(summed, step.send_splits, step.recv_splits, self.group)
+            summed = _sum_rows(summed, step.rows, step.sources)
         return summed
 
 

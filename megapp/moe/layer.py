@@ -121,8 +121,10 @@ class MoELayer(nn.Module):
             self.loss_sums[name] = self.loss_sums.get(name, 0.0) + value.detach()
         self.loss_forwards += bool(routing.losses)
         dispatched = self.dispatcher.dispatch(tokens, routing)
-        expert_out = self.experts(dispatched.rows, dispatched.tokens_per_expert)
-        out = self.dispatcher.combine(expert_out, dispatched)
+        # the experts' output is combine's alone, which frees each buffer once it is used
+        out = self.dispatcher.combine(
+            self.experts(dispatched.rows, dispatched.tokens_per_expert), dispatched
+        )
         if self.shared_expert is not None:
             out = out + self.shared_expert(tokens)
         return out.view(s, b, h), None
