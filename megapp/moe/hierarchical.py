@@ -105,7 +105,7 @@ class HierarchicalDispatcher:
 
     def _forward(self, values: torch.Tensor, step: _Step) -> torch.Tensor:
         """One row per pair of ``step`` (in its order) to where the step sends it."""
-        return all_to_all(values.contiguous(), step.recv_splits, step.send_splits, self.group)
+        return all_to_all(values, step.recv_splits, step.send_splits, self.group)
 
     def dispatch(self, x: torch.Tensor, routing: Routing) -> Dispatched:
         """This rank's tokens ``x`` ``[T, h]`` -> the rows for its experts."""

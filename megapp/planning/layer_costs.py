@@ -233,19 +233,23 @@ def compute_seconds(
 
 
 def moe_compute_seconds(
-    gpt: GPTConfig, seq_length: int, micro_batch_size: int, hardware: Hardware
+    gpt: GPTConfig,
+    seq_length: int,
+    micro_batch_size: int,
+    hardware: Hardware,
+    dense: LayerSeconds,
 ) -> LayerSeconds:
     """One mixture-of-experts layer's compute for one microbatch on one rank, as
-    :func:`compute_seconds` prices a dense one: operation by operation, the experts as
-    grouped matmuls (:func:`~megapp.planning.operations.expert_parts`, their rows scaled by
-    the load imbalance), else the dense layer's FLOPs with :func:`moe_layer_seconds`' added
-    at ``hardware.gemm_flops``. Their memory-bound passes are :func:`moe_memory_seconds`'."""
+    :func:`compute_seconds` prices a dense one (``dense``, its first result): operation by
+    operation, the experts as grouped matmuls
+    (:func:`~megapp.planning.operations.expert_parts`, their rows scaled by the load
+    imbalance), else ``dense`` with :func:`moe_layer_seconds`' FLOPs added at
+    ``hardware.gemm_flops``. Their memory-bound passes are :func:`moe_memory_seconds`'."""
     if hardware.ops is not None:
         return layer_seconds(
             gpt, seq_length, micro_batch_size, hardware.ops,
             experts=True, imbalance=hardware.moe_load_imbalance,
         )  # fmt: skip
-    dense, _ = compute_seconds(gpt, seq_length, micro_batch_size, 1, hardware)
     extra = moe_layer_seconds(gpt, seq_length, micro_batch_size, hardware)[0] / hardware.gemm_flops
     return LayerSeconds(
         dense.forward + extra,

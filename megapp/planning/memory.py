@@ -64,6 +64,7 @@ from megapp.planning.model_state import (
     layer_parameters,
     model_state,
     moe_layer_count,
+    optimizer_bytes_per_parameter,
 )
 
 LOSS_BYTES_PER_TOKEN = 28
@@ -277,8 +278,7 @@ def optimizer_step_bytes(state: ModelState, dtype: torch.dtype) -> float:
     """What torch's multi-tensor AdamW (megapp's optimizer on CPU) allocates in its step
     beyond the state: one fp32 tensor per optimized parameter (the square roots of the
     second moments). The fused CUDA kernels allocate none."""
-    per_parameter = 8 + (4 if dtype != torch.float32 else 0)  # moments, fp32 master copy
-    return 4 * state.optimizer / per_parameter
+    return 4 * state.optimizer / optimizer_bytes_per_parameter(dtype)
 
 
 def predict_memory(config, vocab_size: int, transport: str | None = None) -> list[RankMemory]:

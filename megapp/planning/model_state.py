@@ -141,6 +141,11 @@ class ModelState:
         )
 
 
+def optimizer_bytes_per_parameter(dtype: torch.dtype) -> int:
+    """AdamW's fp32 moments, and an fp32 master copy of 16-bit weights."""
+    return 8 + (4 if dtype != torch.float32 else 0)
+
+
 def model_state(
     parameters: int, dtype: torch.dtype, dp: int = 1, zero_stage: int = 0
 ) -> ModelState:
@@ -150,10 +155,9 @@ def model_state(
         raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage}")
     if dp < 1:
         raise ValueError(f"dp must be >= 1, got {dp}")
-    width = dtype.itemsize
-    masters = 4 if dtype != torch.float32 else 0
+    optimizer = optimizer_bytes_per_parameter(dtype)
     return ModelState(
-        weights=width * parameters / (dp if zero_stage >= 3 else 1),
+        weights=dtype.itemsize * parameters / (dp if zero_stage >= 3 else 1),
         grads=4 * parameters / (dp if zero_stage >= 2 else 1),
-        optimizer=(8 + masters) * parameters / (dp if zero_stage >= 1 else 1),
+        optimizer=optimizer * parameters / (dp if zero_stage >= 1 else 1),
     )

@@ -45,6 +45,7 @@ import math
 from dataclasses import dataclass
 
 from megapp.models.gpt import GPTConfig
+from megapp.planning.activations import moe_routed_rows
 
 _DROPOUT_MASK_BYTES = 1  # torch keeps a dropout mask as one byte per element
 OVERHEADS = ("wave_overhead", "matmul_overhead", "kernel_overhead", "launch_overhead")
@@ -254,12 +255,9 @@ def layer_parts(
     heads, groups = gpt.num_attention_heads // tp, gpt.num_query_groups // tp
     ffn = gpt.ffn_hidden_size // tp if dense_mlp else 0
     gated = gpt.activation == "swiglu"
-    linears = (
-        (h, (heads + 2 * groups) * d),  # QKV
-        (heads * d, h),  # projection
-        (h, ffn * (2 if gated else 1)),  # fc1 (with SwiGLU's gate)
-        (ffn, h),  # fc2
-    )[: 4 if dense_mlp else 2]
+    linears = [(h, (heads + 2 * groups) * d), (heads * d, h)]  # QKV, projection
+    if dense_mlp:  # fc1 (with SwiGLU's gate), fc2
+        linears += [(h, ffn * (2 if gated else 1)), (ffn, h)]
     timed = [rates.linear(tokens, inputs, outputs, w) for inputs, outputs in linears]
     matmul = tuple(sum(column) for column in zip(*timed, strict=True))
     core_f, core_b = attention_seconds(gpt, seq_length, micro_batch_size, rates)
@@ -317,8 +315,6 @@ def expert_parts(
     the etp ranks) with tiles and waves counted over all of them; and the experts' and the
     router's weight gradients added into ``main_grad``. The memory-bound passes are
     :func:`~megapp.planning.layer_costs.moe_memory_bytes`'."""
-    from megapp.planning.activations import moe_routed_rows
-
     h, w, experts = gpt.hidden_size, _width(gpt), gpt.num_moe_experts
     rows = moe_routed_rows(gpt, seq_length // gpt.context_parallel_size, micro_batch_size)
     tokens = rows // gpt.moe_router_topk
@@ -374,12 +370,10 @@ def layer_seconds(
     memory-bound passes apart). A pass lasts the longer of its device time and its kernels'
     host launches."""
     parts = layer_parts(gpt, seq_length, micro_batch_size, rates, dense_mlp=not experts)
+    rows = list(parts.values())
     if experts:
-        moe = expert_parts(gpt, seq_length, micro_batch_size, rates, imbalance)
-        parts = {name: parts.get(name, (0.0,) * 3) for name in (*parts, *moe)}
-        for name, values in moe.items():
-            parts[name] = tuple(a + b for a, b in zip(parts[name], values, strict=True))
-    device = (sum(column) for column in zip(*parts.values(), strict=True))
+        rows += expert_parts(gpt, seq_length, micro_batch_size, rates, imbalance).values()
+    device = (sum(column) for column in zip(*rows, strict=True))
     host = (n * rates.launch_overhead for n in layer_kernels(gpt))
     f, i, w = (max(d, h) for d, h in zip(device, host, strict=True))
     return LayerSeconds(f, i, w, core_forward=parts["attention"][0])

@@ -29,7 +29,6 @@ from megapp.planning.hardware import Hardware
 from megapp.planning.layout import Layout, pretrain_config
 from megapp.planning.layout_space import Space, layouts
 from megapp.planning.memory import (
-    HeldCounts,
     chunk_activation_bytes,
     chunk_working_bytes,
     expert_data_parallel_size,
@@ -99,9 +98,8 @@ class Planner:
         self.base = pretrain_config(Layout(), model.flags, 1).gpt_config(model.vocab_size)
         self._costs: dict[tuple, timing.ActionCosts | None] = {}
         self._gpts: dict[tuple, GPTConfig | None] = {}
-        self._states: dict[tuple, list[float]] = {}
-        self._held: dict[tuple, HeldCounts] = {}
-        self._chunks: dict[tuple, float] = {}
+        # results of pure functions of a layout's parts (model state, held counts, bytes)
+        self._memos: dict[tuple, object] = {}
         self._bounds: dict[tuple, float] = {}
         self._schedules: dict[tuple, Schedule | str] = {}
         # per schedule, the first costs simulated with it and every rank's last event then
@@ -133,20 +131,30 @@ class Planner:
                 self._gpts[key] = None
         return self._gpts[key]
 
+    def _memo(self, fn, *args):
+        """``fn(*args)``, once per arguments (a GPTConfig or a Schedule among them is one of
+        :meth:`gpt`'s or :meth:`schedule`'s, which live as long as the planner, so it is
+        known by its identity)."""
+        key = (fn, *(id(a) if isinstance(a, GPTConfig | Schedule) else a for a in args))
+        if key not in self._memos:
+            self._memos[key] = fn(*args)
+        return self._memos[key]
+
+    def _stage_layers(self, gpt: GPTConfig, placement) -> list[int]:
+        """Every virtual stage's layer count under ``placement``."""
+        return [len(r) for r in self._memo(placement_layer_ranges, gpt, placement)]
+
     def rank_states(self, layout: Layout, gpt: GPTConfig, placement) -> list[float]:
         """Every pipeline rank's model state in bytes (:func:`rank_state`): ZeRO shards it
         over the data- and context-parallel ranks, the experts' over their data-parallel
         ranks."""
-        key = (layout.tp, layout.dp * layout.cp, layout.zero_stage, placement)
-        key += (layout.ep, layout.etp, layout.embedding_in_split, layout.loss_in_split)
-        if key not in self._states:
-            layers = [len(r) for r in placement_layer_ranges(gpt, placement)]
-            edp = expert_data_parallel_size(gpt, layout.world_size, layout.pp)
-            dp, zero = key[1], layout.zero_stage
-            self._states[key] = [
-                rank_state(gpt, row, layers, dp, zero, edp).total for row in placement
-            ]
-        return self._states[key]
+        edp = expert_data_parallel_size(gpt, layout.world_size, layout.pp)
+        dp, zero = layout.dp * layout.cp, layout.zero_stage
+        return self._memo(self._rank_totals, gpt, placement, dp, zero, edp)
+
+    def _rank_totals(self, gpt: GPTConfig, placement, dp: int, zero: int, edp: int) -> list[float]:
+        layers = self._stage_layers(gpt, placement)
+        return [rank_state(gpt, row, layers, dp, zero, edp).total for row in placement]
 
     def state_fits(self, layout: Layout, gpt: GPTConfig, placement) -> bool:
         """Whether every rank's model state alone fits in memory (a bound on the total)."""
@@ -155,37 +163,24 @@ class Planner:
     def memory_floor(self, layout: Layout, gpt: GPTConfig, schedule: Schedule) -> float:
         """A floor on ``layout``'s predicted peak memory (:func:`predict_memory`, which needs
         the checked config): the worst rank's model state and the activations its schedule
-        holds at once, without the working memory."""
+        holds at once, with the least working memory of a forward."""
         placement = schedule.placement
-        layers = [len(r) for r in placement_layer_ranges(gpt, placement)]
+        layers = self._stage_layers(gpt, placement)
         states = self.rank_states(layout, gpt, placement)
         s, b, last = self.model.seq_length // layout.cp, layout.micro_batch_size, len(layers) - 1
-        key = self._schedule_key(layout)
         floor = 0.0
         for rank, row in enumerate(placement):
-            if (*key, rank) not in self._held:
-                self._held[(*key, rank)] = held_counts(schedule, rank)
-            sizes = [self._chunk_bytes(gpt, layers[st], st == 0, st == last, s, b) for st in row]
-            working = [self._forward_working(gpt, layers[st], st == last, s, b) for st in row]
-            floor = max(floor, states[rank] + self._held[(*key, rank)].floor(sizes, working))
+            held = self._memo(held_counts, schedule, rank)
+            sizes = [
+                self._memo(chunk_activation_bytes, gpt, layers[st], st == 0, st == last, s, b)
+                for st in row
+            ]
+            working = [
+                self._memo(chunk_working_bytes, gpt, layers[st], st == last, Op.FORWARD, s, b)
+                for st in row
+            ]
+            floor = max(floor, states[rank] + held.floor(sizes, working))
         return floor
-
-    def _chunk_bytes(self, gpt: GPTConfig, *shape: int | bool) -> int:
-        """:func:`chunk_activation_bytes` of ``gpt`` (one of :meth:`gpt`'s, which live as
-        long as the planner) for a chunk of ``shape``: layers, first, last, s, b."""
-        key = (id(gpt), *shape)
-        if key not in self._chunks:
-            self._chunks[key] = chunk_activation_bytes(gpt, *shape)
-        return self._chunks[key]
-
-    def _forward_working(self, gpt: GPTConfig, *shape: int | bool) -> float:
-        """:func:`chunk_working_bytes` of a forward through a chunk of ``shape``: layers,
-        last, s, b (cached as :meth:`_chunk_bytes`)."""
-        key = (id(gpt), "F", *shape)
-        if key not in self._chunks:
-            layers, last, s, b = shape
-            self._chunks[key] = chunk_working_bytes(gpt, layers, last, Op.FORWARD, s, b)
-        return self._chunks[key]
 
     @staticmethod
     def _key(layout: Layout) -> tuple:

@@ -89,6 +89,7 @@ from megapp.planning.model_state import (
     layer_parameters,
     moe_layer_count,
 )
+from megapp.planning.operations import LayerSeconds
 from megapp.planning.step_time import StepTime, step_time
 from megapp.training.config import PretrainConfig
 
@@ -218,9 +219,7 @@ def action_costs(gpt: GPTConfig, shape: Shape, hardware: Hardware) -> ActionCost
     lin, core = layer_flops(gpt, shape.seq_length, shape.micro_batch_size)
     rerun = {"full": lin + core, "selective": core}.get(gpt.recompute_granularity, 0.0)
     one, output = compute_seconds(gpt, shape.seq_length, shape.micro_batch_size, vocab, hardware)
-    rerun_s = {"full": one.forward, "selective": one.core_forward}.get(
-        gpt.recompute_granularity, 0.0
-    )
+    rerun_s = rerun_seconds(gpt, one)
     cp_f, cp_b, cp_calls_f, cp_calls_b = context_parallel_seconds(
         gpt, shape.seq_length, shape.micro_batch_size, hardware, one.core_forward
     )
@@ -238,10 +237,8 @@ def action_costs(gpt: GPTConfig, shape: Shape, hardware: Hardware) -> ActionCost
         moe_mem_f, moe_mem_b = moe_memory_seconds(
             gpt, shape.seq_length, shape.micro_batch_size, hardware
         )
-        moe_one = moe_compute_seconds(gpt, shape.seq_length, shape.micro_batch_size, hardware)
-        moe_rerun_s = {"full": moe_one.forward, "selective": moe_one.core_forward}.get(
-            gpt.recompute_granularity, 0.0
-        )
+        moe_one = moe_compute_seconds(gpt, shape.seq_length, shape.micro_batch_size, hardware, one)
+        moe_rerun_s = rerun_seconds(gpt, moe_one)
     moe_rerun = moe_lin if gpt.recompute_granularity == "full" else 0.0
     if gpt.recompute_granularity == "full":  # the rerun forward's passes, in the backward
         moe_mem_b += moe_mem_f
@@ -375,6 +372,14 @@ def action_costs(gpt: GPTConfig, shape: Shape, hardware: Hardware) -> ActionCost
         cp_backward=tables["cpb"],
         cp_calls_forward=tables["ccf"],
         cp_calls_backward=tables["ccb"],
+    )
+
+
+def rerun_seconds(gpt: GPTConfig, layer: LayerSeconds) -> float:
+    """What recompute reruns of ``layer`` in its backward: the whole forward (full), the
+    attention core's (selective), or nothing."""
+    return {"full": layer.forward, "selective": layer.core_forward}.get(
+        gpt.recompute_granularity, 0.0
     )
 
 
