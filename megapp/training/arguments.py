@@ -37,6 +37,9 @@ __all__ = [
 
 # How long a process that cannot tell whether another reported first waits before it does.
 ERROR_GRACE_S = 10.0
+# How long a rank whose collective failed looks for its node's report of the error that
+# stopped the peer (which reaches it as the failure: a reset connection) before its own.
+FAILURE_GRACE_S = 1.0
 
 
 def _report_marker() -> str | None:
@@ -84,11 +87,15 @@ def exit_with_error(prog: str, error: Exception) -> NoReturn:
 def exit_after_failure(prog: str, error: Exception) -> NoReturn:
     """Print ``prog: error: <error>`` and leave at once with status 1.
 
-    For a failed collective: each rank says what it waited on (unless its node already
-    reported the error that stopped a peer), and the process groups are not torn down,
-    since that would wait on the failed peer again.
+    For a failed collective: each rank says what it waited on (unless its node reports the
+    error that stopped a peer: a peer that gives up closes its connections before it
+    reports, so the node's report is looked for during ``FAILURE_GRACE_S``), and the
+    process groups are not torn down, since that would wait on the failed peer again.
     """
     marker = _report_marker()
+    deadline = time.monotonic() + FAILURE_GRACE_S
+    while marker is not None and not os.path.exists(marker) and time.monotonic() < deadline:
+        time.sleep(0.05)
     if marker is None or not os.path.exists(marker):
         print(f"{prog}: error: {error}", file=sys.stderr, flush=True)
     sys.stdout.flush()
