@@ -80,6 +80,7 @@ def kernel_times(flags: list[str], warmup: int, vocab: int, device: torch.device
     totals: dict[str, float] = {}
     counts: dict[str, int] = {}
     top: dict[str, float] = {}
+    calls: dict[str, int] = {}
     for event in prof.events():
         total = event.device_time_total if cuda else event.self_cpu_time_total
         seconds = total / 1e6
@@ -89,7 +90,8 @@ def kernel_times(flags: list[str], warmup: int, vocab: int, device: torch.device
         totals[kind] = totals.get(kind, 0.0) + seconds
         counts[kind] = counts.get(kind, 0) + 1
         top[event.name] = top.get(event.name, 0.0) + seconds
-    heaviest = sorted(top.items(), key=lambda kv: -kv[1])[:25]
+        calls[event.name] = calls.get(event.name, 0) + event.count
+    heaviest = sorted(top.items(), key=lambda kv: -kv[1])[:40]
     return {
         "device": torch.cuda.get_device_name(device) if cuda else "cpu",
         "torch": torch.__version__,
@@ -99,7 +101,10 @@ def kernel_times(flags: list[str], warmup: int, vocab: int, device: torch.device
         "kernel_seconds": totals,
         "kernel_counts": counts,
         "kernel_total_s": sum(totals.values()),
-        "heaviest": [{"name": n[:160], "seconds": s, "kind": kind_of(n)} for n, s in heaviest],
+        "heaviest": [
+            {"name": n[:160], "seconds": s, "calls": calls[n], "kind": kind_of(n)}
+            for n, s in heaviest
+        ],
     }
 
 

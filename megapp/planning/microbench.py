@@ -40,8 +40,8 @@ FULL = Sizes(
     rows=(4096, 16384),
     widths=(1024, 4096, 12288),
     attention=(
-        (2, 32, 1024, 128), (1, 32, 4096, 128), (1, 16, 8192, 128),
-        (2, 32, 1024, 64), (4, 16, 4096, 64), (1, 16, 8192, 64),
+        (2, 32, 1024, 128), (2, 16, 2048, 128), (1, 32, 4096, 128), (1, 16, 8192, 128),
+        (2, 32, 1024, 64), (2, 32, 2048, 64), (4, 16, 4096, 64), (1, 16, 8192, 64),
     ),
     repeats=20,
 )  # fmt: skip
@@ -232,13 +232,15 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
 
 def attention_rates(timer: Timer, sizes: Sizes, dtype: torch.dtype) -> list[dict]:
     """Forward and backward seconds of causal fused attention at each shape, and the rate
-    of its unmasked half's FLOPs."""
+    of its unmasked half's FLOPs. Queries, keys and values are laid out as a layer makes
+    them: ``[b, heads, s, d]`` views of one fused projection's ``[s, b, heads, 3, d]``
+    output, not contiguous tensors of their own (the kernels' speed depends on the
+    strides); the backward returns their gradients without scattering them back."""
     out = []
     for b, heads, s, d in sizes.attention:
-        q, k, v = (
-            torch.randn(b, heads, s, d, device=timer.device, dtype=dtype, requires_grad=True)
-            for _ in range(3)
-        )
+        mixed = torch.randn(s, b, heads, 3, d, device=timer.device, dtype=dtype)
+        mixed.requires_grad_(True)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in mixed.unbind(3))
         forward = timer.spaced(lambda q=q, k=k, v=v: causal_attention(q, k, v))
         o = causal_attention(q, k, v)
         grad = torch.randn_like(o)
