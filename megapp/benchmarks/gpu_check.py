@@ -47,6 +47,7 @@ from megapp.benchmarks.common import ROOT, command_line, machine, source_state, 
 from megapp.benchmarks.gpu_report import markdown_report
 from megapp.benchmarks.gpu_stages import (
     LIMITS_S,
+    STEP_MODELS,
     Check,
     StageResult,
     cuda_test_files,
@@ -125,6 +126,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--total-s", type=float, default=540.0, help="budget of the whole run")
     p.add_argument("--limit", action="append", default=[], metavar="STAGE=SECONDS",
                    help=f"a stage's own time limit (defaults: {LIMITS_S})")  # fmt: skip
+    p.add_argument("--step-models", nargs="+", choices=list(STEP_MODELS), metavar="NAME",
+                   help="the steps the step stage runs (default: all)")  # fmt: skip
     p.add_argument("--markdown", help="report (default: docs/gpu_check.md on a GPU)")
     p.add_argument("--json", help="figures (default: docs/img/gpu_check.json on a GPU)")
     p.add_argument("--logs", help="every command's full output (default: a temporary folder)")

@@ -69,7 +69,7 @@ class StageResult:
 class Check:
     """The run's settings and what the machine offers, shared by the stages."""
 
-    args: argparse.Namespace  # quick, limits (stage -> s), nccl_backend
+    args: argparse.Namespace  # quick, limits (stage -> s), nccl_backend, step_models
     logs: Path  # every command's whole output
     deadline: float  # time.monotonic() by which every stage must have ended
     gpus: list[str]  # torch.cuda.get_device_name() of each visible device
@@ -286,7 +286,8 @@ def stage_step(check: Check, r: StageResult) -> None:
     the device when the calibration did not run). Quick: one small GPT."""
     profile = check.logs / "profile.json"
     hardware = str(profile) if profile.exists() else "h100"
-    models = {"quick": STEP_QUICK} if check.args.quick else STEP_MODELS
+    chosen = getattr(check.args, "step_models", None) or list(STEP_MODELS)
+    models = {"quick": STEP_QUICK} if check.args.quick else {n: STEP_MODELS[n] for n in chosen}
     failed = False
     for name, model in models.items():
         stem = "step_" + re.sub(r"[^a-z0-9]+", "_", name).strip("_")
