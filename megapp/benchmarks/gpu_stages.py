@@ -44,6 +44,19 @@ STEP_MODELS = {
         "--normalization", "RMSNorm", "--position-embedding-type", "rope",
         "--disable-bias-linear", "--untie-embeddings-and-output-weights",
     ],
+    # held out: chosen, and the model and calibration committed, before their first run
+    "gpt 0.7B h1536 b8": [
+        "--num-layers", "24", "--hidden-size", "1536", "--num-attention-heads", "12",
+        "--micro-batch-size", "8", "--global-batch-size", "16",
+    ],
+    "llama-style 1.1B s4096 gqa4": [
+        "--num-layers", "16", "--hidden-size", "2560", "--num-attention-heads", "20",
+        "--num-query-groups", "4", "--ffn-hidden-size", "6912", "--swiglu",
+        "--normalization", "RMSNorm", "--position-embedding-type", "rope",
+        "--disable-bias-linear", "--untie-embeddings-and-output-weights",
+        "--seq-length", "4096", "--max-position-embeddings", "4096",
+        "--micro-batch-size", "2", "--global-batch-size", "8",
+    ],
 }  # fmt: skip
 STEP_QUICK = ["--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4"]
 STEP_QUICK += ["--seq-length", "128", "--micro-batch-size", "2", "--global-batch-size", "4"]

@@ -43,6 +43,28 @@ def kind_of(kernel: str) -> str:
     return next((k for k, keys in KINDS.items() if any(key in name for key in keys)), "memory")
 
 
+def idle_time(intervals: list[tuple[float, float, str]], top: int = 12) -> dict:
+    """From kernels' ``(start, end, name)`` seconds: the span from the first start to the
+    last end, the time in it when no kernel ran (``idle_s``), and the longest idle gaps with
+    the kernels on either side."""
+    if not intervals:
+        return {"span_s": 0.0, "idle_s": 0.0, "gaps": []}
+    ordered = sorted(intervals)
+    gaps, reach, before = [], ordered[0][1], ordered[0][2]
+    for start, end, name in ordered[1:]:
+        if start > reach:
+            gaps.append((start - reach, before, name))
+        if end > reach:
+            reach, before = end, name
+    longest = sorted(gaps, reverse=True)[:top]
+    return {
+        "span_s": reach - ordered[0][0],
+        "idle_s": sum(g for g, _, _ in gaps),
+        "gap_count": len(gaps),
+        "gaps": [{"seconds": g, "after": a[:100], "before": b[:100]} for g, a, b in longest],
+    }
+
+
 def kernel_times(flags: list[str], warmup: int, vocab: int, device: torch.device) -> dict:
     """Build, warm up, profile one step; the figures as a dict. On a CPU ``device`` the
     "kernels" are the profiler's operator events (a check of this module, not a measure)."""
@@ -78,6 +100,7 @@ def kernel_times(flags: list[str], warmup: int, vocab: int, device: torch.device
         profiled_wall = step(warmup)
     walls.append(step(warmup + 1))
     totals: dict[str, float] = {}
+    intervals: list[tuple[float, float, str]] = []
     counts: dict[str, int] = {}
     top: dict[str, float] = {}
     calls: dict[str, int] = {}
@@ -86,6 +109,7 @@ def kernel_times(flags: list[str], warmup: int, vocab: int, device: torch.device
         seconds = total / 1e6
         if event.device_type != where or seconds <= 0:
             continue
+        intervals.append((event.time_range.start / 1e6, event.time_range.end / 1e6, event.name))
         kind = kind_of(event.name)
         totals[kind] = totals.get(kind, 0.0) + seconds
         counts[kind] = counts.get(kind, 0) + 1
@@ -101,6 +125,7 @@ def kernel_times(flags: list[str], warmup: int, vocab: int, device: torch.device
         "kernel_seconds": totals,
         "kernel_counts": counts,
         "kernel_total_s": sum(totals.values()),
+        **idle_time(intervals),
         "heaviest": [
             {"name": n[:160], "seconds": s, "calls": calls[n], "kind": kind_of(n)}
             for n, s in heaviest
@@ -127,8 +152,10 @@ def main(argv: list[str] | None = None) -> int:
     report = kernel_times(argv[cut + 1 :], args.warmup, args.vocab, device)
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    idle, span = report["idle_s"] * 1e3, report["span_s"] * 1e3
     print(f"{report['device']}: step {report['wall_s'] * 1e3:.1f} ms wall, kernels "
-          f"{report['kernel_total_s'] * 1e3:.1f} ms")  # fmt: skip
+          f"{report['kernel_total_s'] * 1e3:.1f} ms, idle {idle:.1f} ms in "
+          f"{report['gap_count']} gaps of the profiled step's {span:.1f}")  # fmt: skip
     for kind, seconds in sorted(report["kernel_seconds"].items(), key=lambda kv: -kv[1]):
         print(f"  {kind:<10} {seconds * 1e3:9.2f} ms  {report['kernel_counts'][kind]:6d} kernels")
     return 0

@@ -123,8 +123,10 @@ def describe(ops: OpRates, fit: dict) -> str:
     for a in fit["attention"]:
         lines.append(
             f"  attention, heads of {a['head_dim']}: {a['forward_flops'] / 1e12:.0f} TFLOP/s "
-            f"forward (+{a['forward_overhead'] * 1e6:.0f} us), {a['backward_flops'] / 1e12:.0f} "
-            f"backward (+{a['backward_overhead'] * 1e6:.0f} us): within "
+            f"forward (+{a['forward_row_seconds'] * 1e9:.2f} ns per query row, "
+            f"+{a['forward_overhead'] * 1e6:.0f} us), {a['backward_flops'] / 1e12:.0f} backward "
+            f"(+{a['backward_row_seconds'] * 1e9:.2f} ns per row, "
+            f"+{a['backward_overhead'] * 1e6:.0f} us): within "
             f"{a['forward_errors']['max_error']:.1%} and {a['backward_errors']['max_error']:.1%}"
         )
     by_op: dict[str, list[str]] = {}

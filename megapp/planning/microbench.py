@@ -172,6 +172,7 @@ def kernel_rates(timer: Timer, sizes: Sizes, dtype: torch.dtype) -> list[dict]:
     rope_bytes = 2 * rope_in.numel() * w
     rows.append(measure("rope", d, lambda: fusions.apply_rotary_pos_emb(rope_in, freqs),
                         (rope_in,), rope_bytes, rope_bytes))  # fmt: skip
+    rows += [relayout_rates(timer, sizes, dtype, head_dim) for head_dim in (64, 128)]
     with torch.no_grad():
         flat = torch.randn(sizes.buffer, device=device, dtype=dtype)
         copy_out, main = torch.empty_like(flat), torch.zeros(sizes.buffer, device=device)
@@ -180,6 +181,25 @@ def kernel_rates(timer: Timer, sizes: Sizes, dtype: torch.dtype) -> list[dict]:
     rows.append({"op": "copy", "width": 0, "forward": copy, "backward": copy})
     rows.append({"op": "add", "width": 0, "forward": add, "backward": add})
     return rows
+
+
+def relayout_rates(timer: Timer, sizes: Sizes, dtype: torch.dtype, head_dim: int) -> dict:
+    """Bytes/s of the attention output's relayout: forward ``[b, heads, s, d]`` to ``[s, b,
+    heads·d]`` (:func:`megapp.transformer.layer.merge_heads`, a permuting copy), backward its
+    gradient back to the attention's layout; ``sizes.kernel_elements`` elements, 32 heads."""
+    from megapp.transformer.layer import merge_heads
+
+    heads = 32
+    seq = max(1, sizes.kernel_elements // (2 * heads * head_dim))
+    nbytes = 2 * 2 * heads * seq * head_dim * torch.empty((), dtype=dtype).itemsize
+    with torch.no_grad():
+        context = torch.randn(2, heads, seq, head_dim, device=timer.device, dtype=dtype)
+        grad = torch.randn(seq, 2, heads * head_dim, device=timer.device, dtype=dtype)
+        back = grad.view(seq, 2, heads, head_dim).permute(1, 2, 0, 3)
+        forward = timer(lambda: merge_heads(context))
+        backward = timer(lambda: back.contiguous())
+    return {"op": "relayout", "width": head_dim, "forward": nbytes / forward,
+            "backward": nbytes / backward}  # fmt: skip
 
 
 def kernel_overheads(timer: Timer) -> tuple[float, float]:
@@ -249,6 +269,13 @@ def attention_rates(timer: Timer, sizes: Sizes, dtype: torch.dtype) -> list[dict
             lambda o=o, g=grad, i=inputs: torch.autograd.grad(o, i, g, retain_graph=True)
         )
         flops = 2.0 * b * heads * s * s * d
+        # back to back as well, kept beside the fitted single calls (a device kept busy
+        # may lower its clocks)
+        forward_loop = timer(lambda q=q, k=k, v=v: causal_attention(q, k, v))
+        backward_loop = timer(
+            lambda o=o, g=grad, i=inputs: torch.autograd.grad(o, i, g, retain_graph=True)
+        )
         out.append({"batch": b, "heads": heads, "seq": s, "head_dim": d, "forward_s": forward,
-                    "backward_s": backward, "flops_per_s": flops / forward})  # fmt: skip
+                    "backward_s": backward, "flops_per_s": flops / forward,
+                    "forward_loop_s": forward_loop, "backward_loop_s": backward_loop})  # fmt: skip
     return out

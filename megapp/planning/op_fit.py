@@ -7,8 +7,9 @@ checked on any machine.
   matmul_overhead`` (``k'`` the reduction's split-K piece)
   (:meth:`~megapp.planning.operations.OpRates.matmul`), errors weighted relative to each
   measurement; the tile whose model misses the grid least is kept.
-- **attention**: forward and backward seconds each fitted to ``flops / rate + overhead``,
-  per head dimension (flash kernels run slower on narrow heads).
+- **attention**: forward and backward seconds each fitted to ``flops / rate + rows ·
+  row_seconds + overhead`` (``rows`` the query rows, batch · heads · sequence), per head
+  dimension (flash kernels run slower on narrow heads).
 - **memory-bound**: each kernel's forward and backward bandwidth as measured (megapp's fused
   ops in the tier this install runs them: norms, bias + GeLU or SwiGLU, bias + dropout +
   residual, RoPE; torch's copy and add), their median for anything else; the per-kernel
@@ -30,6 +31,7 @@ from megapp.planning.operations import AttentionRates, OpRates
 
 ATTENTION_KEYS = ("head_dim", "forward_flops", "backward_flops")
 ATTENTION_KEYS += ("forward_overhead", "backward_overhead")
+ATTENTION_KEYS += ("forward_row_seconds", "backward_row_seconds")
 TILES = ((64, 64), (128, 64), (64, 128), (128, 128), (128, 256), (256, 128))
 
 
@@ -85,22 +87,29 @@ def fit_matmul(grid: Sequence[dict], multiprocessors: int, bandwidth: float, wid
 
 
 def fit_attention(shapes: Sequence[dict]) -> list[dict]:
-    """Forward and backward rates and overheads of fused causal attention, one fit per head
-    dimension among ``shapes`` (rows of ``batch``, ``heads``, ``seq``, ``head_dim``,
-    ``forward_s``, ``backward_s``)."""
+    """Forward and backward rates, row costs and overheads of fused causal attention, one
+    fit per head dimension among ``shapes`` (rows of ``batch``, ``heads``, ``seq``,
+    ``head_dim``, ``forward_s``, ``backward_s``): as many terms as the shapes allow, flops
+    first, then rows, then the overhead."""
     fits = []
     for head_dim in sorted({r["head_dim"] for r in shapes}):
         rows = [r for r in shapes if r["head_dim"] == head_dim]
         flops = [2.0 * r["batch"] * r["heads"] * r["seq"] ** 2 * head_dim for r in rows]
+        queries = [float(r["batch"] * r["heads"] * r["seq"]) for r in rows]
+        terms = min(len(rows), 3)
+        columns = [[f, q, 1.0][:terms] for f, q in zip(flops, queries, strict=True)]
         fit: dict = {"head_dim": head_dim}
         for name, key in (("forward", "forward_s"), ("backward", "backward_s")):
             measured = [r[key] for r in rows]
-            columns = [[f, 1.0] if len(rows) > 1 else [f] for f in flops]
-            coefficients = [*relative_least_squares(columns, measured), 0.0]
+            coefficients = relative_least_squares(columns, measured)
             if coefficients[0] <= 0:  # timings that do not grow with the work: a rate alone
-                coefficients = [*relative_least_squares([[f] for f in flops], measured), 0.0]
-            fit[f"{name}_flops"], fit[f"{name}_overhead"] = 1 / coefficients[0], coefficients[1]
-            predicted = [f * coefficients[0] + coefficients[1] for f in flops]
+                coefficients = relative_least_squares([[f] for f in flops], measured)
+            per_flop, per_row, overhead = [*coefficients, 0.0, 0.0][:3]
+            fit[f"{name}_flops"], fit[f"{name}_overhead"] = 1 / per_flop, overhead
+            fit[f"{name}_row_seconds"] = per_row
+            predicted = [
+                f * per_flop + q * per_row + overhead for f, q in zip(flops, queries, strict=True)
+            ]
             fit[f"{name}_errors"] = _errors(predicted, measured)
         fits.append(fit)
     return fits

@@ -54,19 +54,27 @@ OVERHEADS = ("wave_overhead", "matmul_overhead", "kernel_overhead", "launch_over
 @dataclass(frozen=True)
 class AttentionRates:
     """Fused causal attention at one head dimension: forward and backward seconds are
-    ``flops / rate + overhead``, ``flops`` its unmasked half's forward FLOPs."""
+    ``flops / rate + rows · row_seconds + overhead``, ``flops`` its unmasked half's forward
+    FLOPs and ``rows`` its query rows (batch · heads · queries): the work that grows with
+    the square of the sequence, the work each query row costs whatever the sequence (its
+    loads and stores, the causal diagonal's partial tiles, the backward's preprocessing
+    passes), and the kernel's fixed cost."""
 
     head_dim: int
     forward_flops: float
     backward_flops: float
     forward_overhead: float = 0.0
     backward_overhead: float = 0.0
+    forward_row_seconds: float = 0.0
+    backward_row_seconds: float = 0.0
 
     def __post_init__(self) -> None:
         if self.head_dim < 1 or not (self.forward_flops > 0 and self.backward_flops > 0):
             raise ValueError("attention rates: head_dim >= 1 and rates > 0")
-        if self.forward_overhead < 0 or self.backward_overhead < 0:
-            raise ValueError("attention rates: overheads must be >= 0")
+        costs = (self.forward_overhead, self.backward_overhead)
+        costs += (self.forward_row_seconds, self.backward_row_seconds)
+        if min(costs) < 0:
+            raise ValueError("attention rates: overheads and row costs must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -170,7 +178,8 @@ class OpRates:
         """Forward and backward seconds of one memory-bound kernel ``op`` on inputs of last
         dimension ``width`` moving those bytes: at its rates measured at that width,
         interpolated in log-width between the nearest measured ones (the end ones beyond
-        them); at the default rate where it was not measured."""
+        them); at the default rate where it was not measured. A direction that moves no
+        bytes runs no kernel and costs nothing."""
         rows = sorted((w, f, b) for name, w, f, b in self.kernels if name == op)
         if not rows:
             f = b = self.memory_bandwidth
@@ -185,7 +194,10 @@ class OpRates:
             t = math.log(width / w0) / math.log(w1 / w0)
             f, b = f0 * (f1 / f0) ** t, b0 * (b1 / b0) ** t
         overhead = self.kernel_overhead
-        return forward_bytes / f + overhead, backward_bytes / b + overhead
+        return (
+            forward_bytes / f + overhead if forward_bytes else 0.0,
+            backward_bytes / b + overhead if backward_bytes else 0.0,
+        )
 
     def attention_at(self, head_dim: int) -> AttentionRates:
         """The attention rates measured at the head dimension nearest ``head_dim``."""
@@ -193,12 +205,15 @@ class OpRates:
             raise ValueError("these op rates have no attention rates: calibrate measures them")
         return min(self.attention, key=lambda a: abs(math.log(a.head_dim / head_dim)))
 
-    def attention_seconds(self, flops: float, head_dim: int) -> tuple[float, float]:
+    def attention_seconds(
+        self, flops: float, head_dim: int, rows: float = 0.0
+    ) -> tuple[float, float]:
         """Forward and backward seconds of fused causal attention of ``flops`` (its unmasked
-        half's forward FLOPs) with heads of ``head_dim``."""
+        half's forward FLOPs) over ``rows`` query rows with heads of ``head_dim``."""
         a = self.attention_at(head_dim)
-        forward = flops / a.forward_flops + a.forward_overhead
-        return forward, flops / a.backward_flops + a.backward_overhead
+        forward = flops / a.forward_flops + rows * a.forward_row_seconds + a.forward_overhead
+        backward = flops / a.backward_flops + rows * a.backward_row_seconds
+        return forward, backward + a.backward_overhead
 
 
 @dataclass(frozen=True)
@@ -224,7 +239,8 @@ def attention_seconds(
     heads, d, b = gpt.num_attention_heads // tp, gpt.kv_channels, micro_batch_size
     queries, keys, w = seq_length // cp, seq_length, _width(gpt)
     if gpt.attention_backend == "sdpa":
-        return rates.attention_seconds(2.0 * b * heads * queries * keys * d, d)  # ½·4·s_q·s_k·d
+        flops = 2.0 * b * heads * queries * keys * d  # ½·4·s_q·s_k·d
+        return rates.attention_seconds(flops, d, b * heads * queries)
     batch = b * heads  # materialized scores: q·kᵀ, softmax (+ mask, dropout), p·v
     scores = batch * queries * keys
     dropout = gpt.attention_dropout > 0
@@ -264,25 +280,42 @@ def layer_parts(
     rows = tokens // tp if gpt.sequence_parallel else tokens  # norms and residual rows
     mask = _DROPOUT_MASK_BYTES if gpt.hidden_dropout > 0 else 0
     norm = "layer_norm" if gpt.normalization == "LayerNorm" else "rms_norm"
+    relayout = 2 * tokens * heads * d * w  # the attention output's, each way
     passes = [  # (kernel, width, forward bytes, backward bytes): read + written
         (norm, h, 2 * rows * h * w, 3 * rows * h * w),  # x → y; x, dy → dx
         (norm, h, 2 * rows * h * w, 3 * rows * h * w),
         ("bias_dropout_add", h, rows * h * (3 * w + mask), rows * h * (2 * w + mask)),
         ("bias_dropout_add", h, rows * h * (3 * w + mask), rows * h * (2 * w + mask)),
-        ("copy", 0, 2 * tokens * heads * d * w, 2 * tokens * heads * d * w),  # head relayout
+        ("relayout", d, relayout, relayout),  # [b, a, s, d] → [s, b, a·d]; its gradient back
         # backward: the residual stream's gradient is the sum of two paths, twice a layer
         ("copy", 0, 0.0, 3 * rows * h * w),
         ("copy", 0, 0.0, 3 * rows * h * w),
     ]
+    if groups < heads:  # grouped queries: keys and values repeated per head, summed back
+        repeat = 2 * tokens * (heads + groups) * d * w
+        passes.append(("copy", 0, repeat, repeat))
     # the activation ([gate | up] → out; dy, x → dx); the experts' is among their passes
+    activation = None
     if dense_mlp and gated:
-        passes.append(("bias_swiglu", ffn, 3 * tokens * ffn * w, 5 * tokens * ffn * w))
+        activation = ("bias_swiglu", ffn, 3 * tokens * ffn * w, 5 * tokens * ffn * w)
     elif dense_mlp:
-        passes.append(("bias_gelu", ffn, 2 * tokens * ffn * w, 3 * tokens * ffn * w))
+        activation = ("bias_gelu", ffn, 2 * tokens * ffn * w, 3 * tokens * ffn * w)
+    passes += [activation] if activation else []
     if gpt.position_embedding_type == "rope":  # queries, keys
         passes.append(("rope", d, 2 * tokens * heads * d * w, 2 * tokens * heads * d * w))
         passes.append(("rope", d, 2 * tokens * groups * d * w, 2 * tokens * groups * d * w))
+    if gpt.add_bias_linear or gpt.add_qkv_bias:  # the QKV bias's gradient: a sum over rows
+        passes.append(("copy", 0, 0.0, tokens * (heads + 2 * groups) * d * w))
+    if gpt.recompute_granularity != "full":
+        # Saved inputs rebuilt in backward (a layer recomputed whole rebuilds none): each
+        # norm's output for the linear after it, and its statistics again; the activation's
+        # output for fc2; the relayout for the output projection.
+        rebuilt = [(norm, h, 2 * rows * h * w)] * 4 + [("relayout", d, relayout)]
+        rebuilt += [activation[:3]] if activation else []
+    else:
+        rebuilt = []
     timed_passes = [rates.kernel(*p) for p in passes]
+    timed_passes += [(0.0, rates.kernel(op, width, f, 0.0)[0]) for op, width, f in rebuilt]
     memory = tuple(sum(column) for column in zip(*timed_passes, strict=True))
     params = h * (heads + 2 * groups) * d + heads * d * h + (3 if gated else 2) * h * ffn
     tensors = parameter_tensors(gpt) - (0 if dense_mlp else 2 + 2 * gpt.add_bias_linear)

@@ -330,7 +330,8 @@ def action_costs(gpt: GPTConfig, shape: Shape, hardware: Hardware) -> ActionCost
             gather += dp_link.all_gather(width * experts, edp) if experts else 0.0
         owned = dense / (dp if shape.zero_stage >= 1 else 1)
         owned += experts / (edp if shape.zero_stage >= 1 else 1)
-        step = owned * _optimizer_bytes(width) / hardware.memory_bandwidth
+        held_grads = rank_params if shape.zero_stage < 2 else owned  # zeroed every step
+        step = (owned * _optimizer_bytes(width) + 4 * held_grads) / hardware.memory_bandwidth
         summed = embedding_sum * ends
         return rows, rank_params, end, exposed + gather + step + summed, step, summed
 
