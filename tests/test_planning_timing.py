@@ -78,12 +78,13 @@ def test_flops_of_every_action_sum_to_the_training_count(layout):
 
 def test_single_rank_step_by_hand():
     """pp = tp = dp = 1: three passes of the FLOPs at the GEMM rate, the loss's five fp32
-    passes over the logits and AdamW's bytes at the memory bandwidth, nothing else."""
+    passes over the logits, AdamW's bytes and the zeroing of the fp32 gradients at the
+    memory bandwidth, nothing else."""
     cfg = config(Layout(micro_batch_size=4))
     step = predict_step_time(cfg, VOCAB, PLAIN)
     n = rank_parameters(cfg.gpt_config(VOCAB), [0], 1)
     tokens = 16 * 128
-    expected = model_flops(16) / 1e12 + 5 * 4 * tokens * VOCAB / 1e12 + n * (32 + 2) / 1e12
+    expected = model_flops(16) / 1e12 + 5 * 4 * tokens * VOCAB / 1e12 + n * (32 + 2 + 4) / 1e12
     assert step.seconds == pytest.approx(expected, rel=1e-9)
     assert step.bubble == 0.0
     assert step.mfu == pytest.approx(step.tflops_per_gpu * 1e12 / 2e12)

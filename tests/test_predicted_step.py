@@ -26,7 +26,7 @@ def test_calibrate_on_the_cpu_writes_a_profile_with_every_rate(tmp_path, capsys)
     assert ops is not None and ops.matmul_flops > 0
     measured = {row[0] for row in ops.kernels}
     assert measured == {"layer_norm", "rms_norm", "bias_gelu", "bias_swiglu",
-                        "bias_dropout_add", "rope", "copy", "add"}  # fmt: skip
+                        "bias_dropout_add", "rope", "relayout", "copy", "add"}  # fmt: skip
     assert "calibrated in" in capsys.readouterr().out
     # the same measurements refitted give the same profile, with no device
     again = tmp_path / "again.json"

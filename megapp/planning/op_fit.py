@@ -7,9 +7,9 @@ checked on any machine.
   matmul_overhead`` (``k'`` the reduction's split-K piece)
   (:meth:`~megapp.planning.operations.OpRates.matmul`), errors weighted relative to each
   measurement; the tile whose model misses the grid least is kept.
-- **attention**: forward and backward seconds each fitted to ``flops / rate + rows ·
-  row_seconds + overhead`` (``rows`` the query rows, batch · heads · sequence), per head
-  dimension (flash kernels run slower on narrow heads).
+- **attention**: forward and backward seconds (back to back where measured) each fitted to
+  ``flops / rate + rows · row_seconds + overhead`` (``rows`` the query rows, batch · heads ·
+  sequence), per head dimension (flash kernels run slower on narrow heads).
 - **memory-bound**: each kernel's forward and backward bandwidth as measured (megapp's fused
   ops in the tier this install runs them: norms, bias + GeLU or SwiGLU, bias + dropout +
   residual, RoPE; torch's copy and add), their median for anything else; the per-kernel
@@ -89,8 +89,12 @@ def fit_matmul(grid: Sequence[dict], multiprocessors: int, bandwidth: float, wid
 def fit_attention(shapes: Sequence[dict]) -> list[dict]:
     """Forward and backward rates, row costs and overheads of fused causal attention, one
     fit per head dimension among ``shapes`` (rows of ``batch``, ``heads``, ``seq``,
-    ``head_dim``, ``forward_s``, ``backward_s``): as many terms as the shapes allow, flops
-    first, then rows, then the overhead."""
+    ``head_dim``, ``forward_s``, ``backward_s``, and where measured ``forward_loop_s``,
+    ``backward_loop_s``): as many terms as the shapes allow, flops first, then rows, then
+    the overhead. The back-to-back timings are fitted where a calibration took them: a
+    training step runs attention between other long kernels, not after an idle device, and
+    a device kept busy runs attention's backward 5-20% slower than single calls (one
+    H200)."""
     fits = []
     for head_dim in sorted({r["head_dim"] for r in shapes}):
         rows = [r for r in shapes if r["head_dim"] == head_dim]
@@ -99,8 +103,8 @@ def fit_attention(shapes: Sequence[dict]) -> list[dict]:
         terms = min(len(rows), 3)
         columns = [[f, q, 1.0][:terms] for f, q in zip(flops, queries, strict=True)]
         fit: dict = {"head_dim": head_dim}
-        for name, key in (("forward", "forward_s"), ("backward", "backward_s")):
-            measured = [r[key] for r in rows]
+        for name in ("forward", "backward"):
+            measured = [r.get(f"{name}_loop_s", r[f"{name}_s"]) for r in rows]
             coefficients = relative_least_squares(columns, measured)
             if coefficients[0] <= 0:  # timings that do not grow with the work: a rate alone
                 coefficients = relative_least_squares([[f] for f in flops], measured)

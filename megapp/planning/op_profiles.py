@@ -7,7 +7,10 @@ and checks these numbers. The other parts are derived from it, each by a stated 
 
 - **memory-bound kernels** at torch's measured copy rate (0.873 of the H200's 4.8 TB/s):
   the runs these profiles are held to use Transformer Engine's and apex's fused kernels,
-  which run near copy speed, not megapp's, which a calibrated profile measures;
+  which run near copy speed, not megapp's, which a calibrated profile measures; and their
+  layers keep the norms' and activations' outputs for backward rather than rebuild them,
+  and attend grouped queries without repeating keys and values, unlike megapp's
+  (``OpRates.megapp_layers`` off);
 - **H100 SXM**: the H200's compute (the same GH100 processor, 132 SMs, the same clocks and
   989 TFLOP/s dense 16-bit peak by the data sheets); memory-bound work at the same fraction
   of its 3.35 TB/s;
@@ -69,4 +72,5 @@ def op_rates(part: str) -> OpRates:
         multiprocessors=units,
         kernels=(),
         memory_bandwidth=H200_COPY / H200_HBM * hbm,
+        megapp_layers=False,
     )

@@ -95,6 +95,11 @@ class OpRates:
     matmul_overhead: float = 0.0  # per matmul kernel (launch, ramp and tail)
     kernel_overhead: float = 0.0  # per memory-bound kernel, on the device
     launch_overhead: float = 0.0  # host seconds per kernel: a pass lasts at least its count
+    # The layers are megapp's: they rebuild saved inputs in backward (each norm's output and
+    # statistics, the activation's output, the attention's relayout) unless recomputed whole,
+    # and repeat grouped keys and values for attention. False: layers that keep those outputs
+    # and attend grouped queries natively (Transformer Engine's, in Megatron's runs).
+    megapp_layers: bool = True
 
     def __post_init__(self) -> None:
         if not (self.matmul_flops > 0 and self.memory_bandwidth > 0):
@@ -291,7 +296,7 @@ def layer_parts(
         ("copy", 0, 0.0, 3 * rows * h * w),
         ("copy", 0, 0.0, 3 * rows * h * w),
     ]
-    if groups < heads:  # grouped queries: keys and values repeated per head, summed back
+    if groups < heads and rates.megapp_layers:  # keys and values repeated per head, summed back
         repeat = 2 * tokens * (heads + groups) * d * w
         passes.append(("copy", 0, repeat, repeat))
     # the activation ([gate | up] → out; dy, x → dx); the experts' is among their passes
@@ -306,7 +311,7 @@ def layer_parts(
         passes.append(("rope", d, 2 * tokens * groups * d * w, 2 * tokens * groups * d * w))
     if gpt.add_bias_linear or gpt.add_qkv_bias:  # the QKV bias's gradient: a sum over rows
         passes.append(("copy", 0, 0.0, tokens * (heads + 2 * groups) * d * w))
-    if gpt.recompute_granularity != "full":
+    if rates.megapp_layers and gpt.recompute_granularity != "full":
         # Saved inputs rebuilt in backward (a layer recomputed whole rebuilds none): each
         # norm's output for the linear after it, and its statistics again; the activation's
         # output for fc2; the relayout for the output projection.
