@@ -71,7 +71,8 @@ def test_the_step_lines_add_up_to_the_predicted_step(name):
     assert (step.context_parallel > 0) == (layout.cp > 1)
     assert (step.expert_all_to_all > 0) == (layout.ep > 1)
     if layout.dp * layout.cp == 1:
-        assert step.data_parallel_actions == 0.0 and step.data_parallel_tail == 0.0
+        assert step.data_parallel_actions == 0.0
+        assert abs(step.data_parallel_tail) < 1e-12 * step.seconds  # a difference of sums
     if layout.pp == 1:
         assert step.bubble == 0.0 and step.pipeline_messages == 0.0
     assert step.bubble_fraction == e.step_time.bubble

@@ -128,7 +128,8 @@ def replay(path: str, hardware: str) -> list[dict]:
     for step in recorded["steps"]:
         flags = run_flags(step["flags"], Path(tempfile.gettempdir()) / "unused.jsonl")
         predicted = prediction(config_from_flags(flags, world_size=step.get("nproc", 1)), hardware)
-        measured = step.get("kernel_time", {}).get("kernel_seconds", {})
+        kernel_time = step.get("kernel_time", {})
+        measured = kernel_time.get("kernel_seconds", {})
         out.append({
             "name": step["name"],
             "held_out": step.get("held_out", False),
@@ -136,17 +137,19 @@ def replay(path: str, hardware: str) -> list[dict]:
             "predicted_s": predicted["predicted_s"],
             "ratio": predicted["predicted_s"] / step["measured_s"],
             "kinds": {k: (measured.get(k), v) for k, v in predicted["kinds"].items()},
+            "idle_s": kernel_time.get("idle_s"),
         })  # fmt: skip
     return out
 
 
 def replay_table(rows: list[dict]) -> str:
-    """:func:`replay`'s rows as a markdown table: ms per step, and per kind of kernel the
+    """:func:`replay`'s rows as a markdown table: ms per step, per kind of kernel the
     device time measured / predicted (memory-bound kernels with the fp32 gradient
-    accumulation, as the profiler counts them)."""
+    accumulation, as the profiler counts them), and the time the profiled step's device ran
+    no kernel (none predicted)."""
     kinds = ("matmul", "attention", "memory", "optimizer")
     head = "| step | measured ms | predicted ms | predicted/measured | "
-    lines = [head + " | ".join(kinds) + " |", "|" + "---|" * (4 + len(kinds))]
+    lines = [head + " | ".join(kinds) + " | idle |", "|" + "---|" * (5 + len(kinds))]
     for r in rows:
         predicted = dict(r["kinds"])
         if "grad_accumulation" in predicted:
@@ -159,8 +162,9 @@ def replay_table(rows: list[dict]) -> str:
             shown = "—" if got is None else f"{got * 1e3:.1f}"
             cells.append("—" if value is None else f"{shown} / {value * 1e3:.1f}")
         name = r["name"] + (" (held out)" if r["held_out"] else "")
+        idle = "—" if r.get("idle_s") is None else f"{r['idle_s'] * 1e3:.1f}"
         lines.append(f"| {name} | {r['measured_s'] * 1e3:.1f} | {r['predicted_s'] * 1e3:.1f} | "
-                     f"{r['ratio']:.3f} | " + " | ".join(cells) + " |")  # fmt: skip
+                     f"{r['ratio']:.3f} | " + " | ".join(cells) + f" | {idle} |")  # fmt: skip
     return "\n".join(lines)
 
 

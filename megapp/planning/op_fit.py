@@ -6,7 +6,8 @@ checked on any machine.
   ``2·waves·multiprocessors·tm·tn·k' / matmul_flops + waves·wave_overhead +
   matmul_overhead`` (``k'`` the reduction's split-K piece)
   (:meth:`~megapp.planning.operations.OpRates.matmul`), errors weighted relative to each
-  measurement; the tile whose model misses the grid least is kept.
+  measurement; the tile whose model misses the grid least is kept (the first of
+  :data:`TILES` among those that fit alike).
 - **attention**: forward and backward seconds (back to back where measured) each fitted to
   ``flops / rate + rows · row_seconds + overhead`` (``rows`` the query rows, batch · heads ·
   sequence), per head dimension (flash kernels run slower on narrow heads).
@@ -79,7 +80,9 @@ def fit_matmul(grid: Sequence[dict], multiprocessors: int, bandwidth: float, wid
         predicted = [rates.matmul(r["m"], r["n"], r["k"], width) for r in grid]
         fit = {"tile": tile, "matmul_flops": rates.matmul_flops, "wave_overhead": per_wave,
                "matmul_overhead": per_kernel, **_errors(predicted, seconds)}  # fmt: skip
-        if best is None or fit["mean_error"] < best["mean_error"]:
+        # a tile must fit clearly better to replace an earlier (smaller) one: tilings the
+        # grid cannot tell apart fit alike to round-off, and round-off must not choose
+        if best is None or fit["mean_error"] < best["mean_error"] * (1 - 1e-6):
             best = fit
     if best is None:
         raise ValueError("no tile fits the matmul timings (do they grow with the work?)")

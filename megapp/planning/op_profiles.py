@@ -32,29 +32,29 @@ import dataclasses
 from megapp.planning.operations import AttentionRates, OpRates
 
 H200_MEASURED = OpRates(
-    matmul_flops=836.3239e12,
+    matmul_flops=846.4689e12,
     multiprocessors=132,
-    tile=(128, 128),
-    memory_bandwidth=2.8638e12,  # the median of megapp's kernels; not used below
+    tile=(128, 64),
+    memory_bandwidth=3.1692e12,  # the median of megapp's kernels; not used below
     attention=(
-        AttentionRates(64, 420.0666e12, 162.0878e12, 15.519e-6, 57.148e-6),
-        AttentionRates(128, 586.6469e12, 211.7817e12, 20.600e-6, 89.713e-6),
+        AttentionRates(64, 425.9743e12, 166.2971e12, 10.932e-6, 23.129e-6, 0.0774e-9, 0.6724e-9),
+        AttentionRates(128, 566.1208e12, 190.5333e12, 24.838e-6, 100.424e-6, 0.0036e-9, 0.0),
     ),
-    wave_overhead=0.6579e-6,
-    matmul_overhead=3.8622e-6,
-    kernel_overhead=1.7377e-6,
-    launch_overhead=7.3722e-6,
+    wave_overhead=0.4002e-6,
+    matmul_overhead=3.9273e-6,
+    kernel_overhead=1.6688e-6,
+    launch_overhead=9.0936e-6,
 )
-H200_COPY = 4.1900e12  # torch's copy, bytes read + written per second
+H200_COPY = 4.1608e12  # torch's copy, bytes read + written per second
 H200_HBM = 4.8e12
 
-A100_COMPUTE_FIT = 0.894
+A100_COMPUTE_FIT = 0.869
 """The A100's matmul and attention rates as a share of what the H200's measured shares of
 peak give it (1 would be Ampere's tensor cores reaching the same share of peak through
 cuBLAS and cuDNN as Hopper's): fitted on Narayanan et al. 2021 by ``python
-tools/fit_published.py``, which minimizes those ten runs' mean error (6.7% at 1, 2.7%
-here; MT-NLG, held out: 33.5% to 22.5%). The A100's large 16-bit matmuls then run at
-about 236 TFLOP/s, 76% of its peak."""
+tools/fit_published.py``, which minimizes those ten runs' mean error (2.9% here; MT-NLG,
+held out: 20.9%). The A100's large 16-bit matmuls then run at about 232 TFLOP/s, 74% of
+its peak."""
 
 # part: (multiprocessors, dense 16-bit peak over the H200's, HBM bytes/s)
 PARTS = {
