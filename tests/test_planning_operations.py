@@ -208,16 +208,64 @@ def test_the_matmul_fit_recovers_the_rates_that_made_the_timings():
 
 
 def test_the_attention_fit_is_one_per_head_dimension():
+    """Timings made by rates with a cost per query row give back the rate, the row cost
+    and the overhead, per head dimension; back-to-back timings are fitted where present."""
+    rows = dataclasses.replace(RATES, attention=(
+        AttentionRates(64, 400e12, 150e12, 15e-6, 50e-6, 0.1e-9, 0.5e-9),
+        AttentionRates(128, 600e12, 200e12, 20e-6, 90e-6, 0.0, 0.4e-9),
+    ))  # fmt: skip
     shapes = []
-    for b, heads, s in ((2, 32, 1024), (1, 32, 4096), (1, 16, 8192)):
+    for b, heads, s in ((2, 32, 1024), (2, 16, 2048), (1, 32, 4096), (1, 16, 8192)):
         for d in (64, 128):
             flops = 2.0 * b * heads * s * s * d
-            forward, backward = RATES.attention_seconds(flops, d)
+            forward, backward = rows.attention_seconds(flops, d, b * heads * s)
             shapes.append({"batch": b, "heads": heads, "seq": s, "head_dim": d,
-                           "forward_s": forward, "backward_s": backward})  # fmt: skip
+                           "forward_s": forward / 2, "backward_s": backward / 2,
+                           "forward_loop_s": forward, "backward_loop_s": backward})  # fmt: skip
     fits = {f["head_dim"]: f for f in fit_attention(shapes)}
     assert fits[64]["forward_flops"] == pytest.approx(400e12, rel=1e-6)
+    assert fits[64]["backward_row_seconds"] == pytest.approx(0.5e-9, rel=1e-6)
     assert fits[128]["backward_overhead"] == pytest.approx(90e-6, rel=1e-6)
+    assert fits[128]["forward_row_seconds"] == pytest.approx(0.0, abs=1e-15)
+
+
+def test_a_direction_that_moves_no_bytes_costs_nothing():
+    assert RATES.kernel("copy", 0, 0.0, 3e12) == pytest.approx((0.0, 1.0 + 2e-6))
+
+
+def test_megapps_layers_rebuild_their_saved_inputs_in_backward():
+    """The input gradient pays each norm's forward twice more, the activation's and the
+    relayout's once; nothing else changes. Layers recomputed whole, and the published
+    runs' layers (megapp_layers off), rebuild nothing."""
+    rates = dataclasses.replace(RATES, kernels=(*RATES.kernels, ("relayout", 128, 1e12, 1e12)))
+    theirs = dataclasses.replace(rates, megapp_layers=False)
+    mine, kept = layer_parts(GPT, 2048, 4, rates), layer_parts(GPT, 2048, 4, theirs)
+    tokens, h, f = 2048 * 4, GPT.hidden_size, GPT.ffn_hidden_size
+    rebuilt = [
+        *[rates.kernel("layer_norm", h, 2 * tokens * h * 2, 0.0)[0]] * 4,
+        rates.kernel("bias_gelu", f, 2 * tokens * f * 2, 0.0)[0],
+        rates.kernel("relayout", 128, 2 * tokens * h * 2, 0.0)[0],
+    ]
+    assert mine["memory"][1] - kept["memory"][1] == pytest.approx(sum(rebuilt))
+    assert mine["memory"][0] == kept["memory"][0] and mine["matmul"] == kept["matmul"]
+    whole = dataclasses.replace(
+        GPT, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
+    )
+    assert layer_parts(whole, 2048, 4, rates) == layer_parts(whole, 2048, 4, theirs)
+
+
+def test_grouped_queries_repeat_keys_and_values_only_in_megapps_layers():
+    gqa = dataclasses.replace(GPT, num_query_groups=4)
+    theirs = dataclasses.replace(RATES, megapp_layers=False)
+    repeat = 2 * 2048 * 4 * (16 + 4) * 128 * 2 / RATES.memory_bandwidth + 2e-6
+    extra = [
+        layer_parts(gqa, 2048, 4, RATES)["memory"][k]
+        - layer_parts(gqa, 2048, 4, theirs)["memory"][k]
+        for k in (0, 1)
+    ]
+    rebuilt = layer_parts(GPT, 2048, 4, RATES)["memory"][1]
+    rebuilt -= layer_parts(GPT, 2048, 4, theirs)["memory"][1]
+    assert extra == pytest.approx([repeat, repeat + rebuilt])
 
 
 def test_the_h200_measurements_fit_and_regenerate_the_stored_profile():

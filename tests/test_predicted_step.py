@@ -12,6 +12,7 @@ import pytest
 from megapp.benchmarks import kernel_time, predicted_step
 from megapp.planning import calibrate
 from megapp.planning.hardware import load_hardware
+from megapp.planning.microbench import QUICK
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "img"
 TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"]
@@ -28,6 +29,14 @@ def test_calibrate_on_the_cpu_writes_a_profile_with_every_rate(tmp_path, capsys)
     assert measured == {"layer_norm", "rms_norm", "bias_gelu", "bias_swiglu",
                         "bias_dropout_add", "rope", "relayout", "copy", "add"}  # fmt: skip
     assert "calibrated in" in capsys.readouterr().out
+    # kept beside the fitted timings: the fused kernels on smaller inputs, every matmul and
+    # attention shape back to back
+    timings = json.loads(figures.read_text())
+    small = {(row["op"], row["width"]) for row in timings["kernels_small"]}
+    fused = {"layer_norm", "rms_norm", "bias_gelu", "bias_swiglu", "bias_dropout_add"}
+    assert {op for op, _ in small} == fused and len(small) == 5 * len(QUICK.kernel_widths)
+    assert all(r["seconds_loop"] > 0 for r in timings["matmul"])
+    assert all(r["backward_loop_s"] > 0 for r in timings["attention"])
     # the same measurements refitted give the same profile, with no device
     again = tmp_path / "again.json"
     assert calibrate.main(["--from-measurements", str(figures), "--base", "h100",
@@ -87,3 +96,14 @@ def test_kernels_are_sorted_by_their_names():
         "void at::native::multi_tensor_apply_kernel<FusedOptimizerTensorListMetadata>": "optimizer",
     }
     assert {name: kernel_time.kind_of(name) for name in names} == names
+
+
+def test_idle_time_is_the_span_no_kernel_covers():
+    """Overlapping kernels cover their union; the gaps between them are the idle time, the
+    longest first with the kernels on either side."""
+    intervals = [(0.0, 2.0, "a"), (1.0, 3.0, "b"), (5.0, 6.0, "c"), (6.5, 7.0, "d")]
+    idle = kernel_time.idle_time(intervals)
+    assert idle["span_s"] == 7.0 and idle["idle_s"] == pytest.approx(2.5)
+    assert idle["gap_count"] == 2
+    assert idle["gaps"][0] == {"seconds": 2.0, "after": "b", "before": "c"}
+    assert kernel_time.idle_time([])["gap_count"] == 0

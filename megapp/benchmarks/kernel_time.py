@@ -48,7 +48,7 @@ def idle_time(intervals: list[tuple[float, float, str]], top: int = 12) -> dict:
     last end, the time in it when no kernel ran (``idle_s``), and the longest idle gaps with
     the kernels on either side."""
     if not intervals:
-        return {"span_s": 0.0, "idle_s": 0.0, "gaps": []}
+        return {"span_s": 0.0, "idle_s": 0.0, "gap_count": 0, "gaps": []}
     ordered = sorted(intervals)
     gaps, reach, before = [], ordered[0][1], ordered[0][2]
     for start, end, name in ordered[1:]:

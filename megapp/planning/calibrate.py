@@ -8,17 +8,20 @@ After 1.5 s of matmuls (the clocks ramp up from idle) it times, on the device at
 
 - **memory-bound kernels**, forward and backward: megapp's fused ops as this install runs
   them (layer and RMS norm, bias + GeLU, bias + SwiGLU, bias + dropout + residual) on 2^26
-  elements at widths 1024 to 16384 (their speed depends on it), RoPE, torch's copy and the
-  fp32 gradient accumulation over a buffer many times the last-level cache; bytes read plus
-  written over time;
+  elements at widths 1024 to 16384 (their speed depends on it), and on an eighth of that
+  (kept, not fitted: how their rate falls on smaller inputs); RoPE, the attention output's
+  relayout, torch's copy and the fp32 gradient accumulation over a buffer many times the
+  last-level cache; bytes read plus written over time;
 - **per-kernel costs**: a stream of tiny adds queued behind a sleeping kernel, so the device
   runs it back to back (seconds per kernel on the device) while the host's time to queue it
   is the launch cost;
-- **matmuls** ``F.linear`` over a grid of shapes (16-bit on a GPU, fp32 on a CPU), and
+- **matmuls** ``F.linear`` over a grid of shapes (16-bit on a GPU, fp32 on a CPU) as single
+  calls after the device idled as long (a sleeping kernel): a layer's matmuls alternate
+  with memory-bound work, and a device that only multiplies lowers its clocks to stay within
+  its power; back to back as well (kept, not fitted);
 - **fused attention** (``torch.nn.functional.scaled_dot_product_attention``, causal) forward
-  and backward at a few shapes and head dimensions, both as single calls after the device
-  idled as long (a sleeping kernel): a layer's matmuls alternate with memory-bound work, and
-  a device that only multiplies lowers its clocks to stay within its power.
+  and backward at eight shapes and two head dimensions, laid out as a layer's fused QKV
+  projection makes them, single and back to back (the fit takes the back-to-back ones).
 
 :mod:`megapp.planning.op_fit` fits the operation model's rates to these timings
 (:func:`~megapp.planning.op_fit.op_rates`), and the command prints how well each part fits.
@@ -87,6 +90,8 @@ def measure(device: torch.device, sizes: Sizes) -> dict:
         "multiprocessors": properties.multi_processor_count if properties else 1,
         "memory_bytes": properties.total_memory if properties else None,
         "kernels": kernel_rates(timer, sizes, dtype),
+        # not fitted: the fused kernels on inputs an eighth the size, for the next model
+        "kernels_small": kernel_rates(timer, sizes, dtype, small=sizes.kernel_elements // 8),
         "kernel_overhead_s": device_overhead,
         "launch_overhead_s": launch_overhead,
         "matmul": matmul_grid(timer, sizes, dtype),

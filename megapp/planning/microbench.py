@@ -123,12 +123,17 @@ def warm_up(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def kernel_rates(timer: Timer, sizes: Sizes, dtype: torch.dtype) -> list[dict]:
+def kernel_rates(
+    timer: Timer, sizes: Sizes, dtype: torch.dtype, small: int | None = None
+) -> list[dict]:
     """Forward and backward bytes/s (read + written) of the memory-bound kernels a layer runs,
     one row per kernel and width (the last dimension; 0 where it does not matter): megapp's
     fused ops in the tier this install runs them (compiled, else the reference) on ``[rows,
     width]`` inputs of ``sizes.kernel_elements`` elements at each of ``sizes.widths``, RoPE
-    on heads of 128, and torch's copy and fp32 accumulation (``main_grad += grad``)."""
+    on heads of 128, the attention output's relayout, and torch's copy and fp32 accumulation
+    (``main_grad += grad``). ``small``: only the fused ops, on inputs of that many elements
+    (how their rate falls on a layer's smaller inputs, where a kernel's fixed costs weigh
+    more)."""
     from megapp import fusions
 
     device, w = timer.device, torch.empty((), dtype=dtype).itemsize
@@ -145,8 +150,8 @@ def kernel_rates(timer: Timer, sizes: Sizes, dtype: torch.dtype) -> list[dict]:
         return {"op": name, "width": width, "forward": forward_bytes / timer(forward),
                 "backward": backward_bytes / backward}  # fmt: skip
 
-    def at_width(h: int) -> list[dict]:
-        n = sizes.kernel_elements // h
+    def at_width(h: int, elements: int) -> list[dict]:
+        n = elements // h
         x, residual, wide = leaf(n, h), leaf(n, h), leaf(n, 2 * h)
         weight, bias, bias2 = leaf(h), leaf(h), leaf(2 * h)
         e = n * h  # elements of one [rows, width] tensor
@@ -164,7 +169,9 @@ def kernel_rates(timer: Timer, sizes: Sizes, dtype: torch.dtype) -> list[dict]:
                     e * (3 * w + 1), e * (2 * w + 1)),
         ]  # fmt: skip
 
-    rows = [row for h in sizes.kernel_widths for row in at_width(h)]
+    rows = [row for h in sizes.kernel_widths for row in at_width(h, sizes.kernel_elements)]
+    if small:
+        return [row for h in sizes.kernel_widths for row in at_width(h, small)]
     d = min(128, sizes.kernel_widths[-1])
     seq = sizes.kernel_elements // (4 * 16 * d)
     rope_in = leaf(seq, 4, 16, d)
@@ -233,7 +240,9 @@ def kernel_overheads(timer: Timer) -> tuple[float, float]:
 
 def matmul_grid(timer: Timer, sizes: Sizes, dtype: torch.dtype) -> list[dict]:
     """Seconds of ``y = x·Wᵀ`` (``F.linear``, as a layer runs it), ``x [m, k]``, ``W [n, k]``,
-    over the grid's shapes."""
+    over the grid's shapes: single calls after the device idled as long (``seconds``, what
+    the fit uses) and back to back (``seconds_loop``, kept beside them: a step's matmuls run
+    between other kernels, on a device neither idle nor only multiplying)."""
     out = []
     for m in sizes.rows:
         for n in sizes.widths:
@@ -241,7 +250,8 @@ def matmul_grid(timer: Timer, sizes: Sizes, dtype: torch.dtype) -> list[dict]:
                 x = torch.randn(m, k, device=timer.device, dtype=dtype)
                 w = torch.randn(n, k, device=timer.device, dtype=dtype)
                 seconds = timer.spaced(lambda x=x, w=w: F.linear(x, w))
-                out.append({"m": m, "n": n, "k": k, "seconds": seconds,
+                loop = timer(lambda x=x, w=w: F.linear(x, w))
+                out.append({"m": m, "n": n, "k": k, "seconds": seconds, "seconds_loop": loop,
                             "flops_per_s": 2.0 * m * n * k / seconds})  # fmt: skip
     return out
 
