@@ -326,19 +326,23 @@ def test_a_moe_forward_holds_no_more_at_once_than_its_priced_working_memory():
     layer = MoELayer(gpt.moe_config(), ep_group=dist.group.WORLD)
     tokens, h, w = 1024, gpt.hidden_size, gpt.params_dtype.itemsize
     x = torch.randn(tokens, 1, h, dtype=gpt.params_dtype, requires_grad=True)
-    # The transient is the peak less what is live at the end, so a tensor of an earlier
-    # test (a cache's, a finished collective's) freed inside the window would count as
-    # transient: every tensor alive now is held until the window closes.
-    gc.collect()
-    alive = [t for t in gc.get_objects() if isinstance(t, torch.Tensor)]
-    with LiveTensorMemory() as memory:
-        start = memory.current()
-        output, _ = layer(x)
+
+    def transient() -> int:
+        """The forward's peak less what is live at its end. Every tensor alive before is
+        held until the window closes (one freed inside it would count as transient)."""
         gc.collect()
-        memory.sweep()
-        kept = memory.current() - start  # what backward needs, and the output
-    del alive
+        alive = [t for t in gc.get_objects() if isinstance(t, torch.Tensor)]
+        with LiveTensorMemory() as memory:
+            output, _ = layer(x)
+            gc.collect()
+            memory.sweep()
+        assert output.shape == x.shape and alive
+        return memory.peak - memory.current()
+
+    # gloo's worker thread may hold a finished all-to-all's buffers a moment after the
+    # call returns, so one forward can count a buffer the layer has let go: the least of
+    # three is the layer's own
+    held = min(transient() for _ in range(3))
     priced = 2 * moe_routed_rows(gpt, tokens, 1) * h * w + tokens * h * w
-    assert output.shape == x.shape
     # within 1%: the routing's [T, k] and [T, E] tensors are left out of the price
-    assert 0 < memory.peak - start - kept <= 1.01 * priced, (memory.peak - start - kept, priced)
+    assert 0 < held <= 1.01 * priced, (held, priced)
