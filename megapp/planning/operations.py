@@ -386,11 +386,14 @@ def parameter_tensors(gpt: GPTConfig) -> int:
     return 4 + 4 * gpt.add_bias_linear + norms
 
 
-def layer_kernels(gpt: GPTConfig) -> tuple[int, int, int]:
-    """Kernels one layer launches in its forward, input gradient and weight gradient."""
+def layer_kernels(gpt: GPTConfig, rebuilt: bool = False) -> tuple[int, int, int]:
+    """Kernels one layer launches in its forward, input gradient and weight gradient;
+    ``rebuilt``: with the saved inputs megapp's layers rebuild in backward (four norm
+    passes, the relayout, the activation)."""
     attention = 1 if gpt.attention_backend == "sdpa" else 3
     forward = 4 + attention + memory_kernels(gpt)
-    return forward, 4 + attention + 2 * memory_kernels(gpt), 4 + parameter_tensors(gpt)
+    input_grad = 4 + attention + 2 * memory_kernels(gpt) + 6 * rebuilt
+    return forward, input_grad, 4 + parameter_tensors(gpt)
 
 
 def layer_seconds(
@@ -412,7 +415,8 @@ def layer_seconds(
     if experts:
         rows += expert_parts(gpt, seq_length, micro_batch_size, rates, imbalance).values()
     device = (sum(column) for column in zip(*rows, strict=True))
-    host = (n * rates.launch_overhead for n in layer_kernels(gpt))
+    rebuilt = rates.megapp_layers and gpt.recompute_granularity != "full"
+    host = (n * rates.launch_overhead for n in layer_kernels(gpt, rebuilt))
     f, i, w = (max(d, h) for d, h in zip(device, host, strict=True))
     return LayerSeconds(f, i, w, core_forward=parts["attention"][0])
 
