@@ -21,15 +21,20 @@ Per operation, with ``w`` bytes per element:
 - **attention core**, by implementation (``attention_backend``): ``sdpa`` is a fused,
   flash-style kernel that skips the masked half of the causal square: ``2·b·a·s_q·s_k·d``
   FLOPs (half of q·kᵀ and p·v over the square), forward and backward each
-  ``flops / rate + overhead`` at the rates measured for the nearest head dimension
-  (:class:`AttentionRates`; it recomputes q·kᵀ backward); ``fused_softmax`` materializes the
+  ``flops / rate + rows · row_seconds + overhead`` (``rows = b·a·s_q``) at the rates
+  measured for the nearest head dimension (:class:`AttentionRates`; it recomputes q·kᵀ
+  backward); ``fused_softmax`` materializes the
   ``s × s`` scores as older Megatron-LM runs did: two batched matmuls over the whole square,
   and the softmax, its mask and dropout as memory-bound passes over ``b·a·s²`` elements.
 - **memory-bound kernels** (norms, bias + dropout + residual, the activation, RoPE, the
-  head relayout, the residual stream's gradient sums, the fp32 accumulation of the weight
+  attention output's relayout, grouped queries' repeated keys and values, the residual
+  stream's gradient sums, the QKV bias's gradient, the fp32 accumulation of the weight
   gradients): bytes read and written over the kernel's own rate at the width of its input
   (``OpRates.kernels``, measured forward and backward, interpolated in log-width), or
-  ``memory_bandwidth`` for a kernel not measured, plus ``kernel_overhead`` each.
+  ``memory_bandwidth`` for a kernel not measured, plus ``kernel_overhead`` each. megapp's
+  layers (``OpRates.megapp_layers``) also rebuild saved inputs in the input gradient: each
+  norm's forward twice more (its output, its statistics), the activation's and the
+  relayout's once, unless the layer is recomputed whole.
 - A pass (forward, input or weight gradient) lasts at least its kernels' launches on the
   host (``launch_overhead`` each): small layers are launch-bound.
 
@@ -376,7 +381,7 @@ def expert_parts(
 
 def memory_kernels(gpt: GPTConfig) -> int:
     """Memory-bound kernels of one layer's forward: two norms, two residual adds, the
-    activation, the head relayout (and RoPE on queries and keys)."""
+    activation, the attention output's relayout (and RoPE on queries and keys)."""
     return 6 + 2 * (gpt.position_embedding_type == "rope")  # as layer_parts counts them
 
 
