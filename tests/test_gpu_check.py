@@ -123,7 +123,7 @@ def test_limits_are_checked_on_the_command_line():
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
 def test_the_build_finds_the_toolkit_nvcc_runs_from(tmp_path):
-    args = argparse.Namespace(quick=True, limits={}, nccl_backend="nccl")
+    args = argparse.Namespace(quick=True, limits={}, nccl_backend="nccl", step_models=None)
     check = Check(args, tmp_path, time.monotonic() + 120, [])
     result = StageResult("build", status="running", limit_s=60)
     toolkit = Path(cuda_toolkit(check, result))

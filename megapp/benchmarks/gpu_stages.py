@@ -305,7 +305,7 @@ def stage_step(check: Check, r: StageResult) -> None:
     the device when the calibration did not run). Quick: one small GPT."""
     profile = check.logs / "profile.json"
     hardware = str(profile) if profile.exists() else "h100"
-    chosen = getattr(check.args, "step_models", None) or list(STEP_MODELS)
+    chosen = check.args.step_models or list(STEP_MODELS)
     models = {"quick": STEP_QUICK} if check.args.quick else {n: STEP_MODELS[n] for n in chosen}
     failed = False
     for name, model in models.items():

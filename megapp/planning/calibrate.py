@@ -50,6 +50,7 @@ from megapp.planning.microbench import (
     Sizes,
     Timer,
     attention_rates,
+    fused_kernel_rates,
     kernel_overheads,
     kernel_rates,
     matmul_grid,
@@ -91,7 +92,9 @@ def measure(device: torch.device, sizes: Sizes) -> dict:
         "memory_bytes": properties.total_memory if properties else None,
         "kernels": kernel_rates(timer, sizes, dtype),
         # not fitted: the fused kernels on inputs an eighth the size, for the next model
-        "kernels_small": kernel_rates(timer, sizes, dtype, small=sizes.kernel_elements // 8),
+        "kernels_small": fused_kernel_rates(
+            timer, sizes.kernel_widths, sizes.kernel_elements // 8, dtype
+        ),
         "kernel_overhead_s": device_overhead,
         "launch_overhead_s": launch_overhead,
         "matmul": matmul_grid(timer, sizes, dtype),

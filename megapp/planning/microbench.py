@@ -123,66 +123,72 @@ def warm_up(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def kernel_rates(
-    timer: Timer, sizes: Sizes, dtype: torch.dtype, small: int | None = None
+def _leaf(timer: Timer, dtype: torch.dtype, *shape: int) -> torch.Tensor:
+    return torch.randn(*shape, device=timer.device, dtype=dtype, requires_grad=True)
+
+
+def _measure(timer: Timer, op: str, width: int, forward, inputs, forward_bytes, backward_bytes):
+    """Bytes/s of ``forward()`` and of its gradient with respect to ``inputs``."""
+    y = forward()
+    grad = torch.randn_like(y)
+    backward = timer(lambda: torch.autograd.grad(y, inputs, grad, retain_graph=True))
+    return {"op": op, "width": width, "forward": forward_bytes / timer(forward),
+            "backward": backward_bytes / backward}  # fmt: skip
+
+
+def fused_kernel_rates(
+    timer: Timer, widths: tuple[int, ...], elements: int, dtype: torch.dtype
 ) -> list[dict]:
-    """Forward and backward bytes/s (read + written) of the memory-bound kernels a layer runs,
-    one row per kernel and width (the last dimension; 0 where it does not matter): megapp's
-    fused ops in the tier this install runs them (compiled, else the reference) on ``[rows,
-    width]`` inputs of ``sizes.kernel_elements`` elements at each of ``sizes.widths``, RoPE
-    on heads of 128, the attention output's relayout, and torch's copy and fp32 accumulation
-    (``main_grad += grad``). ``small``: only the fused ops, on inputs of that many elements
-    (how their rate falls on a layer's smaller inputs, where a kernel's fixed costs weigh
-    more)."""
+    """Forward and backward bytes/s (read + written) of megapp's fused memory-bound ops in
+    the tier this install runs them (compiled, else the reference), one row per op and
+    width: norms, bias + GeLU, bias + SwiGLU, bias + dropout + residual on ``[rows, width]``
+    inputs of ``elements`` elements."""
+    return [row for h in widths for row in _fused_at_width(timer, h, elements, dtype)]
+
+
+def _fused_at_width(timer: Timer, h: int, elements: int, dtype: torch.dtype) -> list[dict]:
     from megapp import fusions
 
-    device, w = timer.device, torch.empty((), dtype=dtype).itemsize
+    w, n = torch.empty((), dtype=dtype).itemsize, elements // h
+    x, residual, wide = (_leaf(timer, dtype, n, c) for c in (h, h, 2 * h))
+    weight, bias, bias2 = (_leaf(timer, dtype, c) for c in (h, h, 2 * h))
+    e = n * h  # elements of one [rows, width] tensor
+    return [
+        _measure(timer, "layer_norm", h, lambda: fusions.layer_norm(x, weight, bias),
+                 (x, weight, bias), 2 * e * w, 3 * e * w),
+        _measure(timer, "rms_norm", h, lambda: fusions.rms_norm(x, weight), (x, weight),
+                 2 * e * w, 3 * e * w),
+        _measure(timer, "bias_gelu", h, lambda: fusions.bias_gelu(x, bias), (x, bias),
+                 2 * e * w, 3 * e * w),
+        _measure(timer, "bias_swiglu", h, lambda: fusions.bias_swiglu(wide, bias2),
+                 (wide, bias2), 3 * e * w, 5 * e * w),
+        _measure(timer, "bias_dropout_add", h,
+                 lambda: fusions.bias_dropout_add(x, bias, residual, 0.1, True), (x, bias),
+                 e * (3 * w + 1), e * (2 * w + 1)),
+    ]  # fmt: skip
 
-    def leaf(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, device=device, dtype=dtype, requires_grad=True)
 
-    def measure(name: str, width: int, forward, inputs, forward_bytes, backward_bytes) -> dict:
-        y = forward()
-        grad = torch.randn_like(y)
-        backward = timer(
-            lambda y=y, g=grad, i=inputs: torch.autograd.grad(y, i, g, retain_graph=True)
-        )
-        return {"op": name, "width": width, "forward": forward_bytes / timer(forward),
-                "backward": backward_bytes / backward}  # fmt: skip
+def kernel_rates(timer: Timer, sizes: Sizes, dtype: torch.dtype) -> list[dict]:
+    """Forward and backward bytes/s (read + written) of the memory-bound kernels a layer runs,
+    one row per kernel and width (the last dimension; 0 where it does not matter): the fused
+    ops (:func:`fused_kernel_rates`) on ``sizes.kernel_elements`` elements at each of
+    ``sizes.kernel_widths``, RoPE on heads of 128, the attention output's relayout, and
+    torch's copy and fp32 accumulation (``main_grad += grad``)."""
+    from megapp import fusions
 
-    def at_width(h: int, elements: int) -> list[dict]:
-        n = elements // h
-        x, residual, wide = leaf(n, h), leaf(n, h), leaf(n, 2 * h)
-        weight, bias, bias2 = leaf(h), leaf(h), leaf(2 * h)
-        e = n * h  # elements of one [rows, width] tensor
-        return [
-            measure("layer_norm", h, lambda: fusions.layer_norm(x, weight, bias),
-                    (x, weight, bias), 2 * e * w, 3 * e * w),
-            measure("rms_norm", h, lambda: fusions.rms_norm(x, weight), (x, weight),
-                    2 * e * w, 3 * e * w),
-            measure("bias_gelu", h, lambda: fusions.bias_gelu(x, bias), (x, bias),
-                    2 * e * w, 3 * e * w),
-            measure("bias_swiglu", h, lambda: fusions.bias_swiglu(wide, bias2), (wide, bias2),
-                    3 * e * w, 5 * e * w),
-            measure("bias_dropout_add", h,
-                    lambda: fusions.bias_dropout_add(x, bias, residual, 0.1, True), (x, bias),
-                    e * (3 * w + 1), e * (2 * w + 1)),
-        ]  # fmt: skip
-
-    rows = [row for h in sizes.kernel_widths for row in at_width(h, sizes.kernel_elements)]
-    if small:
-        return [row for h in sizes.kernel_widths for row in at_width(h, small)]
+    w = torch.empty((), dtype=dtype).itemsize
+    rows = fused_kernel_rates(timer, sizes.kernel_widths, sizes.kernel_elements, dtype)
     d = min(128, sizes.kernel_widths[-1])
     seq = sizes.kernel_elements // (4 * 16 * d)
-    rope_in = leaf(seq, 4, 16, d)
-    freqs = fusions.rotary_freqs(seq, d, device=device)
+    rope_in = _leaf(timer, dtype, seq, 4, 16, d)
+    freqs = fusions.rotary_freqs(seq, d, device=timer.device)
     rope_bytes = 2 * rope_in.numel() * w
-    rows.append(measure("rope", d, lambda: fusions.apply_rotary_pos_emb(rope_in, freqs),
-                        (rope_in,), rope_bytes, rope_bytes))  # fmt: skip
+    rows.append(_measure(timer, "rope", d, lambda: fusions.apply_rotary_pos_emb(rope_in, freqs),
+                         (rope_in,), rope_bytes, rope_bytes))  # fmt: skip
     rows += [relayout_rates(timer, sizes, dtype, head_dim) for head_dim in (64, 128)]
     with torch.no_grad():
-        flat = torch.randn(sizes.buffer, device=device, dtype=dtype)
-        copy_out, main = torch.empty_like(flat), torch.zeros(sizes.buffer, device=device)
+        flat = torch.randn(sizes.buffer, device=timer.device, dtype=dtype)
+        copy_out, main = torch.empty_like(flat), torch.zeros(sizes.buffer, device=timer.device)
         copy = 2 * sizes.buffer * w / timer(lambda: copy_out.copy_(flat))
         add = sizes.buffer * (w + 8) / timer(lambda: main.add_(flat))
     rows.append({"op": "copy", "width": 0, "forward": copy, "backward": copy})

@@ -316,14 +316,12 @@ def layer_parts(
         passes.append(("rope", d, 2 * tokens * groups * d * w, 2 * tokens * groups * d * w))
     if gpt.add_bias_linear or gpt.add_qkv_bias:  # the QKV bias's gradient: a sum over rows
         passes.append(("copy", 0, 0.0, tokens * (heads + 2 * groups) * d * w))
-    if rates.megapp_layers and gpt.recompute_granularity != "full":
-        # Saved inputs rebuilt in backward (a layer recomputed whole rebuilds none): each
-        # norm's output for the linear after it, and its statistics again; the activation's
-        # output for fc2; the relayout for the output projection.
-        rebuilt = [(norm, h, 2 * rows * h * w)] * 4 + [("relayout", d, relayout)]
+    rebuilt = []
+    if rebuilds_inputs(gpt, rates):
+        # each norm's output for the linear after it, and its statistics again; the
+        # relayout for the output projection; the activation's output for fc2
+        rebuilt = [(norm, h, 2 * rows * h * w)] * REBUILT_NORM_PASSES + [("relayout", d, relayout)]
         rebuilt += [activation[:3]] if activation else []
-    else:
-        rebuilt = []
     timed_passes = [rates.kernel(*p) for p in passes]
     timed_passes += [(0.0, rates.kernel(op, width, f, 0.0)[0]) for op, width, f in rebuilt]
     memory = tuple(sum(column) for column in zip(*timed_passes, strict=True))
@@ -336,6 +334,15 @@ def layer_parts(
         "memory": (memory[0], memory[1], 0.0),
         "grad_accumulation": (0.0, 0.0, accumulate),
     }
+
+
+REBUILT_NORM_PASSES = 4  # two norms, each rebuilding its output and its statistics
+
+
+def rebuilds_inputs(gpt: GPTConfig, rates: OpRates) -> bool:
+    """Whether a layer priced with ``rates`` rebuilds saved inputs in backward: megapp's
+    layers do, unless recomputed whole (then the rerun forward is priced instead)."""
+    return rates.megapp_layers and gpt.recompute_granularity != "full"
 
 
 def _accumulate_seconds(params: int, tensors: int, width: int, rates: OpRates) -> float:
@@ -392,12 +399,12 @@ def parameter_tensors(gpt: GPTConfig) -> int:
 
 
 def layer_kernels(gpt: GPTConfig, rebuilt: bool = False) -> tuple[int, int, int]:
-    """Kernels one layer launches in its forward, input gradient and weight gradient;
-    ``rebuilt``: with the saved inputs megapp's layers rebuild in backward (four norm
+    """Kernels one dense layer launches in its forward, input gradient and weight gradient;
+    ``rebuilt``: with the saved inputs it rebuilds in backward (:func:`layer_parts`' norm
     passes, the relayout, the activation)."""
     attention = 1 if gpt.attention_backend == "sdpa" else 3
     forward = 4 + attention + memory_kernels(gpt)
-    input_grad = 4 + attention + 2 * memory_kernels(gpt) + 6 * rebuilt
+    input_grad = 4 + attention + 2 * memory_kernels(gpt) + (REBUILT_NORM_PASSES + 2) * rebuilt
     return forward, input_grad, 4 + parameter_tensors(gpt)
 
 
@@ -420,8 +427,7 @@ def layer_seconds(
     if experts:
         rows += expert_parts(gpt, seq_length, micro_batch_size, rates, imbalance).values()
     device = (sum(column) for column in zip(*rows, strict=True))
-    rebuilt = rates.megapp_layers and gpt.recompute_granularity != "full"
-    host = (n * rates.launch_overhead for n in layer_kernels(gpt, rebuilt))
+    host = (n * rates.launch_overhead for n in layer_kernels(gpt, rebuilds_inputs(gpt, rates)))
     f, i, w = (max(d, h) for d, h in zip(device, host, strict=True))
     return LayerSeconds(f, i, w, core_forward=parts["attention"][0])
 
