@@ -96,7 +96,7 @@ def kernel_times(flags: list[str], warmup: int, vocab: int, device: torch.device
     activities = [
         torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU
     ]
-    with torch.profiler.profile(activities=activities) as prof:
+    with torch.profiler.profile(activities=activities, record_shapes=True) as prof:
         profiled_wall = step(warmup)
     walls.append(step(warmup + 1))
     totals: dict[str, float] = {}
@@ -115,7 +115,7 @@ def kernel_times(flags: list[str], warmup: int, vocab: int, device: torch.device
         counts[kind] = counts.get(kind, 0) + 1
         top[event.name] = top.get(event.name, 0.0) + seconds
         calls[event.name] = calls.get(event.name, 0) + event.count
-    heaviest = sorted(top.items(), key=lambda kv: -kv[1])[:40]
+    heaviest = sorted(top.items(), key=lambda kv: -kv[1])
     return {
         "device": torch.cuda.get_device_name(device) if cuda else "cpu",
         "torch": torch.__version__,
@@ -130,7 +130,20 @@ def kernel_times(flags: list[str], warmup: int, vocab: int, device: torch.device
             {"name": n[:160], "seconds": s, "calls": calls[n], "kind": kind_of(n)}
             for n, s in heaviest
         ],
+        "operators": operator_times(prof, cuda),
     }
+
+
+def operator_times(prof: torch.profiler.profile, cuda: bool) -> list[dict]:
+    """The profiled step's operators by name and input shapes, heaviest first: calls and the
+    device time of the kernels each launched itself (its ``self`` time), those with any."""
+    rows = []
+    for avg in prof.key_averages(group_by_input_shape=True):
+        seconds = (avg.self_device_time_total if cuda else avg.self_cpu_time_total) / 1e6
+        if seconds > 0:
+            shapes = [list(s) for s in avg.input_shapes if s]
+            rows.append({"op": avg.key, "shapes": shapes, "calls": avg.count, "seconds": seconds})
+    return sorted(rows, key=lambda r: -r["seconds"])
 
 
 def main(argv: list[str] | None = None) -> int:
