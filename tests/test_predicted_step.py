@@ -29,12 +29,15 @@ def test_calibrate_on_the_cpu_writes_a_profile_with_every_rate(tmp_path, capsys)
     assert measured == {"layer_norm", "rms_norm", "bias_gelu", "bias_swiglu",
                         "bias_dropout_add", "rope", "relayout", "copy", "add"}  # fmt: skip
     assert "calibrated in" in capsys.readouterr().out
-    # kept beside the fitted timings: the fused kernels on smaller inputs, every matmul and
-    # attention shape back to back
+    # every kernel on smaller inputs too (their fixed cost per call), the matmuls in the
+    # three layouts of a linear layer's passes; kept beside the fitted timings: every matmul
+    # and attention shape back to back
     timings = json.loads(figures.read_text())
     small = {(row["op"], row["width"]) for row in timings["kernels_small"]}
-    fused = {"layer_norm", "rms_norm", "bias_gelu", "bias_swiglu", "bias_dropout_add"}
-    assert {op for op, _ in small} == fused and len(small) == 5 * len(QUICK.kernel_widths)
+    assert small == {(row["op"], row["width"]) for row in timings["kernels"]}
+    assert len(small) == 5 * len(QUICK.kernel_widths) + 5
+    assert {r["layout"] for r in timings["matmul"]} == {"forward", "input_grad", "weight_grad"}
+    assert len(ops.gradient_matmul_flops) == 2 and ops.kernel_latency
     assert all(r["seconds_loop"] > 0 for r in timings["matmul"])
     assert all(r["backward_loop_s"] > 0 for r in timings["attention"])
     # the same measurements refitted give the same profile, with no device

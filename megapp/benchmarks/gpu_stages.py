@@ -63,6 +63,23 @@ STEP_MODELS = {
         "--num-layers", "14", "--hidden-size", "3072", "--num-attention-heads", "24",
         "--micro-batch-size", "2", "--global-batch-size", "8",
     ],
+    # held out: chosen, and the operation model committed, before their first run (the
+    # calibration is measured in the same run)
+    "gpt 2.1B h2560 b2": [
+        "--num-layers", "26", "--hidden-size", "2560", "--num-attention-heads", "20",
+        "--micro-batch-size", "2", "--global-batch-size", "8",
+    ],
+    "llama-style 0.8B gqa4": [
+        "--num-layers", "16", "--hidden-size", "2048", "--num-attention-heads", "16",
+        "--num-query-groups", "4", "--ffn-hidden-size", "5632", "--swiglu",
+        "--normalization", "RMSNorm", "--position-embedding-type", "rope",
+        "--disable-bias-linear", "--untie-embeddings-and-output-weights",
+    ],
+    "gpt 1.0B d64 s1024 b8": [
+        "--num-layers", "20", "--hidden-size", "2048", "--num-attention-heads", "32",
+        "--seq-length", "1024", "--max-position-embeddings", "1024",
+        "--micro-batch-size", "8", "--global-batch-size", "32",
+    ],
 }  # fmt: skip
 STEP_QUICK = ["--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4"]
 STEP_QUICK += ["--seq-length", "128", "--micro-batch-size", "2", "--global-batch-size", "4"]

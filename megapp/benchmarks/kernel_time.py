@@ -9,7 +9,9 @@ model, ``megapp.training.build_training_setup``), runs ``--warmup`` training ste
 tokens, then one under ``torch.profiler``, and sums the device time of its kernels by kind:
 ``matmul`` (cuBLAS/CUTLASS GEMMs), ``attention`` (fused attention), ``optimizer`` (the Adam
 and multi-tensor kernels), ``memory`` (every other kernel: norms, activations, copies,
-reductions). It also times the step's wall clock. The planner's operation model
+reductions), with the time the device ran none of them (its idle gaps). A second profiled
+step records the operators' input shapes: which operator, on which shapes, launched each
+kernel (``operators``). It also times the step's wall clock. The planner's operation model
 (:func:`megapp.planning.operations.layer_parts`) prices the same kinds, so the two can be set
 side by side kind by kind.
 """
@@ -17,8 +19,10 @@ side by side kind by kind.
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -96,9 +100,12 @@ def kernel_times(flags: list[str], warmup: int, vocab: int, device: torch.device
     activities = [
         torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU
     ]
-    with torch.profiler.profile(activities=activities, record_shapes=True) as prof:
+    with torch.profiler.profile(activities=activities) as prof:
         profiled_wall = step(warmup)
-    walls.append(step(warmup + 1))
+    # again with the operators' input shapes (which slows the host): what launched each kernel
+    with torch.profiler.profile(activities=activities, record_shapes=True) as shaped:
+        step(warmup + 1)
+    walls.append(step(warmup + 2))
     totals: dict[str, float] = {}
     intervals: list[tuple[float, float, str]] = []
     counts: dict[str, int] = {}
@@ -130,20 +137,62 @@ def kernel_times(flags: list[str], warmup: int, vocab: int, device: torch.device
             {"name": n[:160], "seconds": s, "calls": calls[n], "kind": kind_of(n)}
             for n, s in heaviest
         ],
-        "operators": operator_times(prof, cuda),
+        "operators": operator_kernels(_chrome_trace(shaped)) if cuda else [],
     }
 
 
-def operator_times(prof: torch.profiler.profile, cuda: bool) -> list[dict]:
-    """The profiled step's operators by name and input shapes, heaviest first: calls and the
-    device time of the kernels each launched itself (its ``self`` time), those with any."""
-    rows = []
-    for avg in prof.key_averages(group_by_input_shape=True):
-        seconds = (avg.self_device_time_total if cuda else avg.self_cpu_time_total) / 1e6
-        if seconds > 0:
-            shapes = [list(s) for s in avg.input_shapes if s]
-            rows.append({"op": avg.key, "shapes": shapes, "calls": avg.count, "seconds": seconds})
-    return sorted(rows, key=lambda r: -r["seconds"])
+def _chrome_trace(prof: torch.profiler.profile) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        return json.loads(path.read_text())
+
+
+def operator_kernels(trace: dict) -> list[dict]:
+    """The kernels each operator launched, from a profiler's Chrome trace (``trace``, as
+    ``export_chrome_trace`` writes it): each kernel is matched to the runtime call that
+    launched it (their correlation ids) and that call to the innermost operator around it on
+    its host thread. Rows of operator name, input shapes, kernel name, calls and device
+    seconds, heaviest first."""
+    events = trace.get("traceEvents", [])
+    launches = {
+        e["args"]["correlation"]: e
+        for e in events
+        if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})
+    }
+    ops: dict[tuple, list[dict]] = {}
+    for e in events:
+        if e.get("cat") == "cpu_op" and e.get("ph") == "X":
+            ops.setdefault((e.get("pid"), e.get("tid")), []).append(e)
+    starts = {}
+    for thread, spans in ops.items():
+        spans.sort(key=lambda e: (e["ts"], -e.get("dur", 0)))
+        starts[thread] = [e["ts"] for e in spans]
+    rows: dict[tuple, dict] = {}
+    for e in events:
+        if e.get("cat") not in ("kernel", "gpu_memset", "gpu_memcpy"):
+            continue
+        launch = launches.get(e.get("args", {}).get("correlation"))
+        thread = (launch.get("pid"), launch.get("tid")) if launch else None
+        op = _innermost(ops[thread], starts[thread], launch["ts"]) if thread in ops else None
+        name = op["name"] if op else "(no operator)"
+        shapes = op.get("args", {}).get("Input Dims", []) if op else []
+        key = (name, json.dumps(shapes), e["name"][:160])
+        row = rows.setdefault(key, {"op": name, "shapes": shapes, "kernel": e["name"][:160],
+                                    "calls": 0, "seconds": 0.0})  # fmt: skip
+        row["calls"] += 1
+        row["seconds"] += e.get("dur", 0) / 1e6
+    return sorted(rows.values(), key=lambda r: -r["seconds"])
+
+
+def _innermost(spans: list[dict], starts: list[float], ts: float) -> dict | None:
+    """The latest-starting of ``spans`` (sorted by start, ``starts`` their starts) that
+    contains ``ts``: walking back from the last one that starts by then."""
+    for index in range(bisect.bisect_right(starts, ts) - 1, -1, -1):
+        span = spans[index]
+        if span["ts"] + span.get("dur", 0) >= ts:
+            return span
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -146,7 +146,7 @@ def replay_table(rows: list[dict]) -> str:
     """:func:`replay`'s rows as a markdown table: ms per step, per kind of kernel the
     device time measured / predicted (memory-bound kernels with the fp32 gradient
     accumulation, as the profiler counts them), and the time the profiled step's device ran
-    no kernel (none predicted)."""
+    no kernel / the predicted gaps between kernels."""
     kinds = ("matmul", "attention", "memory", "optimizer")
     head = "| step | measured ms | predicted ms | predicted/measured | "
     lines = [head + " | ".join(kinds) + " | idle |", "|" + "---|" * (5 + len(kinds))]
@@ -163,6 +163,8 @@ def replay_table(rows: list[dict]) -> str:
             cells.append("—" if value is None else f"{shown} / {value * 1e3:.1f}")
         name = r["name"] + (" (held out)" if r["held_out"] else "")
         idle = "—" if r.get("idle_s") is None else f"{r['idle_s'] * 1e3:.1f}"
+        gaps = predicted.get("gaps", (None, None))[1]
+        idle += "" if gaps is None else f" / {gaps * 1e3:.1f}"
         lines.append(f"| {name} | {r['measured_s'] * 1e3:.1f} | {r['predicted_s'] * 1e3:.1f} | "
                      f"{r['ratio']:.3f} | " + " | ".join(cells) + f" | {idle} |")  # fmt: skip
     return "\n".join(lines)

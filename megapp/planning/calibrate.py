@@ -4,24 +4,30 @@
     python -m megapp.planning.calibrate --device cpu --base h100 --quick --out /tmp/p.json
 
 After 1.5 s of matmuls (the clocks ramp up from idle) it times, on the device at hand
-(CUDA events on a GPU; loops of calls spanning a few milliseconds; the median of several):
+(CUDA events on a GPU; the median of several), each call on a GPU from a cold cache (a
+buffer larger than the last-level cache written first) and after the device idled about as
+long (a sleeping kernel), as a layer runs them: between other kernels, on operands other
+kernels left in memory:
 
 - **memory-bound kernels**, forward and backward: megapp's fused ops as this install runs
   them (layer and RMS norm, bias + GeLU, bias + SwiGLU, bias + dropout + residual) on 2^26
-  elements at widths 1024 to 16384 (their speed depends on it), and on an eighth of that
-  (kept, not fitted: how their rate falls on smaller inputs); RoPE, the attention output's
-  relayout, torch's copy and the fp32 gradient accumulation over a buffer many times the
-  last-level cache; bytes read plus written over time;
+  elements at widths 1024 to 16384 (their speed depends on it), RoPE, the attention
+  output's relayout, torch's copy and the fp32 gradient accumulation over a buffer many
+  times the last-level cache, and all of them again on 2^22 elements (a kernel's fixed cost
+  besides its bytes); bytes read plus written over time;
 - **per-kernel costs**: a stream of tiny adds queued behind a sleeping kernel, so the device
   runs it back to back (seconds per kernel on the device) while the host's time to queue it
   is the launch cost;
-- **matmuls** ``F.linear`` over a grid of shapes (16-bit on a GPU, fp32 on a CPU) as single
-  calls after the device idled as long (a sleeping kernel): a layer's matmuls alternate
-  with memory-bound work, and a device that only multiplies lowers its clocks to stay within
-  its power; back to back as well (kept, not fitted);
+- **matmuls** over a grid of shapes (16-bit on a GPU, fp32 on a CPU), each laid out as the
+  forward (``x·Wᵀ``), input-gradient (``dy·W``) and weight-gradient (``dyᵀ·x``) passes of a
+  linear layer run it;
 - **fused attention** (``torch.nn.functional.scaled_dot_product_attention``, causal) forward
   and backward at eight shapes and two head dimensions, laid out as a layer's fused QKV
-  projection makes them, single and back to back (the fit takes the back-to-back ones).
+  projection makes them.
+
+The matmuls and attention are timed back to back as well, after every single call (long
+loops of large matmuls lower the clocks), and kept, not fitted: between two runs on H200s,
+attention's back-to-back timings moved by up to 19%, its single calls by at most 5%.
 
 :mod:`megapp.planning.op_fit` fits the operation model's rates to these timings
 (:func:`~megapp.planning.op_fit.op_rates`), and the command prints how well each part fits.
@@ -50,7 +56,7 @@ from megapp.planning.microbench import (
     Sizes,
     Timer,
     attention_rates,
-    fused_kernel_rates,
+    back_to_back,
     kernel_overheads,
     kernel_rates,
     matmul_grid,
@@ -84,22 +90,23 @@ def measure(device: torch.device, sizes: Sizes) -> dict:
     warm_up(device)
     properties = torch.cuda.get_device_properties(device) if cuda else None
     device_overhead, launch_overhead = kernel_overheads(timer)
-    return {
+    widths, elements = sizes.kernel_widths, sizes.kernel_elements
+    measurements = {
         "device": torch.cuda.get_device_name(device) if cuda else "cpu",
         "torch": torch.__version__,
         "dtype": str(dtype).removeprefix("torch."),
         "multiprocessors": properties.multi_processor_count if properties else 1,
         "memory_bytes": properties.total_memory if properties else None,
-        "kernels": kernel_rates(timer, sizes, dtype),
-        # not fitted: the fused kernels on inputs an eighth the size, for the next model
-        "kernels_small": fused_kernel_rates(
-            timer, sizes.kernel_widths, sizes.kernel_elements // 8, dtype
-        ),
+        "kernels": kernel_rates(timer, widths, elements, sizes.buffer, dtype),
+        # the same kernels on a sixteenth the elements: their fixed cost per call
+        "kernels_small": kernel_rates(timer, widths, elements // 16, elements // 16, dtype),
         "kernel_overhead_s": device_overhead,
         "launch_overhead_s": launch_overhead,
         "matmul": matmul_grid(timer, sizes, dtype),
         "attention": attention_rates(timer, sizes, dtype),
     }
+    back_to_back(timer, measurements["matmul"], measurements["attention"], dtype)
+    return measurements
 
 
 def profile_of(measurements: dict, base: Hardware) -> tuple[Hardware, dict]:
@@ -128,6 +135,13 @@ def describe(ops: OpRates, fit: dict) -> str:
         f"+{ops.matmul_overhead * 1e6:.1f} us per kernel: grid within {matmul['mean_error']:.1%} "
         f"mean, {matmul['max_error']:.1%} worst"
     ]
+    if ops.gradient_matmul_flops:
+        input_grad, weight_grad = (f / 1e12 for f in ops.gradient_matmul_flops)
+        lines.append(
+            f"  gradient matmuls: input ({matmul['input_grad_errors']['mean_error']:.1%} mean) "
+            f"{input_grad:.0f} TFLOP/s, weight ({matmul['weight_grad_errors']['mean_error']:.1%}"
+            f" mean) {weight_grad:.0f} TFLOP/s"
+        )
     for a in fit["attention"]:
         lines.append(
             f"  attention, heads of {a['head_dim']}: {a['forward_flops'] / 1e12:.0f} TFLOP/s "
@@ -138,10 +152,14 @@ def describe(ops: OpRates, fit: dict) -> str:
             f"{a['forward_errors']['max_error']:.1%} and {a['backward_errors']['max_error']:.1%}"
         )
     by_op: dict[str, list[str]] = {}
+    fixed = {(op, width): (f, b) for op, width, f, b in ops.kernel_latency}
     for op, width, f, b in ops.kernels:
         at = f" at {width}" if width else ""
-        by_op.setdefault(op, []).append(f"{f / 1e9:.0f}/{b / 1e9:.0f}{at}")
-    lines.append("  memory-bound GB/s forward/backward:")
+        plus = ""
+        if (op, width) in fixed:
+            plus = " +{:.1f}/{:.1f} us".format(*(t * 1e6 for t in fixed[op, width]))
+        by_op.setdefault(op, []).append(f"{f / 1e9:.0f}/{b / 1e9:.0f}{plus}{at}")
+    lines.append("  memory-bound GB/s forward/backward (+ fixed us per call):")
     lines += [f"    {op}: {', '.join(cells)}" for op, cells in by_op.items()]
     lines.append(
         f"  per kernel {ops.kernel_overhead * 1e6:.1f} us on the device, "

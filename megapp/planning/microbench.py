@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 
 WARM_S = 1.5  # seconds of matmuls before measuring: the clocks ramp up from idle
+FLUSH_BYTES = 256 * 2**20  # many times the last-level cache of any GPU here (H100, H200: 50 MB)
+SLEEP_HZ = 2.0e9  # cycles per second of torch.cuda._sleep's count: at or above the clocks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,19 +65,23 @@ class Timer:
 
     def __init__(self, device: torch.device, repeats: int):
         self.device, self.repeats = device, repeats
+        self.flush: torch.Tensor | None = None  # written before each spaced call
 
     def sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def loop(self, fn: Callable[[], object], inner: int) -> float:
-        """Seconds per call of ``inner`` calls in a row."""
+    def loop(self, fn: Callable[[], object], inner: int, lead: float = 0.0) -> float:
+        """Seconds per call of ``inner`` calls in a row; on a GPU queued behind a sleeping
+        kernel of about ``lead`` seconds."""
         if self.device.type != "cuda":
             start = time.perf_counter()
             for _ in range(inner):
                 fn()
             return (time.perf_counter() - start) / inner
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if lead > 0:
+            torch.cuda._sleep(int(min(lead, 0.1) * SLEEP_HZ))
         begin.record()
         for _ in range(inner):
             fn()
@@ -84,24 +90,38 @@ class Timer:
         return begin.elapsed_time(end) / 1e3 / inner
 
     def __call__(self, fn: Callable[[], object]) -> float:
+        """Median seconds per call on the device: on a GPU each loop is queued behind a
+        sleeping kernel that lasts as long as the host takes to queue it, so that the device
+        runs the calls back to back even where one call is quicker on the device than
+        launching it on the host (a small kernel behind a Python function)."""
         fn()
         self.sync()
         once = self.loop(fn, 1)
         inner = min(1000, max(1, int(2e-3 / max(once, 1e-7))))
-        return statistics.median(self.loop(fn, inner) for _ in range(self.repeats))
+        lead = 0.0
+        if self.device.type == "cuda":
+            start = time.perf_counter()
+            self.loop(fn, inner)
+            lead = 1.25 * (time.perf_counter() - start)  # the host's time to queue a loop
+        return statistics.median(self.loop(fn, inner, lead) for _ in range(self.repeats))
 
     def spaced(self, fn: Callable[[], object]) -> float:
-        """Median seconds of single calls, each after the device idled (a sleeping kernel)
-        about as long: a layer's matmuls alternate with memory-bound kernels, and a device
-        that only multiplies slows its clocks to stay within its power."""
+        """Median seconds of single calls, each from a cold cache (a buffer larger than any
+        last-level cache written first: a layer's operands come from memory, not from the
+        previous call's cache) and after the device idled (a sleeping kernel) about as long:
+        a layer's matmuls alternate with memory-bound kernels, and a device that only
+        multiplies slows its clocks to stay within its power."""
         if self.device.type != "cuda":
             return self(fn)
+        if self.flush is None:
+            self.flush = torch.empty(FLUSH_BYTES // 4, device=self.device)
         fn()
         once = self.loop(fn, 1)
         cycles = int(min(once, 0.02) * 1.5e9)  # at about 1.5 GHz
         samples = []
         for _ in range(self.repeats):
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self.flush.zero_()
             torch.cuda._sleep(cycles)
             begin.record()
             fn()
@@ -128,12 +148,20 @@ def _leaf(timer: Timer, dtype: torch.dtype, *shape: int) -> torch.Tensor:
 
 
 def _measure(timer: Timer, op: str, width: int, forward, inputs, forward_bytes, backward_bytes):
-    """Bytes/s of ``forward()`` and of its gradient with respect to ``inputs``."""
+    """Bytes/s of ``forward()`` and of its gradient with respect to ``inputs``, single calls
+    from a cold cache (:meth:`Timer.spaced`): a layer's memory-bound kernels read what
+    earlier kernels wrote to memory, and the time between kernels is priced apart."""
     y = forward()
     grad = torch.randn_like(y)
-    backward = timer(lambda: torch.autograd.grad(y, inputs, grad, retain_graph=True))
-    return {"op": op, "width": width, "forward": forward_bytes / timer(forward),
-            "backward": backward_bytes / backward}  # fmt: skip
+    backward = timer.spaced(lambda: torch.autograd.grad(y, inputs, grad, retain_graph=True))
+    return _row(op, width, forward_bytes, timer.spaced(forward), backward_bytes, backward)
+
+
+def _row(op: str, width: int, forward_bytes: float, forward_s: float, backward_bytes: float,
+         backward_s: float) -> dict:  # fmt: skip
+    return {"op": op, "width": width, "forward": forward_bytes / forward_s,
+            "backward": backward_bytes / backward_s, "forward_bytes": forward_bytes,
+            "backward_bytes": backward_bytes}  # fmt: skip
 
 
 def fused_kernel_rates(
@@ -168,51 +196,54 @@ def _fused_at_width(timer: Timer, h: int, elements: int, dtype: torch.dtype) -> 
     ]  # fmt: skip
 
 
-def kernel_rates(timer: Timer, sizes: Sizes, dtype: torch.dtype) -> list[dict]:
+def kernel_rates(
+    timer: Timer, widths: tuple[int, ...], elements: int, buffer: int, dtype: torch.dtype
+) -> list[dict]:
     """Forward and backward bytes/s (read + written) of the memory-bound kernels a layer runs,
-    one row per kernel and width (the last dimension; 0 where it does not matter): the fused
-    ops (:func:`fused_kernel_rates`) on ``sizes.kernel_elements`` elements at each of
-    ``sizes.kernel_widths``, RoPE on heads of 128, the attention output's relayout, and
-    torch's copy and fp32 accumulation (``main_grad += grad``)."""
+    one row per kernel and width (the last dimension; 0 where it does not matter), with the
+    bytes each call moved: the fused ops (:func:`fused_kernel_rates`) on ``elements``
+    elements at each of ``widths``, RoPE on heads of 128 and the attention output's relayout
+    on as many, and torch's copy and fp32 accumulation (``main_grad += grad``) over
+    ``buffer`` elements."""
     from megapp import fusions
 
     w = torch.empty((), dtype=dtype).itemsize
-    rows = fused_kernel_rates(timer, sizes.kernel_widths, sizes.kernel_elements, dtype)
-    d = min(128, sizes.kernel_widths[-1])
-    seq = sizes.kernel_elements // (4 * 16 * d)
+    rows = fused_kernel_rates(timer, widths, elements, dtype)
+    d = min(128, widths[-1])
+    seq = max(1, elements // (4 * 16 * d))
     rope_in = _leaf(timer, dtype, seq, 4, 16, d)
     freqs = fusions.rotary_freqs(seq, d, device=timer.device)
     rope_bytes = 2 * rope_in.numel() * w
     rows.append(_measure(timer, "rope", d, lambda: fusions.apply_rotary_pos_emb(rope_in, freqs),
                          (rope_in,), rope_bytes, rope_bytes))  # fmt: skip
-    rows += [relayout_rates(timer, sizes, dtype, head_dim) for head_dim in (64, 128)]
+    rows += [relayout_rates(timer, elements, dtype, head_dim) for head_dim in (64, 128)]
     with torch.no_grad():
-        flat = torch.randn(sizes.buffer, device=timer.device, dtype=dtype)
-        copy_out, main = torch.empty_like(flat), torch.zeros(sizes.buffer, device=timer.device)
-        copy = 2 * sizes.buffer * w / timer(lambda: copy_out.copy_(flat))
-        add = sizes.buffer * (w + 8) / timer(lambda: main.add_(flat))
-    rows.append({"op": "copy", "width": 0, "forward": copy, "backward": copy})
-    rows.append({"op": "add", "width": 0, "forward": add, "backward": add})
+        flat = torch.randn(buffer, device=timer.device, dtype=dtype)
+        copy_out, main = torch.empty_like(flat), torch.zeros(buffer, device=timer.device)
+        copy_bytes, add_bytes = 2 * buffer * w, buffer * (w + 8)
+        copy = timer.spaced(lambda: copy_out.copy_(flat))
+        add = timer.spaced(lambda: main.add_(flat))
+    rows.append(_row("copy", 0, copy_bytes, copy, copy_bytes, copy))
+    rows.append(_row("add", 0, add_bytes, add, add_bytes, add))
     return rows
 
 
-def relayout_rates(timer: Timer, sizes: Sizes, dtype: torch.dtype, head_dim: int) -> dict:
+def relayout_rates(timer: Timer, elements: int, dtype: torch.dtype, head_dim: int) -> dict:
     """Bytes/s of the attention output's relayout: forward ``[b, heads, s, d]`` to ``[s, b,
     heads·d]`` (:func:`megapp.transformer.layer.merge_heads`, a permuting copy), backward its
-    gradient back to the attention's layout; ``sizes.kernel_elements`` elements, 32 heads."""
+    gradient back to the attention's layout; ``elements`` elements, 32 heads."""
     from megapp.transformer.layer import merge_heads
 
     heads = 32
-    seq = max(1, sizes.kernel_elements // (2 * heads * head_dim))
+    seq = max(1, elements // (2 * heads * head_dim))
     nbytes = 2 * 2 * heads * seq * head_dim * torch.empty((), dtype=dtype).itemsize
     with torch.no_grad():
         context = torch.randn(2, heads, seq, head_dim, device=timer.device, dtype=dtype)
         grad = torch.randn(seq, 2, heads * head_dim, device=timer.device, dtype=dtype)
         back = grad.view(seq, 2, heads, head_dim).permute(1, 2, 0, 3)
-        forward = timer(lambda: merge_heads(context))
-        backward = timer(lambda: back.contiguous())
-    return {"op": "relayout", "width": head_dim, "forward": nbytes / forward,
-            "backward": nbytes / backward}  # fmt: skip
+        forward = timer.spaced(lambda: merge_heads(context))
+        backward = timer.spaced(lambda: back.contiguous())
+    return _row("relayout", head_dim, nbytes, forward, nbytes, backward)
 
 
 def kernel_overheads(timer: Timer) -> tuple[float, float]:
@@ -244,21 +275,38 @@ def kernel_overheads(timer: Timer) -> tuple[float, float]:
     return statistics.median(device), statistics.median(host)
 
 
+MATMUL_PASSES = ("forward", "input_grad", "weight_grad")
+
+
+def matmul_call(m: int, n: int, k: int, layout: str, device: torch.device, dtype: torch.dtype):
+    """A product with output ``[m, n]`` and reduction ``k`` laid out as one pass of a linear
+    layer runs it: ``forward`` ``x·Wᵀ`` (``F.linear``, ``x [m, k]``, ``W [n, k]``),
+    ``input_grad`` ``dy·W`` (``dy [m, k]``, ``W [k, n]``), ``weight_grad`` ``dyᵀ·x`` (``dy
+    [k, m]``, ``x [k, n]``: the reduction runs over the tokens)."""
+    if layout == "forward":
+        x, w = (torch.randn(*shape, device=device, dtype=dtype) for shape in ((m, k), (n, k)))
+        return lambda: F.linear(x, w)
+    if layout == "input_grad":
+        g, w = (torch.randn(*shape, device=device, dtype=dtype) for shape in ((m, k), (k, n)))
+        return lambda: torch.mm(g, w)
+    if layout == "weight_grad":
+        g, x = (torch.randn(*shape, device=device, dtype=dtype) for shape in ((k, m), (k, n)))
+        return lambda: torch.mm(g.t(), x)
+    raise ValueError(f"unknown matmul layout {layout!r}; one of {', '.join(MATMUL_PASSES)}")
+
+
 def matmul_grid(timer: Timer, sizes: Sizes, dtype: torch.dtype) -> list[dict]:
-    """Seconds of ``y = x·Wᵀ`` (``F.linear``, as a layer runs it), ``x [m, k]``, ``W [n, k]``,
-    over the grid's shapes: single calls after the device idled as long (``seconds``, what
-    the fit uses) and back to back (``seconds_loop``, kept beside them: a step's matmuls run
-    between other kernels, on a device neither idle nor only multiplying)."""
+    """Seconds of the products with output ``[m, n]`` and reduction ``k`` over the grid's
+    shapes, each laid out as each pass of a linear layer runs it (:func:`matmul_call`),
+    single calls after the device idled as long (``seconds``, what the fit uses;
+    :func:`back_to_back` adds the same back to back)."""
+    shapes = [(m, n, k) for m in sizes.rows for n in sizes.widths for k in sizes.widths]
     out = []
-    for m in sizes.rows:
-        for n in sizes.widths:
-            for k in sizes.widths:
-                x = torch.randn(m, k, device=timer.device, dtype=dtype)
-                w = torch.randn(n, k, device=timer.device, dtype=dtype)
-                seconds = timer.spaced(lambda x=x, w=w: F.linear(x, w))
-                loop = timer(lambda x=x, w=w: F.linear(x, w))
-                out.append({"m": m, "n": n, "k": k, "seconds": seconds, "seconds_loop": loop,
-                            "flops_per_s": 2.0 * m * n * k / seconds})  # fmt: skip
+    for layout in MATMUL_PASSES:
+        for m, n, k in shapes:
+            seconds = timer.spaced(matmul_call(m, n, k, layout, timer.device, dtype))
+            out.append({"m": m, "n": n, "k": k, "layout": layout, "seconds": seconds,
+                        "flops_per_s": 2.0 * m * n * k / seconds})  # fmt: skip
     return out
 
 
@@ -266,32 +314,45 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
+def attention_calls(b: int, heads: int, s: int, d: int, device: torch.device, dtype: torch.dtype):
+    """Forward and backward calls of causal fused attention laid out as a layer makes them:
+    ``[b, heads, s, d]`` views of one fused projection's ``[s, b, heads, 3, d]`` output, not
+    contiguous tensors of their own (the kernels' speed depends on the strides); the
+    backward returns their gradients without scattering them back."""
+    mixed = torch.randn(s, b, heads, 3, d, device=device, dtype=dtype, requires_grad=True)
+    q, k, v = (t.permute(1, 2, 0, 3) for t in mixed.unbind(3))
+    o = causal_attention(q, k, v)
+    grad = torch.randn_like(o)
+    return (
+        lambda: causal_attention(q, k, v),
+        lambda: torch.autograd.grad(o, (q, k, v), grad, retain_graph=True),
+    )
+
+
 def attention_rates(timer: Timer, sizes: Sizes, dtype: torch.dtype) -> list[dict]:
-    """Forward and backward seconds of causal fused attention at each shape, and the rate
-    of its unmasked half's FLOPs. Queries, keys and values are laid out as a layer makes
-    them: ``[b, heads, s, d]`` views of one fused projection's ``[s, b, heads, 3, d]``
-    output, not contiguous tensors of their own (the kernels' speed depends on the
-    strides); the backward returns their gradients without scattering them back."""
+    """Forward and backward seconds of causal fused attention (:func:`attention_calls`) at
+    each shape, single calls after the device idled as long, and the rate of its unmasked
+    half's FLOPs (:func:`back_to_back` adds the same back to back)."""
     out = []
     for b, heads, s, d in sizes.attention:
-        mixed = torch.randn(s, b, heads, 3, d, device=timer.device, dtype=dtype)
-        mixed.requires_grad_(True)
-        q, k, v = (t.permute(1, 2, 0, 3) for t in mixed.unbind(3))
-        forward = timer.spaced(lambda q=q, k=k, v=v: causal_attention(q, k, v))
-        o = causal_attention(q, k, v)
-        grad = torch.randn_like(o)
-        inputs = (q, k, v)
-        backward = timer.spaced(
-            lambda o=o, g=grad, i=inputs: torch.autograd.grad(o, i, g, retain_graph=True)
-        )
-        flops = 2.0 * b * heads * s * s * d
-        # back to back as well, kept beside the fitted single calls (a device kept busy
-        # may lower its clocks)
-        forward_loop = timer(lambda q=q, k=k, v=v: causal_attention(q, k, v))
-        backward_loop = timer(
-            lambda o=o, g=grad, i=inputs: torch.autograd.grad(o, i, g, retain_graph=True)
-        )
-        out.append({"batch": b, "heads": heads, "seq": s, "head_dim": d, "forward_s": forward,
-                    "backward_s": backward, "flops_per_s": flops / forward,
-                    "forward_loop_s": forward_loop, "backward_loop_s": backward_loop})  # fmt: skip
+        forward, backward = attention_calls(b, heads, s, d, timer.device, dtype)
+        seconds = timer.spaced(forward)
+        out.append({"batch": b, "heads": heads, "seq": s, "head_dim": d, "forward_s": seconds,
+                    "backward_s": timer.spaced(backward),
+                    "flops_per_s": 2.0 * b * heads * s * s * d / seconds})  # fmt: skip
     return out
+
+
+def back_to_back(timer: Timer, matmul: list[dict], attention: list[dict], dtype: torch.dtype):
+    """Add to :func:`matmul_grid`'s and :func:`attention_rates`' rows the same calls timed
+    back to back (``seconds_loop``; ``forward_loop_s``, ``backward_loop_s``), kept beside
+    the single calls: a step runs them between other kernels, on a device neither idle nor
+    only multiplying. Taken after every single call: long loops of large matmuls lower the
+    clocks, and calls timed after them would inherit it."""
+    for row in matmul:
+        call = matmul_call(row["m"], row["n"], row["k"], row["layout"], timer.device, dtype)
+        row["seconds_loop"] = timer(call)
+    for row in attention:
+        shape = (row["batch"], row["heads"], row["seq"], row["head_dim"])
+        forward, backward = attention_calls(*shape, timer.device, dtype)
+        row["forward_loop_s"], row["backward_loop_s"] = timer(forward), timer(backward)

@@ -60,24 +60,31 @@ def _errors(predicted: Sequence[float], measured: Sequence[float]) -> dict:
     return {"mean_error": sum(errors) / len(errors), "max_error": max(errors)}
 
 
+def _matmul_terms(r: dict, tile: tuple[int, int], multiprocessors: int) -> list[float]:
+    """The multipliers of 1/rate, the per-wave and the per-kernel cost in one product's
+    seconds under ``tile``."""
+    probe = OpRates(1.0, multiprocessors, tile, 1.0)  # the tiling alone
+    waves = probe.waves(r["m"], r["n"], k=r["k"])
+    piece = math.ceil(r["k"] / probe.split(r["m"], r["n"], r["k"]))
+    return [2.0 * waves * multiprocessors * tile[0] * tile[1] * piece, waves, 1.0]
+
+
 def fit_matmul(grid: Sequence[dict], multiprocessors: int, bandwidth: float, width: int) -> dict:
-    """The tile, rate and overheads whose :meth:`OpRates.matmul` misses ``grid`` (rows of
-    ``m``, ``n``, ``k``, ``seconds``) least."""
+    """The tile, rate and overheads whose :meth:`OpRates.matmul` misses the forward products
+    of ``grid`` (rows of ``m``, ``n``, ``k``, ``seconds`` and ``layout``, forward where
+    absent) least; and, under that tile and those overheads, the rate of the input- and
+    weight-gradient products where the grid has them (``gradient_flops``)."""
     best: dict | None = None
-    seconds = [r["seconds"] for r in grid]
+    forward = [r for r in grid if r.get("layout", "forward") == "forward"]
+    seconds = [r["seconds"] for r in forward]
     for tile in TILES:
-        probe = OpRates(1.0, multiprocessors, tile, bandwidth)  # the tiling alone
-        rows = []
-        for r in grid:
-            waves = probe.waves(r["m"], r["n"], k=r["k"])
-            piece = math.ceil(r["k"] / probe.split(r["m"], r["n"], r["k"]))
-            rows.append([2.0 * waves * multiprocessors * tile[0] * tile[1] * piece, waves, 1.0])
+        rows = [_matmul_terms(r, tile, multiprocessors) for r in forward]
         inverse_rate, per_wave, per_kernel = relative_least_squares(rows, seconds)
         if inverse_rate <= 0:
             continue
         rates = OpRates(1 / inverse_rate, multiprocessors, tile, bandwidth,
                         wave_overhead=per_wave, matmul_overhead=per_kernel)  # fmt: skip
-        predicted = [rates.matmul(r["m"], r["n"], r["k"], width) for r in grid]
+        predicted = [rates.matmul(r["m"], r["n"], r["k"], width) for r in forward]
         fit = {"tile": tile, "matmul_flops": rates.matmul_flops, "wave_overhead": per_wave,
                "matmul_overhead": per_kernel, **_errors(predicted, seconds)}  # fmt: skip
         # a tile must fit clearly better to replace an earlier (smaller) one: tilings the
@@ -86,18 +93,34 @@ def fit_matmul(grid: Sequence[dict], multiprocessors: int, bandwidth: float, wid
             best = fit
     if best is None:
         raise ValueError("no tile fits the matmul timings (do they grow with the work?)")
+    gradient = []
+    for layout in ("input_grad", "weight_grad"):
+        rows = [r for r in grid if r.get("layout") == layout]
+        if not rows:
+            break
+        # seconds = work / rate + per_wave · waves + per_kernel, the rate alone refitted:
+        # 1/rate minimizing Σ((work/rate + fixed − t) / t)²
+        terms = [_matmul_terms(r, best["tile"], multiprocessors) for r in rows]
+        fixed = [best["wave_overhead"] * w + best["matmul_overhead"] for _, w, _ in terms]
+        scaled = [(work / r["seconds"], 1 - f / r["seconds"])
+                  for (work, _, _), f, r in zip(terms, fixed, rows, strict=True)]  # fmt: skip
+        rate = sum(a * a for a, _ in scaled) / sum(a * b for a, b in scaled)
+        predicted = [work / rate + f for (work, _, _), f in zip(terms, fixed, strict=True)]
+        errors = _errors(predicted, [r["seconds"] for r in rows])
+        best[f"{layout}_errors"] = errors
+        gradient.append(rate)
+    if len(gradient) == 2:
+        best["gradient_flops"] = tuple(gradient)
     return best
 
 
 def fit_attention(shapes: Sequence[dict]) -> list[dict]:
     """Forward and backward rates, row costs and overheads of fused causal attention, one
     fit per head dimension among ``shapes`` (rows of ``batch``, ``heads``, ``seq``,
-    ``head_dim``, ``forward_s``, ``backward_s``, and where measured ``forward_loop_s``,
-    ``backward_loop_s``): as many terms as the shapes allow, flops first, then rows, then
-    the overhead. The back-to-back timings are fitted where a calibration took them: a
-    training step runs attention between other long kernels, not after an idle device, and
-    a device kept busy runs attention's backward 5-20% slower than single calls (one
-    H200)."""
+    ``head_dim``, ``forward_s``, ``backward_s``): as many terms as the shapes allow, flops
+    first, then rows, then the overhead. The single calls are fitted, not the back-to-back
+    timings kept beside them: those moved by up to 19% between two runs on H200s, the
+    single calls by at most 5%."""
     fits = []
     for head_dim in sorted({r["head_dim"] for r in shapes}):
         rows = [r for r in shapes if r["head_dim"] == head_dim]
@@ -107,7 +130,7 @@ def fit_attention(shapes: Sequence[dict]) -> list[dict]:
         columns = [[f, q, 1.0][:terms] for f, q in zip(flops, queries, strict=True)]
         fit: dict = {"head_dim": head_dim}
         for name in ("forward", "backward"):
-            measured = [r.get(f"{name}_loop_s", r[f"{name}_s"]) for r in rows]
+            measured = [r[f"{name}_s"] for r in rows]
             coefficients = relative_least_squares(columns, measured)
             if coefficients[0] <= 0:  # timings that do not grow with the work: a rate alone
                 coefficients = relative_least_squares([[f] for f in flops], measured)
@@ -122,6 +145,35 @@ def fit_attention(shapes: Sequence[dict]) -> list[dict]:
     return fits
 
 
+def fit_kernels(full: Sequence[dict], small: Sequence[dict]) -> tuple[tuple, tuple]:
+    """Each memory-bound kernel's bandwidth and fixed seconds per call, forward and backward,
+    from its timings on two sizes (rows of ``op``, ``width``, ``forward`` and ``backward``
+    bytes/s and the bytes each call moved): ``seconds = bytes / bandwidth + fixed``
+    through both. A kernel measured on one size only (or whose smaller call was not quicker
+    per byte) keeps that size's rate and no fixed cost. Returns the :class:`OpRates`
+    ``kernels`` and ``kernel_latency`` rows."""
+    smaller = {(r["op"], r["width"]): r for r in small}
+    rates, latency = [], []
+    for r in full:
+        s = smaller.get((r["op"], r["width"]))
+        row, fixed = [r["op"], r["width"]], [r["op"], r["width"]]
+        for name in ("forward", "backward"):
+            bandwidth, seconds = r[name], 0.0
+            if s is not None and s.get(f"{name}_bytes", 0) > 0 and s[name] > 0 \
+                    and f"{name}_bytes" in r:  # fmt: skip
+                big_b, small_b = r[f"{name}_bytes"], s[f"{name}_bytes"]
+                big_t, small_t = big_b / r[name], small_b / s[name]
+                inverse = (big_t - small_t) / (big_b - small_b) if big_b > small_b else 0.0
+                if inverse > 0 and big_t - big_b * inverse > 0:
+                    bandwidth, seconds = 1 / inverse, big_t - big_b * inverse
+            row.append(bandwidth)
+            fixed.append(seconds)
+        rates.append(tuple(row))
+        if s is not None:
+            latency.append(tuple(fixed))
+    return tuple(sorted(rates)), tuple(sorted(latency))
+
+
 def op_rates(measurements: dict) -> tuple[OpRates, dict]:
     """The :class:`OpRates` of a calibration's ``measurements`` and how well each part fits."""
     width = 2 if measurements["dtype"] in ("bfloat16", "float16") else 4
@@ -130,16 +182,19 @@ def op_rates(measurements: dict) -> tuple[OpRates, dict]:
     units = measurements["multiprocessors"]
     matmul = fit_matmul(measurements["matmul"], units, bandwidth, width)
     attention = fit_attention(measurements["attention"])
-    rates = OpRates(
+    rates, latency = fit_kernels(kernels, measurements.get("kernels_small", ()))
+    ops = OpRates(
         matmul_flops=matmul["matmul_flops"],
         multiprocessors=units,
         tile=tuple(matmul["tile"]),
         memory_bandwidth=bandwidth,
         attention=tuple(AttentionRates(**{k: a[k] for k in ATTENTION_KEYS}) for a in attention),
-        kernels=tuple(sorted((k["op"], k["width"], k["forward"], k["backward"]) for k in kernels)),
+        kernels=rates,
+        kernel_latency=latency,
+        gradient_matmul_flops=matmul.get("gradient_flops", ()),
         wave_overhead=matmul["wave_overhead"],
         matmul_overhead=matmul["matmul_overhead"],
         kernel_overhead=measurements["kernel_overhead_s"],
         launch_overhead=measurements["launch_overhead_s"],
     )
-    return rates, {"matmul": matmul, "attention": attention}
+    return ops, {"matmul": matmul, "attention": attention}

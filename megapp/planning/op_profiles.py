@@ -37,8 +37,8 @@ H200_MEASURED = OpRates(
     tile=(128, 64),
     memory_bandwidth=3.1692e12,  # the median of megapp's kernels; not used below
     attention=(
-        AttentionRates(64, 425.9743e12, 166.2971e12, 10.932e-6, 23.129e-6, 0.0774e-9, 0.6724e-9),
-        AttentionRates(128, 566.1208e12, 190.5333e12, 24.838e-6, 100.424e-6, 0.0036e-9, 0.0),
+        AttentionRates(64, 430.0289e12, 176.1857e12, 12.427e-6, 25.997e-6, 0.0683e-9, 0.5618e-9),
+        AttentionRates(128, 565.4815e12, 217.7317e12, 20.867e-6, 68.352e-6, 0.0, 0.3882e-9),
     ),
     wave_overhead=0.4002e-6,
     matmul_overhead=3.9273e-6,

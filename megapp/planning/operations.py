@@ -17,7 +17,8 @@ Per operation, with ``w`` bytes per element:
   ``max(2·waves·multiprocessors·tm·tn·k' / matmul_flops + waves·wave_overhead,
   w·(mk + kn + mn) / memory_bandwidth) + matmul_overhead``, ``k'`` the reduction's piece. A
   forward ``x·Wᵀ`` of ``T`` tokens is ``[T, k] × [k, n]``; its input gradient
-  ``[T, n] × [n, k]``, its weight gradient ``[n, T] × [T, k]``.
+  ``[T, n] × [n, k]``, its weight gradient ``[n, T] × [T, k]``, each at its own rate where
+  the calibration measured the three layouts apart (``gradient_matmul_flops``).
 - **attention core**, by implementation (``attention_backend``): ``sdpa`` is a fused,
   flash-style kernel that skips the masked half of the causal square: ``2·b·a·s_q·s_k·d``
   FLOPs (half of q·kᵀ and p·v over the square), forward and backward each
@@ -30,11 +31,15 @@ Per operation, with ``w`` bytes per element:
   attention output's relayout, grouped queries' repeated keys and values, the residual
   stream's gradient sums, the QKV bias's gradient, the fp32 accumulation of the weight
   gradients): bytes read and written over the kernel's own rate at the width of its input
-  (``OpRates.kernels``, measured forward and backward, interpolated in log-width), or
-  ``memory_bandwidth`` for a kernel not measured, plus ``kernel_overhead`` each. megapp's
+  plus its fixed seconds per call (``OpRates.kernels`` and ``kernel_latency``, measured
+  forward and backward on two sizes, interpolated in log-width), or ``memory_bandwidth``
+  for a kernel not measured. megapp's
   layers (``OpRates.megapp_layers``) also rebuild saved inputs in the input gradient: each
   norm's forward twice more (its output, its statistics), the activation's and the
   relayout's once, unless the layer is recomputed whole.
+- **gaps**: after every kernel the device waits ``kernel_overhead`` before the next one
+  starts (measured on a stream of tiny kernels; a step of a 1B GPT on one H200 spends 2-3%
+  of its time there, in some 7,600 gaps).
 - A pass (forward, input or weight gradient) lasts at least its kernels' launches on the
   host (``launch_overhead`` each): small layers are launch-bound.
 
@@ -96,9 +101,15 @@ class OpRates:
     # bias_swiglu, bias_dropout_add, rope, copy, add (width 0: any)
     kernels: tuple[tuple[str, int, float, float], ...] = ()
     attention: tuple[AttentionRates, ...] = ()  # by head dimension; the nearest one is used
+    # (op, width, forward s, backward s): a measured kernel's fixed seconds per call beside
+    # its bytes (``kernels`` then holds the bandwidth its bytes move at)
+    kernel_latency: tuple[tuple[str, int, float, float], ...] = ()
+    # the input- and weight-gradient matmuls' rates (``dy·W`` and ``dyᵀ·x`` layouts) where
+    # measured apart; () for matmul_flops
+    gradient_matmul_flops: tuple[float, ...] = ()
     wave_overhead: float = 0.0  # per wave of a matmul (a tile's prologue and epilogue)
     matmul_overhead: float = 0.0  # per matmul kernel (launch, ramp and tail)
-    kernel_overhead: float = 0.0  # per memory-bound kernel, on the device
+    kernel_overhead: float = 0.0  # device seconds from one kernel to the next (any kernel)
     launch_overhead: float = 0.0  # host seconds per kernel: a pass lasts at least its count
     # The layers are megapp's: they rebuild saved inputs in backward (each norm's output and
     # statistics, the activation's output, the attention's relayout) unless recomputed whole,
@@ -116,6 +127,13 @@ class OpRates:
                 raise ValueError(f"op rates: {name} must be >= 0")
         if any(not (f > 0 and b > 0) for _, _, f, b in self.kernels):
             raise ValueError("op rates: every kernel's rates must be > 0")
+        if any(min(f, b) < 0 for _, _, f, b in self.kernel_latency):
+            raise ValueError("op rates: kernel latencies must be >= 0")
+        if (
+            len(self.gradient_matmul_flops) not in (0, 2)
+            or min(self.gradient_matmul_flops, default=1.0) <= 0
+        ):
+            raise ValueError("op rates: gradient_matmul_flops is () or two rates > 0")
 
     @classmethod
     def from_dict(cls, data: dict) -> OpRates:
@@ -125,9 +143,11 @@ class OpRates:
         if unknown:
             raise ValueError(f"unknown op-rate keys: {', '.join(unknown)}")
         attention = tuple(AttentionRates(**a) for a in data.get("attention", ()))
-        kernels = tuple((name, width, f, b) for name, width, f, b in data.get("kernels", ()))
-        return cls(**{**data, "tile": tuple(data["tile"]), "attention": attention,
-                      "kernels": kernels})  # fmt: skip
+        rows = {key: tuple((name, width, f, b) for name, width, f, b in data.get(key, ()))
+                for key in ("kernels", "kernel_latency")}  # fmt: skip
+        gradient = tuple(data.get("gradient_matmul_flops", ()))
+        return cls(**{**data, "tile": tuple(data["tile"]), "attention": attention, **rows,
+                      "gradient_matmul_flops": gradient})  # fmt: skip
 
     def scaled_compute(self, factor: float) -> OpRates:
         """These rates with the matmuls' and the attention's times ``factor`` (memory-bound
@@ -139,7 +159,10 @@ class OpRates:
             for a in self.attention
         )
         return dataclasses.replace(
-            self, matmul_flops=self.matmul_flops * factor, attention=attention
+            self,
+            matmul_flops=self.matmul_flops * factor,
+            gradient_matmul_flops=tuple(f * factor for f in self.gradient_matmul_flops),
+            attention=attention,
         )
 
     def split(self, m: int, n: int, k: int, batch: int = 1) -> int:
@@ -156,14 +179,19 @@ class OpRates:
         tiles = batch * math.ceil(m / tm) * math.ceil(n / tn) * self.split(m, n, k, batch)
         return math.ceil(tiles / self.multiprocessors)
 
-    def matmul(self, m: int, n: int, k: int, width: int = 2, batch: int = 1) -> float:
+    def matmul(
+        self, m: int, n: int, k: int, width: int = 2, batch: int = 1, layout: int = 0
+    ) -> float:
         """Seconds of ``batch`` products ``[m, k] × [k, n]`` in one kernel: whole waves of
         whole tiles, each wave one tile's work on one multiprocessor, or the bytes moved,
-        whichever is longer."""
+        whichever is longer; ``layout`` 1 and 2 lay it out as a linear layer's input- and
+        weight-gradient products (their rates where measured apart)."""
         tm, tn = self.tile
         waves = self.waves(m, n, batch, k)
         piece = math.ceil(k / self.split(m, n, k, batch))
-        compute = 2.0 * waves * self.multiprocessors * tm * tn * piece / self.matmul_flops
+        rate = self.gradient_matmul_flops[layout - 1] if layout and self.gradient_matmul_flops \
+            else self.matmul_flops  # fmt: skip
+        compute = 2.0 * waves * self.multiprocessors * tm * tn * piece / rate
         compute += waves * self.wave_overhead
         traffic = batch * width * (m * k + k * n + m * n) / self.memory_bandwidth
         return max(compute, traffic) + self.matmul_overhead
@@ -173,8 +201,8 @@ class OpRates:
         gradient."""
         return (
             self.matmul(tokens, outputs, inputs, width),
-            self.matmul(tokens, inputs, outputs, width),
-            self.matmul(outputs, inputs, tokens, width),
+            self.matmul(tokens, inputs, outputs, width, layout=1),
+            self.matmul(outputs, inputs, tokens, width, layout=2),
         )
 
     def memory(self, nbytes: float, kernels: int) -> float:
@@ -183,30 +211,24 @@ class OpRates:
         return nbytes / self.memory_bandwidth + kernels * self.kernel_overhead
 
     def kernel(
-        self, op: str, width: int, forward_bytes: float, backward_bytes: float
+        self, op: str, width: int, forward_bytes: float, backward_bytes: float, calls: int = 1
     ) -> tuple[float, float]:
-        """Forward and backward seconds of one memory-bound kernel ``op`` on inputs of last
-        dimension ``width`` moving those bytes: at its rates measured at that width,
-        interpolated in log-width between the nearest measured ones (the end ones beyond
-        them); at the default rate where it was not measured. A direction that moves no
-        bytes runs no kernel and costs nothing."""
-        rows = sorted((w, f, b) for name, w, f, b in self.kernels if name == op)
-        if not rows:
-            f = b = self.memory_bandwidth
-        elif len(rows) == 1 or width <= rows[0][0] or rows[0][0] <= 0:
-            f, b = rows[0][1:]
-        elif width >= rows[-1][0]:
-            f, b = rows[-1][1:]
-        else:
-            (w0, f0, b0), (w1, f1, b1) = next(
-                (lo, hi) for lo, hi in itertools.pairwise(rows) if hi[0] >= width
-            )
-            t = math.log(width / w0) / math.log(w1 / w0)
-            f, b = f0 * (f1 / f0) ** t, b0 * (b1 / b0) ** t
-        overhead = self.kernel_overhead
+        """Forward and backward device seconds of ``calls`` calls of the memory-bound kernel
+        ``op`` on inputs of last dimension ``width`` moving those bytes in all: at its rates
+        (and fixed seconds per call) measured at that width, interpolated in log-width
+        between the nearest measured ones (the end ones beyond them); at the default rate
+        where it was not measured. A direction that moves no bytes runs no kernel and costs
+        nothing. The time between kernels is not in it (``kernel_overhead``)."""
+        f, b = _at_width([r for r in self.kernels if r[0] == op], width) or (
+            self.memory_bandwidth,
+            self.memory_bandwidth,
+        )
+        fixed_f, fixed_b = _at_width([r for r in self.kernel_latency if r[0] == op], width) or (
+            0.0, 0.0
+        )  # fmt: skip
         return (
-            forward_bytes / f + overhead if forward_bytes else 0.0,
-            backward_bytes / b + overhead if backward_bytes else 0.0,
+            forward_bytes / f + calls * fixed_f if forward_bytes else 0.0,
+            backward_bytes / b + calls * fixed_b if backward_bytes else 0.0,
         )
 
     def attention_at(self, head_dim: int) -> AttentionRates:
@@ -224,6 +246,25 @@ class OpRates:
         forward = flops / a.forward_flops + rows * a.forward_row_seconds + a.forward_overhead
         backward = flops / a.backward_flops + rows * a.backward_row_seconds
         return forward, backward + a.backward_overhead
+
+
+def _at_width(rows: list, width: int) -> tuple[float, float] | None:
+    """The (forward, backward) values of ``(op, width, forward, backward)`` rows at
+    ``width``: interpolated in log-width between the nearest rows (geometrically where both
+    are positive, linearly where one is zero), the end rows' beyond them; None without rows."""
+    rows = sorted(r[1:] for r in rows)
+    if not rows:
+        return None
+    if len(rows) == 1 or width <= rows[0][0] or rows[0][0] <= 0:
+        return rows[0][1], rows[0][2]
+    if width >= rows[-1][0]:
+        return rows[-1][1], rows[-1][2]
+    (w0, *lo), (w1, *hi) = next((a, b) for a, b in itertools.pairwise(rows) if b[0] >= width)
+    t = math.log(width / w0) / math.log(w1 / w0)
+    return tuple(
+        a * (b / a) ** t if a > 0 and b > 0 else a + (b - a) * t
+        for a, b in zip(lo, hi, strict=True)
+    )
 
 
 @dataclass(frozen=True)
@@ -272,9 +313,27 @@ def layer_parts(
 ) -> dict[str, tuple[float, float, float]]:
     """One dense layer's seconds on one rank by kind of work, each as (forward, input
     gradient, weight gradient): ``matmul``, ``attention`` (the core), ``memory`` (memory-bound
-    passes) and ``grad_accumulation`` (16-bit weight gradients added into fp32 ``main_grad``).
-    ``dense_mlp=False``: without the MLP's matmuls, activation and weights (a
-    mixture-of-experts layer's attention half, :func:`expert_parts` the rest)."""
+    passes), ``grad_accumulation`` (16-bit weight gradients added into fp32 ``main_grad``)
+    and ``gaps`` (the device's time between one kernel and the next, ``kernel_overhead``
+    after each of :func:`layer_kernels`). ``dense_mlp=False``: without the MLP's matmuls,
+    activation and weights (a mixture-of-experts layer's attention half,
+    :func:`expert_parts` the rest)."""
+    return _priced_layer(gpt, seq_length, micro_batch_size, rates, dense_mlp)[0]
+
+
+def layer_kernels(
+    gpt: GPTConfig, seq_length: int, micro_batch_size: int, rates: OpRates, *,
+    dense_mlp: bool = True,
+) -> tuple[int, int, int]:  # fmt: skip
+    """Kernels one layer (as :func:`layer_parts` prices it) launches in its forward, input
+    gradient and weight gradient: its matmuls, the attention core, each memory-bound pass
+    and rebuilt input, and one fp32 gradient accumulation per parameter tensor."""
+    return _priced_layer(gpt, seq_length, micro_batch_size, rates, dense_mlp)[1]
+
+
+def _priced_layer(
+    gpt: GPTConfig, seq_length: int, micro_batch_size: int, rates: OpRates, dense_mlp: bool
+) -> tuple[dict[str, tuple[float, float, float]], tuple[int, int, int]]:
     tp, cp = gpt.tensor_model_parallel_size, gpt.context_parallel_size
     tokens = seq_length // cp * micro_batch_size
     h, d, w = gpt.hidden_size, gpt.kv_channels, _width(gpt)
@@ -328,12 +387,23 @@ def layer_parts(
     params = h * (heads + 2 * groups) * d + heads * d * h + (3 if gated else 2) * h * ffn
     tensors = parameter_tensors(gpt) - (0 if dense_mlp else 2 + 2 * gpt.add_bias_linear)
     accumulate = _accumulate_seconds(params, tensors, w, rates)
-    return {
+    # the core: one fused kernel each way, or the materialized scores' batched matmuls
+    # (their softmax passes' gaps are in its memory())
+    core = (1, 1) if gpt.attention_backend == "sdpa" else (2, 4)
+    gap = rates.kernel_overhead
+    kernels = (
+        len(linears) + core[0] + sum(1 for p in passes if p[2]),
+        len(linears) + core[1] + sum(1 for p in passes if p[3]) + len(rebuilt),
+        len(linears) + tensors * (w < 4),
+    )
+    parts = {
         "matmul": (matmul[0], matmul[1], matmul[2]),
         "attention": (core_f, core_b, 0.0),
         "memory": (memory[0], memory[1], 0.0),
         "grad_accumulation": (0.0, 0.0, accumulate),
+        "gaps": (kernels[0] * gap, kernels[1] * gap, kernels[2] * gap),
     }
+    return parts, kernels
 
 
 REBUILT_NORM_PASSES = 4  # two norms, each rebuilding its output and its statistics
@@ -350,9 +420,7 @@ def _accumulate_seconds(params: int, tensors: int, width: int, rates: OpRates) -
     their fp32 ``main_grad`` (read both, write fp32; nothing in fp32 training)."""
     if width >= 4 or params == 0:
         return 0.0
-    return (
-        rates.kernel("add", 0, 0.0, params * (width + 8))[1] + (tensors - 1) * rates.kernel_overhead
-    )
+    return rates.kernel("add", 0, 0.0, params * (width + 8), calls=tensors)[1]
 
 
 def expert_parts(
@@ -383,29 +451,20 @@ def expert_parts(
         )
     matmul = tuple(sum(column) for column in zip(*timed, strict=True))
     accumulate = _accumulate_seconds(local * h * (f1 + f), 2, w, rates)
-    return {"matmul": matmul, "grad_accumulation": (0.0, 0.0, accumulate)}
+    gaps = tuple(n * rates.kernel_overhead for n in EXPERT_KERNELS)
+    return {"matmul": matmul, "grad_accumulation": (0.0, 0.0, accumulate), "gaps": gaps}
 
 
-def memory_kernels(gpt: GPTConfig) -> int:
-    """Memory-bound kernels of one layer's forward: two norms, two residual adds, the
-    activation, the attention output's relayout (and RoPE on queries and keys)."""
-    return 6 + 2 * (gpt.position_embedding_type == "rope")  # as layer_parts counts them
+# a mixture-of-experts MLP's matmul and accumulation kernels in forward, input gradient and
+# weight gradient (:func:`expert_parts`): the router's and the two grouped expert matmuls;
+# the experts' two weights' and the router's accumulations
+EXPERT_KERNELS = (3, 3, 5)
 
 
 def parameter_tensors(gpt: GPTConfig) -> int:
     """Parameter tensors of one dense layer: four weights, their biases, the norms'."""
     norms = 2 * (2 if gpt.normalization == "LayerNorm" else 1)
     return 4 + 4 * gpt.add_bias_linear + norms
-
-
-def layer_kernels(gpt: GPTConfig, rebuilt: bool = False) -> tuple[int, int, int]:
-    """Kernels one dense layer launches in its forward, input gradient and weight gradient;
-    ``rebuilt``: with the saved inputs it rebuilds in backward (:func:`layer_parts`' norm
-    passes, the relayout, the activation)."""
-    attention = 1 if gpt.attention_backend == "sdpa" else 3
-    forward = 4 + attention + memory_kernels(gpt)
-    input_grad = 4 + attention + 2 * memory_kernels(gpt) + (REBUILT_NORM_PASSES + 2) * rebuilt
-    return forward, input_grad, 4 + parameter_tensors(gpt)
 
 
 def layer_seconds(
@@ -422,12 +481,14 @@ def layer_seconds(
     ``experts`` a mixture-of-experts layer's, its MLP :func:`expert_parts` (their
     memory-bound passes apart). A pass lasts the longer of its device time and its kernels'
     host launches."""
-    parts = layer_parts(gpt, seq_length, micro_batch_size, rates, dense_mlp=not experts)
+    parts, kernels = _priced_layer(gpt, seq_length, micro_batch_size, rates, not experts)
     rows = list(parts.values())
     if experts:
         rows += expert_parts(gpt, seq_length, micro_batch_size, rates, imbalance).values()
     device = (sum(column) for column in zip(*rows, strict=True))
-    host = (n * rates.launch_overhead for n in layer_kernels(gpt, rebuilds_inputs(gpt, rates)))
+    if experts:
+        kernels = tuple(a + b for a, b in zip(kernels, EXPERT_KERNELS, strict=True))
+    host = (n * rates.launch_overhead for n in kernels)
     f, i, w = (max(d, h) for d, h in zip(device, host, strict=True))
     return LayerSeconds(f, i, w, core_forward=parts["attention"][0])
 
@@ -435,5 +496,6 @@ def layer_seconds(
 def logits_seconds(gpt: GPTConfig, tokens: int, vocab: int, rates: OpRates) -> LayerSeconds:
     """The output layer's ``[T, h] × [h, V/tp]`` (its fp32 loss passes are priced apart)."""
     tp, w = gpt.tensor_model_parallel_size, _width(gpt)
-    f, i, wg = rates.linear(tokens, gpt.hidden_size, vocab // tp, w)
+    f, i, wg = (t + rates.kernel_overhead for t in rates.linear(tokens, gpt.hidden_size,
+                                                                vocab // tp, w))  # fmt: skip
     return LayerSeconds(forward=f, input_grad=i, weight_grad=wg)

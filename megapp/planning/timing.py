@@ -393,8 +393,9 @@ def _with_transfer(compute: float, transfer: float, hardware: Hardware) -> float
 def _optimizer_bytes(width: int) -> int:
     """Bytes AdamW moves per owned parameter: reads the fp32 gradient twice (once for the
     gradient norm), reads and writes the fp32 master (fp32 weights are their own) and both
-    moments, and writes the 16-bit weight back."""
-    return 4 + 4 + 8 + 16 + (width if width < 4 else 0)
+    moments, and copies the master into the 16-bit weight (a pass of its own: reads fp32,
+    writes 16-bit)."""
+    return 4 + 4 + 8 + 16 + (4 + width if width < 4 else 0)
 
 
 def shape_of(config: PretrainConfig) -> Shape:
