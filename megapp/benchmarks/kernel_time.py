@@ -103,9 +103,11 @@ def kernel_times(flags: list[str], warmup: int, vocab: int, device: torch.device
     with torch.profiler.profile(activities=activities) as prof:
         profiled_wall = step(warmup)
     # again with the operators' input shapes (which slows the host): what launched each kernel
-    with torch.profiler.profile(activities=activities, record_shapes=True) as shaped:
+    host = [torch.profiler.ProfilerActivity.CPU] if cuda else []  # the operators themselves
+    with torch.profiler.profile(activities=[*host, *activities], record_shapes=True) as shaped:
         step(warmup + 1)
     walls.append(step(warmup + 2))
+    trace = _chrome_trace(shaped)
     totals: dict[str, float] = {}
     intervals: list[tuple[float, float, str]] = []
     counts: dict[str, int] = {}
@@ -137,7 +139,8 @@ def kernel_times(flags: list[str], warmup: int, vocab: int, device: torch.device
             {"name": n[:160], "seconds": s, "calls": calls[n], "kind": kind_of(n)}
             for n, s in heaviest
         ],
-        "operators": operator_kernels(_chrome_trace(shaped)) if cuda else [],
+        "operators": operator_kernels(trace),
+        "trace_sample": trace_sample(trace),
     }
 
 
@@ -150,36 +153,53 @@ def _chrome_trace(prof: torch.profiler.profile) -> dict:
 
 def operator_kernels(trace: dict) -> list[dict]:
     """The kernels each operator launched, from a profiler's Chrome trace (``trace``, as
-    ``export_chrome_trace`` writes it): each kernel is matched to the runtime call that
-    launched it (their correlation ids) and that call to the innermost operator around it on
-    its host thread. Rows of operator name, input shapes, kernel name, calls and device
-    seconds, heaviest first."""
-    events = trace.get("traceEvents", [])
+    ``export_chrome_trace`` writes it): a kernel names the operator that launched it by its
+    ``External id``, or the runtime or driver call that launched it by their correlation id,
+    and that call the operator around it (its ``External id``, else the innermost operator
+    around it on its host thread). Rows of operator name, input shapes and strides, kernel
+    name, calls and device seconds, heaviest first."""
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
+    ops = [e for e in events if e.get("cat") == "cpu_op"]
+    by_id = {e["args"]["External id"]: e for e in ops if "External id" in e.get("args", {})}
     launches = {
         e["args"]["correlation"]: e
         for e in events
-        if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})
     }
-    ops: dict[tuple, list[dict]] = {}
-    for e in events:
-        if e.get("cat") == "cpu_op" and e.get("ph") == "X":
-            ops.setdefault((e.get("pid"), e.get("tid")), []).append(e)
+    threads: dict[tuple, list[dict]] = {}
+    for e in ops:
+        threads.setdefault((e.get("pid"), e.get("tid")), []).append(e)
     starts = {}
-    for thread, spans in ops.items():
+    for thread, spans in threads.items():
         spans.sort(key=lambda e: (e["ts"], -e.get("dur", 0)))
         starts[thread] = [e["ts"] for e in spans]
+
+    def launcher(kernel: dict) -> dict | None:
+        args = kernel.get("args", {})
+        if args.get("External id") in by_id:
+            return by_id[args["External id"]]
+        launch = launches.get(args.get("correlation"))
+        if launch is None:
+            return None
+        if launch.get("args", {}).get("External id") in by_id:
+            return by_id[launch["args"]["External id"]]
+        thread = (launch.get("pid"), launch.get("tid"))
+        if thread not in threads:
+            return None
+        return _innermost(threads[thread], starts[thread], launch["ts"])
+
     rows: dict[tuple, dict] = {}
     for e in events:
         if e.get("cat") not in ("kernel", "gpu_memset", "gpu_memcpy"):
             continue
-        launch = launches.get(e.get("args", {}).get("correlation"))
-        thread = (launch.get("pid"), launch.get("tid")) if launch else None
-        op = _innermost(ops[thread], starts[thread], launch["ts"]) if thread in ops else None
+        op = launcher(e)
         name = op["name"] if op else "(no operator)"
         shapes = op.get("args", {}).get("Input Dims", []) if op else []
-        key = (name, json.dumps(shapes), e["name"][:160])
-        row = rows.setdefault(key, {"op": name, "shapes": shapes, "kernel": e["name"][:160],
-                                    "calls": 0, "seconds": 0.0})  # fmt: skip
+        strides = op.get("args", {}).get("Input Strides", []) if op else []
+        key = (name, json.dumps([shapes, strides]), e["name"][:160])
+        row = rows.setdefault(key, {"op": name, "shapes": shapes, "strides": strides,
+                                    "kernel": e["name"][:160], "calls": 0,
+                                    "seconds": 0.0})  # fmt: skip
         row["calls"] += 1
         row["seconds"] += e.get("dur", 0) / 1e6
     return sorted(rows.values(), key=lambda r: -r["seconds"])
@@ -193,6 +213,18 @@ def _innermost(spans: list[dict], starts: list[float], ts: float) -> dict | None
         if span["ts"] + span.get("dur", 0) >= ts:
             return span
     return None
+
+
+def trace_sample(trace: dict, per_category: int = 5) -> list[dict]:
+    """A few events of each category of a Chrome trace, to check its format against."""
+    seen: dict[str, int] = {}
+    out = []
+    for e in trace.get("traceEvents", []):
+        cat = str(e.get("cat"))
+        if seen.get(cat, 0) < per_category:
+            seen[cat] = seen.get(cat, 0) + 1
+            out.append({k: e[k] for k in ("cat", "ph", "name", "pid", "tid", "args") if k in e})
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

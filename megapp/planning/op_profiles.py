@@ -32,28 +32,29 @@ import dataclasses
 from megapp.planning.operations import AttentionRates, OpRates
 
 H200_MEASURED = OpRates(
-    matmul_flops=846.4689e12,
+    matmul_flops=815.9054e12,
     multiprocessors=132,
     tile=(128, 64),
-    memory_bandwidth=3.1692e12,  # the median of megapp's kernels; not used below
+    memory_bandwidth=3.2327e12,  # the median of megapp's kernels; not used below
     attention=(
-        AttentionRates(64, 430.0289e12, 176.1857e12, 12.427e-6, 25.997e-6, 0.0683e-9, 0.5618e-9),
-        AttentionRates(128, 565.4815e12, 217.7317e12, 20.867e-6, 68.352e-6, 0.0, 0.3882e-9),
+        AttentionRates(64, 431.3170e12, 176.2503e12, 12.851e-6, 28.643e-6, 0.0774e-9, 0.5552e-9),
+        AttentionRates(128, 575.5604e12, 215.1808e12, 22.185e-6, 72.126e-6, 0.0, 0.3602e-9),
     ),
-    wave_overhead=0.4002e-6,
-    matmul_overhead=3.9273e-6,
-    kernel_overhead=1.6688e-6,
-    launch_overhead=9.0936e-6,
+    gradient_matmul_flops=(807.8489e12, 809.9767e12),
+    wave_overhead=0.3633e-6,
+    matmul_overhead=4.2723e-6,
+    kernel_overhead=1.7721e-6,
+    launch_overhead=8.9846e-6,
 )
-H200_COPY = 4.1608e12  # torch's copy, bytes read + written per second
+H200_COPY = 4.2769e12  # torch's copy, bytes read + written per second
 H200_HBM = 4.8e12
 
-A100_COMPUTE_FIT = 0.869
+A100_COMPUTE_FIT = 0.900
 """The A100's matmul and attention rates as a share of what the H200's measured shares of
 peak give it (1 would be Ampere's tensor cores reaching the same share of peak through
 cuBLAS and cuDNN as Hopper's): fitted on Narayanan et al. 2021 by ``python
-tools/fit_published.py``, which minimizes those ten runs' mean error (2.9% here; MT-NLG,
-held out: 20.9%). The A100's large 16-bit matmuls then run at about 232 TFLOP/s, 74% of
+tools/fit_published.py``, which minimizes those ten runs' mean error (2.8% here; MT-NLG,
+held out: 20.8%). The A100's large 16-bit matmuls then run at about 232 TFLOP/s, 74% of
 its peak."""
 
 # part: (multiprocessors, dense 16-bit peak over the H200's, HBM bytes/s)

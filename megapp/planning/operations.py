@@ -349,8 +349,14 @@ def _priced_layer(
     rows = tokens // tp if gpt.sequence_parallel else tokens  # norms and residual rows
     mask = _DROPOUT_MASK_BYTES if gpt.hidden_dropout > 0 else 0
     norm = "layer_norm" if gpt.normalization == "LayerNorm" else "rms_norm"
-    relayout = 2 * tokens * heads * d * w  # the attention output's, each way
-    passes = [  # (kernel, width, forward bytes, backward bytes): read + written
+    rope = gpt.position_embedding_type == "rope"
+    grouped = groups < heads and rates.megapp_layers
+    # megapp's attention output is laid out as its queries are: queries made contiguous (by
+    # RoPE, or by grouped queries' copy) give an output that merges into [s, b, a·d] as a
+    # view; queries that are strided views of the fused projection give one that needs the
+    # relayout copy (and its gradient the copy back)
+    relayout = 2 * tokens * heads * d * w if not (rates.megapp_layers and (rope or grouped)) else 0
+    passes = [  # (kernel, width, forward bytes, backward bytes[, calls]): read + written
         (norm, h, 2 * rows * h * w, 3 * rows * h * w),  # x → y; x, dy → dx
         (norm, h, 2 * rows * h * w, 3 * rows * h * w),
         ("bias_dropout_add", h, rows * h * (3 * w + mask), rows * h * (2 * w + mask)),
@@ -360,9 +366,15 @@ def _priced_layer(
         ("copy", 0, 0.0, 3 * rows * h * w),
         ("copy", 0, 0.0, 3 * rows * h * w),
     ]
-    if groups < heads and rates.megapp_layers:  # keys and values repeated per head, summed back
-        repeat = 2 * tokens * (heads + groups) * d * w
-        passes.append(("copy", 0, repeat, repeat))
+    if grouped:  # strided copies, as megapp's layer makes them (seen in one H200's profile)
+        queries, kv = tokens * heads * d * w, tokens * groups * d * w
+        passes += [
+            ("relayout", d, 2 * queries, 0.0),  # the queries out of the fused projection
+            ("relayout", d, 2 * 2 * queries, 0.0, 2),  # keys, values repeated per head
+            ("relayout", d, 2 * kv, 2 * kv),  # values made contiguous; a gradient back
+            ("relayout", d, 0.0, 2 * (queries + kv), 2),  # the repeats' gradients summed
+            ("relayout", d, 0.0, 2 * (queries + 2 * kv), 3),  # the projection's gradient
+        ]
     # the activation ([gate | up] → out; dy, x → dx); the experts' is among their passes
     activation = None
     if dense_mlp and gated:
@@ -370,7 +382,7 @@ def _priced_layer(
     elif dense_mlp:
         activation = ("bias_gelu", ffn, 2 * tokens * ffn * w, 3 * tokens * ffn * w)
     passes += [activation] if activation else []
-    if gpt.position_embedding_type == "rope":  # queries, keys
+    if rope:  # queries, keys
         passes.append(("rope", d, 2 * tokens * heads * d * w, 2 * tokens * heads * d * w))
         passes.append(("rope", d, 2 * tokens * groups * d * w, 2 * tokens * groups * d * w))
     if gpt.add_bias_linear or gpt.add_qkv_bias:  # the QKV bias's gradient: a sum over rows
@@ -379,7 +391,8 @@ def _priced_layer(
     if rebuilds_inputs(gpt, rates):
         # each norm's output for the linear after it, and its statistics again; the
         # relayout for the output projection; the activation's output for fc2
-        rebuilt = [(norm, h, 2 * rows * h * w)] * REBUILT_NORM_PASSES + [("relayout", d, relayout)]
+        rebuilt = [(norm, h, 2 * rows * h * w)] * REBUILT_NORM_PASSES
+        rebuilt += [("relayout", d, relayout)] if relayout else []
         rebuilt += [activation[:3]] if activation else []
     timed_passes = [rates.kernel(*p) for p in passes]
     timed_passes += [(0.0, rates.kernel(op, width, f, 0.0)[0]) for op, width, f in rebuilt]
@@ -391,9 +404,13 @@ def _priced_layer(
     # (their softmax passes' gaps are in its memory())
     core = (1, 1) if gpt.attention_backend == "sdpa" else (2, 4)
     gap = rates.kernel_overhead
+    calls = [p[4] if len(p) > 4 else 1 for p in passes]
     kernels = (
-        len(linears) + core[0] + sum(1 for p in passes if p[2]),
-        len(linears) + core[1] + sum(1 for p in passes if p[3]) + len(rebuilt),
+        len(linears) + core[0] + sum(n for p, n in zip(passes, calls, strict=True) if p[2]),
+        len(linears)
+        + core[1]
+        + sum(n for p, n in zip(passes, calls, strict=True) if p[3])
+        + len(rebuilt),
         len(linears) + tensors * (w < 4),
     )
     parts = {
