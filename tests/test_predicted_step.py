@@ -110,3 +110,32 @@ def test_idle_time_is_the_span_no_kernel_covers():
     assert idle["gap_count"] == 2
     assert idle["gaps"][0] == {"seconds": 2.0, "after": "b", "before": "c"}
     assert kernel_time.idle_time([])["gap_count"] == 0
+
+
+def test_each_kernel_is_put_to_the_operator_that_launched_it():
+    """By the kernel's External id, else through the launching call's correlation id to the
+    innermost operator around that call on its thread; a kernel with neither is counted
+    apart."""
+    op = {"cat": "cpu_op", "ph": "X", "pid": 1, "tid": 2}
+    call = {"cat": "cuda_runtime", "ph": "X", "pid": 1, "tid": 2, "dur": 2}
+    kernel = {"cat": "kernel", "ph": "X", "pid": 0, "tid": 7}
+    trace = {"traceEvents": [
+        {**op, "name": "aten::linear", "ts": 0, "dur": 100,
+         "args": {"External id": 1, "Input Dims": [[4, 8], [16, 8]], "Input Strides": []}},
+        {**op, "name": "aten::addmm", "ts": 10, "dur": 50, "args": {"External id": 2}},
+        {**call, "name": "cudaLaunchKernel", "ts": 20, "args": {"correlation": 7}},
+        {**call, "name": "cudaMemsetAsync", "ts": 70, "args": {"correlation": 8}},
+        {**kernel, "name": "gemm", "ts": 200, "dur": 30, "args": {"correlation": 7}},
+        {**kernel, "name": "gemm", "ts": 300, "dur": 20, "args": {"correlation": 7}},
+        {**kernel, "name": "tail", "ts": 350, "dur": 4, "args": {"External id": 1}},
+        {**kernel, "cat": "gpu_memset", "name": "Memset (Device)", "ts": 240, "dur": 1,
+         "args": {"correlation": 8}},
+        {**kernel, "name": "orphan", "ts": 400, "dur": 2, "args": {"correlation": 99}},
+    ]}  # fmt: skip
+    rows = {(r["op"], r["kernel"]): r for r in kernel_time.operator_kernels(trace)}
+    assert rows["aten::addmm", "gemm"]["calls"] == 2
+    assert rows["aten::addmm", "gemm"]["seconds"] == pytest.approx(50e-6)
+    assert rows["aten::linear", "tail"]["shapes"] == [[4, 8], [16, 8]]
+    assert rows["aten::linear", "Memset (Device)"]["calls"] == 1  # after addmm ended
+    assert rows["(no operator)", "orphan"]["calls"] == 1
+    assert next(iter(rows)) == ("aten::addmm", "gemm")  # heaviest first
