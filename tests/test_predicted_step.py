@@ -8,11 +8,12 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from megapp.benchmarks import kernel_time, predicted_step
 from megapp.planning import calibrate
 from megapp.planning.hardware import load_hardware
-from megapp.planning.microbench import QUICK
+from megapp.planning.microbench import MATMUL_PASSES, QUICK, matmul_call
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "img"
 TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"]
@@ -139,3 +140,14 @@ def test_each_kernel_is_put_to_the_operator_that_launched_it():
     assert rows["aten::linear", "Memset (Device)"]["calls"] == 1  # after addmm ended
     assert rows["(no operator)", "orphan"]["calls"] == 1
     assert next(iter(rows)) == ("aten::addmm", "gemm")  # heaviest first
+
+
+@pytest.mark.parametrize("layout", MATMUL_PASSES)
+def test_each_matmul_layout_is_a_product_of_the_grid_shape(layout):
+    """Every layout the calibration times has output [m, n] and reduction k (the forward,
+    input-gradient and weight-gradient products of one linear layer)."""
+    torch.manual_seed(0)
+    out = matmul_call(24, 40, 56, layout, torch.device("cpu"), torch.float32)()
+    assert out.shape == (24, 40)
+    with pytest.raises(ValueError, match="unknown matmul layout"):
+        matmul_call(2, 2, 2, "sideways", torch.device("cpu"), torch.float32)

@@ -33,10 +33,14 @@ Per operation, with ``w`` bytes per element:
   gradients): bytes read and written over the kernel's own rate at the width of its input
   plus its fixed seconds per call (``OpRates.kernels`` and ``kernel_latency``, measured
   forward and backward on two sizes, interpolated in log-width), or ``memory_bandwidth``
-  for a kernel not measured. megapp's
-  layers (``OpRates.megapp_layers``) also rebuild saved inputs in the input gradient: each
-  norm's forward twice more (its output, its statistics), the activation's and the
-  relayout's once, unless the layer is recomputed whole.
+  for a kernel not measured. megapp's layers (``OpRates.megapp_layers``) also rebuild
+  saved inputs in the input gradient: each norm's forward twice more (its output, its
+  statistics), the activation's and the relayout's once, unless the layer is recomputed
+  whole. Their attention output is laid out as their queries are: only queries that are
+  strided views of the fused projection (no RoPE, no grouped queries) leave a relayout to
+  copy; grouped-query layers pay strided copies instead (the queries out of the
+  projection, keys and values repeated per head, and their gradients back), at the
+  relayout's rate.
 - **gaps**: after every kernel the device waits ``kernel_overhead`` before the next one
   starts (measured on a stream of tiny kernels; a step of a 1B GPT on one H200 spends 2-3%
   of its time there, in some 7,600 gaps).
