@@ -2,9 +2,10 @@
 :mod:`megapp.planning.calibrate` measures and :mod:`megapp.planning.op_fit` fits.
 
 Each function returns plain rows (seconds or bytes/s with the shapes they were taken at),
-timed by :class:`Timer`: CUDA events on a GPU, loops of calls spanning a few milliseconds,
-the median of several; :meth:`Timer.spaced` times single calls after the device idled as
-long, as a layer's matmuls run between memory-bound kernels.
+timed by :class:`Timer`: CUDA events on a GPU, the median of several. :meth:`Timer.spaced`
+times single calls from a cold cache after the device idled as long, as a layer runs its
+operations between others, on operands from memory (what the fit uses); calling the timer
+times loops of calls spanning a few milliseconds, back to back (kept beside them).
 """
 
 from __future__ import annotations

@@ -6,15 +6,17 @@ checked on any machine.
   ``2·waves·multiprocessors·tm·tn·k' / matmul_flops + waves·wave_overhead +
   matmul_overhead`` (``k'`` the reduction's split-K piece)
   (:meth:`~megapp.planning.operations.OpRates.matmul`), errors weighted relative to each
-  measurement; the tile whose model misses the grid least is kept (the first of
-  :data:`TILES` among those that fit alike).
-- **attention**: forward and backward seconds (back to back where measured) each fitted to
+  measurement, over the forward products; the tile whose model misses them least is kept
+  (the first of :data:`TILES` among those that fit alike); under it, the input- and
+  weight-gradient layouts' own rates where the grid has them.
+- **attention**: forward and backward seconds (single calls) each fitted to
   ``flops / rate + rows · row_seconds + overhead`` (``rows`` the query rows, batch · heads ·
   sequence), per head dimension (flash kernels run slower on narrow heads).
-- **memory-bound**: each kernel's forward and backward bandwidth as measured (megapp's fused
-  ops in the tier this install runs them: norms, bias + GeLU or SwiGLU, bias + dropout +
-  residual, RoPE; torch's copy and add), their median for anything else; the per-kernel
-  device and host overheads as measured.
+- **memory-bound**: each kernel's forward and backward bandwidth and fixed seconds per call
+  through its timings on two sizes (megapp's fused ops in the tier this install runs them:
+  norms, bias + GeLU or SwiGLU, bias + dropout + residual, RoPE, the relayout; torch's copy
+  and add), the median bandwidth for anything else; the per-kernel device and host
+  overheads as measured.
 
 Every coefficient is kept non-negative: a term whose best coefficient is negative is dropped
 and the rest refitted.
@@ -149,8 +151,8 @@ def fit_kernels(full: Sequence[dict], small: Sequence[dict]) -> tuple[tuple, tup
     """Each memory-bound kernel's bandwidth and fixed seconds per call, forward and backward,
     from its timings on two sizes (rows of ``op``, ``width``, ``forward`` and ``backward``
     bytes/s and the bytes each call moved): ``seconds = bytes / bandwidth + fixed``
-    through both. A kernel measured on one size only (or whose smaller call was not quicker
-    per byte) keeps that size's rate and no fixed cost. Returns the :class:`OpRates`
+    through both. A kernel measured on one size only (or whose smaller call moved its bytes
+    no slower) keeps that size's rate and no fixed cost. Returns the :class:`OpRates`
     ``kernels`` and ``kernel_latency`` rows."""
     smaller = {(r["op"], r["width"]): r for r in small}
     rates, latency = [], []
