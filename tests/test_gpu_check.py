@@ -6,7 +6,6 @@ where no GPU is)."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -20,7 +19,7 @@ import pytest
 import torch
 
 from megapp.benchmarks import gpu_check
-from megapp.benchmarks.gpu_stages import Check, StageResult, cuda_toolkit
+from megapp.benchmarks.gpu_stages import Check, StageResult, cuda_toolkit, step_profile
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -123,9 +122,23 @@ def test_limits_are_checked_on_the_command_line():
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
 def test_the_build_finds_the_toolkit_nvcc_runs_from(tmp_path):
-    args = argparse.Namespace(quick=True, limits={}, nccl_backend="nccl", step_models=None)
+    args = gpu_check.parse_args(["--quick"])
     check = Check(args, tmp_path, time.monotonic() + 120, [])
     result = StageResult("build", status="running", limit_s=60)
     toolkit = Path(cuda_toolkit(check, result))
     assert (toolkit / "bin" / "nvcc").is_file() and (toolkit / "include" / "cuda.h").is_file()
     assert result.status == "running"  # nothing failed
+
+
+def test_the_step_stage_predicts_on_the_calibration_else_the_profile_given_else_the_gpus(
+    tmp_path,
+):
+    def chosen(argv: list[str], gpus: list[str]) -> str:
+        return step_profile(Check(gpu_check.parse_args(argv), tmp_path, 0.0, gpus))
+
+    assert chosen([], ["NVIDIA H200"]) == "h200"
+    assert chosen([], ["NVIDIA H100 80GB HBM3"]) == "h100"
+    assert chosen([], []) == "h100"  # none to name: the default profile
+    assert chosen(["--profile", "a100"], ["NVIDIA H200"]) == "a100"
+    (tmp_path / "profile.json").write_text("{}")  # the calibrate stage wrote one
+    assert chosen(["--profile", "a100"], ["NVIDIA H200"]) == str(tmp_path / "profile.json")

@@ -128,6 +128,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"a stage's own time limit (defaults: {LIMITS_S})")  # fmt: skip
     p.add_argument("--step-models", nargs="+", choices=list(STEP_MODELS), metavar="NAME",
                    help="the steps the step stage runs (default: all)")  # fmt: skip
+    p.add_argument("--profile", metavar="NAME_OR_JSON",
+                   help="the profile the step stage predicts with where the calibrate stage "
+                   "does not run (default: the GPU's built-in profile)")  # fmt: skip
     p.add_argument("--markdown", help="report (default: docs/gpu_check.md on a GPU)")
     p.add_argument("--json", help="figures (default: docs/img/gpu_check.json on a GPU)")
     p.add_argument("--logs", help="every command's full output (default: a temporary folder)")

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from megapp.benchmarks.common import ROOT, fmt
+from megapp.planning.calibrate import BUILTIN_OF_PART
 from megapp.training.flops import GpuPeak, gpu_peak
 from megapp.training.launch import finish, start_command, torchrun_command
 from megapp.training.metrics import read_records
@@ -105,7 +106,7 @@ class StageResult:
 class Check:
     """The run's settings and what the machine offers, shared by the stages."""
 
-    args: argparse.Namespace  # quick, limits (stage -> s), nccl_backend, step_models
+    args: argparse.Namespace  # quick, limits (stage -> s), nccl_backend, step_models, profile
     logs: Path  # every command's whole output
     deadline: float  # time.monotonic() by which every stage must have ended
     gpus: list[str]  # torch.cuda.get_device_name() of each visible device
@@ -316,12 +317,23 @@ def argv_flags(name: str, model: list[str]) -> list[str]:
     return [*(STEP_COMMON if name != "quick" else []), *model]
 
 
+def step_profile(check: Check) -> str:
+    """The profile the step stage predicts with: the one the calibrate stage wrote, else
+    ``--profile``, else the built-in profile of the GPU's part (h100 where none matches)."""
+    calibrated = check.logs / "profile.json"
+    if calibrated.exists():
+        return str(calibrated)
+    if check.args.profile:
+        return check.args.profile
+    row = gpu_peak(check.gpus[0]) if check.gpus else None
+    return BUILTIN_OF_PART.get(row.part, "h100") if row is not None else "h100"
+
+
 def stage_step(check: Check, r: StageResult) -> None:
     """``python -m megapp.benchmarks.predicted_step``: a single-GPU training step of each
-    :data:`STEP_MODELS` measured and predicted on the calibrated profile (the built-in one of
-    the device when the calibration did not run). Quick: one small GPT."""
-    profile = check.logs / "profile.json"
-    hardware = str(profile) if profile.exists() else "h100"
+    :data:`STEP_MODELS` measured and predicted on the calibrated profile (else
+    :func:`step_profile`'s). Quick: one small GPT."""
+    hardware = step_profile(check)
     chosen = check.args.step_models or list(STEP_MODELS)
     models = {"quick": STEP_QUICK} if check.args.quick else {n: STEP_MODELS[n] for n in chosen}
     failed = False
