@@ -9,11 +9,11 @@ model, ``megapp.training.build_training_setup``), runs ``--warmup`` training ste
 tokens, then one under ``torch.profiler``, and sums the device time of its kernels by kind:
 ``matmul`` (cuBLAS/CUTLASS GEMMs), ``attention`` (fused attention), ``optimizer`` (the Adam
 and multi-tensor kernels), ``memory`` (every other kernel: norms, activations, copies,
-reductions), with the time the device ran none of them (its idle gaps). A second profiled
-step records the operators' input shapes: which operator, on which shapes, launched each
-kernel (``operators``). It also times the step's wall clock. The planner's operation model
-(:func:`megapp.planning.operations.layer_parts`) prices the same kinds, so the two can be set
-side by side kind by kind.
+reductions), with the time the device ran none of them (its idle gaps). On a GPU a second
+profiled step records the host's operators and their input shapes: which operator, on which
+shapes, launched each kernel (``operators``). It also times the step's wall clock. The
+planner's operation model (:func:`megapp.planning.operations.layer_parts`) prices the same
+kinds, so the two can be set side by side kind by kind.
 """
 
 from __future__ import annotations
@@ -102,12 +102,13 @@ def kernel_times(flags: list[str], warmup: int, vocab: int, device: torch.device
     ]
     with torch.profiler.profile(activities=activities) as prof:
         profiled_wall = step(warmup)
-    # again with the operators' input shapes (which slows the host): what launched each kernel
-    host = [torch.profiler.ProfilerActivity.CPU] if cuda else []  # the operators themselves
-    with torch.profiler.profile(activities=[*host, *activities], record_shapes=True) as shaped:
-        step(warmup + 1)
+    operators = []
+    if cuda:  # again with the operators and their input shapes: what launched each kernel
+        host = [torch.profiler.ProfilerActivity.CPU, *activities]
+        with torch.profiler.profile(activities=host, record_shapes=True) as shaped:
+            step(warmup + 1)
+        operators = operator_kernels(_chrome_trace(shaped))
     walls.append(step(warmup + 2))
-    trace = _chrome_trace(shaped)
     totals: dict[str, float] = {}
     intervals: list[tuple[float, float, str]] = []
     counts: dict[str, int] = {}
@@ -139,8 +140,7 @@ def kernel_times(flags: list[str], warmup: int, vocab: int, device: torch.device
             {"name": n[:160], "seconds": s, "calls": calls[n], "kind": kind_of(n)}
             for n, s in heaviest
         ],
-        "operators": operator_kernels(trace),
-        "trace_sample": trace_sample(trace),
+        "operators": operators,
     }
 
 
@@ -213,18 +213,6 @@ def _innermost(spans: list[dict], starts: list[float], ts: float) -> dict | None
         if span["ts"] + span.get("dur", 0) >= ts:
             return span
     return None
-
-
-def trace_sample(trace: dict, per_category: int = 5) -> list[dict]:
-    """A few events of each category of a Chrome trace, to check its format against."""
-    seen: dict[str, int] = {}
-    out = []
-    for e in trace.get("traceEvents", []):
-        cat = str(e.get("cat"))
-        if seen.get(cat, 0) < per_category:
-            seen[cat] = seen.get(cat, 0) + 1
-            out.append({k: e[k] for k in ("cat", "ph", "name", "pid", "tid", "args") if k in e})
-    return out
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -398,6 +398,7 @@ def _priced_layer(
         rebuilt = [(norm, h, 2 * rows * h * w)] * REBUILT_NORM_PASSES
         rebuilt += [("relayout", d, relayout)] if relayout else []
         rebuilt += [activation[:3]] if activation else []
+    passes = [p if len(p) > 4 else (*p, 1) for p in passes]  # (..., calls)
     timed_passes = [rates.kernel(*p) for p in passes]
     timed_passes += [(0.0, rates.kernel(op, width, f, 0.0)[0]) for op, width, f in rebuilt]
     memory = tuple(sum(column) for column in zip(*timed_passes, strict=True))
@@ -408,13 +409,9 @@ def _priced_layer(
     # (their softmax passes' gaps are in its memory())
     core = (1, 1) if gpt.attention_backend == "sdpa" else (2, 4)
     gap = rates.kernel_overhead
-    calls = [p[4] if len(p) > 4 else 1 for p in passes]
     kernels = (
-        len(linears) + core[0] + sum(n for p, n in zip(passes, calls, strict=True) if p[2]),
-        len(linears)
-        + core[1]
-        + sum(n for p, n in zip(passes, calls, strict=True) if p[3])
-        + len(rebuilt),
+        len(linears) + core[0] + sum(p[4] for p in passes if p[2]),
+        len(linears) + core[1] + sum(p[4] for p in passes if p[3]) + len(rebuilt),
         len(linears) + tensors * (w < 4),
     )
     parts = {
@@ -517,6 +514,6 @@ def layer_seconds(
 def logits_seconds(gpt: GPTConfig, tokens: int, vocab: int, rates: OpRates) -> LayerSeconds:
     """The output layer's ``[T, h] × [h, V/tp]`` (its fp32 loss passes are priced apart)."""
     tp, w = gpt.tensor_model_parallel_size, _width(gpt)
-    f, i, wg = (t + rates.kernel_overhead for t in rates.linear(tokens, gpt.hidden_size,
-                                                                vocab // tp, w))  # fmt: skip
-    return LayerSeconds(forward=f, input_grad=i, weight_grad=wg)
+    f, i, wg = rates.linear(tokens, gpt.hidden_size, vocab // tp, w)
+    gap = rates.kernel_overhead  # after each of its three matmuls
+    return LayerSeconds(forward=f + gap, input_grad=i + gap, weight_grad=wg + gap)
