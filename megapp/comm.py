@@ -48,6 +48,7 @@ __all__ = [
     "one_line",
     "rank",
     "reduce_scatter_into",
+    "ring_shift",
     "world_size",
 ]
 
@@ -178,6 +179,29 @@ def reduce_scatter_into(
     """Sum ``x`` over ``group`` and leave this rank its slice (dimension 0) in ``out``."""
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     return _run("reduce-scatter", group, async_op, fn, out, x)
+
+
+def ring_shift(send: torch.Tensor, recv: torch.Tensor, group: Group) -> list[Pending]:
+    """Send ``send`` to the next rank of ``group`` (in its rank order, the last to the
+    first) and receive the previous rank's into ``recv``, both in flight: wait on every
+    returned one before touching either tensor."""
+    n, me = world_size(group), rank(group)
+
+    def peer(r: int) -> int:
+        return dist.get_global_rank(group, r % n) if group is not None else r % n
+
+    ops = [
+        dist.P2POp(dist.isend, send, peer(me + 1), group),
+        dist.P2POp(dist.irecv, recv, peer(me - 1), group),
+    ]
+    started, clock = time.monotonic(), time.perf_counter()
+    try:
+        works = dist.batch_isend_irecv(ops)
+    except RuntimeError as error:
+        raise _failed("ring send/receive", group, started, error) from error
+    finally:
+        _blocked[0] += time.perf_counter() - clock
+    return [Pending(work, "ring send/receive", group, started) for work in works]
 
 
 def all_to_all_into(

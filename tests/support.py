@@ -79,6 +79,7 @@ def single_process(config: GPTConfig) -> GPTConfig:
         config,
         tensor_model_parallel_size=1,
         sequence_parallel=False,
+        tp_comm_overlap=False,
         expert_model_parallel_size=1,
         expert_tensor_parallel_size=None,
     )
@@ -331,7 +332,7 @@ def check_against_reference(chunks, losses, norms, first_grads, config_kw):
     """:func:`train_layout`'s results against :func:`reference_run` of the same model: every
     step's loss and gradient norm, step 1's gradients, and the parameters at the end."""
     dp = ps.get_data_parallel_world_size()
-    layout = ("sequence_parallel", "cp_comm_type")
+    layout = ("sequence_parallel", "tp_comm_overlap", "cp_comm_type")
     single = {k: v for k, v in config_kw.items() if k not in layout}
     single["num_layers"] = chunks[0].module.config.num_layers  # train_layout's choice
     microbatches = layout_microbatches(ps.get_pipeline_model_parallel_world_size())

@@ -59,6 +59,20 @@ LAYOUTS = [
         },
     ),
     (8, 4, 2, None, {"sequence_parallel": True, "share_embeddings_and_output_weights": False}),
+    (
+        4,
+        2,
+        2,
+        None,
+        {
+            "sequence_parallel": True,
+            "tp_comm_overlap": True,
+            "recompute_granularity": "full",
+            "recompute_method": "uniform",
+            "recompute_num_layers": 1,
+            "activation": "swiglu",
+        },
+    ),
 ]
 
 

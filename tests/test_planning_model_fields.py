@@ -92,7 +92,7 @@ def test_every_gpt_field_comes_from_the_flags():
     dropped = ("--moe-router-pre", "--moe-router-norm", "--moe-token-dispatcher-type", "allgather")
     sigmoid = [f for f in EXPERTS if not f.startswith(dropped)]
     runs = [
-        [*SHAPE, *EXPERTS, *LAYOUT, *RUN],
+        [*SHAPE, *EXPERTS, *LAYOUT, "--tp-comm-overlap", *RUN],
         [*SHAPE, *sigmoid, *SIGMOID_ROUTER, *COUNTED_LAYOUT, *RUN],
     ]
     configs = [config_from_flags(flags, world_size=8) for flags in runs]

@@ -24,6 +24,7 @@ from megapp.tensor_parallel.mappings import (
     scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
+from megapp.tensor_parallel.overlap import matmul_ring_scatter, ring_gather_matmul
 from megapp.testing import distributed
 from megapp.transformer.config import TransformerConfig
 from megapp.transformer.layer import ParallelAttention, ParallelMLP
@@ -165,14 +166,16 @@ def _tp2_fast(cases):
 class _ColumnRow(torch.nn.Module):
     """Column -> Row with a bias handed back to the caller, the plain Megatron pair."""
 
-    def __init__(self, group, sp):
+    def __init__(self, group, sp, overlap=False):
         super().__init__()
         self.column = ColumnParallelLinear(
-            H, 24, tp_group=group, sequence_parallel=sp, params_dtype=F64
-        )
+            H, 24, tp_group=group, sequence_parallel=sp, tp_comm_overlap=overlap,
+            params_dtype=F64,
+        )  # fmt: skip
         self.row = RowParallelLinear(
-            24, H, tp_group=group, sequence_parallel=sp, skip_bias_add=True, params_dtype=F64
-        )
+            24, H, tp_group=group, sequence_parallel=sp, tp_comm_overlap=overlap,
+            skip_bias_add=True, params_dtype=F64,
+        )  # fmt: skip
 
     def forward(self, x):
         hidden, _ = self.column(x)
@@ -184,6 +187,48 @@ class _ColumnRow(torch.nn.Module):
 def test_column_then_row(tp, sp):
     ps.initialize_model_parallel(tp)
     _compare_module(lambda g: _ColumnRow(g, sp and g is not None), tp, sp)
+
+
+# --tp-comm-overlap: the collectives as rings of pieces beside the matmuls
+OVERLAPPED = [2, pytest.param(4, marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("tp", OVERLAPPED)
+@distributed(world_size=4)
+def test_overlapped_column_then_row(tp):
+    ps.initialize_model_parallel(tp)
+    _compare_module(lambda g: _ColumnRow(g, g is not None, overlap=g is not None), tp, True)
+
+
+@pytest.mark.parametrize("tp", OVERLAPPED)
+@distributed(world_size=4)
+def test_overlapped_rings_equal_the_collectives(tp):
+    ps.initialize_model_parallel(tp)
+    group, rank = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_rank()
+    full = _randn(S, B, H, seed=8)
+    weight = _randn(6, H, seed=9)
+    shard = full.chunk(tp, 0)[rank]
+    out, gathered = ring_gather_matmul(shard, lambda x: x @ weight.t(), group)
+    assert torch.equal(gathered, full)  # every shard in its place, bit for bit
+    torch.testing.assert_close(out, full @ weight.t(), **TOL)
+    mine = _randn(S, B, H, seed=20 + rank)  # each rank's own partial input
+    scattered = matmul_ring_scatter(mine, lambda x: x @ weight.t(), group)
+    total = sum(_randn(S, B, H, seed=20 + r) @ weight.t() for r in range(tp))
+    torch.testing.assert_close(scattered, total.chunk(tp, 0)[rank], **TOL)
+
+
+@pytest.mark.parametrize("tp", OVERLAPPED)
+@distributed(world_size=4)
+def test_overlapped_mlp_and_attention(tp):
+    ps.initialize_model_parallel(tp)
+
+    def config(g, **kw):
+        return _config(tp if g else 1, g is not None, tp_comm_overlap=g is not None, **kw)
+
+    _compare_module(lambda g: ParallelMLP(config(g, activation="swiglu"), g), tp, True)
+    _compare_module(
+        lambda g: ParallelAttention(config(g, num_query_groups=2 if tp == 2 else 4), g), tp, True
+    )
 
 
 @pytest.mark.parametrize("activation", ["gelu", "swiglu"])

@@ -104,6 +104,8 @@ def model_flags(run: PublishedRun, model: ModelPreset, ops: bool = False) -> tup
         flags = (*flags, "--attention-backend", "fused_softmax")
     if run.source in REDUCE_AFTER_BACKWARD:
         flags = (*flags, "--no-overlap-grad-reduce")
+    if run.tp_comm_overlap:
+        flags = (*flags, "--tp-comm-overlap")
     if run.stage_layers is None:
         return flags
     first, last = run.stage_layers

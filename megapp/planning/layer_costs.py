@@ -17,7 +17,9 @@ from megapp.planning.hardware import (
     group_link,
     members_per_node,
 )
+from megapp.planning.model_state import moe_layer_count
 from megapp.planning.operations import LayerSeconds, layer_seconds, logits_seconds
+from megapp.planning.tp_overlap import overlapped_seconds
 from megapp.training.flops import layer_flops as layer_flops_per_token
 from megapp.training.flops import moe_mlp_flops
 
@@ -281,6 +283,13 @@ def tensor_parallel_seconds(
     if gpt.sequence_parallel:  # an all-gather and a reduce-scatter move one all-reduce's bytes
         pair = 2 * link.all_gather(act, tp)
         fwd, bwd = 2 * pair * layers, 2 * pair * layers
+        if gpt.tp_comm_overlap:
+            moe = moe_layer_count(gpt, layers)
+            dense = overlapped_seconds(gpt, seq_length, micro_batch_size, hardware)
+            experts = overlapped_seconds(
+                gpt, seq_length, micro_batch_size, hardware, dense_mlp=False
+            )
+            fwd, bwd = ((layers - moe) * a + moe * b for a, b in zip(dense, experts, strict=True))
         fwd += pair / 2 * (first + last)  # embedding's reduce-scatter, output's all-gather
         bwd += pair / 2 * (first + last)
         calls_f = calls_b = 4 * layers + first + last

@@ -30,7 +30,9 @@ class PublishedRun:
     "selective", "none" or None (not stated),
     ``precision``: the matmul precision the throughput was measured in, ``dispatcher``:
     megapp's name of the mixture-of-experts token dispatcher the run used (DeepEP's
-    node-deduplicated dispatch is ``hierarchical``)."""
+    node-deduplicated dispatch is ``hierarchical``), ``tp_comm_overlap``: the run overlapped
+    its tensor-parallel collectives with the matmuls (Megatron-Core's
+    ``--tp-comm-overlap``)."""
 
     source: str
     model: str
@@ -58,6 +60,7 @@ class PublishedRun:
     sequence_parallel: bool | None = None
     counts_recompute: bool | None = None
     dispatcher: str = "alltoall"
+    tp_comm_overlap: bool = False
     derived: str = ""
 
     @property
@@ -203,6 +206,7 @@ def _mcore(model: str, tp: int, pp: int, gpus: int, gbs: int, tflops: float, mfu
         distributed_optimizer=True,
         peak_fraction=mfu / 100,
         sequence_parallel=tp > 1,
+        tp_comm_overlap=tp > 1,
         counts_recompute=False,
         derived="distributed optimizer from --overlap-param-gather, sequence parallelism "
         "with tp > 1 from --tp-comm-overlap (Megatron requires both for them)",

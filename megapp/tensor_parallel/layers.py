@@ -39,6 +39,7 @@ from megapp.tensor_parallel.mappings import (
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
+from megapp.tensor_parallel.overlap import OverlappedColumn, OverlappedRow
 from megapp.tensor_parallel.utils import pad_vocab_size, vocab_range
 
 InitMethod = Callable[[torch.Tensor], torch.Tensor]
@@ -97,6 +98,19 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
 def _weight_grad(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """``dW = gᵀ x`` over every leading dimension."""
     return grad.reshape(-1, grad.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1]))
+
+
+def _check_overlap(tp_comm_overlap: bool, sequence_parallel: bool) -> None:
+    if tp_comm_overlap and not sequence_parallel:
+        raise ValueError("tp_comm_overlap overlaps sequence parallelism's collectives: it needs "
+                         "sequence_parallel")  # fmt: skip
+
+
+def _overlaps(group: Group) -> bool:
+    """Whether a layer asked to overlap runs its ring now: with more than one rank, and
+    not while a split-backward schedule records (its weight gradients are deferred by the
+    plain path)."""
+    return comm.world_size(group) > 1 and deferred.state.record is None
 
 
 class _ColumnParallelMatmul(torch.autograd.Function):
@@ -193,6 +207,8 @@ class ColumnParallelLinear(nn.Module):
         init_method: fills the full ``[output_size, input_size]`` weight in place.
         skip_bias_add: return the bias instead of adding it.
         sequence_parallel: the input is ``[s/tp, b, h]``, gathered here.
+        tp_comm_overlap: with sequence parallelism, gather the input shard by shard
+            while the matmul runs (:class:`~megapp.tensor_parallel.overlap.OverlappedColumn`).
         tp_group: the tensor-parallel group (``None``: no tensor parallelism).
         stride: see :func:`shard` (2 for a fused ``[gate; up]`` SwiGLU weight).
 
@@ -210,6 +226,7 @@ class ColumnParallelLinear(nn.Module):
         init_method: InitMethod | None = None,
         skip_bias_add: bool = False,
         sequence_parallel: bool = False,
+        tp_comm_overlap: bool = False,
         tp_group: Group = None,
         params_dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
@@ -218,6 +235,8 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         if gather_output and sequence_parallel:
             raise ValueError("gather_output and sequence_parallel cannot be combined")
+        _check_overlap(tp_comm_overlap, sequence_parallel)
+        self.tp_comm_overlap = tp_comm_overlap
         world = comm.world_size(tp_group)
         self.input_size, self.output_size = input_size, output_size
         self.output_size_per_partition = divide(output_size, world, "output_size")
@@ -238,7 +257,12 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         bias = None if self.skip_bias_add else self.bias
-        out = column_parallel_matmul(x, self.weight, bias, self.tp_group, self.sequence_parallel)
+        if self.tp_comm_overlap and _overlaps(self.tp_group):
+            out = OverlappedColumn.apply(x, self.weight, bias, self.tp_group)
+        else:
+            out = column_parallel_matmul(
+                x, self.weight, bias, self.tp_group, self.sequence_parallel
+            )
         if self.gather_output:
             out = gather_from_tensor_model_parallel_region(out, self.tp_group)
         return out, (self.bias if self.skip_bias_add else None)
@@ -252,6 +276,8 @@ class RowParallelLinear(nn.Module):
             output of a column-parallel layer); otherwise it is split here.
         sequence_parallel: reduce-scatter the output to ``[s/tp, b, h]`` instead
             of all-reducing it; needs ``input_is_parallel``.
+        tp_comm_overlap: with sequence parallelism, reduce-scatter piece by piece while
+            the matmul runs (:class:`~megapp.tensor_parallel.overlap.OverlappedRow`).
         Others as in :class:`ColumnParallelLinear`. The bias is whole on every
         rank and added after the reduction.
 
@@ -269,6 +295,7 @@ class RowParallelLinear(nn.Module):
         init_method: InitMethod | None = None,
         skip_bias_add: bool = False,
         sequence_parallel: bool = False,
+        tp_comm_overlap: bool = False,
         tp_group: Group = None,
         params_dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
@@ -276,6 +303,8 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         if sequence_parallel and not input_is_parallel:
             raise ValueError("sequence_parallel needs input_is_parallel=True")
+        _check_overlap(tp_comm_overlap, sequence_parallel)
+        self.tp_comm_overlap = tp_comm_overlap
         world = comm.world_size(tp_group)
         self.input_size, self.output_size = input_size, output_size
         self.input_size_per_partition = divide(input_size, world, "input_size")
@@ -295,11 +324,13 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         if not self.input_is_parallel:
             x = scatter_to_tensor_model_parallel_region(x, self.tp_group)
-        partial = _linear(x, self.weight)
-        if self.sequence_parallel:
+        if self.tp_comm_overlap and _overlaps(self.tp_group):
+            out = OverlappedRow.apply(x, self.weight, self.tp_group)
+        elif self.sequence_parallel:
+            partial = _linear(x, self.weight)
             out = reduce_scatter_to_sequence_parallel_region(partial, self.tp_group)
         else:
-            out = reduce_from_tensor_model_parallel_region(partial, self.tp_group)
+            out = reduce_from_tensor_model_parallel_region(_linear(x, self.weight), self.tp_group)
         if self.bias is None or self.skip_bias_add:
             return out, self.bias
         return out + self.bias, None

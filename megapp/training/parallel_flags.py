@@ -81,6 +81,12 @@ class ParallelArgs:
         None, "interleaved-1f1b: microbatches per group (default: from --pp up)", kind=int
     )
     sequence_parallel: bool = arg(False, "split activations outside tp regions by sequence")
+    tp_comm_overlap: bool = arg(
+        False,
+        "with --sequence-parallel: run each linear layer's all-gather or reduce-scatter "
+        "against its matmul, cut into pieces (Megatron-Core's flag; it runs Transformer "
+        "Engine's userbuffers, megapp its own ring)",
+    )
     use_distributed_optimizer: bool = arg(
         False, "shard optimizer states over dp (ZeRO-1): Megatron's name for --zero-stage 1"
     )

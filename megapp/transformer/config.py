@@ -86,6 +86,9 @@ class TransformerConfig:
     """Ranks that split every layer; checked against the heads and widths."""
     sequence_parallel: bool = False
     """Split the activations outside the tensor-parallel regions along the sequence."""
+    tp_comm_overlap: bool = False
+    """Run each linear layer's sequence-parallel collective against its matmul, cut into
+    pieces (:mod:`megapp.tensor_parallel.overlap`)."""
     context_parallel_size: int = 1
     """Ranks that split every sequence (:mod:`megapp.context_parallel`)."""
     cp_comm_type: str = "p2p"
@@ -232,6 +235,11 @@ class TransformerConfig:
             )
         if self.sequence_parallel and tp == 1:
             raise ValueError("sequence_parallel needs tensor_model_parallel_size > 1")
+        if self.tp_comm_overlap and not self.sequence_parallel:
+            raise ValueError(
+                "tp_comm_overlap overlaps sequence parallelism's gathers and scatters: it "
+                "needs sequence_parallel (and tensor_model_parallel_size > 1)"
+            )
         self._check_context_parallel()
         self._check_experts()
 

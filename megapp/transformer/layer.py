@@ -121,6 +121,7 @@ class ParallelAttention(nn.Module):
             bias=config.add_bias_linear or config.add_qkv_bias,
             init_method=init,
             sequence_parallel=config.sequence_parallel,
+            tp_comm_overlap=config.tp_comm_overlap,
             tp_group=tp_group,
             params_dtype=config.params_dtype,
         )
@@ -132,6 +133,7 @@ class ParallelAttention(nn.Module):
             init_method=init,
             skip_bias_add=True,
             sequence_parallel=config.sequence_parallel,
+            tp_comm_overlap=config.tp_comm_overlap,
             tp_group=tp_group,
             params_dtype=config.params_dtype,
         )
@@ -211,6 +213,7 @@ class ParallelMLP(nn.Module):
             init_method=init,
             skip_bias_add=True,  # fused into the activation below
             sequence_parallel=config.sequence_parallel,
+            tp_comm_overlap=config.tp_comm_overlap,
             tp_group=tp_group,
             params_dtype=config.params_dtype,
             stride=2 if swiglu else 1,  # every rank holds matching gate and up columns
@@ -223,6 +226,7 @@ class ParallelMLP(nn.Module):
             init_method=init,
             skip_bias_add=True,
             sequence_parallel=config.sequence_parallel,
+            tp_comm_overlap=config.tp_comm_overlap,
             tp_group=tp_group,
             params_dtype=config.params_dtype,
         )
