@@ -5,10 +5,12 @@ priced by its operations."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
 
+from megapp.benchmarks import overlap_matmuls
 from megapp.models.gpt import GPTConfig
 from megapp.planning.hardware import PROFILES, Hardware
 from megapp.planning.layer_costs import tensor_parallel_seconds
@@ -159,3 +161,19 @@ def test_the_flag_needs_sequence_parallelism():
             num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=128,
             tensor_model_parallel_size=2, tp_comm_overlap=True,
         )  # fmt: skip
+
+
+def test_the_overlap_benchmark_times_and_prices_every_pair(tmp_path):
+    out = tmp_path / "overlap.json"
+    assert (
+        overlap_matmuls.main(["--quick", "--device", "cpu", "--repeats", "1", "--out", str(out)])
+        == 0
+    )
+    (case,) = json.loads(out.read_text())["cases"].values()
+    names = {r["pair"] for r in case["pairs"]}
+    assert names == {f"{l}_{p}" for l in ("qkv", "fc1") for p in ("fprop", "dgrad", "wgrad")} | {
+        f"{l}_{p}" for l in ("proj", "fc2") for p in ("fprop", "dgrad")
+    }
+    assert all(r["alone_s"] > 0 and r["overlapped_s"] > 0 for r in case["pairs"])
+    priced = sum(r["predicted_overlapped_s"] - r["predicted_alone_s"] for r in case["pairs"])
+    assert case["predicted_extra_s"] == pytest.approx(priced)

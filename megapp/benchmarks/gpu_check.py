@@ -17,6 +17,9 @@ recorded with the end of its output and the next stage runs:
   attention and memory-bound rates as a hardware profile;
 * ``step``: ``python -m megapp.benchmarks.predicted_step``: single-GPU training steps of a
   1.2B GPT and a 1.0B Llama-style model, measured and predicted on that profile;
+* ``overlap``: ``python -m megapp.benchmarks.overlap_matmuls``: the matmuls of
+  ``--tp-comm-overlap`` (in pieces, beside held-back multiprocessors) of Megatron-Core's
+  H100 layers, measured and predicted on the step stage's profile;
 * ``tests``: ``pytest -m cuda`` over the test files that mark CUDA tests;
 * ``kernels``: ``tools/benchmarks/bench_kernels.py --device cuda``: GB/s of every fused op
   against the device's HBM peak;
@@ -57,11 +60,12 @@ from megapp.benchmarks.gpu_stages import (
     stage_gpt,
     stage_kernels,
     stage_nccl,
+    stage_overlap,
     stage_step,
     stage_tests,
 )
 
-STAGES = ("env", "build", "calibrate", "step", "tests", "kernels", "gpt", "nccl")
+STAGES = ("env", "build", "calibrate", "step", "overlap", "tests", "kernels", "gpt", "nccl")
 REPORT_RESERVE_S = 15  # kept back from --total-s to write the report
 CPU_OUT = Path(tempfile.gettempdir()) / "megapp_gpu_check"  # where a run without a GPU reports
 
@@ -89,6 +93,7 @@ RUNNERS: dict[str, Callable[[Check, StageResult], None]] = {
     "build": stage_build,
     "calibrate": stage_calibrate,
     "step": stage_step,
+    "overlap": stage_overlap,
     "tests": stage_tests,
     "kernels": stage_kernels,
     "gpt": stage_gpt,

@@ -24,7 +24,7 @@ from megapp.training.launch import finish, start_command, torchrun_command
 from megapp.training.metrics import read_records
 
 LIMITS_S = {"env": 60, "build": 300, "calibrate": 180, "step": 240, "tests": 180, "kernels": 240}
-LIMITS_S |= {"gpt": 180, "nccl": 150}
+LIMITS_S |= {"gpt": 180, "nccl": 150, "overlap": 120}
 # single-GPU training steps whose time the planner predicts from the calibrated profile:
 # a GPT-3-style 1.2B model (GeLU, LayerNorm, learned positions) and a Llama-style 1.0B one
 # (SwiGLU, RMSNorm, RoPE, grouped queries, no biases); bf16, no dropout
@@ -80,6 +80,12 @@ STEP_MODELS = {
         "--num-layers", "20", "--hidden-size", "2048", "--num-attention-heads", "32",
         "--seq-length", "1024", "--max-position-embeddings", "1024",
         "--micro-batch-size", "8", "--global-batch-size", "32",
+    ],
+    # held out: chosen, and the operation model committed, before its first run; full
+    # heads with RoPE, whose attention output merges as a view (no relayout copy)
+    "gpt 1.2B rope": [
+        "--num-layers", "24", "--hidden-size", "2048", "--num-attention-heads", "16",
+        "--position-embedding-type", "rope",
     ],
 }  # fmt: skip
 STEP_QUICK = ["--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4"]
@@ -369,6 +375,25 @@ def stage_step(check: Check, r: StageResult) -> None:
         f"{name}: predicted/measured {d['ratio']:.3f} ({d['measured_s'] * 1e3:.0f} ms)"
         for name, d in r.details.items()
         if "ratio" in d
+    )
+
+
+def stage_overlap(check: Check, r: StageResult) -> None:
+    """``python -m megapp.benchmarks.overlap_matmuls``: the matmuls of ``--tp-comm-overlap``
+    in pieces and beside held-back multiprocessors, measured and predicted on
+    :func:`step_profile`'s profile (quick: one small layer)."""
+    out = check.logs / "overlap.json"
+    argv = [sys.executable, "-m", "megapp.benchmarks.overlap_matmuls", "--out", str(out)]
+    argv += ["--hardware", step_profile(check)] + (["--quick"] if check.args.quick else [])
+    if check.run(r, argv, "overlap.log") != 0:
+        return
+    cases = json.loads(out.read_text())["cases"]
+    r.details = cases
+    r.status = "ok"
+    r.summary = "; ".join(
+        f"{name}: +{c['extra_s'] * 1e6:.0f} us measured, +{c['predicted_extra_s'] * 1e6:.0f} us "
+        f"predicted over {c['alone_s'] * 1e6:.0f} us of matmuls"
+        for name, c in cases.items()
     )
 
 

@@ -36,6 +36,7 @@ prices them as without it.
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
 from megapp.models.gpt import GPTConfig
 from megapp.planning.hardware import Hardware, group_link
@@ -61,6 +62,62 @@ def bulk(matmul: float, collective: float) -> float:
     return max(matmul, collective)
 
 
+@dataclass(frozen=True)
+class OverlapPair:
+    """One matmul and the collective run against it: ``[m, k] × [k, n]`` in ``layout`` (0
+    forward, 1 input gradient, 2 weight gradient), by ``method`` (``ring``, ``pipeline``,
+    ``bulk``), in the ``forward`` or the backward of the layer. TE names it ``name``."""
+
+    name: str
+    method: str
+    m: int
+    n: int
+    k: int
+    layout: int
+    forward: bool
+
+
+def overlap_pairs(gpt: GPTConfig, tokens: int, dense_mlp: bool = True) -> list[OverlapPair]:
+    """The pairs of one layer on one rank over ``tokens`` (gathered) rows: QKV and the
+    projection, and with ``dense_mlp`` fc1 and fc2."""
+    tp = gpt.tensor_model_parallel_size
+    h, d = gpt.hidden_size, gpt.kv_channels
+    heads, groups = gpt.num_attention_heads // tp, gpt.num_query_groups // tp
+    ffn = gpt.ffn_hidden_size // tp
+    gated = ffn * (2 if gpt.activation == "swiglu" else 1)
+    columns = [("qkv", h, (heads + 2 * groups) * d)]  # [in, out]
+    rows = [("proj", heads * d, h)]
+    if dense_mlp:
+        columns.append(("fc1", h, gated))
+        rows.append(("fc2", ffn, h))
+    pairs = []
+    for name, inputs, outputs in columns:
+        pairs += [
+            OverlapPair(f"{name}_fprop", "ring", tokens, outputs, inputs, 0, True),
+            OverlapPair(f"{name}_dgrad", "bulk", tokens, inputs, outputs, 1, False),
+            OverlapPair(f"{name}_wgrad", "bulk", outputs, inputs, tokens, 2, False),
+        ]
+    for name, inputs, outputs in rows:
+        pairs += [
+            OverlapPair(f"{name}_fprop", "pipeline", tokens, outputs, inputs, 0, True),
+            OverlapPair(f"{name}_dgrad", "ring", tokens, inputs, outputs, 1, False),
+        ]
+    return pairs
+
+
+def pair_matmuls(pair: OverlapPair, tp: int, whole, margin) -> float:
+    """Seconds of ``pair``'s matmul as its method runs it, pieces back to back, from the
+    pricers (or timers) ``whole`` (every multiprocessor) and ``margin`` (those
+    communication leaves): ``tp`` pieces of ``m/tp`` rows (ring), ``4`` of ``m/4`` beside
+    communication (pipeline), whole beside communication (bulk)."""
+    if pair.method == "ring":
+        return tp * whole(pair.m // tp, pair.n, pair.k, pair.layout)
+    if pair.method == "pipeline":
+        piece = margin(pair.m // PIPELINE_PIECES, pair.n, pair.k, pair.layout)
+        return PIPELINE_PIECES * piece
+    return margin(pair.m, pair.n, pair.k, pair.layout)
+
+
 def overlapped_seconds(
     gpt: GPTConfig,
     seq_length: int,
@@ -75,38 +132,30 @@ def overlapped_seconds(
     tp = gpt.tensor_model_parallel_size
     link = group_link(hardware, tp)
     tokens = seq_length // gpt.context_parallel_size * micro_batch_size
-    h, d, w = gpt.hidden_size, gpt.kv_channels, gpt.params_dtype.itemsize
-    act = tokens * h * w  # one gathered activation, or one output before its scatter
-    heads, groups = gpt.num_attention_heads // tp, gpt.num_query_groups // tp
-    ffn = gpt.ffn_hidden_size // tp
-    gated = ffn * (2 if gpt.activation == "swiglu" else 1)
-    columns = [(h, (heads + 2 * groups) * d)]  # QKV (and fc1): [in, out]
-    rows = [(heads * d, h)]  # the projection (and fc2)
-    if dense_mlp:
-        columns.append((h, gated))
-        rows.append((ffn, h))
-    whole = _matmul(hardware, w)
-    margin = _matmul(hardware, w, COMMUNICATION_SMS)
+    w = gpt.params_dtype.itemsize
+    act = tokens * gpt.hidden_size * w  # one gathered activation, or one output to scatter
+    whole = priced_matmul(hardware, w)
+    margin = priced_matmul(hardware, w, COMMUNICATION_SMS)
     hop = link.message(act / tp)
     collective = link.all_gather(act, tp)
     scatter_piece = link.all_gather(act / PIPELINE_PIECES, tp)
-    forward = backward = 0.0 if dense_mlp else 2 * collective
-    for inputs, outputs in columns:
-        alone = whole(tokens, outputs, inputs, 0)
-        forward += ring_exchange(whole(tokens // tp, outputs, inputs, 0), hop, tp) - alone
-        data, weight = whole(tokens, inputs, outputs, 1), whole(outputs, inputs, tokens, 2)
-        backward += bulk(margin(tokens, inputs, outputs, 1), collective) - data
-        backward += bulk(margin(outputs, inputs, tokens, 2), collective) - weight
-    for inputs, outputs in rows:
-        alone = whole(tokens, outputs, inputs, 0)
-        piece = margin(tokens // PIPELINE_PIECES, outputs, inputs, 0)
-        forward += pipeline(piece, scatter_piece) - alone
-        data = whole(tokens, inputs, outputs, 1)
-        backward += ring_exchange(whole(tokens // tp, inputs, outputs, 1), hop, tp) - data
-    return forward, backward
+    experts = 0.0 if dense_mlp else 2 * collective  # the experts' gather and scatter
+    seconds = [experts, experts]  # backward, forward
+    for pair in overlap_pairs(gpt, tokens, dense_mlp):
+        alone = whole(pair.m, pair.n, pair.k, pair.layout)
+        if pair.method == "ring":
+            piece = whole(pair.m // tp, pair.n, pair.k, pair.layout)
+            total = ring_exchange(piece, hop, tp)
+        elif pair.method == "pipeline":
+            piece = margin(pair.m // PIPELINE_PIECES, pair.n, pair.k, pair.layout)
+            total = pipeline(piece, scatter_piece)
+        else:
+            total = bulk(margin(pair.m, pair.n, pair.k, pair.layout), collective)
+        seconds[pair.forward] += total - alone
+    return seconds[1], seconds[0]
 
 
-def _matmul(hardware: Hardware, width: int, busy_sms: int = 0):
+def priced_matmul(hardware: Hardware, width: int, busy_sms: int = 0):
     """Seconds of ``[m, k] × [k, n]`` of ``width``-byte elements in layout 0, 1, 2
     (forward, input gradient, weight gradient) on the multiprocessors ``busy_sms`` leave."""
     ops = hardware.ops
@@ -120,4 +169,13 @@ def _matmul(hardware: Hardware, width: int, busy_sms: int = 0):
     return lambda m, n, k, layout: ops.matmul(m, n, k, width, layout=layout)
 
 
-__all__ = ["bulk", "overlapped_seconds", "pipeline", "ring_exchange"]
+__all__ = [
+    "OverlapPair",
+    "bulk",
+    "overlap_pairs",
+    "overlapped_seconds",
+    "pair_matmuls",
+    "pipeline",
+    "priced_matmul",
+    "ring_exchange",
+]
