@@ -36,11 +36,12 @@ Per operation, with ``w`` bytes per element:
   for a kernel not measured. megapp's layers (``OpRates.megapp_layers``) also rebuild
   saved inputs in the input gradient: each norm's forward twice more (its output, its
   statistics), the activation's and the relayout's once, unless the layer is recomputed
-  whole. Their attention output is laid out as their queries are: only queries that are
-  strided views of the fused projection (no RoPE, no grouped queries) leave a relayout to
-  copy; grouped-query layers pay strided copies instead (the queries out of the
-  projection, keys and values repeated per head, and their gradients back), at the
-  relayout's rate.
+  whole. Their fused attention's output merges into ``[s, b, a·d]`` as a view (no
+  relayout; materialized scores need one); they pay strided copies instead, at the
+  relayout's rate: the fused projection's gradient gathered from those of q, k and v;
+  with grouped queries the queries out of the projection, keys and values repeated per
+  head, the values made contiguous and the gradients back; with RoPE and full heads the
+  values made contiguous forward and backward (all as H200 profiles show them).
 - **gaps**: after every kernel the device waits ``kernel_overhead`` before the next one
   starts (measured on a stream of tiny kernels; a step of a 1B GPT on one H200 spends 2-3%
   of its time there, in some 7,600 gaps).
@@ -355,11 +356,13 @@ def _priced_layer(
     norm = "layer_norm" if gpt.normalization == "LayerNorm" else "rms_norm"
     rope = gpt.position_embedding_type == "rope"
     grouped = groups < heads and rates.megapp_layers
-    # megapp's attention output is laid out as its queries are: queries made contiguous (by
-    # RoPE, or by grouped queries' copy) give an output that merges into [s, b, a·d] as a
-    # view; queries that are strided views of the fused projection give one that needs the
-    # relayout copy (and its gradient the copy back)
-    relayout = 2 * tokens * heads * d * w if not (rates.megapp_layers and (rope or grouped)) else 0
+    fused = gpt.attention_backend == "sdpa"
+    # megapp's fused attention returns its output laid out as [s, b, a, d], which merges
+    # into [s, b, a·d] as a view (seen in H200 profiles with and without RoPE and grouped
+    # queries); materialized scores give [b, a, s, d], which needs the relayout copy (and
+    # its gradient the copy back)
+    relayout = 0 if rates.megapp_layers and fused else 2 * tokens * heads * d * w
+    queries, kv = tokens * heads * d * w, tokens * groups * d * w
     passes = [  # (kernel, width, forward bytes, backward bytes[, calls]): read + written
         (norm, h, 2 * rows * h * w, 3 * rows * h * w),  # x → y; x, dy → dx
         (norm, h, 2 * rows * h * w, 3 * rows * h * w),
@@ -370,15 +373,20 @@ def _priced_layer(
         ("copy", 0, 0.0, 3 * rows * h * w),
         ("copy", 0, 0.0, 3 * rows * h * w),
     ]
-    if grouped:  # strided copies, as megapp's layer makes them (seen in one H200's profile)
-        queries, kv = tokens * heads * d * w, tokens * groups * d * w
+    if rates.megapp_layers:  # strided copies, as megapp's layer makes them (H200 profiles)
+        # the fused projection's gradient, gathered from those of q, k and v
+        passes.append(("relayout", d, 0.0, 2 * (queries + 2 * kv), 3))
+    if grouped:
         passes += [
             ("relayout", d, 2 * queries, 0.0),  # the queries out of the fused projection
             ("relayout", d, 2 * 2 * queries, 0.0, 2),  # keys, values repeated per head
             ("relayout", d, 2 * kv, 2 * kv),  # values made contiguous; a gradient back
             ("relayout", d, 0.0, 2 * (queries + kv), 2),  # the repeats' gradients summed
-            ("relayout", d, 0.0, 2 * (queries + 2 * kv), 3),  # the projection's gradient
         ]
+    elif rates.megapp_layers and rope and fused:
+        # RoPE leaves q and k contiguous and v a strided view: the fused attention copies
+        # it to contiguous in its forward and again in its backward
+        passes.append(("relayout", d, 2 * kv, 2 * kv))
     # the activation ([gate | up] → out; dy, x → dx); the experts' is among their passes
     activation = None
     if dense_mlp and gated:
