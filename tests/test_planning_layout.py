@@ -94,6 +94,7 @@ RUN = ["--lr", "1e-4", "--train-iters", "1", "--use-default-corpus"]
         Layout(pp=4, schedule="zb-h1", zero_stage=3, dp=2),
         Layout(pp=2, dp=2, schedule=PIPEDREAM_VSYNC),
         Layout(pp=2, dp=2, vpp=5, embedding_in_split=True, loss_in_split=True),
+        Layout(tp=2, dp=2, sequence_parallel=True, tp_comm_overlap=True),
     ],
     ids=lambda layout: layout.name,
 )

@@ -12,9 +12,11 @@ import torch
 
 from megapp.benchmarks import overlap_matmuls
 from megapp.models.gpt import GPTConfig
+from megapp.planning.explain import parse_layout
 from megapp.planning.hardware import PROFILES, Hardware
 from megapp.planning.layer_costs import tensor_parallel_seconds
 from megapp.planning.layout import Layout, pretrain_config
+from megapp.planning.layout_space import Space, layouts
 from megapp.planning.timing import predict_step_time
 from megapp.planning.tp_overlap import (
     COMMUNICATION_SMS,
@@ -177,3 +179,16 @@ def test_the_overlap_benchmark_times_and_prices_every_pair(tmp_path):
     assert all(r["alone_s"] > 0 and r["overlapped_s"] > 0 for r in case["pairs"])
     priced = sum(r["predicted_overlapped_s"] - r["predicted_alone_s"] for r in case["pairs"])
     assert case["predicted_extra_s"] == pytest.approx(priced)
+
+
+def test_the_planner_searches_every_sequence_parallel_layout_also_overlapped():
+    base = gpt(overlap=False)
+    every = list(layouts(base, 8, 8, 16))
+    overlapped = {dataclasses.replace(x, tp_comm_overlap=False) for x in every if x.tp_comm_overlap}
+    assert overlapped == {x for x in every if x.sequence_parallel and not x.tp_comm_overlap}
+    assert not any(x.tp_comm_overlap for x in layouts(base, 8, 8, 16, Space(tp_comm_overlap=False)))
+    layout = next(x for x in every if x.tp_comm_overlap)
+    assert ".sp.tpo." in layout.name and parse_layout(layout.name) == layout
+    assert "--tp-comm-overlap" in layout.flags(base.num_layers)
+    with pytest.raises(ValueError, match="sequence parallelism"):
+        Layout(tp=2, tp_comm_overlap=True)

@@ -50,6 +50,7 @@ from megapp.planning.published_runs import MT_NLG, NARAYANAN_2021, RUNS, Publish
 from megapp.planning.timing import predict_step_time
 from megapp.training.config import PretrainConfig
 from megapp.training.flag_groups import ArgumentsError
+from megapp.training.flops import layer_flops
 
 GIB = 2**30
 GPUS_PER_NODE = 8
@@ -185,6 +186,14 @@ def published_layout(
     return layout, config, assumed
 
 
+def causal_half_flops(gpt, run: PublishedRun) -> float:
+    """The FLOPs of one iteration's causal attention cores over the half of the ``s × s``
+    square that megapp's count has and a source counting only the causal half does not:
+    forward and backward (three times the forward's)."""
+    core = layer_flops(gpt, run.seq_length)[1]  # per token and layer, the whole square
+    return 3 * gpt.num_layers * core / 2 * run.global_batch_size * run.seq_length
+
+
 @dataclass
 class Row:
     """One line of the comparison."""
@@ -227,6 +236,9 @@ def compare(
         seconds = step.seconds
         recompute = step.breakdown["recompute_flops"] / step.seconds / run.gpus / 1e12
         row.predicted = step.tflops_per_gpu + (recompute if run.counts_recompute else 0.0)
+        if run.counts_causal_half:
+            half = causal_half_flops(config.gpt_config(model.vocab_size), run)
+            row.predicted -= half / step.seconds / run.gpus / 1e12
         hidden = step.seconds - step.breakdown["tensor_parallel"]
         row.hiding_tp = row.predicted * step.seconds / hidden
         row.memory = peak_memory(config, model.vocab_size, hardware)
@@ -273,7 +285,7 @@ def markdown(rows: list[Row]) -> str:
     ]
     for row in rows:
         run = row.run
-        counted = " (hw)" if run.counts_recompute else ""
+        counted = " (hw)" if run.counts_recompute else " (½)" if run.counts_causal_half else ""
         gib = None if row.memory is None else row.memory / GIB
         memory = f"{_num(gib, '.1f')} ({row.capacity / GIB:.0f})"
         lines.append(
@@ -359,9 +371,10 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
     print("\n" + error_summary(rows, args.ops))
     print(
         "\n(hw): the source counts recompute's rerun forward, and so does the prediction "
-        "beside it; hiding tp: the prediction with the tensor-parallel collectives off the "
-        "critical path (as --tp-comm-overlap runs them); pick speed-up: the published "
-        "layout's predicted iteration time over the pick's."
+        "beside it; (½): the source counts causal attention over half the s × s square, and "
+        "so does the prediction beside it; hiding tp: the prediction with the tensor-parallel "
+        "collectives off the critical path entirely; pick speed-up: the published layout's "
+        "predicted iteration time over the pick's."
     )
     return 0
 

@@ -175,11 +175,12 @@ class Explanation:
 _NAME = re.compile(
     r"tp(?P<tp>\d+)(?:\.cp(?P<cp>\d+)-(?P<cp_comm_type>[a-z0-9_]+))?(?:\.ep(?P<ep>\d+))?"
     r"(?:\.etp(?P<etp>\d+))?\.pp(?P<pp>\d+)\.dp(?P<dp>\d+)\.v(?P<vpp>\d+)(?:\+(?P<split>e?l?))?"
-    r"\.mb(?P<micro_batch_size>\d+)\.(?P<schedule>[a-z0-9-]+)(?P<sp>\.sp)?"
+    r"\.mb(?P<micro_batch_size>\d+)\.(?P<schedule>[a-z0-9-]+)(?P<sp>\.sp)?(?P<tpo>\.tpo)?"
     r"\.(?P<recompute>norecompute|selective|full)\.z(?P<zero_stage>\d)"
 )
 LAYOUT_FORMAT = (
-    "tp<n>[.cp<n>-<comm>][.ep<n>][.etp<n>].pp<n>.dp<n>.v<n>[+e|+l|+el].mb<n>.<schedule|default>[.sp]"
+    "tp<n>[.cp<n>-<comm>][.ep<n>][.etp<n>].pp<n>.dp<n>.v<n>[+e|+l|+el].mb<n>.<schedule|default>"
+    "[.sp[.tpo]]"
     ".<norecompute|selective|full>.z<n>"
 )
 
@@ -195,7 +196,9 @@ def parse_layout(name: str) -> Layout:
         if key in fields:
             fields[key] = int(fields[key])
     fields["sequence_parallel"] = "sp" in fields
+    fields["tp_comm_overlap"] = "tpo" in fields
     fields.pop("sp", None)
+    fields.pop("tpo", None)
     split = fields.pop("split", "")
     fields["embedding_in_split"], fields["loss_in_split"] = "e" in split, "l" in split
     fields["schedule"] = None if fields["schedule"] == "default" else fields["schedule"]

@@ -54,7 +54,9 @@ class Layout:
     with ``--num-experts`` beyond their defaults. ``embedding_in_split``,
     ``loss_in_split``: the embedding, the loss count as a layer where the layers split over
     the virtual stages (``--account-for-embedding/loss-in-pipeline-split``: the first, the
-    last virtual stage holds one transformer layer fewer)."""
+    last virtual stage holds one transformer layer fewer). ``tp_comm_overlap``: with
+    sequence parallelism, each linear layer's collective runs against its matmul
+    (``--tp-comm-overlap``)."""
 
     tp: int = 1
     pp: int = 1
@@ -71,6 +73,7 @@ class Layout:
     etp: int | None = None
     embedding_in_split: bool = False
     loss_in_split: bool = False
+    tp_comm_overlap: bool = False
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp", "vpp", "micro_batch_size", "cp", "ep"):
@@ -82,6 +85,8 @@ class Layout:
             raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage}")
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("sequence parallelism needs tp > 1")
+        if self.tp_comm_overlap and not self.sequence_parallel:
+            raise ValueError("tp_comm_overlap overlaps sequence parallelism's collectives")
         if self.cp_comm_type not in CP_COMM_TYPES:
             raise ValueError(
                 f"cp_comm_type must be one of {CP_COMM_TYPES}, got {self.cp_comm_type!r}"
@@ -113,7 +118,8 @@ class Layout:
         """A short label, e.g. ``tp2.pp2.dp2.v1.mb1.1f1b.sp.selective.z1``; with context
         parallelism its size and communication follow tp: ``tp2.cp4-p2p.pp2...``; with
         expert parallelism ep (and etp where it is not tp) follows them: ``tp2.ep8.etp1...``;
-        with the embedding (e) and the loss (l) counted in the split, ``v8+el``."""
+        with the embedding (e) and the loss (l) counted in the split, ``v8+el``; with
+        ``--tp-comm-overlap``, ``sp.tpo``."""
         parts = [f"tp{self.tp}"]
         parts += [f"cp{self.cp}-{self.cp_comm_type}"] if self.cp > 1 else []
         parts += [f"ep{self.ep}"] if self.ep > 1 else []
@@ -122,6 +128,7 @@ class Layout:
         parts += [f"pp{self.pp}", f"dp{self.dp}", f"v{self.vpp}" + (f"+{split}" if split else "")]
         parts += [f"mb{self.micro_batch_size}", self.schedule or "default"]
         parts += ["sp"] if self.sequence_parallel else []
+        parts += ["tpo"] if self.tp_comm_overlap else []
         parts += [self.recompute or "norecompute", f"z{self.zero_stage}"]
         return ".".join(parts)
 
@@ -161,6 +168,8 @@ class Layout:
             out.append(("parallel", "pipeline_schedule", self.schedule))
         if self.sequence_parallel:
             out.append(("parallel", "sequence_parallel", True))
+        if self.tp_comm_overlap:
+            out.append(("parallel", "tp_comm_overlap", True))
         if self.recompute == "selective":
             out.append(("model", "recompute_granularity", "selective"))
         elif self.recompute == "full":

@@ -5,6 +5,7 @@ sequence parallelism and schedules that the arithmetic allows."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -30,7 +31,8 @@ class Space:
     ``max_micro_batch_size``, up to ``max_chunks`` virtual stages per rank, ``schedules``,
     context-parallel sizes ``cp`` (None: :func:`auto_cp_sizes`) with the communication
     ``cp_comm_types`` each, expert-parallel sizes ``ep`` (None: :func:`expert_sizes`; a
-    dense model runs ep 1 alone whatever this says)."""
+    dense model runs ep 1 alone whatever this says); ``tp_comm_overlap``: every
+    sequence-parallel layout also with ``--tp-comm-overlap``."""
 
     max_micro_batch_size: int = 8
     max_chunks: int = 8
@@ -38,6 +40,7 @@ class Space:
     cp: tuple[int, ...] | None = None
     cp_comm_types: tuple[str, ...] = CP_COMM_TYPES
     ep: tuple[int, ...] | None = None
+    tp_comm_overlap: bool = True
 
     def __post_init__(self) -> None:
         if self.ep is not None and (not self.ep or min(self.ep) < 1):
@@ -197,11 +200,15 @@ def layouts(
                     for recompute in RECOMPUTE:
                         for zero in range(4) if dp * cp > 1 else [0]:
                             for sp in (sp for sp in sps if (cp, kind) in by_sp[sp]):
-                                for name, ep in ((n, e) for n in names for e in eps):
+                                overlaps = (
+                                    (False, True) if sp and space.tp_comm_overlap else (False,)
+                                )
+                                for name, ep, tpo in itertools.product(names, eps, overlaps):
                                     yield Layout(
                                         **sizes,
                                         schedule=name,
                                         sequence_parallel=sp,
+                                        tp_comm_overlap=tpo,
                                         recompute=recompute,
                                         zero_stage=zero,
                                         cp=cp,

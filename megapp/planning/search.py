@@ -116,10 +116,10 @@ class Planner:
         them."""
         key = (layout.tp, layout.sequence_parallel, layout.recompute, layout.cp)
         key += (layout.cp_comm_type, layout.ep, layout.etp)
-        key += (layout.embedding_in_split, layout.loss_in_split)
+        key += (layout.embedding_in_split, layout.loss_in_split, layout.tp_comm_overlap)
         if key not in self._gpts:
             names = ("tp", "sequence_parallel", "recompute", "cp", "cp_comm_type", "ep", "etp")
-            names += ("embedding_in_split", "loss_in_split")
+            names += ("embedding_in_split", "loss_in_split", "tp_comm_overlap")
             # enough data-parallel ranks for one copy of the expert grid
             model_only = Layout(
                 **dict(zip(names, key, strict=True)), dp=layout.ep * layout.expert_tp
@@ -189,7 +189,7 @@ class Planner:
             *(layout.tp, layout.pp, layout.dp, layout.vpp, layout.micro_batch_size),
             *(layout.sequence_parallel, layout.recompute, layout.zero_stage),
             *(layout.cp, layout.cp_comm_type, layout.ep, layout.etp),
-            *(layout.embedding_in_split, layout.loss_in_split),
+            *(layout.embedding_in_split, layout.loss_in_split, layout.tp_comm_overlap),
             _kind(layout).v_shaped,
         )
 
