@@ -16,9 +16,12 @@ for its fastest layout. It prints one markdown table row per run:
   the way the source counts (with recompute's rerun forward where it does) and their
   ratio;
 - the same prediction with the tensor-parallel collectives taken off the critical path
-  (Megatron-Core's ``--tp-comm-overlap`` overlaps them with the matmuls; megapp's time
-  model charges them in full);
+  entirely ("hiding tp": no collective exposed, no matmul slowed; a run with
+  ``--tp-comm-overlap``, as the H100 table's, is predicted with what the overlap leaves);
 - the predicted memory of the fullest GPU against the GPU's memory.
+
+A source that counts causal attention over half the ``s × s`` square
+(``counts_causal_half``) is compared with a prediction counted the same way.
 
 What a source leaves open is filled in and listed under "assumed": sequence parallelism
 with tp > 1, the distributed optimizer with dp > 1 (or cp > 1: it shards over dp × cp),
@@ -94,8 +97,8 @@ def model_flags(run: PublishedRun, model: ModelPreset, ops: bool = False) -> tup
     """The model's flags for ``run``: the preset's, with the run's token dispatcher (and
     its node) where it is not the all-to-all, the source's uneven first and last
     pipeline stages where it gives them, ``--no-overlap-grad-reduce`` for the runs of
-    :data:`REDUCE_AFTER_BACKWARD`; with ``ops``, the materialized attention of the runs of
-    :data:`MATERIALIZED_ATTENTION`."""
+    :data:`REDUCE_AFTER_BACKWARD`, ``--tp-comm-overlap`` where the run overlapped; with
+    ``ops``, the materialized attention of the runs of :data:`MATERIALIZED_ATTENTION`."""
     flags = model.flags
     if run.dispatcher != "alltoall":  # its node: the GPUs a node holds, over etp
         node = hardware_for(run).gpus_per_node // (run.etp or run.tp)
