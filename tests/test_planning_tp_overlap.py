@@ -13,7 +13,7 @@ import torch
 from megapp.benchmarks import overlap_matmuls
 from megapp.models.gpt import GPTConfig
 from megapp.planning.explain import parse_layout
-from megapp.planning.hardware import PROFILES, Hardware
+from megapp.planning.hardware import PROFILES
 from megapp.planning.layer_costs import tensor_parallel_seconds
 from megapp.planning.layout import Layout, pretrain_config
 from megapp.planning.layout_space import Space, layouts
@@ -26,18 +26,11 @@ from megapp.planning.tp_overlap import (
     pipeline,
     ring_exchange,
 )
+from tests.support import PLAIN_HARDWARE
 
-PLAIN = Hardware(
-    name="plain",
-    gemm_flops=1e12,
-    peak_flops=2e12,
-    memory_bytes=80e9,
-    memory_bandwidth=1e12,
-    gpus_per_node=8,
-    intra_node_bandwidth=100e9,
-    intra_node_latency=0.0,
-    inter_node_bandwidth=10e9,
-    inter_node_latency=0.0,
+# round numbers, no latency, communication beside compute: every second traceable by hand
+PLAIN = dataclasses.replace(
+    PLAIN_HARDWARE, intra_node_latency=0.0, inter_node_latency=0.0, overlap_communication=True
 )
 
 
@@ -155,6 +148,16 @@ def test_a_large_layer_hides_its_collectives():
     b = predict_step_time(overlapped, 32000, h100)
     assert b.seconds < a.seconds
     assert b.breakdown["tensor_parallel"] < a.breakdown["tensor_parallel"]
+
+
+def test_hardware_that_runs_no_communication_beside_compute_hides_nothing():
+    serial = dataclasses.replace(PLAIN, overlap_communication=False)
+    assert tensor_parallel_seconds(gpt(), 128, 1, 2, True, True, serial) == (
+        tensor_parallel_seconds(gpt(overlap=False), 128, 1, 2, True, True, serial)
+    )
+    assert tensor_parallel_seconds(gpt(), 128, 1, 2, True, True, PLAIN) != (
+        tensor_parallel_seconds(gpt(overlap=False), 128, 1, 2, True, True, PLAIN)
+    )
 
 
 def test_the_flag_needs_sequence_parallelism():

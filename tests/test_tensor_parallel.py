@@ -208,7 +208,7 @@ def test_overlapped_rings_equal_the_collectives(tp):
     full = _randn(S, B, H, seed=8)
     weight = _randn(6, H, seed=9)
     shard = full.chunk(tp, 0)[rank]
-    out, gathered = ring_gather_matmul(shard, lambda x: x @ weight.t(), group)
+    out, gathered = ring_gather_matmul(shard, lambda x: x @ weight.t(), group, keep=True)
     assert torch.equal(gathered, full)  # every shard in its place, bit for bit
     torch.testing.assert_close(out, full @ weight.t(), **TOL)
     mine = _randn(S, B, H, seed=20 + rank)  # each rank's own partial input

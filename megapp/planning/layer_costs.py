@@ -283,7 +283,7 @@ def tensor_parallel_seconds(
     if gpt.sequence_parallel:  # an all-gather and a reduce-scatter move one all-reduce's bytes
         pair = 2 * link.all_gather(act, tp)
         fwd, bwd = 2 * pair * layers, 2 * pair * layers
-        if gpt.tp_comm_overlap:
+        if gpt.tp_comm_overlap and hardware.overlap_communication:  # else nothing hides
             moe = moe_layer_count(gpt, layers)
             dense = overlapped_seconds(gpt, seq_length, micro_batch_size, hardware)
             experts = overlapped_seconds(

@@ -30,7 +30,8 @@ where pieces and margins cost nothing. Collectives are
 loss's collectives, and a mixture-of-experts layer's gathering and scattering of its
 tokens, are not overlapped (TE's userbuffers serve the dense linears only; megapp's
 overlap is in those same linears): :func:`~megapp.planning.layer_costs.tensor_parallel_seconds`
-prices them as without it.
+prices them as without it, and prices every collective so on hardware that runs no
+communication beside compute (``Hardware.overlap_communication`` off).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ piece already at hand, as Transformer Engine's userbuffers do for Megatron-Core:
 
 - :func:`ring_gather_matmul`: every rank computes the rows of its own shard while passing
   it on; each next step computes the shard that just arrived. After ``tp − 1`` hops every
-  rank has every shard's rows, and the gathered input as a by-product.
+  rank has every shard's rows, and (kept where asked) the gathered input as a by-product.
 - :func:`matmul_ring_scatter`: every rank computes one shard's partial product, adds the
   running sum it received from the previous rank and passes it on; the sum of shard ``r``
   ends on rank ``r`` after ``tp − 1`` hops. The next piece's matmul runs while a sum
@@ -33,13 +33,13 @@ from megapp.tensor_parallel.mappings import gather_first
 Matmul = Callable[[torch.Tensor], torch.Tensor]
 
 
-def ring_gather_matmul(shard: torch.Tensor, matmul: Matmul, group: Group):
-    """``(matmul(gather(shard)), gather(shard))`` along dimension 0, each shard's rows
-    computed while the next one travels."""
+def ring_gather_matmul(shard: torch.Tensor, matmul: Matmul, group: Group, keep: bool = False):
+    """``matmul(gather(shard))`` along dimension 0, each shard's rows computed while the
+    next one travels; with ``keep``, ``(that, gather(shard))``."""
     n, me = world_size(group), rank(group)
     rows = shard.shape[0]
     current = shard.contiguous()
-    gathered = current.new_empty((n * rows, *current.shape[1:]))
+    gathered = current.new_empty((n * rows, *current.shape[1:])) if keep else None
     out = None
     for step in range(n):
         owner = (me - step) % n  # the rank whose shard is at hand
@@ -47,7 +47,8 @@ def ring_gather_matmul(shard: torch.Tensor, matmul: Matmul, group: Group):
         if step < n - 1:
             incoming = torch.empty_like(current)
             pending = ring_shift(current, incoming, group)
-        gathered[owner * rows : (owner + 1) * rows] = current
+        if gathered is not None:
+            gathered[owner * rows : (owner + 1) * rows] = current
         piece = matmul(current)
         if out is None:
             out = piece.new_empty((n * rows, *piece.shape[1:]))
@@ -56,7 +57,7 @@ def ring_gather_matmul(shard: torch.Tensor, matmul: Matmul, group: Group):
             work.wait()
         if step < n - 1:
             current = incoming
-    return out, gathered
+    return (out, gathered) if keep else out
 
 
 def matmul_ring_scatter(x: torch.Tensor, matmul: Matmul, group: Group) -> torch.Tensor:
@@ -96,8 +97,7 @@ class OverlappedColumn(torch.autograd.Function):
     def forward(ctx, x, weight, bias, group):
         ctx.group, ctx.has_bias = group, bias is not None
         ctx.save_for_backward(x, weight)
-        out, _ = ring_gather_matmul(x, lambda piece: F.linear(piece, weight, bias), group)
-        return out
+        return ring_gather_matmul(x, lambda piece: F.linear(piece, weight, bias), group)
 
     @staticmethod
     def backward(ctx, grad):
@@ -124,7 +124,9 @@ class OverlappedRow(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        grad_input, total = ring_gather_matmul(grad, lambda piece: piece.matmul(weight), ctx.group)
+        grad_input, total = ring_gather_matmul(
+            grad, lambda piece: piece.matmul(weight), ctx.group, keep=True
+        )
         return grad_input, _weight_grad(total, x), None
 
 
