@@ -26,7 +26,8 @@ recorded with the end of its output and the next stage runs:
 * ``gpt``: ``tools/benchmarks/bench_gpt.py --device cuda``: TFLOP/s and MFU of the 125M GPT in
   bf16;
 * ``nccl``: with 2 or more GPUs, ``pretrain_gpt.py`` under torchrun on NCCL, tensor parallel 2
-  (sequence parallel) and pipeline parallel 2, a few iterations each.
+  (sequence parallel, then with ``--tp-comm-overlap``) and pipeline parallel 2, a few
+  iterations each.
 
 Without a CUDA device every GPU stage is skipped with one line saying why, and the report goes
 to ``$TMPDIR/megapp_gpu_check/`` unless a path is given, so a CPU run never overwrites the

@@ -423,11 +423,15 @@ def stage_gpt(check: Check, r: StageResult) -> None:
 
 def stage_nccl(check: Check, r: StageResult) -> None:
     """``pretrain_gpt.py`` on 2 ranks under torchrun: tensor parallel 2 with sequence
-    parallelism, then pipeline parallel 2 (quick: the first, 2 iterations of a smaller GPT)."""
+    parallelism, the same with ``--tp-comm-overlap``, then pipeline parallel 2 (quick: the
+    first two, 2 iterations of a smaller GPT)."""
     layouts = {
         "tp 2": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+        "tp 2 overlapped": [
+            "--tensor-model-parallel-size", "2", "--sequence-parallel", "--tp-comm-overlap"
+        ],
         "pp 2": ["--pipeline-model-parallel-size", "2"],
-    }
+    }  # fmt: skip
     width = "64" if check.args.quick else "256"  # hidden size and sequence length
     model = ["--num-layers", "2", "--hidden-size", width, "--num-attention-heads", "4"]
     model += ["--seq-length", width, "--micro-batch-size", "2", "--global-batch-size", "8"]
@@ -435,7 +439,7 @@ def stage_nccl(check: Check, r: StageResult) -> None:
     model += ["--log-interval", "1", "--eval-iters", "0", "--use-default-corpus"]
     model += ["--distributed-timeout-minutes", "2", "--distributed-backend"]
     model += [check.args.nccl_backend]
-    for name, flags in list(layouts.items())[: 1 if check.args.quick else None]:
+    for name, flags in list(layouts.items())[: 2 if check.args.quick else None]:
         stem = f"nccl_{name.replace(' ', '')}"
         metrics = check.logs / f"{stem}.jsonl"
         metrics.unlink(missing_ok=True)
