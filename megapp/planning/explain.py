@@ -11,7 +11,9 @@ finish plus the step overhead), split into what that rank does (:class:`StepBrea
   actions without recompute subtracted: its FLOPs, its layer passes and its collectives);
   then, of the actions without either, the **tensor-parallel** collectives and the
   **context-parallel** transfers (both on the critical path: timing.py overlaps neither with
-  compute, except the ring's exposed part), the **expert all-to-alls**, and **compute**
+  compute, except the ring's exposed part; under ``--tp-comm-overlap`` the tensor-parallel
+  line is what the overlap leaves exposed plus its matmuls' loss to pieces and to
+  held-back multiprocessors), the **expert all-to-alls**, and **compute**
   (GEMMs at the device's rate, per-action overheads, the loss's memory passes);
 - its idle time before its last action: the **pipeline bubble** (the same schedule simulated
   with free pipeline messages) and the **pipeline messages** (what their latency and bytes
