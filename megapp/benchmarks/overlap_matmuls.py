@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -30,8 +31,9 @@ from megapp.planning.hardware import load_hardware
 from megapp.planning.microbench import Timer, warm_up
 from megapp.planning.tp_overlap import (
     COMMUNICATION_SMS,
+    PIPELINE_PIECES,
     overlap_pairs,
-    pair_matmuls,
+    pair_piece,
     priced_matmul,
 )
 
@@ -107,10 +109,12 @@ def measure(hardware_name: str, cases: dict, device: torch.device, repeats: int)
         rows = []
         for pair in overlap_pairs(layer(hidden, heads, tp), tokens):
             shape = (pair.m, pair.n, pair.k, pair.layout)
+            # the pieces of pair_piece, timed back to back in one call
             if pair.method == "ring":
                 split = whole(pair.m // tp, pair.n, pair.k, pair.layout, pieces=tp)
             elif pair.method == "pipeline":
-                split = margin(pair.m // 4, pair.n, pair.k, pair.layout, pieces=4)
+                pieces = PIPELINE_PIECES
+                split = margin(pair.m // pieces, pair.n, pair.k, pair.layout, pieces=pieces)
             else:
                 split = margin(*shape)
             rows.append(
@@ -121,7 +125,9 @@ def measure(hardware_name: str, cases: dict, device: torch.device, repeats: int)
                     "alone_s": whole(*shape),
                     "overlapped_s": split,
                     "predicted_alone_s": priced(*shape),
-                    "predicted_overlapped_s": pair_matmuls(pair, tp, priced, priced_margin),
+                    "predicted_overlapped_s": math.prod(
+                        pair_piece(pair, tp, priced, priced_margin)
+                    ),
                 }
             )
         report[name] = {

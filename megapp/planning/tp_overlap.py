@@ -106,17 +106,16 @@ def overlap_pairs(gpt: GPTConfig, tokens: int, dense_mlp: bool = True) -> list[O
     return pairs
 
 
-def pair_matmuls(pair: OverlapPair, tp: int, whole, margin) -> float:
-    """Seconds of ``pair``'s matmul as its method runs it, pieces back to back, from the
-    pricers (or timers) ``whole`` (every multiprocessor) and ``margin`` (those
-    communication leaves): ``tp`` pieces of ``m/tp`` rows (ring), ``4`` of ``m/4`` beside
-    communication (pipeline), whole beside communication (bulk)."""
+def pair_piece(pair: OverlapPair, tp: int, whole, margin) -> tuple[float, int]:
+    """One piece of ``pair``'s matmul as its method cuts it, in seconds from the pricers
+    (or timers) ``whole`` (every multiprocessor) and ``margin`` (those communication
+    leaves), and how many pieces: ``tp`` of ``m/tp`` rows (ring), ``4`` of ``m/4`` beside
+    communication (pipeline), the whole matmul beside communication (bulk)."""
     if pair.method == "ring":
-        return tp * whole(pair.m // tp, pair.n, pair.k, pair.layout)
+        return whole(pair.m // tp, pair.n, pair.k, pair.layout), tp
     if pair.method == "pipeline":
-        piece = margin(pair.m // PIPELINE_PIECES, pair.n, pair.k, pair.layout)
-        return PIPELINE_PIECES * piece
-    return margin(pair.m, pair.n, pair.k, pair.layout)
+        return margin(pair.m // PIPELINE_PIECES, pair.n, pair.k, pair.layout), PIPELINE_PIECES
+    return margin(pair.m, pair.n, pair.k, pair.layout), 1
 
 
 def overlapped_seconds(
@@ -143,16 +142,14 @@ def overlapped_seconds(
     experts = 0.0 if dense_mlp else 2 * collective  # the experts' gather and scatter
     seconds = [experts, experts]  # backward, forward
     for pair in overlap_pairs(gpt, tokens, dense_mlp):
-        alone = whole(pair.m, pair.n, pair.k, pair.layout)
+        piece, _ = pair_piece(pair, tp, whole, margin)
         if pair.method == "ring":
-            piece = whole(pair.m // tp, pair.n, pair.k, pair.layout)
             total = ring_exchange(piece, hop, tp)
         elif pair.method == "pipeline":
-            piece = margin(pair.m // PIPELINE_PIECES, pair.n, pair.k, pair.layout)
             total = pipeline(piece, scatter_piece)
         else:
-            total = bulk(margin(pair.m, pair.n, pair.k, pair.layout), collective)
-        seconds[pair.forward] += total - alone
+            total = bulk(piece, collective)
+        seconds[pair.forward] += total - whole(pair.m, pair.n, pair.k, pair.layout)
     return seconds[1], seconds[0]
 
 
@@ -175,7 +172,7 @@ __all__ = [
     "bulk",
     "overlap_pairs",
     "overlapped_seconds",
-    "pair_matmuls",
+    "pair_piece",
     "pipeline",
     "priced_matmul",
     "ring_exchange",
