@@ -12,11 +12,13 @@ import torch
 
 from megapp.benchmarks import overlap_matmuls
 from megapp.models.gpt import GPTConfig
+from megapp.plan import Planner
 from megapp.planning.explain import parse_layout
 from megapp.planning.hardware import PROFILES
 from megapp.planning.layer_costs import tensor_parallel_seconds
 from megapp.planning.layout import Layout, pretrain_config
 from megapp.planning.layout_space import Space, layouts
+from megapp.planning.models import MODELS
 from megapp.planning.timing import predict_step_time
 from megapp.planning.tp_overlap import (
     COMMUNICATION_SMS,
@@ -195,3 +197,12 @@ def test_the_planner_searches_every_sequence_parallel_layout_also_overlapped():
     assert "--tp-comm-overlap" in layout.flags(base.num_layers)
     with pytest.raises(ValueError, match="sequence parallelism"):
         Layout(tp=2, tp_comm_overlap=True)
+
+
+def test_where_nothing_runs_beside_compute_the_planner_lays_out_no_overlap():
+    model = MODELS["gpt2"]
+    serial = dataclasses.replace(PLAIN, overlap_communication=False)
+    plain = Planner(model, serial, 16, 8).plan(8, top_k=1)
+    both = Planner(model, PLAIN, 16, 8).plan(8, top_k=1)
+    without = Planner(model, PLAIN, 16, 8).plan(8, top_k=1, space=Space(tp_comm_overlap=False))
+    assert plain.enumerated == without.enumerated < both.enumerated

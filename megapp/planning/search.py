@@ -13,6 +13,7 @@ from a :class:`~megapp.planning.timing.TimeModel`: devices of their own for a
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import math
 import time
@@ -369,6 +370,8 @@ class Planner:
         result = PlanResult(best=[])
         bounded: list[tuple[float, int, Layout]] = []
         seq = self.model.seq_length
+        if not self.hardware.overlap_communication:  # --tp-comm-overlap would hide nothing
+            space = dataclasses.replace(space, tp_comm_overlap=False)
         found = layouts(self.base, self.gpus, gpus_per_node, self.gbs, space, seq_length=seq)
         for layout in found:
             result.enumerated += 1
