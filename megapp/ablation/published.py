@@ -44,6 +44,7 @@ import sys
 import time
 from dataclasses import dataclass
 
+from megapp.models.gpt import GPTConfig
 from megapp.plan import Planner
 from megapp.planning.hardware import PROFILES, Hardware
 from megapp.planning.layout import RECOMPUTE, Layout, pretrain_config
@@ -189,7 +190,7 @@ def published_layout(
     return layout, config, assumed
 
 
-def causal_half_flops(gpt, run: PublishedRun) -> float:
+def causal_half_flops(gpt: GPTConfig, run: PublishedRun) -> float:
     """The FLOPs of one iteration's causal attention cores over the half of the ``s × s``
     square that megapp's count has and a source counting only the causal half does not:
     forward and backward (three times the forward's)."""

@@ -51,7 +51,6 @@ from megapp.benchmarks.common import ROOT, command_line, machine, source_state, 
 from megapp.benchmarks.gpu_report import markdown_report
 from megapp.benchmarks.gpu_stages import (
     LIMITS_S,
-    STEP_MODELS,
     Check,
     StageResult,
     cuda_test_files,
@@ -65,6 +64,7 @@ from megapp.benchmarks.gpu_stages import (
     stage_step,
     stage_tests,
 )
+from megapp.benchmarks.step_models import STEP_MODELS
 
 STAGES = ("env", "build", "calibrate", "step", "overlap", "tests", "kernels", "gpt", "nccl")
 REPORT_RESERVE_S = 15  # kept back from --total-s to write the report

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from megapp.benchmarks.common import ROOT, fmt
+from megapp.benchmarks.step_models import STEP_MODELS, STEP_QUICK, argv_flags
 from megapp.planning.calibrate import BUILTIN_OF_PART
 from megapp.training.flops import GpuPeak, gpu_peak
 from megapp.training.launch import finish, start_command, torchrun_command
@@ -25,72 +26,6 @@ from megapp.training.metrics import read_records
 
 LIMITS_S = {"env": 60, "build": 300, "calibrate": 180, "step": 240, "tests": 180, "kernels": 240}
 LIMITS_S |= {"gpt": 180, "nccl": 150, "overlap": 120}
-# single-GPU training steps whose time the planner predicts from the calibrated profile:
-# a GPT-3-style 1.2B model (GeLU, LayerNorm, learned positions) and a Llama-style 1.0B one
-# (SwiGLU, RMSNorm, RoPE, grouped queries, no biases); bf16, no dropout
-STEP_COMMON = ["--seq-length", "2048", "--max-position-embeddings", "2048", "--bf16"]
-STEP_COMMON += ["--hidden-dropout", "0", "--attention-dropout", "0", "--train-iters", "14"]
-STEP_COMMON += ["--micro-batch-size", "4", "--global-batch-size", "16", "--profile-iteration", "12"]
-STEP_MODELS = {
-    "gpt 1.2B": ["--num-layers", "24", "--hidden-size", "2048", "--num-attention-heads", "16"],
-    # held out: no calibration or model change was made after looking at this one's step
-    "gpt 1.3B s4096": [
-        "--num-layers", "16", "--hidden-size", "2560", "--num-attention-heads", "20",
-        "--seq-length", "4096", "--max-position-embeddings", "4096",
-        "--micro-batch-size", "1", "--global-batch-size", "8",
-    ],
-    "llama-style 1.0B": [
-        "--num-layers", "16", "--hidden-size", "2048", "--num-attention-heads", "32",
-        "--num-query-groups", "8", "--ffn-hidden-size", "8192", "--swiglu",
-        "--normalization", "RMSNorm", "--position-embedding-type", "rope",
-        "--disable-bias-linear", "--untie-embeddings-and-output-weights",
-    ],
-    # chosen, and the operation model committed, before their first run (e8e9afb); the
-    # attention fit and the matmul grid changed after they were seen
-    "gpt 0.7B h1536 b8": [
-        "--num-layers", "24", "--hidden-size", "1536", "--num-attention-heads", "12",
-        "--micro-batch-size", "8", "--global-batch-size", "16",
-    ],
-    "llama-style 1.1B s4096 gqa4": [
-        "--num-layers", "16", "--hidden-size", "2560", "--num-attention-heads", "20",
-        "--num-query-groups", "4", "--ffn-hidden-size", "6912", "--swiglu",
-        "--normalization", "RMSNorm", "--position-embedding-type", "rope",
-        "--disable-bias-linear", "--untie-embeddings-and-output-weights",
-        "--seq-length", "4096", "--max-position-embeddings", "4096",
-        "--micro-batch-size", "2", "--global-batch-size", "8",
-    ],
-    # held out: chosen, and the model and calibration committed, before its first run
-    "gpt 1.6B h3072 b2": [
-        "--num-layers", "14", "--hidden-size", "3072", "--num-attention-heads", "24",
-        "--micro-batch-size", "2", "--global-batch-size", "8",
-    ],
-    # held out: chosen, and the operation model committed, before their first run (the
-    # calibration is measured in the same run)
-    "gpt 2.1B h2560 b2": [
-        "--num-layers", "26", "--hidden-size", "2560", "--num-attention-heads", "20",
-        "--micro-batch-size", "2", "--global-batch-size", "8",
-    ],
-    "llama-style 0.8B gqa4": [
-        "--num-layers", "16", "--hidden-size", "2048", "--num-attention-heads", "16",
-        "--num-query-groups", "4", "--ffn-hidden-size", "5632", "--swiglu",
-        "--normalization", "RMSNorm", "--position-embedding-type", "rope",
-        "--disable-bias-linear", "--untie-embeddings-and-output-weights",
-    ],
-    "gpt 1.0B d64 s1024 b8": [
-        "--num-layers", "20", "--hidden-size", "2048", "--num-attention-heads", "32",
-        "--seq-length", "1024", "--max-position-embeddings", "1024",
-        "--micro-batch-size", "8", "--global-batch-size", "32",
-    ],
-    # held out: chosen, and the operation model committed, before its first run; full
-    # heads with RoPE, whose attention output merges as a view (no relayout copy)
-    "gpt 1.2B rope": [
-        "--num-layers", "24", "--hidden-size", "2048", "--num-attention-heads", "16",
-        "--position-embedding-type", "rope",
-    ],
-}  # fmt: skip
-STEP_QUICK = ["--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4"]
-STEP_QUICK += ["--seq-length", "128", "--micro-batch-size", "2", "--global-batch-size", "4"]
-STEP_QUICK += ["--train-iters", "6"]
 TAIL_LINES = 40  # of a failed command's output, in the report
 
 
@@ -317,10 +252,6 @@ def stage_calibrate(check: Check, r: StageResult) -> None:
         f"{ops['memory_bandwidth'] / 1e12:.2f} TB/s; {ops['kernel_overhead'] * 1e6:.1f} us per "
         f"kernel on the device, {ops['launch_overhead'] * 1e6:.1f} us to launch"
     )
-
-
-def argv_flags(name: str, model: list[str]) -> list[str]:
-    return [*(STEP_COMMON if name != "quick" else []), *model]
 
 
 def step_profile(check: Check) -> str:

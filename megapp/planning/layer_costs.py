@@ -286,8 +286,10 @@ def tensor_parallel_seconds(
         if gpt.tp_comm_overlap and hardware.overlap_communication:  # else nothing hides
             moe = moe_layer_count(gpt, layers)
             dense = overlapped_seconds(gpt, seq_length, micro_batch_size, hardware)
-            experts = overlapped_seconds(
-                gpt, seq_length, micro_batch_size, hardware, dense_mlp=False
+            experts = (
+                overlapped_seconds(gpt, seq_length, micro_batch_size, hardware, dense_mlp=False)
+                if moe
+                else dense  # no such layer: weighted by 0
             )
             fwd, bwd = ((layers - moe) * a + moe * b for a, b in zip(dense, experts, strict=True))
         fwd += pair / 2 * (first + last)  # embedding's reduce-scatter, output's all-gather

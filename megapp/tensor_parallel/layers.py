@@ -95,11 +95,6 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     return deferred.linear(x, weight, bias)
 
 
-def _weight_grad(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """``dW = gᵀ x`` over every leading dimension."""
-    return grad.reshape(-1, grad.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1]))
-
-
 def _check_overlap(tp_comm_overlap: bool, sequence_parallel: bool) -> None:
     if tp_comm_overlap and not sequence_parallel:
         raise ValueError("tp_comm_overlap overlaps sequence parallelism's collectives: it needs "
@@ -151,7 +146,7 @@ class _ColumnParallelMatmul(torch.autograd.Function):
             ctx.deferrable
             and ctx.needs_input_grad[1]
             and deferred.defer_weight_grad(
-                ctx.param, lambda: _weight_grad(grad, gathered_input()), grad, x
+                ctx.param, lambda: deferred.weight_grad_of_linear(grad, gathered_input()), grad, x
             )
         )
         gathering = None
@@ -170,7 +165,7 @@ class _ColumnParallelMatmul(torch.autograd.Function):
                 work = comm.all_reduce(grad_input, group, async_op=True)
         # The weight gradient overlaps the input-gradient collective.
         grad_2d = grad.reshape(-1, grad.shape[-1])
-        grad_weight = None if later else _weight_grad(grad, total)
+        grad_weight = None if later else deferred.weight_grad_of_linear(grad, total)
         grad_bias = grad_2d.sum(dim=0) if ctx.has_bias else None
         if work is not None:
             work.wait()

@@ -27,6 +27,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from megapp.autograd.deferred import weight_grad_of_linear
 from megapp.comm import Group, rank, ring_shift, world_size
 from megapp.tensor_parallel.mappings import gather_first
 
@@ -83,10 +84,6 @@ def matmul_ring_scatter(x: torch.Tensor, matmul: Matmul, group: Group) -> torch.
     return total
 
 
-def _weight_grad(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    return grad.reshape(-1, grad.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1]))
-
-
 class OverlappedColumn(torch.autograd.Function):
     """``gather(x) Wᵀ (+ b)`` for a sequence shard ``x``: forward gathers by
     :func:`ring_gather_matmul`; backward starts gathering the input again for the weight
@@ -105,7 +102,7 @@ class OverlappedColumn(torch.autograd.Function):
         total, gathering = gather_first(x, ctx.group, async_op=True)
         grad_input = matmul_ring_scatter(grad, lambda piece: piece.matmul(weight), ctx.group)
         gathering.wait()
-        grad_weight = _weight_grad(grad, total)
+        grad_weight = weight_grad_of_linear(grad, total)
         grad_bias = grad.reshape(-1, grad.shape[-1]).sum(dim=0) if ctx.has_bias else None
         return grad_input, grad_weight, grad_bias, None
 
@@ -127,7 +124,7 @@ class OverlappedRow(torch.autograd.Function):
         grad_input, total = ring_gather_matmul(
             grad, lambda piece: piece.matmul(weight), ctx.group, keep=True
         )
-        return grad_input, _weight_grad(total, x), None
+        return grad_input, weight_grad_of_linear(total, x), None
 
 
 __all__ = ["OverlappedColumn", "OverlappedRow", "matmul_ring_scatter", "ring_gather_matmul"]
