@@ -11,9 +11,11 @@ import pytest
 import torch
 
 from megapp.benchmarks import kernel_time, predicted_step
+from megapp.benchmarks.step_models import STEP_MODELS, argv_flags
 from megapp.planning import calibrate
 from megapp.planning.hardware import load_hardware
 from megapp.planning.microbench import MATMUL_PASSES, QUICK, matmul_call
+from megapp.training.arguments import config_from_flags
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "img"
 TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"]
@@ -89,6 +91,20 @@ def test_the_h200_steps_replay_beside_their_measurements(capsys):
     )
     table = capsys.readouterr().out
     assert table.count("\n| ") == 11  # the header and one row per step
+
+
+@pytest.mark.parametrize("name", ["moe 16 experts 512 rows", "llama-style 1.0B"])
+def test_a_step_is_broken_down_by_the_layers_it_has(name):
+    """The kinds of work over a step add up to its predicted compute: a model of
+    mixture-of-experts layers by their attention half, grouped expert matmuls and routing
+    passes (priced as a dense MLP they would come out 1.5 times too long), a dense one by
+    its layers."""
+    flags = argv_flags(name, STEP_MODELS[name])
+    config = config_from_flags(predicted_step.run_flags(flags, Path("unused.jsonl")), 1)
+    report = predicted_step.prediction(config, str(DOCS / "h200_profile.json"))
+    work = sum(seconds for kind, seconds in report["kinds"].items() if kind != "optimizer")
+    assert work == pytest.approx(report["breakdown"]["step.compute"], rel=1e-3)
+    assert report["kinds"]["matmul"] > 0 and report["kinds"]["memory"] > 0
 
 
 def test_kernels_are_sorted_by_their_names():

@@ -28,6 +28,8 @@ from pathlib import Path
 from megapp.ablation.predict import vocab_size
 from megapp.planning.explain import explain, explanation_rows
 from megapp.planning.hardware import Hardware
+from megapp.planning.layer_costs import moe_layer_parts
+from megapp.planning.model_state import moe_layer_count
 from megapp.planning.operations import layer_parts, logits_seconds
 from megapp.planning.profiles import load_profile, time_model
 from megapp.training.arguments import config_from_flags
@@ -68,7 +70,8 @@ def prediction(config: PretrainConfig, hardware_name: str) -> dict:
     """The planner's step for a checked pretrain ``config``: its seconds, its explanation's
     lines and, on a profile with operation rates and one pipeline stage, its compute by
     kind of kernel over the step (``kinds``: matmul, attention, memory, grad_accumulation,
-    optimizer) and one layer's (``layer``)."""
+    optimizer) and one layer's (``layer``: a mixture-of-experts layer's where the model
+    has them)."""
     vocab = vocab_size(config)
     hardware = load_profile(hardware_name)
     explanation = explain(config, vocab, time_model(hardware))
@@ -82,10 +85,17 @@ def prediction(config: PretrainConfig, hardware_name: str) -> dict:
     if isinstance(hardware, Hardware) and hardware.ops is not None:
         gpt = config.gpt_config(vocab)
         seq, mbs = config.model.seq_length, config.training.micro_batch_size
-        out["layer"] = layer_parts(gpt, seq, mbs, hardware.ops)
+        dense = layer_parts(gpt, seq, mbs, hardware.ops)
+        moe = moe_layer_count(gpt, gpt.num_layers)
+        layers = [(gpt.num_layers - moe, dense)]
+        if moe:
+            layers.append((moe, moe_layer_parts(gpt, seq, mbs, hardware)))
+        out["layer"] = layers[-1][1]
         if config.parallel.pipeline_model_parallel_size == 1:
-            passes = gpt.num_layers * config.num_microbatches
-            kinds = {kind: passes * sum(s) for kind, s in out["layer"].items()}
+            kinds = dict.fromkeys(dense, 0.0)
+            for count, parts in layers:
+                for kind, seconds in parts.items():
+                    kinds[kind] += count * config.num_microbatches * sum(seconds)
             output = logits_seconds(gpt, seq * mbs, gpt.padded_vocab_size, hardware.ops)
             kinds["matmul"] += config.num_microbatches * sum(vars(output).values())
             kinds["optimizer"] = rows["step.optimizer"]

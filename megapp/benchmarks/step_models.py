@@ -1,9 +1,9 @@
 """The single-GPU training steps whose time the planner predicts from a calibrated profile
 (the step stage of :mod:`megapp.benchmarks.gpu_check`): GPT-3-style models (GeLU,
-LayerNorm, learned positions) and Llama-style ones (SwiGLU, RMSNorm, RoPE, grouped
-queries, no biases); bf16, no dropout. Each entry is the model's ``pretrain_gpt.py`` flags
-on top of :data:`STEP_COMMON`; which were held out, and at which commit, is said beside it
-and in ``docs/img/h200_steps.json``."""
+LayerNorm, learned positions), Llama-style ones (SwiGLU, RMSNorm, RoPE, grouped queries,
+no biases) and Llama-style ones whose MLPs are routed experts; bf16, no dropout. Each
+entry is the model's ``pretrain_gpt.py`` flags on top of :data:`STEP_COMMON`; which were
+held out, and at which commit, is said beside it and in ``docs/img/h200_steps.json``."""
 
 from __future__ import annotations
 
@@ -28,6 +28,16 @@ def llama_style(
         "--num-query-groups", str(groups), "--ffn-hidden-size", str(ffn), "--swiglu",
         "--normalization", "RMSNorm", "--position-embedding-type", "rope",
         "--disable-bias-linear", "--untie-embeddings-and-output-weights", *extra,
+    )  # fmt: skip
+
+
+def moe(experts: int, topk: int, *extra: str) -> list[str]:
+    """A Llama-style model of 8 layers (hidden 4096, 32 heads of 128 in 4 key/value groups)
+    whose every MLP is ``experts`` SwiGLU experts of width 1536, ``topk`` per token."""
+    routed = ["--num-experts", str(experts), "--moe-router-topk", str(topk)]
+    return llama_style(
+        8, 4096, 32, 4, 12288, "--kv-channels", "128", *routed,
+        "--moe-ffn-hidden-size", "1536", *extra,
     )  # fmt: skip
 
 
@@ -58,6 +68,12 @@ STEP_MODELS = {
     # held out: chosen, and the operation model committed, before its first run; full
     # heads with RoPE, whose attention output merges as a view (no relayout copy)
     "gpt 1.2B rope": gpt(24, 2048, 16, "--position-embedding-type", "rope"),
+    # held out: chosen, and the operation model committed, before their first run; every
+    # layer's MLP routed to experts of Qwen3-235B-A22B's shape (hidden 4096, width 1536),
+    # as many experts and rows each as one rank of its expert-parallel runs holds: 16 of
+    # 512 rows (ep 8 at tp 4), 4 of 4096 rows (ep 32 at tp 2)
+    "moe 16 experts 512 rows": moe(16, 2, "--micro-batch-size", "2", "--global-batch-size", "8"),
+    "moe 4 experts 4096 rows": moe(4, 2),
 }
 STEP_QUICK = ["--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4"]
 STEP_QUICK += ["--seq-length", "128", "--micro-batch-size", "2", "--global-batch-size", "4"]
@@ -69,4 +85,4 @@ def argv_flags(name: str, model: list[str]) -> list[str]:
     return [*(STEP_COMMON if name != "quick" else []), *model]
 
 
-__all__ = ["STEP_COMMON", "STEP_MODELS", "STEP_QUICK", "argv_flags", "gpt", "llama_style"]
+__all__ = ["STEP_COMMON", "STEP_MODELS", "STEP_QUICK", "argv_flags", "gpt", "llama_style", "moe"]

@@ -18,7 +18,13 @@ from megapp.planning.hardware import (
     members_per_node,
 )
 from megapp.planning.model_state import moe_layer_count
-from megapp.planning.operations import LayerSeconds, layer_seconds, logits_seconds
+from megapp.planning.operations import (
+    LayerSeconds,
+    expert_parts,
+    layer_parts,
+    layer_seconds,
+    logits_seconds,
+)
 from megapp.planning.tp_overlap import overlapped_seconds
 from megapp.training.flops import layer_flops as layer_flops_per_token
 from megapp.training.flops import moe_mlp_flops
@@ -150,6 +156,30 @@ def moe_memory_seconds(
     rate_f, rate_b = ops.kernel("copy", 0, forward, backward)
     extra = ops.kernel_overhead
     return rate_f + (kernels_f - 1) * extra, rate_b + (kernels_b - 1) * extra
+
+
+def moe_layer_parts(
+    gpt: GPTConfig, seq_length: int, micro_batch_size: int, hardware: Hardware
+) -> dict[str, tuple[float, float, float]]:
+    """One mixture-of-experts layer's device seconds on one rank by kind of work, each as
+    (forward, input gradient, weight gradient), as :func:`moe_compute_seconds` and
+    :func:`moe_memory_seconds` price them on a profile with operation rates: the attention
+    half's (:func:`~megapp.planning.operations.layer_parts` without the dense MLP), the
+    experts' matmuls, accumulations and gaps
+    (:func:`~megapp.planning.operations.expert_parts`), and the layer's memory-bound
+    passes added to ``memory`` (the backward's in the input gradient)."""
+    ops = hardware.ops
+    if ops is None:
+        raise ValueError(f"hardware {hardware.name!r} has no operation rates")
+    parts = layer_parts(gpt, seq_length, micro_batch_size, ops, dense_mlp=False)
+    experts = expert_parts(gpt, seq_length, micro_batch_size, ops, hardware.moe_load_imbalance)
+    out = {kind: tuple(seconds) for kind, seconds in parts.items()}
+    for kind, seconds in experts.items():
+        out[kind] = tuple(a + b for a, b in zip(out[kind], seconds, strict=True))
+    forward, backward = moe_memory_seconds(gpt, seq_length, micro_batch_size, hardware)
+    f, i, w = out["memory"]
+    out["memory"] = (f + forward, i + backward, w)
+    return out
 
 
 def context_parallel_seconds(
