@@ -328,7 +328,9 @@ RUNS: tuple[PublishedRun, ...] = (
         tflops_per_gpu=380,
         derived=(
             "sequence: the 128K long-context stage; batch = 16M tokens / 131072; "
-            "dp = GPUs / (tp × cp × pp); all-gathered keys and values (Dubey et al. 2024, "
+            "dp = GPUs / (tp × cp × pp) = 8, where Table 4 prints dp 4, which with its tp, "
+            "cp and pp would make 8192 GPUs and, at its 16 sequences per replica, 8M "
+            "tokens a batch; all-gathered keys and values (Dubey et al. 2024, "
             f"Sec. 3.3.2); {LLAMA3_STAGES}"
         ),
     ),
