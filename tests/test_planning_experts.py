@@ -96,6 +96,37 @@ def test_all_to_all_volume_and_link():
     assert moe_layer_seconds(wide, 32, 2, h100)[1] == pytest.approx(2 * remote, rel=1e-12)
 
 
+def test_a_moe_layers_parts_add_up_to_what_the_time_model_charges():
+    """By kind of work, a mixture-of-experts layer's device seconds sum, pass by pass, to
+    its priced compute (the host's launches below it) plus its memory-bound passes; a
+    profile without operation rates has no parts to give."""
+    from megapp.planning.hardware import PROFILES
+    from megapp.planning.layer_costs import (
+        moe_compute_seconds,
+        moe_layer_parts,
+        moe_memory_seconds,
+    )
+
+    wide = dict(hidden_size=2048, num_attention_heads=16, moe_ffn_hidden_size=768)
+    config = GPTConfig(
+        **{**MOE, **wide, "params_dtype": torch.bfloat16, "max_position_embeddings": 2048},
+        tensor_model_parallel_size=2,
+        sequence_parallel=True,
+        expert_model_parallel_size=2,
+    )
+    hardware = PROFILES["h100-ops"]  # 2048 tokens of width 2048: the device outlasts the host
+    parts = moe_layer_parts(config, 2048, 1, hardware)
+    f, i, w = (sum(column) for column in zip(*parts.values(), strict=True))
+    compute = moe_compute_seconds(config, 2048, 1, hardware, dense=None)
+    memory_f, memory_b = moe_memory_seconds(config, 2048, 1, hardware)
+    assert f == pytest.approx(compute.forward + memory_f, rel=1e-9)
+    assert i == pytest.approx(compute.input_grad + memory_b, rel=1e-9)
+    assert w == pytest.approx(compute.weight_grad, rel=1e-9)
+    assert parts["attention"][2] == 0.0 and parts["grad_accumulation"][2] > 0
+    with pytest.raises(ValueError, match="no operation rates"):
+        moe_layer_parts(config, 2048, 1, PROFILES["h100"])
+
+
 def test_an_all_to_all_across_nodes_is_as_slow_as_its_remote_shares():
     from megapp.planning.hardware import PROFILES, all_to_all_seconds, group_link
 
