@@ -78,7 +78,9 @@ NARAYANAN_2021 = (
     "README images/cases_april2021.png, layout from examples/sc21/run_table_1.sh"
 )
 MCORE_H100 = (
-    "Megatron-LM README, Training Speed and Scalability (images/model_table.png, commit f2e5db402c)"
+    "Megatron-LM README, Training Speed and Scalability (images/model_table.png, commit "
+    "f2e5db402c; Megatron-Core r0.8.0 by the figures' legend, whose "
+    "num_floating_point_operations counts attention over the whole s × s square)"
 )
 MT_NLG = (
     "Smith et al. 2022 (arXiv:2201.11990) Sec. 2.4, as given in cli99/llm-analysis "
