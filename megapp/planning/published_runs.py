@@ -111,7 +111,7 @@ BRIDGE_H100_FP8 = (
 
 MOE_ZOO_QWEN3 = (
     "Megatron-MoE-ModelZoo best_practice/qwen3/readme.md, H100 table "
-    "(github.com/yanring/Megatron-MoE-ModelZoo, commit e8650517d6; Megatron-Core dev, "
+    "(github.com/yanring/Megatron-MoE-ModelZoo, commit e8650517d6; Megatron-Core, "
     "DeepEP or all-to-all dispatcher, BF16)"
 )
 BRIDGE_H100_2509 = (
@@ -132,8 +132,19 @@ DEEPSEEK_V3_STAGES = (
 )
 
 
+MOE_DEV, MAIN = "moe_dev f3e6c5", "main 1e057005"  # the Qwen3 table's code versions
+
+
 def _qwen3_zoo(
-    tp: int, ep: int, pp: int, vpp: int, tflops: float, seconds: float, recompute: str, deepep: bool
+    tp: int,
+    ep: int,
+    pp: int,
+    vpp: int,
+    tflops: float,
+    seconds: float,
+    recompute: str,
+    deepep: bool,
+    code: str,
 ) -> PublishedRun:
     dp = 256 // (tp * pp)
     return PublishedRun(
@@ -163,7 +174,8 @@ def _qwen3_zoo(
             "causal attention counted at half the square: the stated seconds times the "
             "stated TFLOP/s give 1.236e18 FLOPs a step, megapp's count with half the "
             "square 1.244e18 (with the whole 1.403e18); "
-            f"dispatcher {'DeepEP' if deepep else 'all-to-all'} as the table states it; "
+            f"dispatcher {'DeepEP' if deepep else 'all-to-all'} and code {code} as the "
+            "table states them; "
             "etp 1, the distributed optimizer and sequence "
             "parallelism from model_configs/benchmarking/Qwen3-235B-A22B.yaml; recompute "
             f"'{recompute}' as the table states it: megapp's layers always rebuild the norms' "
@@ -371,9 +383,9 @@ RUNS: tuple[PublishedRun, ...] = (
         counts_recompute=False,
         derived="dp = GPUs / (tp × pp)",
     ),
-    _qwen3_zoo(2, 32, 8, 4, tflops=245, seconds=19.7, recompute="norm, act", deepep=True),
-    _qwen3_zoo(2, 8, 32, 3, tflops=200, seconds=24.2, recompute="norm, act", deepep=False),
-    _qwen3_zoo(4, 8, 8, 4, tflops=167, seconds=29.0, recompute="none", deepep=True),
+    _qwen3_zoo(2, 32, 8, 4, 245, 19.7, recompute="norm, act", deepep=True, code=MOE_DEV),
+    _qwen3_zoo(2, 8, 32, 3, 200, 24.2, recompute="norm, act", deepep=False, code=MAIN),
+    _qwen3_zoo(4, 8, 8, 4, 167, 29.0, recompute="none", deepep=True, code=MAIN),
     PublishedRun(
         source=BRIDGE_H100_FP8,
         model="qwen3-235b-a22b",
