@@ -20,8 +20,7 @@ from megapp.planning.hardware import (
 from megapp.planning.model_state import moe_layer_count
 from megapp.planning.operations import (
     LayerSeconds,
-    expert_parts,
-    layer_parts,
+    layer_parts_with_experts,
     layer_seconds,
     logits_seconds,
 )
@@ -164,18 +163,14 @@ def moe_layer_parts(
     """One mixture-of-experts layer's device seconds on one rank by kind of work, each as
     (forward, input gradient, weight gradient), as :func:`moe_compute_seconds` and
     :func:`moe_memory_seconds` price them on a profile with operation rates: the attention
-    half's (:func:`~megapp.planning.operations.layer_parts` without the dense MLP), the
-    experts' matmuls, accumulations and gaps
-    (:func:`~megapp.planning.operations.expert_parts`), and the layer's memory-bound
-    passes added to ``memory`` (the backward's in the input gradient)."""
-    ops = hardware.ops
-    if ops is None:
+    half's and the experts'
+    (:func:`~megapp.planning.operations.layer_parts_with_experts`), the layer's
+    memory-bound passes added to ``memory`` (the backward's in the input gradient)."""
+    if hardware.ops is None:
         raise ValueError(f"hardware {hardware.name!r} has no operation rates")
-    parts = layer_parts(gpt, seq_length, micro_batch_size, ops, dense_mlp=False)
-    experts = expert_parts(gpt, seq_length, micro_batch_size, ops, hardware.moe_load_imbalance)
-    out = {kind: tuple(seconds) for kind, seconds in parts.items()}
-    for kind, seconds in experts.items():
-        out[kind] = tuple(a + b for a, b in zip(out[kind], seconds, strict=True))
+    out = layer_parts_with_experts(
+        gpt, seq_length, micro_batch_size, hardware.ops, hardware.moe_load_imbalance
+    )
     forward, backward = moe_memory_seconds(gpt, seq_length, micro_batch_size, hardware)
     f, i, w = out["memory"]
     out["memory"] = (f + forward, i + backward, w)

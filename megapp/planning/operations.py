@@ -487,6 +487,26 @@ def expert_parts(
 EXPERT_KERNELS = (3, 3, 5)
 
 
+def layer_parts_with_experts(
+    gpt: GPTConfig, seq_length: int, micro_batch_size: int, rates: OpRates, imbalance: float = 1.0
+) -> dict[str, tuple[float, float, float]]:
+    """A mixture-of-experts layer's seconds on one rank by kind of work, as
+    :func:`layer_parts` gives a dense one's: its attention half's (``dense_mlp=False``) with
+    its experts' :func:`expert_parts` added kind by kind (their memory-bound passes apart)."""
+    return _priced_moe_layer(gpt, seq_length, micro_batch_size, rates, imbalance)[0]
+
+
+def _priced_moe_layer(
+    gpt: GPTConfig, seq_length: int, micro_batch_size: int, rates: OpRates, imbalance: float
+) -> tuple[dict[str, tuple[float, float, float]], tuple[int, int, int]]:
+    parts, kernels = _priced_layer(gpt, seq_length, micro_batch_size, rates, False)
+    experts = expert_parts(gpt, seq_length, micro_batch_size, rates, imbalance)
+    for kind, seconds in experts.items():
+        parts[kind] = tuple(a + b for a, b in zip(parts[kind], seconds, strict=True))
+    kernels = tuple(a + b for a, b in zip(kernels, EXPERT_KERNELS, strict=True))
+    return parts, kernels
+
+
 def parameter_tensors(gpt: GPTConfig) -> int:
     """Parameter tensors of one dense layer: four weights, their biases, the norms'."""
     norms = 2 * (2 if gpt.normalization == "LayerNorm" else 1)
@@ -507,13 +527,11 @@ def layer_seconds(
     ``experts`` a mixture-of-experts layer's, its MLP :func:`expert_parts` (their
     memory-bound passes apart). A pass lasts the longer of its device time and its kernels'
     host launches."""
-    parts, kernels = _priced_layer(gpt, seq_length, micro_batch_size, rates, not experts)
-    rows = list(parts.values())
     if experts:
-        rows += expert_parts(gpt, seq_length, micro_batch_size, rates, imbalance).values()
-    device = (sum(column) for column in zip(*rows, strict=True))
-    if experts:
-        kernels = tuple(a + b for a, b in zip(kernels, EXPERT_KERNELS, strict=True))
+        parts, kernels = _priced_moe_layer(gpt, seq_length, micro_batch_size, rates, imbalance)
+    else:
+        parts, kernels = _priced_layer(gpt, seq_length, micro_batch_size, rates, True)
+    device = (sum(column) for column in zip(*parts.values(), strict=True))
     host = (n * rates.launch_overhead for n in kernels)
     f, i, w = (max(d, h) for d, h in zip(device, host, strict=True))
     return LayerSeconds(f, i, w, core_forward=parts["attention"][0])
