@@ -37,7 +37,12 @@ def _is_python(pid: int) -> bool | None:
 
 def _gone(prog: str, what: str) -> None:
     rank = os.environ.get("RANK", "?")
-    print(f"{prog}: error: rank {rank}: {what}; exiting", file=sys.stderr, flush=True)
+    line = f"{prog}: error: rank {rank}: {what}; exiting\n"
+    if sys.stderr is not None:
+        sys.stderr.flush()
+    # one write of the whole line to fd 2: ranks sharing torchrun's stderr pipe may leave
+    # at the same moment, and a line under PIPE_BUF written at once is never split
+    os.write(2, line.encode())
     os._exit(1)
 
 
