@@ -9,7 +9,7 @@ import pytest
 
 from megapp.planning.layout import Layout, pretrain_config
 from megapp.planning.models import MODELS
-from megapp.planning.published_runs import RUNS, PublishedRun
+from megapp.planning.published_runs import KORTHIKANTI_2022, MT_NLG, RUNS, PublishedRun
 from megapp.tensor_parallel.utils import pad_vocab_size
 from megapp.training.flag_groups import ArgumentsError
 from megapp.training.flops import gpt_training_flops
@@ -48,7 +48,7 @@ def test_stated_peak_fraction_matches_stated_throughput(run: PublishedRun):
 def test_mt_nlg_throughput_counts_one_recomputed_forward():
     """126 TFLOP/s on 2240 GPUs for 60.1 s equals the model FLOPs of 1920 × 2048 tokens
     plus one more forward of the layers (the logits are not rerun)."""
-    for run in (r for r in RUNS if r.step_time is not None and r.model == "gpt3-530b"):
+    for run in (r for r in RUNS if r.source == MT_NLG):
         preset = MODELS[run.model]
         layout = Layout(tp=run.tp, pp=run.pp, dp=run.dp)
         config = pretrain_config(layout, preset.flags, run.global_batch_size)
@@ -61,6 +61,23 @@ def test_mt_nlg_throughput_counts_one_recomputed_forward():
         stated = run.tflops_per_gpu * 1e12 * run.gpus * run.step_time
         assert stated == pytest.approx(hardware, rel=0.02)
         assert stated / model > 1.25  # model FLOPs alone would be a third too few
+
+
+def test_korthikanti_iteration_times_give_the_utilization_megatron_states():
+    """Table 5's iteration times at Table 3's batch and GPU count give, as model FLOPs
+    (attention over the whole square, the logits, no recompute), the utilization that
+    Megatron-LM's README states for each model: the times, batches and GPU counts tie to
+    a second document within their rounding."""
+    runs = [r for r in RUNS if r.source == KORTHIKANTI_2022]
+    assert [r.model for r in runs] == ["gpt3-22b", "gpt3-175b", "gpt3-530b", "gpt3-1t"]
+    for run in runs:
+        preset = MODELS[run.model]
+        config = pretrain_config(Layout(tp=run.tp, pp=run.pp), preset.flags, run.gpus)
+        tokens = run.global_batch_size * run.seq_length
+        model = gpt_training_flops(config.gpt_config(preset.vocab_size), run.seq_length, tokens)
+        utilization = model / (run.gpus * run.step_time * PEAK["a100"] * 1e12)
+        rounding = utilization * 0.005 / run.step_time + 0.0005  # times to 0.01 s, MFU to 0.1%
+        assert utilization == pytest.approx(run.peak_fraction, abs=rounding)
 
 
 def test_runs_are_distinct():

@@ -50,7 +50,13 @@ from megapp.planning.hardware import PROFILES, Hardware
 from megapp.planning.layout import RECOMPUTE, Layout, pretrain_config
 from megapp.planning.memory import peak_bytes, predict_memory
 from megapp.planning.models import MODELS, ModelPreset
-from megapp.planning.published_runs import MT_NLG, NARAYANAN_2021, RUNS, PublishedRun
+from megapp.planning.published_runs import (
+    KORTHIKANTI_2022,
+    MT_NLG,
+    NARAYANAN_2021,
+    RUNS,
+    PublishedRun,
+)
 from megapp.planning.timing import predict_step_time
 from megapp.training.config import PretrainConfig
 from megapp.training.flag_groups import ArgumentsError
@@ -76,8 +82,8 @@ def peak_memory(config: PretrainConfig, vocab_size: int, hardware: Hardware) -> 
     return peak_bytes(predict_memory(config, vocab_size, hardware.transport))
 
 
-MATERIALIZED_ATTENTION = (NARAYANAN_2021, MT_NLG)
-"""Sources whose runs (2021) computed attention with materialized scores and apex's fused
+MATERIALIZED_ATTENTION = (NARAYANAN_2021, KORTHIKANTI_2022, MT_NLG)
+"""Sources whose runs (2021-2022) computed attention with materialized scores and apex's fused
 softmax, before flash attention: priced so by the operation model."""
 
 

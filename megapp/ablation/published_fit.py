@@ -10,7 +10,8 @@ runs of :data:`FIT_SOURCE` (Narayanan et al. 2021, Table 1: ten layouts on 32-30
 as ``tools/compare_published.py --ops`` does, and finds the factor that minimizes their
 mean ``|predicted / published − 1|`` by golden-section search. It prints the factor the
 profile should carry (the profile's own times the best one), the fit's error and the
-held-out error of the other A100 runs (MT-NLG), which no constant saw. The H100 and H200
+held-out error of the other A100 runs (Korthikanti et al. 2022, MT-NLG), which no constant
+saw. The H100 and H200
 profiles take nothing from it: their rates come from one H200's measurements.
 """
 
@@ -70,7 +71,8 @@ def golden_section(
 @dataclasses.dataclass(frozen=True)
 class Fit:
     """The best factor over the profile's current rates, the constant that gives it, and
-    the mean errors before and after, on the fitted runs and on the held-out ones."""
+    the mean errors before and after, on the fitted runs and on the held-out ones, and
+    how many runs each are (the held-out ones by the authors and year of their source)."""
 
     factor: float
     constant: float
@@ -78,6 +80,9 @@ class Fit:
     fitted_after: float
     held_out_before: float
     held_out_after: float
+    fitted_runs: int = 0
+    held_out_runs: int = 0
+    held_out_sources: tuple[str, ...] = ()
 
 
 def fit(lo: float = 0.8, hi: float = 1.2, tol: float = 0.002) -> Fit:
@@ -98,6 +103,9 @@ def fit(lo: float = 0.8, hi: float = 1.2, tol: float = 0.002) -> Fit:
         fitted_after=after,
         held_out_before=mean_error(held_out, base),
         held_out_after=mean_error(held_out, best),
+        fitted_runs=len(fitted),
+        held_out_runs=len(held_out),
+        held_out_sources=tuple(dict.fromkeys(r.source.split(" (")[0] for r in held_out)),
     )
 
 
@@ -107,9 +115,10 @@ def main() -> int:
     print(
         f"A100 compute share: best factor {result.factor:.3f} over the profile's "
         f"A100_COMPUTE_FIT = {A100_COMPUTE_FIT}, so the constant is {result.constant:.3f}\n"
-        f"fitted on Narayanan et al. 2021 (10 runs): mean |pred/pub - 1| "
-        f"{result.fitted_before:.1%} -> {result.fitted_after:.1%}\n"
-        f"held out, the other A100 runs (MT-NLG, 3 runs): {result.held_out_before:.1%} -> "
+        f"fitted on {FIT_SOURCE.split(' (')[0]} ({result.fitted_runs} runs): mean "
+        f"|pred/pub - 1| {result.fitted_before:.1%} -> {result.fitted_after:.1%}\n"
+        f"held out, the other A100 runs ({'; '.join(result.held_out_sources)}, "
+        f"{result.held_out_runs} runs): {result.held_out_before:.1%} -> "
         f"{result.held_out_after:.1%}"
     )
     return 0

@@ -9,14 +9,15 @@ name or a text file of flags.
 
 Shapes come from the models' own publications: GPT-2 (Radford et al. 2019), the GPT-3
 shaped models of Narayanan et al. 2021 (Table 1, layouts in Megatron-LM's
-``examples/sc21/run_table_1.sh``), GPT-3 175B (Brown et al. 2020; Megatron-LM's
-``examples/gpt3/train_gpt3_175b_distributed.sh``), the H100 weak-scaling models of
-Megatron-LM's README (``images/model_table.png``: vocabulary 131072, sequence 4096,
-untied embeddings), Llama 2 (Touvron et al. 2023), Llama 3 (Dubey et al. 2024) and the
-mixtures of experts Mixtral 8x7B (Jiang et al. 2024), Qwen3-235B-A22B (Qwen team 2025, as
-Megatron-MoE-ModelZoo's ``model_configs/benchmarking/Qwen3-235B-A22B.yaml`` gives it) and
-DeepSeek-V3 (DeepSeek-AI 2024, arXiv:2412.19437), the last two approximated where megapp
-lacks a feature (each preset's description says where).
+``examples/sc21/run_table_1.sh``) and the 22B of Korthikanti et al. 2022 (Table 3), GPT-3
+175B (Brown et al. 2020; Megatron-LM's ``examples/gpt3/train_gpt3_175b_distributed.sh``),
+the H100 weak-scaling models of Megatron-LM's README (``images/model_table.png``:
+vocabulary 131072, sequence 4096, untied embeddings), Llama 2 (Touvron et al. 2023),
+Llama 3 (Dubey et al. 2024) and the mixtures of experts Mixtral 8x7B (Jiang et al. 2024),
+Qwen3-235B-A22B (Qwen team 2025, as Megatron-MoE-ModelZoo's
+``model_configs/benchmarking/Qwen3-235B-A22B.yaml`` gives it) and DeepSeek-V3
+(DeepSeek-AI 2024, arXiv:2412.19437), the last two approximated where megapp lacks a feature
+(each preset's description says where).
 """
 
 from __future__ import annotations
@@ -177,6 +178,12 @@ MODELS: dict[str, ModelPreset] = {
     "gpt3-39b": _narayanan("39B", 48, 8192, 64, 39.1),
     "gpt3-76b": _narayanan("76B", 60, 10240, 80, 76.1),
     "gpt3-145b": _narayanan("145B", 80, 12288, 96, 145.6),
+    "gpt3-22b": ModelPreset(
+        _gpt(48, 6144, 64, 2048, "--bf16"),
+        GPT2_VOCAB,
+        "GPT-3 shaped 22B (Korthikanti et al. 2022, arXiv:2205.05198, Table 3)",
+        22e9,
+    ),
     "gpt3-175b": ModelPreset(
         _gpt(96, 12288, 96, 2048, "--bf16"),
         GPT2_VOCAB,

@@ -82,6 +82,12 @@ MCORE_H100 = (
     "f2e5db402c; Megatron-Core r0.8.0 by the figures' legend, whose "
     "num_floating_point_operations counts attention over the whole s × s square)"
 )
+KORTHIKANTI_2022 = (
+    "Korthikanti et al. 2022 (arXiv:2205.05198): layouts from Table 3, iteration times "
+    "from Table 5's present work (sequence parallelism with selective recompute); their "
+    "model FLOPs utilization as Megatron-LM's README gives it (commit 2e90a342f5), "
+    "measured at data-parallel size one"
+)
 MT_NLG = (
     "Smith et al. 2022 (arXiv:2201.11990) Sec. 2.4, as given in cli99/llm-analysis "
     "examples/megatron-turing-nlg (README.md, run_train.sh)"
@@ -239,6 +245,31 @@ def _mcore(model: str, tp: int, pp: int, gpus: int, gbs: int, tflops: float, mfu
     )
 
 
+def _korthikanti(model: str, pp: int, gbs: int, seconds: float, mfu: float) -> PublishedRun:
+    return PublishedRun(
+        source=KORTHIKANTI_2022,
+        model=model,
+        gpu="a100-80gb",
+        gpus=8 * pp,
+        global_batch_size=gbs,
+        seq_length=2048,
+        tp=8,
+        pp=pp,
+        dp=1,
+        tflops_per_gpu=round(mfu * 3.12, 1),
+        step_time=seconds,
+        recompute="selective",
+        distributed_optimizer=False,
+        peak_fraction=mfu / 100,
+        sequence_parallel=True,
+        counts_recompute=False,
+        derived=(
+            "TFLOP/s = MFU × 312; A100 80GB as on Selene for MT-NLG (same group and "
+            "year); no interleaving, as Table 3 gives none; micro-batch size not stated"
+        ),
+    )
+
+
 def _mt_nlg(dp: int, tflops: float, seconds: float) -> PublishedRun:
     return PublishedRun(
         source=MT_NLG,
@@ -284,6 +315,10 @@ RUNS: tuple[PublishedRun, ...] = (
     _mcore("mcore-177b", 8, 6, 2304, 1152, 432.8, 44),
     _mcore("mcore-314b", 8, 8, 3072, 1536, 474.4, 48),
     _mcore("mcore-462b", 8, 16, 6144, 3072, 459.9, 47),
+    _korthikanti("gpt3-22b", 1, 4, 1.10, 41.5),
+    _korthikanti("gpt3-175b", 8, 64, 13.75, 51.4),
+    _korthikanti("gpt3-530b", 35, 280, 37.83, 56.0),
+    _korthikanti("gpt3-1t", 64, 512, 71.49, 56.3),
     _mt_nlg(8, 126, 60.1),
     _mt_nlg(10, 121, 50.2),
     _mt_nlg(12, 113, 44.4),
