@@ -83,8 +83,9 @@ def peak_memory(config: PretrainConfig, vocab_size: int, hardware: Hardware) -> 
 
 
 MATERIALIZED_ATTENTION = (NARAYANAN_2021, KORTHIKANTI_2022, MT_NLG)
-"""Sources whose runs (2021-2022) computed attention with materialized scores and apex's fused
-softmax, before flash attention: priced so by the operation model."""
+"""Sources whose runs (2021-2022) computed attention with materialized scores and apex's
+fused softmax, before flash attention (Korthikanti et al.'s selective recompute reruns just
+those scores): priced so by the operation model."""
 
 
 FIT_SOURCE = NARAYANAN_2021

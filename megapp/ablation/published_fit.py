@@ -11,8 +11,8 @@ as ``tools/compare_published.py --ops`` does, and finds the factor that minimize
 mean ``|predicted / published − 1|`` by golden-section search. It prints the factor the
 profile should carry (the profile's own times the best one), the fit's error and the
 held-out error of the other A100 runs (Korthikanti et al. 2022, MT-NLG), which no constant
-saw. The H100 and H200
-profiles take nothing from it: their rates come from one H200's measurements.
+saw. The H100 and H200 profiles take nothing from it: their rates come from one H200's
+measurements.
 """
 
 from __future__ import annotations
