@@ -9,7 +9,13 @@ import pytest
 
 from megapp.planning.layout import Layout, pretrain_config
 from megapp.planning.models import MODELS
-from megapp.planning.published_runs import KORTHIKANTI_2022, MT_NLG, RUNS, PublishedRun
+from megapp.planning.published_runs import (
+    KORTHIKANTI_2022,
+    MT_NLG,
+    RUNS,
+    STACKS,
+    PublishedRun,
+)
 from megapp.tensor_parallel.utils import pad_vocab_size
 from megapp.training.flag_groups import ArgumentsError
 from megapp.training.flops import gpt_training_flops
@@ -259,3 +265,24 @@ def test_the_a100_compute_share_is_the_fit_on_its_source():
     for factor in (0.98, 1.02):
         assert mean_error(fitted, scaled_compute(PROFILES["a100-ops"], factor)) > here
     assert here < 0.05
+
+
+def test_the_summary_gives_every_source_apart_with_its_software():
+    """Every source names the software its runs ran on, and the summary's lines source by
+    source cover every 16-bit run once, each with the error of its own runs."""
+    tool = _compare_tool()
+    assert {r.source for r in RUNS} <= set(STACKS)
+    sources = [KORTHIKANTI_2022] * 4 + [MT_NLG]
+    rows = [
+        tool.Row(dataclasses.replace(run, source=source), predicted=run.tflops_per_gpu * ratio)
+        for run, source, ratio in zip(RUNS, sources, (0.9, 1.2, 1.05, 1.0, 0.7), strict=False)
+    ]
+    lines = tool.error_summary(rows).splitlines()
+    header = lines.index("by source, on the software it names:")
+    assert lines[header + 1] == (
+        f"- Korthikanti et al. 2022 ({STACKS[KORTHIKANTI_2022]}): mean |pred/pub - 1| 8.8%, "
+        "worst 20.0% (4 runs)"
+    )
+    assert lines[header + 2].startswith("- Smith et al. 2022 (DeepSpeed")
+    assert lines[header + 2].endswith("mean |pred/pub - 1| 30.0%, worst 30.0% (1 run)")
+    assert len(lines) == header + 3

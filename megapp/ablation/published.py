@@ -42,6 +42,7 @@ import dataclasses
 import shlex
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from megapp.models.gpt import GPTConfig
@@ -55,6 +56,7 @@ from megapp.planning.published_runs import (
     MT_NLG,
     NARAYANAN_2021,
     RUNS,
+    STACKS,
     PublishedRun,
 )
 from megapp.planning.timing import predict_step_time
@@ -311,26 +313,43 @@ def markdown(rows: list[Row]) -> str:
 def error_summary(rows: list[Row], ops: bool = False) -> str:
     """Mean and worst ``|predicted / published − 1|`` over the 16-bit runs predicted, and
     over the dense ones among them (FP8 runs are listed, not counted); with ``ops``, also
-    over the runs of :data:`FIT_SOURCE` and the dense ones held out, apart."""
+    over the runs of :data:`FIT_SOURCE` and the dense ones held out, apart; then source by
+    source, each with the software its runs ran on
+    (:data:`~megapp.planning.published_runs.STACKS`)."""
     groups = [("16-bit runs", lambda r: True), ("dense 16-bit runs", _dense)]
     if ops:
         groups += [
             ("fitted on (Narayanan et al. 2021)", lambda r: r.run.source == FIT_SOURCE),
             ("held out, dense", lambda r: _dense(r) and r.run.source != FIT_SOURCE),
         ]
-    lines = []
-    for label, keep in groups:
-        errors = [
-            abs(r.ratio - 1)
-            for r in rows
-            if r.ratio is not None and r.run.precision != "fp8" and keep(r)
-        ]
-        if errors:
-            lines.append(
-                f"{label}: mean |pred/pub - 1| {sum(errors) / len(errors):.1%}, worst "
-                f"{max(errors):.1%} ({len(errors)} runs)"
-            )
+    lines = [line for label, keep in groups if (line := _error_line(label, rows, keep))]
+    by_source = [
+        _error_line(
+            f"- {source.split(' (')[0]} ({STACKS[source]})",
+            rows,
+            lambda r, s=source: r.run.source == s,
+        )
+        for source in dict.fromkeys(r.run.source for r in rows)
+    ]
+    if any(by_source):
+        lines += ["by source, on the software it names:", *filter(None, by_source)]
     return "\n".join(lines)
+
+
+def _error_line(label: str, rows: list[Row], keep: Callable[[Row], bool]) -> str:
+    """``label: mean ..., worst ... (n runs)`` over the 16-bit rows ``keep`` takes, or ""
+    without one."""
+    errors = [
+        abs(r.ratio - 1)
+        for r in rows
+        if r.ratio is not None and r.run.precision != "fp8" and keep(r)
+    ]
+    if not errors:
+        return ""
+    return (
+        f"{label}: mean |pred/pub - 1| {sum(errors) / len(errors):.1%}, worst "
+        f"{max(errors):.1%} ({len(errors)} run{'s' * (len(errors) > 1)})"
+    )
 
 
 def _dense(row: Row) -> bool:

@@ -472,6 +472,21 @@ RUNS: tuple[PublishedRun, ...] = (
     ),
 )
 
+STACKS: dict[str, str] = {
+    NARAYANAN_2021: "Megatron-LM of 2021",
+    KORTHIKANTI_2022: "Megatron-LM of 2022",
+    MCORE_H100: "Megatron-Core r0.8.0",
+    MT_NLG: "DeepSpeed's pipeline engine with Megatron's layers",
+    LLAMA3: "Meta's own",
+    NEMO_H100_FP8: "NeMo 2.0",
+    BRIDGE_H100_FP8: "Megatron-Bridge",
+    BRIDGE_H100_2509: "Megatron-Bridge",
+    MOE_ZOO_QWEN3: "Megatron-Core, moe_dev and main",
+}
+"""The software each source's runs ran on, as the source names it: the model sees the
+layout and the hardware, not this."""
+
+
 NOT_EXPRESSED: tuple[tuple[str, str], ...] = (
     (
         f"Qwen3-235B-A22B on 256 H100, tp 2 × ep 8 × dp 128 with FSDP, micro-batch 4, full "
@@ -499,4 +514,4 @@ NOT_EXPRESSED: tuple[tuple[str, str], ...] = (
 """Published mixture-of-experts runs left out of :data:`RUNS`: what the source gives, and
 why megapp cannot predict it as published."""
 
-__all__ = ["NOT_EXPRESSED", "RUNS", "PublishedRun"]
+__all__ = ["NOT_EXPRESSED", "RUNS", "STACKS", "PublishedRun"]
