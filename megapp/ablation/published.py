@@ -58,6 +58,7 @@ from megapp.planning.published_runs import (
     RUNS,
     STACKS,
     PublishedRun,
+    source_label,
 )
 from megapp.planning.timing import predict_step_time
 from megapp.training.config import PretrainConfig
@@ -319,13 +320,13 @@ def error_summary(rows: list[Row], ops: bool = False) -> str:
     groups = [("16-bit runs", lambda r: True), ("dense 16-bit runs", _dense)]
     if ops:
         groups += [
-            ("fitted on (Narayanan et al. 2021)", lambda r: r.run.source == FIT_SOURCE),
+            (f"fitted on ({source_label(FIT_SOURCE)})", lambda r: r.run.source == FIT_SOURCE),
             ("held out, dense", lambda r: _dense(r) and r.run.source != FIT_SOURCE),
         ]
     lines = [line for label, keep in groups if (line := _error_line(label, rows, keep))]
     by_source = [
         _error_line(
-            f"- {source.split(' (')[0]} ({STACKS[source]})",
+            f"- {source_label(source)} ({STACKS[source]})",
             rows,
             lambda r, s=source: r.run.source == s,
         )

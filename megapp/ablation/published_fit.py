@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from megapp.ablation.published import FIT_SOURCE, compare
 from megapp.planning.hardware import PROFILES, Hardware
 from megapp.planning.op_profiles import A100_COMPUTE_FIT
-from megapp.planning.published_runs import RUNS, PublishedRun
+from megapp.planning.published_runs import RUNS, PublishedRun, source_label
 
 PART = "a100-ops"
 
@@ -105,7 +105,7 @@ def fit(lo: float = 0.8, hi: float = 1.2, tol: float = 0.002) -> Fit:
         held_out_after=mean_error(held_out, best),
         fitted_runs=len(fitted),
         held_out_runs=len(held_out),
-        held_out_sources=tuple(dict.fromkeys(r.source.split(" (")[0] for r in held_out)),
+        held_out_sources=tuple(dict.fromkeys(source_label(r.source) for r in held_out)),
     )
 
 
@@ -115,7 +115,7 @@ def main() -> int:
     print(
         f"A100 compute share: best factor {result.factor:.3f} over the profile's "
         f"A100_COMPUTE_FIT = {A100_COMPUTE_FIT}, so the constant is {result.constant:.3f}\n"
-        f"fitted on {FIT_SOURCE.split(' (')[0]} ({result.fitted_runs} runs): mean "
+        f"fitted on {source_label(FIT_SOURCE)} ({result.fitted_runs} runs): mean "
         f"|pred/pub - 1| {result.fitted_before:.1%} -> {result.fitted_after:.1%}\n"
         f"held out, the other A100 runs ({'; '.join(result.held_out_sources)}, "
         f"{result.held_out_runs} runs): {result.held_out_before:.1%} -> "

@@ -31,8 +31,8 @@ from megapp.planning.hardware import load_hardware
 from megapp.planning.microbench import Timer, warm_up
 from megapp.planning.tp_overlap import (
     COMMUNICATION_SMS,
-    PIPELINE_PIECES,
     overlap_pairs,
+    pair_cut,
     pair_piece,
     priced_matmul,
 )
@@ -109,14 +109,10 @@ def measure(hardware_name: str, cases: dict, device: torch.device, repeats: int)
         rows = []
         for pair in overlap_pairs(layer(hidden, heads, tp), tokens):
             shape = (pair.m, pair.n, pair.k, pair.layout)
-            # the pieces of pair_piece, timed back to back in one call
-            if pair.method == "ring":
-                split = whole(pair.m // tp, pair.n, pair.k, pair.layout, pieces=tp)
-            elif pair.method == "pipeline":
-                pieces = PIPELINE_PIECES
-                split = margin(pair.m // pieces, pair.n, pair.k, pair.layout, pieces=pieces)
-            else:
-                split = margin(*shape)
+            # the pieces of pair_cut, timed back to back in one call
+            rows_each, pieces, beside = pair_cut(pair, tp)
+            timed = margin if beside else whole
+            split = timed(rows_each, pair.n, pair.k, pair.layout, pieces=pieces)
             rows.append(
                 {
                     "pair": pair.name,

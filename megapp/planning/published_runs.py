@@ -487,6 +487,12 @@ STACKS: dict[str, str] = {
 layout and the hardware, not this."""
 
 
+def source_label(source: str) -> str:
+    """A source's authors and year, or its document, without the details in parentheses:
+    ``Korthikanti et al. 2022``."""
+    return source.split(" (")[0]
+
+
 NOT_EXPRESSED: tuple[tuple[str, str], ...] = (
     (
         f"Qwen3-235B-A22B on 256 H100, tp 2 × ep 8 × dp 128 with FSDP, micro-batch 4, full "
@@ -514,4 +520,4 @@ NOT_EXPRESSED: tuple[tuple[str, str], ...] = (
 """Published mixture-of-experts runs left out of :data:`RUNS`: what the source gives, and
 why megapp cannot predict it as published."""
 
-__all__ = ["NOT_EXPRESSED", "RUNS", "STACKS", "PublishedRun"]
+__all__ = ["NOT_EXPRESSED", "RUNS", "STACKS", "PublishedRun", "source_label"]

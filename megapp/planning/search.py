@@ -83,6 +83,11 @@ class PlanResult:
     seconds: float = 0.0
 
 
+MODEL_FIELDS = ("tp", "sequence_parallel", "recompute", "cp", "cp_comm_type", "ep", "etp")
+MODEL_FIELDS += ("embedding_in_split", "loss_in_split", "tp_comm_overlap")
+"""The fields of a :class:`Layout` that reach the model ``pretrain_gpt.py`` builds."""
+
+
 class Planner:
     """Plans one model on one machine; caches what many layouts share."""
 
@@ -115,15 +120,11 @@ class Planner:
         and the layout's settings that reach the model (tensor and context parallelism,
         sequence parallelism, recompute, expert parallelism); None where its rules refuse
         them."""
-        key = (layout.tp, layout.sequence_parallel, layout.recompute, layout.cp)
-        key += (layout.cp_comm_type, layout.ep, layout.etp)
-        key += (layout.embedding_in_split, layout.loss_in_split, layout.tp_comm_overlap)
+        key = tuple(getattr(layout, name) for name in MODEL_FIELDS)
         if key not in self._gpts:
-            names = ("tp", "sequence_parallel", "recompute", "cp", "cp_comm_type", "ep", "etp")
-            names += ("embedding_in_split", "loss_in_split", "tp_comm_overlap")
             # enough data-parallel ranks for one copy of the expert grid
             model_only = Layout(
-                **dict(zip(names, key, strict=True)), dp=layout.ep * layout.expert_tp
+                **dict(zip(MODEL_FIELDS, key, strict=True)), dp=layout.ep * layout.expert_tp
             )
             try:
                 config = pretrain_config(model_only, self.model.flags, model_only.dp)

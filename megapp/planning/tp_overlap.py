@@ -106,16 +106,24 @@ def overlap_pairs(gpt: GPTConfig, tokens: int, dense_mlp: bool = True) -> list[O
     return pairs
 
 
-def pair_piece(pair: OverlapPair, tp: int, whole, margin) -> tuple[float, int]:
-    """One piece of ``pair``'s matmul as its method cuts it, in seconds from the pricers
-    (or timers) ``whole`` (every multiprocessor) and ``margin`` (those communication
-    leaves), and how many pieces: ``tp`` of ``m/tp`` rows (ring), ``4`` of ``m/4`` beside
-    communication (pipeline), the whole matmul beside communication (bulk)."""
+def pair_cut(pair: OverlapPair, tp: int) -> tuple[int, int, bool]:
+    """How ``pair``'s method cuts its matmul: rows per piece, pieces, and whether they run
+    beside communication (on the multiprocessors it leaves): ``tp`` of ``m/tp`` rows on the
+    whole device (ring), ``4`` of ``m/4`` beside communication (pipeline), the whole
+    matmul beside communication (bulk)."""
     if pair.method == "ring":
-        return whole(pair.m // tp, pair.n, pair.k, pair.layout), tp
+        return pair.m // tp, tp, False
     if pair.method == "pipeline":
-        return margin(pair.m // PIPELINE_PIECES, pair.n, pair.k, pair.layout), PIPELINE_PIECES
-    return margin(pair.m, pair.n, pair.k, pair.layout), 1
+        return pair.m // PIPELINE_PIECES, PIPELINE_PIECES, True
+    return pair.m, 1, True
+
+
+def pair_piece(pair: OverlapPair, tp: int, whole, margin) -> tuple[float, int]:
+    """One piece of ``pair``'s matmul as :func:`pair_cut` cuts it, in seconds from the
+    pricers ``whole`` (every multiprocessor) and ``margin`` (those communication leaves),
+    and how many pieces."""
+    rows, pieces, beside = pair_cut(pair, tp)
+    return (margin if beside else whole)(rows, pair.n, pair.k, pair.layout), pieces
 
 
 def overlapped_seconds(
@@ -172,6 +180,7 @@ __all__ = [
     "bulk",
     "overlap_pairs",
     "overlapped_seconds",
+    "pair_cut",
     "pair_piece",
     "pipeline",
     "priced_matmul",
