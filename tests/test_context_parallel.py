@@ -121,6 +121,39 @@ def test_blocks_merge_and_backward_equal_full_attention(causal):
         torch.testing.assert_close(got, t.grad, **TOL)
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_attention_in_tiles_equals_full_attention_and_keeps_no_probabilities(causal):
+    """Queries cut into segments that each see the keys up to their own end (the
+    all-gather's two chunks), in tiles of 3 rows and keys: the output and dQ/dK/dV of the
+    segments' full attention, and for backward it keeps q, the keys and values, the
+    output and the log-sum-exp alone."""
+    heads, kv_heads, s = 4, 2, 16
+    q = _randn(B, heads, 8, D, seed=1).requires_grad_()
+    kv = _randn(2, B, kv_heads, s, D, seed=2).requires_grad_()
+    grad_out = _randn(B, heads, 8, D, seed=3)
+    ends = (6, 16)  # segment 0 sees keys 0..5, segment 1 all 16, causal at its corner
+    out = blocks.attend_in_blocks(q, kv, 0.3, causal, 3, ends)
+    saved = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+             for t in out.grad_fn.saved_tensors}  # fmt: skip
+    lse = B * heads * 8 * 8  # float64
+    assert sum(saved.values()) == q.nbytes + kv.nbytes + out.nbytes + lse
+    out.backward(grad_out)
+    got = (out.detach(), q.grad, kv.grad)
+    q.grad = kv.grad = None
+    expected = torch.cat(
+        [blocks.attend(q[:, :, 4 * m : 4 * m + 4], kv[0, :, :, :end], kv[1, :, :, :end], 0.3,
+                       causal) for m, end in enumerate(ends)],
+        dim=2,
+    )  # fmt: skip
+    expected.backward(grad_out)
+    for a, b in zip(got, (expected.detach(), q.grad, kv.grad), strict=True):
+        torch.testing.assert_close(a, b, **TOL)
+    with pytest.raises(ValueError, match="cannot be cut into 3 equal segments"):
+        blocks.attend_in_blocks(q, kv, 0.3, causal, 3, (8, 8, 8))
+    with pytest.raises(ValueError, match="block must be >= 1"):
+        blocks.attend_in_blocks(q, kv, 0.3, causal, 0)
+
+
 def test_kv_repeats_make_kv_heads_divisible():
     for kv_heads, cp in itertools.product((1, 2, 3, 4, 6, 8), (1, 2, 4, 8)):
         f = kv_repeats(kv_heads, cp)

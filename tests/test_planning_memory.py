@@ -132,16 +132,22 @@ CP_MODEL += ["--seq-length", "1024", "--attention-dropout", "0"]
 
 
 def test_context_parallelism_splits_activations_and_shards_zero_over_dp_times_cp():
-    def memory(**layout):
-        config = pretrain_config(Layout(**layout), CP_MODEL, global_batch_size=4)
+    def memory(flags=CP_MODEL, **layout):
+        config = pretrain_config(Layout(**layout), flags, global_batch_size=4)
         return predict_memory(config, VOCAB)[0]
 
     one, ring = memory(), memory(cp=2)
     gathered, ulysses = memory(cp=2, cp_comm_type="all_gather"), memory(cp=2, cp_comm_type="a2a")
     assert ring.state == one.state  # weights are replicated over cp
     assert ring.activations < one.activations  # every token-local term halves
-    # what each mechanism keeps on top: the whole sequence's keys, values and probabilities
-    assert ring.activations < gathered.activations < ulysses.activations
+    # what the others keep on top: the whole sequence's keys and values
+    assert ring.activations < min(gathered.activations, ulysses.activations)
+    # and no probabilities: at twice the sequence their activations double (but for the
+    # fixed reorder indices), where s² probabilities would quadruple
+    longer = [*CP_MODEL[: CP_MODEL.index("--seq-length")], "--seq-length", "2048", *CP_MODEL[-2:]]
+    for kind, kept in (("all_gather", gathered), ("a2a", ulysses)):
+        doubled = memory(longer, cp=2, cp_comm_type=kind).activations
+        assert doubled == pytest.approx(2 * kept.activations, rel=1e-4), kind
     # scores are materialized per block, where the single-process kernel works in tiles
     assert ring.working > one.working
     sharded = memory(cp=2, dp=2, zero_stage=1)

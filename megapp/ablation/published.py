@@ -260,11 +260,7 @@ def compare(
         if run.stage_layers is not None:
             row.layout += " ({}, ..., {} layers)".format(*run.stage_layers)
         if row.memory > hardware.usable_memory:
-            row.note = (
-                "over memory: megapp's context-parallel attention materializes its scores"
-                if run.cp > 1
-                else "over memory"
-            )
+            row.note = "over memory"
     if run.precision == "fp8":
         row.note = "; ".join(filter(None, [row.note, "FP8 run, predicted in 16-bit"]))
     if pick:

@@ -8,8 +8,11 @@ to the keys up to its own end, with the diagonal block masked: chunk ``c`` of
 rank under the load-balanced layout. The gather is the sequence-parallel mapping
 over the cp group, so the backward reduce-scatters dK/dV to their owners.
 
-The gather cannot overlap the attention it feeds; in exchange it is one
-collective instead of ``cp − 1`` point-to-point steps. Tensors as in
+The attention runs in tiles of one chunk's queries against one chunk's keys
+(:func:`~megapp.context_parallel.blocks.attend_in_blocks`) and keeps, beside the
+gathered keys and values, only q, its output and the log-sum-exp. The gather
+cannot overlap the attention it feeds; in exchange it is one collective instead
+of ``cp − 1`` point-to-point steps. Tensors as in
 :mod:`~megapp.context_parallel.ring`.
 """
 
@@ -40,15 +43,9 @@ def all_gather_attention(
     if cp == 1:
         return blocks.attend(q, k, v, scale, causal)
     # [2, b, g, s/cp, d] -> sequence first for the all-gather -> [2, b, g, s, d] in order
-    kv = torch.stack([k, v]).movedim(3, 0)
-    gathered = gather_from_sequence_parallel_region(kv, group)
-    kv = restore_order(gathered, cp, dim=0).movedim(0, 3)
-    if not causal:
-        return blocks.attend(q, kv[0], kv[1], scale, False)
+    kv = gather_from_sequence_parallel_region(torch.stack([k, v]).movedim(3, 0), group)
+    kv = restore_order(kv, cp, dim=0).movedim(0, 3)  # the gathered buffer freed here
     chunk = q.shape[2] // 2
-    outputs = []
-    for place, index in enumerate(chunks_of_rank(cp, comm.rank(group))):
-        rows = q[:, :, place * chunk : (place + 1) * chunk]
-        end = (index + 1) * chunk  # keys up to this chunk's end, the last chunk masked
-        outputs.append(blocks.attend(rows, kv[0, :, :, :end], kv[1, :, :, :end], scale, True))
-    return torch.cat(outputs, dim=2)
+    # causal, each query chunk sees the keys up to its own end, the last chunk masked
+    ends = [(index + 1) * chunk for index in chunks_of_rank(cp, comm.rank(group))]
+    return blocks.attend_in_blocks(q, kv, scale, causal, chunk, ends if causal else None)

@@ -11,6 +11,9 @@ last key's position, so query ``i`` of ``sq`` sees keys ``0 … i + sk − sq``.
 ``sq == sk`` that is the usual lower triangle.
 
 - :func:`attend`: differentiable through autograd (saves the probabilities).
+- :func:`attend_in_blocks`: the same result, computed tile by tile of at most
+  ``block × block`` scores with an exact backward that keeps only q, k, v, the output and
+  the log-sum-exp: memory linear in the sequence, as a fused attention kernel's.
 - :func:`forward_with_lse` / :func:`backward_from_lse`: the two halves of an exact
   blockwise attention (flash-attention's recurrence). The forward returns each query
   row's log-sum-exp so that blocks over disjoint keys combine with :func:`merge_into`;
@@ -23,6 +26,7 @@ import torch
 
 __all__ = [
     "attend",
+    "attend_in_blocks",
     "backward_from_lse",
     "compute_dtype",
     "expand_kv",
@@ -124,3 +128,100 @@ def backward_from_lse(
     grad_q = grad_scores.matmul(k)
     grad_k = grad_scores.transpose(-1, -2).matmul(q)
     return grad_q, _reduce_kv(grad_k, kv_heads), _reduce_kv(grad_v, kv_heads)
+
+
+def _tiles(
+    sq: int, key_ends: tuple[int, ...], causal: bool, block: int
+) -> list[tuple[slice, list[tuple[slice, bool]]]]:
+    """The tiles that cover what ``sq`` queries see of their keys, the queries cut into
+    ``len(key_ends)`` equal segments, segment ``m`` seeing keys ``[0, key_ends[m])`` with,
+    causal, the diagonal at its bottom-right corner: for every block of at most ``block``
+    query rows, its key blocks and whether each is causal. Causal, rows ``[i, j)`` of a
+    segment of ``L`` rows and ``e`` keys see the keys before ``i + e − L`` whole, in blocks
+    of ``block``, and the square ``[i + e − L, j + e − L)`` as a lower triangle; every tile
+    gives each of its rows at least one key."""
+    length = sq // len(key_ends)
+    out = []
+    for m, sk in enumerate(key_ends):
+        if causal and sk < length:
+            raise ValueError(f"causal attention needs as many keys as queries: {sk} < {length}")
+        for i in range(0, length, block):
+            j = min(i + block, length)
+            end = i + sk - length if causal else sk  # the keys these rows all see whole
+            keys = [(slice(lo, min(lo + block, end)), False) for lo in range(0, end, block)]
+            if causal:
+                keys.append((slice(end, j + sk - length), True))
+            out.append((slice(m * length + i, m * length + j), keys))
+    return out
+
+
+class _InBlocks(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, kv, scale, causal, block, key_ends):
+        dtype = compute_dtype(q.dtype)
+        out = torch.empty(q.shape, dtype=dtype, device=q.device)
+        lse = torch.empty(q.shape[:-1], dtype=dtype, device=q.device)
+        for rows, keys in _tiles(q.shape[2], key_ends, causal, block):
+            for n, (cols, diagonal) in enumerate(keys):
+                part = forward_with_lse(
+                    q[..., rows, :], kv[0, ..., cols, :], kv[1, ..., cols, :], scale, diagonal
+                )
+                if n == 0:
+                    out[..., rows, :], lse[..., rows] = part
+                else:
+                    merge_into(out[..., rows, :], lse[..., rows], *part)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, kv, out, lse)
+        ctx.scale, ctx.causal, ctx.block, ctx.key_ends = scale, causal, block, key_ends
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, kv, out, lse = ctx.saved_tensors
+        dtype = compute_dtype(q.dtype)
+        grad_out = grad_out.to(dtype)
+        delta = (grad_out * out.to(dtype)).sum(dim=-1)
+        grad_q = torch.zeros(q.shape, dtype=dtype, device=q.device)
+        grad_kv = torch.zeros(kv.shape, dtype=dtype, device=kv.device)
+        for rows, keys in _tiles(q.shape[2], ctx.key_ends, ctx.causal, ctx.block):
+            for cols, diagonal in keys:
+                dq, dk, dv = backward_from_lse(
+                    q[..., rows, :],
+                    kv[0, ..., cols, :],
+                    kv[1, ..., cols, :],
+                    grad_out[..., rows, :],
+                    lse[..., rows],
+                    delta[..., rows],
+                    ctx.scale,
+                    diagonal,
+                )
+                grad_q[..., rows, :] += dq
+                grad_kv[0, ..., cols, :] += dk
+                grad_kv[1, ..., cols, :] += dv
+        return grad_q.to(q.dtype), grad_kv.to(kv.dtype), None, None, None, None
+
+
+def attend_in_blocks(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    scale: float,
+    causal: bool,
+    block: int,
+    key_ends: tuple[int, ...] | None = None,
+) -> torch.Tensor:
+    """:func:`attend`'s result for keys ``kv[0]`` and values ``kv[1]``, returned in q's
+    dtype, computed over the :func:`_tiles` of ``block``: its forward and backward hold one
+    tile's scores at a time, and it keeps q, the keys and values (unexpanded), the output
+    and the float32 log-sum-exp ``[b, heads, sq]`` for the backward, never the
+    probabilities. q ``[b, heads, sq, d]``, kv ``[2, b, kv_heads, sk, d]``. ``key_ends``:
+    cut the queries into that many equal segments, each seeing the keys up to its end
+    (default: one segment seeing all ``sk``)."""
+    if block < 1:
+        raise ValueError(f"attention block must be >= 1, got {block}")
+    ends = tuple(key_ends) if key_ends is not None else (kv.shape[3],)
+    if q.shape[2] % len(ends) or max(ends) > kv.shape[3]:
+        raise ValueError(
+            f"{q.shape[2]} queries cannot be cut into {len(ends)} equal segments seeing "
+            f"keys up to {ends} of {kv.shape[3]}"
+        )
+    return _InBlocks.apply(q, kv, scale, causal, block, ends)

@@ -8,7 +8,7 @@ tokens × ``b`` sequences, ``w`` bytes per element of the layer's dtype:
   sequence parallelism); the norms' outputs and statistics are rebuilt in backward;
 - the query, key and value fed to attention (``3·s·b·a·d`` for plain multi-head
   attention, all views of the QKV matmul's output; rotary embedding and grouped-query
-  attention make copies, see :func:`_qkv_elements`), and the attention output the
+  attention make copies, see :func:`qkv_elements`), and the attention output the
   projection keeps, ``s·b·a·d``;
 - inside attention, without selective recompute: ``sdpa`` keeps its fp32 log-sum-exp,
   ``4·b·a·s`` bytes (as torch's flash kernel does, with or without attention dropout on
@@ -60,7 +60,7 @@ def layer_activation_bytes(
     if config.context_parallel_size > 1:
         attention = context_parallel_attention_bytes(config, s, b)
         return norms + attention + s * b * (heads * d + fc1) * w  # with the output
-    attention = s * b * (_qkv_elements(config) + heads * d) * w  # q, k, v and the output
+    attention = s * b * (qkv_elements(config) + heads * d) * w  # q, k, v and the output
     if config.recompute_granularity != "selective":
         if config.attention_backend == "fused_softmax":
             scores = s * s * b * heads * w
@@ -98,7 +98,7 @@ def moe_activation_bytes(config: TransformerConfig, seq_length: int, micro_batch
     return router + experts - s * b * dense // config.tensor_model_parallel_size * w
 
 
-def _qkv_elements(config: TransformerConfig, *, keep=("q", "k", "v"), expand_kv=True) -> int:
+def qkv_elements(config: TransformerConfig, *, keep=("q", "k", "v"), expand_kv=True) -> int:
     """Elements per token of the storages attention keeps for q, k and v (those named in
     ``keep``) on one rank.
 
@@ -149,46 +149,37 @@ def context_parallel_attention_bytes(
 
     - ``p2p`` (ring): this rank's q, k and v (k and v unexpanded) and the log-sum-exp
       ``c·b·a·n``; the ring's other keys are only in flight (working memory);
-    - ``all_gather``: q alone of the local slice (in ``c`` when it is converted), the whole
-      sequence's keys and values ``2·s·b·g·d·w`` (or, converted or repeated to ``a``
-      heads, each query chunk's keys up to its end in ``c``: ``(2cp+1)/(2cp)`` of the
-      sequence), the probabilities ``b·a·(2cp+1)·(n/2)²`` in ``c`` (about
-      ``b·a·s²/(2cp)``), their boolean causal masks and the reorder's index;
+    - ``all_gather``: q alone of the local slice, the whole sequence's keys and values
+      ``2·s·b·g·d·w``, the log-sum-exp ``c·b·a·n`` and the reorder's index;
     - ``a2a``: none of the local slice; q, k and v of the whole sequence for ``a/cp``
-      heads (keys and values repeated to them for grouped-query attention, in ``c``
-      where converted), the probabilities ``b·(a/cp)·s²`` in ``c``, the mask ``s²``
-      bytes and the three reorders' indices.
+      heads (keys and values for the ``g·f/cp`` heads of :func:`~megapp.context_parallel.
+      a2a.kv_repeats`), the attention's output and log-sum-exp for them, and the three
+      reorders' indices.
 
+    Neither keeps probabilities: both attend in tiles
+    (:func:`~megapp.context_parallel.blocks.attend_in_blocks`).
     With selective recompute only q, k and v are kept (attention is rerun).
     """
     n, b, cp = seq_length, micro_batch_size, config.context_parallel_size
-    s, chunk = n * cp, n // 2
+    s = n * cp
     tp, d = config.tensor_model_parallel_size, config.kv_channels
     a, g = config.num_attention_heads // tp, config.num_query_groups // tp
     w, c = config.params_dtype.itemsize, compute_width(config)
     kind = config.cp_comm_type
     if config.recompute_granularity == "selective" or kind == "p2p":
-        kept = n * b * _qkv_elements(config, expand_kv=False) * w
+        kept = n * b * qkv_elements(config, expand_kv=False) * w
         if config.recompute_granularity == "selective":
             return kept
         return kept + c * b * a * n  # the log-sum-exp
     index = 8 * 2 * cp  # a reorder's chunk index, kept by its backward
     if kind == "all_gather":
-        # q alone of the local slice (a view keeps the QKV output), or its converted copy
-        q = n * b * (_qkv_elements(config, keep=("q",)) * w if w == c else a * d * c)
-        blocks = (2 * cp + 1) * chunk * chunk  # each query chunk against its earlier keys
-        if a > g or w != c:  # converted or repeated per query chunk
-            kv = 2 * b * (a if a > g else g) * d * (2 * cp + 1) * chunk * c
-        else:
-            kv = 2 * s * b * g * d * w
-        return q + kv + b * a * blocks * c + blocks + index
+        q = n * b * qkv_elements(config, keep=("q",)) * w  # a view keeps the QKV output
+        kv = 2 * s * b * g * d * w
+        return q + kv + c * b * a * n + index  # and the log-sum-exp
     from megapp.context_parallel.a2a import kv_repeats
 
     heads, kv_heads = a // cp, g * kv_repeats(g, cp) // cp
-    q = s * b * heads * d * c
-    converted = heads > kv_heads or w != c  # repeated to the query heads, or converted
-    kv = 2 * s * b * (heads * d * c if converted else kv_heads * d * w)
-    return q + kv + b * heads * s * s * c + s * s + 3 * index
+    return s * b * (heads * (2 * d * w + c) + 2 * kv_heads * d * w) + 3 * index
 
 
 def rotary_bytes(config: TransformerConfig, seq_length: int) -> int:

@@ -55,6 +55,7 @@ from megapp.planning.activations import (
     layer_activation_bytes,
     moe_activation_bytes,
     moe_routed_rows,
+    qkv_elements,
     rotary_bytes,
 )
 from megapp.planning.model_state import (
@@ -166,14 +167,23 @@ def attention_working_bytes(config: GPTConfig, seq_length: int, mbs: int, backwa
       backward (probabilities, their gradient, two intermediates of the softmax's), with
       the keys and values held and the next ones arriving (converted or repeated
       per step), and the backward's query gradient;
-    - ``all_gather``: the largest query chunk's scores against the keys up to its end
-      (``n/2 × s`` on cp rank 0): one block above the probabilities kept, with its mask;
-      two in the backward;
-    - ``a2a``: the ``s × s`` scores of ``a/cp`` heads: one above the probabilities kept,
-      two in the backward.
+    - ``all_gather``: :func:`tiled_attention_working_bytes` of the rank's ``n`` queries
+      against the whole sequence in tiles of ``n/2``; its output, attention's own from
+      the start; the storages of the local k and v that q's does not hold, until
+      attention returns; in the backward the output's gradient and the contiguous copy attention
+      takes of it;
+    - ``a2a``: :func:`tiled_attention_working_bytes` of the whole sequence for ``a/cp``
+      heads in tiles of ``n/2``; the local q, k and v, which nothing keeps, until
+      attention returns; in the backward the output's gradient, reordered.
 
-    The forward's count is above the layer's held bytes, of which attention's successors
-    (the second norm's input, the output, the MLP's) do not exist yet: they are taken off.
+    The count is above the layer's held bytes, of which attention's successors (the
+    second norm's input, the output, the MLP's) do not exist yet in its forward: they are
+    taken off, but for the second norm's input, whose size the first norm's output has,
+    alive until attention returns. In the backward of the tiled mechanisms the MLP's are
+    freed, the second norm's input too but for the residual's gradient in its place (the
+    output, an all-gather's own, stays; an all-to-all's is freed for its gradient), and the
+    output projection's weight gradient is alive. (The ring's backward count stands as it
+    is.)
     """
     cp = config.context_parallel_size
     if cp == 1:
@@ -183,6 +193,8 @@ def attention_working_bytes(config: GPTConfig, seq_length: int, mbs: int, backwa
     a, g = config.num_attention_heads // tp, config.num_query_groups // tp
     w, c = config.params_dtype.itemsize, compute_width(config)
     kind = config.cp_comm_type
+    fc1 = config.ffn_hidden_size * (2 if config.activation == "swiglu" else 1) // tp
+    successors = n * b * (a * d + fc1) * w
     if kind == "p2p":
         slices = 2 * (2 * n * b * g * d * w)  # the keys and values held and the next ones
         if a > g or w != c:  # converted or repeated for the step's arithmetic
@@ -190,18 +202,59 @@ def attention_working_bytes(config: GPTConfig, seq_length: int, mbs: int, backwa
         if w != c:
             slices += n * b * a * d * c * (2 if backward else 1)  # q (and the gradient)
         block = b * a * n * n * c
-        work = (4 * block + n * b * a * d * c if backward else 3 * block) + slices
-    elif kind == "all_gather":
-        block = b * a * (n // 2) * s * c
-        work = 2 * block if backward else block + (n // 2) * s
+        if backward:
+            return 4 * block + n * b * a * d * c + slices
+        return max(0, 3 * block + slices - successors)
+    if kind == "all_gather":
+        work = tiled_attention_working_bytes(b, a, g, d, n, s, n // 2, w, c, backward)
+        work += (2 if backward else 1) * n * b * a * d * w
+        if not backward:  # the local k and v's storages, which it does not keep
+            local = qkv_elements(config, expand_kv=False) - qkv_elements(config, keep=("q",))
+            work += n * b * local * w
     else:
-        block = b * (a // cp) * s * s * c
-        work = 2 * block if backward else block
+        from megapp.context_parallel.a2a import kv_repeats
+
+        heads, kv_heads = a // cp, g * kv_repeats(g, cp) // cp
+        work = tiled_attention_working_bytes(b, heads, kv_heads, d, s, s, n // 2, w, c, backward)
+        if backward:
+            work += s * b * heads * d * w
+        else:
+            work += n * b * qkv_elements(config, expand_kv=False) * w
     if backward:
-        return work
-    fc1 = config.ffn_hidden_size * (2 if config.activation == "swiglu" else 1) // tp
-    norm = h // (tp if config.sequence_parallel else 1)
-    return max(0, work - n * b * (norm + a * d + fc1) * w)
+        return max(0, work + h * a * d * w - n * b * fc1 * w)
+    return max(0, work - successors)
+
+
+def tiled_attention_working_bytes(
+    b: int, heads: int, kv_heads: int, d: int, rows: int, keys: int, tile: int, w: int, c: int,
+    backward: bool,
+) -> int:  # fmt: skip
+    """Bytes :func:`~megapp.context_parallel.blocks.attend_in_blocks` has alive at its peak
+    beyond what it keeps, for ``rows`` queries of ``heads`` heads against ``keys`` keys of
+    ``kv_heads`` heads in tiles of ``tile × tile`` scores (``w``/``c``: bytes per element of
+    the inputs and of the arithmetic). With ``T = b·heads·tile²·c`` a tile's scores:
+
+    - forward: ``3T`` (the scores, their shift by the log-sum-exp and its exponentials),
+      the keys and values of the tile repeated to the query heads or converted to ``c``,
+      the previous tile's output and log-sum-exp and this one's, and the output
+      accumulated in ``c`` beyond the ``w`` it is kept in;
+    - backward: ``4T`` (probabilities, their gradient, the softmax backward's two
+      intermediates) and a tile's output-sized product, the tile's keys and values (and q)
+      repeated or converted, the previous tile's gradients, and the gradients of q, k and
+      v accumulated over the tiles in ``c``, with ``rowsum(dO·O)`` (and dO converted).
+    """
+    scores = b * heads * tile * tile * c
+    q_tile = b * heads * tile * d * c
+    widened = heads > kv_heads or w != c
+    kv_tile = 2 * b * (heads if heads > kv_heads else kv_heads) * tile * d * c if widened else 0
+    narrow = w != c
+    if not backward:
+        accumulated = b * heads * rows * d * (c - w)  # wider than the output it becomes
+        return 3 * scores + kv_tile + b * heads * tile * (d + 2) * c + accumulated
+    previous = q_tile + 2 * b * kv_heads * tile * d * c
+    grads = b * heads * rows * (d + 1) * c + 2 * b * kv_heads * keys * d * c
+    converted = q_tile + b * heads * rows * d * c if narrow else 0
+    return 4 * scores + q_tile + kv_tile + previous + grads + converted
 
 
 def chunk_working_bytes(
@@ -231,8 +284,9 @@ def chunk_working_bytes(
     if last:
         head = s * b * _vocab_shard(config) * w + s * b * h * w  # logit and input gradients
         head += 0 if op is Op.INPUT_GRAD else output_layer
+        # then the last layer's backward, the head's activations and logit gradients freed
         freed = chunk_activation_bytes(config, 0, False, True, s, mbs)
-        return max(head, layer - freed + head // 2) if num_layers else head
+        return max(head, layer - freed + tokens * h * w) if num_layers else head
     return tokens * h * w + layer  # the gradient received, and one layer's backward
 
 
