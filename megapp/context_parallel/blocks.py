@@ -28,8 +28,10 @@ __all__ = [
     "attend",
     "attend_in_blocks",
     "backward_from_lse",
+    "backward_in_tiles",
     "compute_dtype",
     "expand_kv",
+    "forward_in_tiles",
     "forward_with_lse",
     "merge_into",
 ]
@@ -155,21 +157,75 @@ def _tiles(
     return out
 
 
+def forward_in_tiles(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    scale: float,
+    causal: bool,
+    block: int,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    merge: bool,
+    key_ends: tuple[int, ...] | None = None,
+) -> None:
+    """Attend q ``[b, heads, sq, d]`` to ``kv[0]``/``kv[1]`` over the :func:`_tiles` of
+    ``block`` (``key_ends`` as :func:`attend_in_blocks` takes them), into ``out`` and ``lse``
+    (compute dtype, views allowed): written (``merge=False``) or merged with what they hold
+    over other keys (:func:`merge_into`)."""
+    ends = key_ends if key_ends is not None else (kv.shape[3],)
+    for rows, keys in _tiles(q.shape[2], ends, causal, block):
+        for n, (cols, diagonal) in enumerate(keys):
+            part = forward_with_lse(
+                q[..., rows, :], kv[0, ..., cols, :], kv[1, ..., cols, :], scale, diagonal
+            )
+            if n == 0 and not merge:
+                out[..., rows, :], lse[..., rows] = part
+            else:
+                merge_into(out[..., rows, :], lse[..., rows], *part)
+
+
+def backward_in_tiles(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    grad_out: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    scale: float,
+    causal: bool,
+    block: int,
+    grad_q: torch.Tensor,
+    grad_kv: torch.Tensor,
+    key_ends: tuple[int, ...] | None = None,
+) -> None:
+    """The backward of :func:`forward_in_tiles` from the final ``lse`` and ``delta`` (see
+    :func:`backward_from_lse`), added into ``grad_q`` and ``grad_kv`` (compute dtype, views
+    allowed)."""
+    ends = key_ends if key_ends is not None else (kv.shape[3],)
+    for rows, keys in _tiles(q.shape[2], ends, causal, block):
+        for cols, diagonal in keys:
+            dq, dk, dv = backward_from_lse(
+                q[..., rows, :],
+                kv[0, ..., cols, :],
+                kv[1, ..., cols, :],
+                grad_out[..., rows, :],
+                lse[..., rows],
+                delta[..., rows],
+                scale,
+                diagonal,
+            )
+            grad_q[..., rows, :] += dq
+            grad_kv[0, ..., cols, :] += dk
+            grad_kv[1, ..., cols, :] += dv
+
+
 class _InBlocks(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, kv, scale, causal, block, key_ends):
         dtype = compute_dtype(q.dtype)
         out = torch.empty(q.shape, dtype=dtype, device=q.device)
         lse = torch.empty(q.shape[:-1], dtype=dtype, device=q.device)
-        for rows, keys in _tiles(q.shape[2], key_ends, causal, block):
-            for n, (cols, diagonal) in enumerate(keys):
-                part = forward_with_lse(
-                    q[..., rows, :], kv[0, ..., cols, :], kv[1, ..., cols, :], scale, diagonal
-                )
-                if n == 0:
-                    out[..., rows, :], lse[..., rows] = part
-                else:
-                    merge_into(out[..., rows, :], lse[..., rows], *part)
+        forward_in_tiles(q, kv, scale, causal, block, out, lse, merge=False, key_ends=key_ends)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, kv, out, lse)
         ctx.scale, ctx.causal, ctx.block, ctx.key_ends = scale, causal, block, key_ends
@@ -183,21 +239,10 @@ class _InBlocks(torch.autograd.Function):
         delta = (grad_out * out.to(dtype)).sum(dim=-1)
         grad_q = torch.zeros(q.shape, dtype=dtype, device=q.device)
         grad_kv = torch.zeros(kv.shape, dtype=dtype, device=kv.device)
-        for rows, keys in _tiles(q.shape[2], ctx.key_ends, ctx.causal, ctx.block):
-            for cols, diagonal in keys:
-                dq, dk, dv = backward_from_lse(
-                    q[..., rows, :],
-                    kv[0, ..., cols, :],
-                    kv[1, ..., cols, :],
-                    grad_out[..., rows, :],
-                    lse[..., rows],
-                    delta[..., rows],
-                    ctx.scale,
-                    diagonal,
-                )
-                grad_q[..., rows, :] += dq
-                grad_kv[0, ..., cols, :] += dk
-                grad_kv[1, ..., cols, :] += dv
+        backward_in_tiles(
+            q, kv, grad_out, lse, delta, ctx.scale, ctx.causal, ctx.block, grad_q, grad_kv,
+            ctx.key_ends,
+        )  # fmt: skip
         return grad_q.to(q.dtype), grad_kv.to(kv.dtype), None, None, None, None
 
 

@@ -5,7 +5,9 @@ values: at step ``t`` rank ``i`` holds those of rank ``(i − t) mod cp``, sends
 to rank ``i + 1`` and receives the next from rank ``i − 1``, the transfer posted
 before the step's attention so that the two overlap. Partial results over
 different keys are combined exactly by their log-sum-exp
-(:func:`~megapp.context_parallel.blocks.merge_into`).
+(:func:`~megapp.context_parallel.blocks.merge_into`), and each step attends in
+tiles of half a slice on a side
+(:func:`~megapp.context_parallel.blocks.forward_in_tiles`).
 
 Causal, with the load-balanced layout (rank ``i`` holds chunks ``i`` and
 ``2cp − 1 − i``), each step is a lower triangle or half a square, never an idle
@@ -94,17 +96,17 @@ class _RingAttention(torch.autograd.Function):
         cp, me = comm.world_size(group), comm.rank(group)
         ring = _Shift(group)
         kv = torch.stack([k, v])
-        out = lse = None
+        dtype, tile = blocks.compute_dtype(q.dtype), q.shape[2] // 2
+        out = torch.empty(q.shape, dtype=dtype, device=q.device)
+        lse = torch.empty(q.shape[:-1], dtype=dtype, device=q.device)
         for step in range(cp):
             incoming = ring.start(kv) if step + 1 < cp else None
             rows, keys, block_causal = _block(step, me, cp, causal, q.shape[2])
-            part = blocks.forward_with_lse(
-                q[..., rows, :], kv[0, ..., keys, :], kv[1, ..., keys, :], scale, block_causal
-            )
-            if step == 0:  # every query row, so later blocks always merge into finite sums
-                out, lse = part
-            else:
-                blocks.merge_into(out[..., rows, :], lse[..., rows], *part)
+            # step 0 gives every query row its first keys; later steps merge into them
+            blocks.forward_in_tiles(
+                q[..., rows, :], kv[..., keys, :], scale, block_causal, tile,
+                out[..., rows, :], lse[..., rows], merge=step > 0,
+            )  # fmt: skip
             if incoming is not None:
                 kv = incoming.wait()
         out = out.to(q.dtype)
@@ -122,25 +124,17 @@ class _RingAttention(torch.autograd.Function):
         grad_out = grad_out.to(dtype)
         delta = (grad_out * out.to(dtype)).sum(dim=-1)
         grad_q = torch.zeros(q.shape, dtype=dtype, device=q.device)
-        kv = torch.stack([k, v])
+        kv, tile = torch.stack([k, v]), q.shape[2] // 2
         accumulator = None  # the gradient of the keys held last step, on its way here
         for step in range(cp):
             incoming = ring.start(kv) if step + 1 < cp else None
             rows, keys, block_causal = _block(step, me, cp, causal, q.shape[2])
-            dq, dk, dv = blocks.backward_from_lse(
-                q[..., rows, :],
-                kv[0, ..., keys, :],
-                kv[1, ..., keys, :],
-                grad_out[..., rows, :],
-                lse[..., rows],
-                delta[..., rows],
-                scale,
-                block_causal,
-            )
-            grad_q[..., rows, :] += dq
             grad_kv = torch.zeros(kv.shape, dtype=dtype, device=kv.device)
-            grad_kv[0, ..., keys, :] = dk
-            grad_kv[1, ..., keys, :] = dv
+            blocks.backward_in_tiles(
+                q[..., rows, :], kv[..., keys, :], grad_out[..., rows, :], lse[..., rows],
+                delta[..., rows], scale, block_causal, tile, grad_q[..., rows, :],
+                grad_kv[..., keys, :],
+            )  # fmt: skip
             if accumulator is not None:
                 grad_kv += accumulator.wait()
             # On to the keys' next holder; the last hop brings each rank its own, complete.

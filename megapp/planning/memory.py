@@ -160,30 +160,27 @@ def attention_working_bytes(config: GPTConfig, seq_length: int, mbs: int, backwa
     """Bytes context-parallel attention's forward (or ``backward``) has alive at its peak
     beyond what the layer keeps, on one tensor- and context-parallel rank of
     ``seq_length`` = ``n`` = ``s/cp`` tokens (0 without context parallelism: the
-    ``sdpa`` kernel works in tiles). Counted in blocks of scores in the compute dtype:
+    ``sdpa`` kernel works in tiles). Every mechanism attends in tiles of ``n/2`` on a side
+    (:func:`tiled_attention_working_bytes`):
 
-    - ``p2p``: a step's ``n × n`` block (the rest are half blocks): three while its
-      forward runs (scores, their log-sum-exp shift, the exponentials), four in its
-      backward (probabilities, their gradient, two intermediates of the softmax's), with
-      the keys and values held and the next ones arriving (converted or repeated
-      per step), and the backward's query gradient;
-    - ``all_gather``: :func:`tiled_attention_working_bytes` of the rank's ``n`` queries
-      against the whole sequence in tiles of ``n/2``; its output, attention's own from
-      the start; the storages of the local k and v that q's does not hold, until
-      attention returns; in the backward the output's gradient and the contiguous copy attention
-      takes of it;
-    - ``a2a``: :func:`tiled_attention_working_bytes` of the whole sequence for ``a/cp``
-      heads in tiles of ``n/2``; the local q, k and v, which nothing keeps, until
-      attention returns; in the backward the output's gradient, reordered.
+    - ``p2p``: the rank's ``n`` queries against the ``n`` keys it holds at a step, with
+      the keys and values held and the next ones arriving, and in the backward the
+      gradient accumulator on its way;
+    - ``all_gather``: the rank's ``n`` queries against the whole sequence, with the
+      storages of the local k and v that q's does not hold, until attention returns;
+    - ``a2a``: the whole sequence for ``a/cp`` heads, with the local q, k and v, which
+      nothing keeps, until attention returns, and in the backward the output's gradient
+      the reverse all-to-all and reorder made.
 
-    The count is above the layer's held bytes, of which attention's successors (the
-    second norm's input, the output, the MLP's) do not exist yet in its forward: they are
-    taken off, but for the second norm's input, whose size the first norm's output has,
-    alive until attention returns. In the backward of the tiled mechanisms the MLP's are
-    freed, the second norm's input too but for the residual's gradient in its place (the
-    output, an all-gather's own, stays; an all-to-all's is freed for its gradient), and the
-    output projection's weight gradient is alive. (The ring's backward count stands as it
-    is.)
+    The ring's and the all-gather's output is attention's own from its start, and its
+    gradient is there twice in the backward (as the projection gives it and as attention
+    takes it, made contiguous). The count is above the layer's held bytes, of which
+    attention's successors (the second norm's input, the output, the MLP's) do not exist
+    yet in its forward: they are taken off, but for the second norm's input, whose size
+    the first norm's output has, alive until attention returns. In the backward the MLP's
+    are freed, the second norm's input too but for the residual's gradient in its place
+    (an all-to-all's output is freed for its gradient), and the output projection's
+    weight gradient is alive.
     """
     cp = config.context_parallel_size
     if cp == 1:
@@ -196,16 +193,12 @@ def attention_working_bytes(config: GPTConfig, seq_length: int, mbs: int, backwa
     fc1 = config.ffn_hidden_size * (2 if config.activation == "swiglu" else 1) // tp
     successors = n * b * (a * d + fc1) * w
     if kind == "p2p":
-        slices = 2 * (2 * n * b * g * d * w)  # the keys and values held and the next ones
-        if a > g or w != c:  # converted or repeated for the step's arithmetic
-            slices += 2 * n * b * a * d * c if a > g else 2 * n * b * g * d * c
-        if w != c:
-            slices += n * b * a * d * c * (2 if backward else 1)  # q (and the gradient)
-        block = b * a * n * n * c
-        if backward:
-            return 4 * block + n * b * a * d * c + slices
-        return max(0, 3 * block + slices - successors)
-    if kind == "all_gather":
+        work = tiled_attention_working_bytes(b, a, g, d, n, n, n // 2, w, c, backward)
+        work += 2 * (2 * n * b * g * d * w)  # the keys and values held and the next ones
+        if backward:  # the gradient accumulator on its way
+            work += 2 * n * b * g * d * max(w, 4)
+        work += (2 if backward else 1) * n * b * a * d * w  # the output (and its gradient)
+    elif kind == "all_gather":
         work = tiled_attention_working_bytes(b, a, g, d, n, s, n // 2, w, c, backward)
         work += (2 if backward else 1) * n * b * a * d * w
         if not backward:  # the local k and v's storages, which it does not keep
