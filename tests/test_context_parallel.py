@@ -132,7 +132,7 @@ def test_attention_in_tiles_equals_full_attention_and_keeps_no_probabilities(cau
     kv = _randn(2, B, kv_heads, s, D, seed=2).requires_grad_()
     grad_out = _randn(B, heads, 8, D, seed=3)
     ends = (6, 16)  # segment 0 sees keys 0..5, segment 1 all 16, causal at its corner
-    out = blocks.attend_in_blocks(q, kv, 0.3, causal, 3, ends)
+    out = blocks.attend_in_tiles(q, kv, 0.3, causal, 3, ends)
     saved = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
              for t in out.grad_fn.saved_tensors}  # fmt: skip
     lse = B * heads * 8 * 8  # float64
@@ -149,9 +149,9 @@ def test_attention_in_tiles_equals_full_attention_and_keeps_no_probabilities(cau
     for a, b in zip(got, (expected.detach(), q.grad, kv.grad), strict=True):
         torch.testing.assert_close(a, b, **TOL)
     with pytest.raises(ValueError, match="cannot be cut into 3 equal segments"):
-        blocks.attend_in_blocks(q, kv, 0.3, causal, 3, (8, 8, 8))
+        blocks.attend_in_tiles(q, kv, 0.3, causal, 3, (8, 8, 8))
     with pytest.raises(ValueError, match="block must be >= 1"):
-        blocks.attend_in_blocks(q, kv, 0.3, causal, 0)
+        blocks.attend_in_tiles(q, kv, 0.3, causal, 0)
 
 
 def test_kv_repeats_make_kv_heads_divisible():

@@ -3,7 +3,7 @@
 Before attention, one all-to-all turns every cp rank's ``[b, heads, s/cp, d]``
 into ``[b, heads/cp, s, d]``: a whole sequence for a cp-th of the heads. Each
 rank then runs ordinary attention (heads are independent), in tiles that keep
-no probabilities (:func:`~megapp.context_parallel.blocks.attend_in_blocks`), and a second
+no probabilities (:func:`~megapp.context_parallel.blocks.attend_in_tiles`), and a second
 all-to-all turns the output back into ``[b, heads, s/cp, d]``. The backward of an
 all-to-all is the opposite all-to-all. Query heads must be divisible by cp.
 
@@ -94,6 +94,6 @@ def a2a_attention(
     q = restore_order(_AllToAll.apply(q, group, 1, 2), cp, dim=2)
     kv = restore_order(_AllToAll.apply(kv, group, 2, 3), cp, dim=3)
     chunk = q.shape[2] // (2 * cp)  # tiles of a chunk of the load-balanced layout
-    out = blocks.attend_in_blocks(q, kv, scale, causal, chunk)
+    out = blocks.attend_in_tiles(q, kv, scale, causal, chunk)
     # sequence -> heads: back to this rank's slice of the sequence, all heads
     return _AllToAll.apply(to_rank_order(out, cp, dim=2), group, 2, 1)

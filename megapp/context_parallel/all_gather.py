@@ -9,7 +9,7 @@ rank under the load-balanced layout. The gather is the sequence-parallel mapping
 over the cp group, so the backward reduce-scatters dK/dV to their owners.
 
 The attention runs in tiles of one chunk's queries against one chunk's keys
-(:func:`~megapp.context_parallel.blocks.attend_in_blocks`) and keeps, beside the
+(:func:`~megapp.context_parallel.blocks.attend_in_tiles`) and keeps, beside the
 gathered keys and values, only q, its output and the log-sum-exp. The gather
 cannot overlap the attention it feeds; in exchange it is one collective instead
 of ``cp − 1`` point-to-point steps. Tensors as in
@@ -48,4 +48,4 @@ def all_gather_attention(
     chunk = q.shape[2] // 2
     # causal, each query chunk sees the keys up to its own end, the last chunk masked
     ends = [(index + 1) * chunk for index in chunks_of_rank(cp, comm.rank(group))]
-    return blocks.attend_in_blocks(q, kv, scale, causal, chunk, ends if causal else None)
+    return blocks.attend_in_tiles(q, kv, scale, causal, chunk, ends if causal else None)

@@ -11,7 +11,7 @@ last key's position, so query ``i`` of ``sq`` sees keys ``0 … i + sk − sq``.
 ``sq == sk`` that is the usual lower triangle.
 
 - :func:`attend`: differentiable through autograd (saves the probabilities).
-- :func:`attend_in_blocks`: the same result, computed tile by tile of at most
+- :func:`attend_in_tiles`: the same result, computed tile by tile of at most
   ``block × block`` scores with an exact backward that keeps only q, k, v, the output and
   the log-sum-exp: memory linear in the sequence, as a fused attention kernel's.
 - :func:`forward_with_lse` / :func:`backward_from_lse`: the two halves of an exact
@@ -26,7 +26,7 @@ import torch
 
 __all__ = [
     "attend",
-    "attend_in_blocks",
+    "attend_in_tiles",
     "backward_from_lse",
     "backward_in_tiles",
     "compute_dtype",
@@ -170,7 +170,7 @@ def forward_in_tiles(
     key_ends: tuple[int, ...] | None = None,
 ) -> None:
     """Attend q ``[b, heads, sq, d]`` to ``kv[0]``/``kv[1]`` over the :func:`_tiles` of
-    ``block`` (``key_ends`` as :func:`attend_in_blocks` takes them), into ``out`` and ``lse``
+    ``block`` (``key_ends`` as :func:`attend_in_tiles` takes them), into ``out`` and ``lse``
     (compute dtype, views allowed): written (``merge=False``) or merged with what they hold
     over other keys (:func:`merge_into`)."""
     ends = key_ends if key_ends is not None else (kv.shape[3],)
@@ -246,7 +246,7 @@ class _InBlocks(torch.autograd.Function):
         return grad_q.to(q.dtype), grad_kv.to(kv.dtype), None, None, None, None
 
 
-def attend_in_blocks(
+def attend_in_tiles(
     q: torch.Tensor,
     kv: torch.Tensor,
     scale: float,

@@ -157,7 +157,7 @@ def context_parallel_attention_bytes(
       reorders' indices.
 
     Neither keeps probabilities: both attend in tiles
-    (:func:`~megapp.context_parallel.blocks.attend_in_blocks`).
+    (:func:`~megapp.context_parallel.blocks.attend_in_tiles`).
     With selective recompute only q, k and v are kept (attention is rerun).
     """
     n, b, cp = seq_length, micro_batch_size, config.context_parallel_size

@@ -222,7 +222,7 @@ def tiled_attention_working_bytes(
     b: int, heads: int, kv_heads: int, d: int, rows: int, keys: int, tile: int, w: int, c: int,
     backward: bool,
 ) -> int:  # fmt: skip
-    """Bytes :func:`~megapp.context_parallel.blocks.attend_in_blocks` has alive at its peak
+    """Bytes :func:`~megapp.context_parallel.blocks.attend_in_tiles` has alive at its peak
     beyond what it keeps, for ``rows`` queries of ``heads`` heads against ``keys`` keys of
     ``kv_heads`` heads in tiles of ``tile × tile`` scores (``w``/``c``: bytes per element of
     the inputs and of the arithmetic). With ``T = b·heads·tile²·c`` a tile's scores:
