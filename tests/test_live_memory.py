@@ -80,3 +80,32 @@ def test_a_layer_holds_what_the_planner_predicts(settings):
         held = memory.current() - memory.start
     # the layer's input x was allocated before; its output y is the next layer's input
     assert held == layer_activation_bytes(config, s, b) - x.nbytes + y.nbytes
+
+
+@pytest.mark.parametrize(
+    "activation, bias", [("gelu", True), ("gelu", False), ("swiglu", True), ("swiglu", False)]
+)
+def test_a_layer_backward_works_in_the_predicted_bytes(activation, bias):
+    """A layer's backward peaks above what it held by the planner's working bytes: its
+    MLP's gradients and one weight gradient (GeLU: two of its width, one of its input;
+    SwiGLU: the gate-and-up output's and the activation's), to within the biases' and the
+    norms' small gradients. Counted on a second step, with no gradients to add to."""
+    from megapp.planning.memory import layer_backward_bytes
+
+    config = TransformerConfig(
+        num_layers=1, hidden_size=96, num_attention_heads=4, ffn_hidden_size=200,
+        params_dtype=torch.float32, hidden_dropout=0.0, attention_dropout=0.0,
+        activation=activation, add_bias_linear=bias,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model_parallel_manual_seed(0)
+    layer = TransformerLayer(config, 0)
+    s = 256
+    for _ in range(2):
+        layer.zero_grad(set_to_none=True)
+        y = layer(torch.randn(s, 1, config.hidden_size, requires_grad=True))
+        grad = torch.randn_like(y)
+        with LiveTensorMemory() as memory:
+            y.backward(grad)
+    working = layer_backward_bytes(config, s, 1)
+    assert memory.peak - memory.start == pytest.approx(working, rel=0.005)

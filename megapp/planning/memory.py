@@ -138,14 +138,18 @@ def chunk_activation_bytes(
 
 
 def layer_backward_bytes(config: GPTConfig, seq_length: int, mbs: int) -> int:
-    """Working bytes of one layer's backward above what it held: the MLP's gradients (two
-    of its widest activation, one of its input) and one weight gradient, or, where it is
-    larger, context-parallel attention's backward (:func:`attention_working_bytes`; with
-    selective recompute it first rebuilds what attention keeps)."""
+    """Working bytes of one layer's backward above what it held: the MLP's gradients and
+    one weight gradient (``f`` its width on the rank: with GeLU two of ``f``, one of its
+    input and the weight's; with SwiGLU the gate-and-up output's ``2f``, the
+    activation's ``f`` and the weight's), or, where it is larger, context-parallel
+    attention's backward (:func:`attention_working_bytes`; with selective recompute it
+    first rebuilds what attention keeps)."""
     s, b, h, w = seq_length, mbs, config.hidden_size, config.params_dtype.itemsize
-    tp = config.tensor_model_parallel_size
-    fc1 = config.ffn_hidden_size * (2 if config.activation == "swiglu" else 1) // tp
-    mlp = (2 * s * b * fc1 + s * b * h + h * fc1) * w
+    f = config.ffn_hidden_size // config.tensor_model_parallel_size
+    if config.activation == "swiglu":
+        mlp = (3 * s * b * f + h * f) * w
+    else:
+        mlp = (2 * s * b * f + s * b * h + h * f) * w
     if config.context_parallel_size == 1:
         return mlp
     attention = attention_working_bytes(config, s, b, backward=True)
