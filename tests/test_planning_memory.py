@@ -127,8 +127,12 @@ def test_recompute_and_sequence_parallelism_lower_the_peak():
     assert peak(sequence_parallel=True) < plain
 
 
-CP_MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"]
-CP_MODEL += ["--seq-length", "1024", "--attention-dropout", "0"]
+def _cp_model(seq_length: int = 1024) -> list[str]:
+    flags = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"]
+    return [*flags, "--seq-length", str(seq_length), "--attention-dropout", "0"]
+
+
+CP_MODEL = _cp_model()
 
 
 def test_context_parallelism_splits_activations_and_shards_zero_over_dp_times_cp():
@@ -144,9 +148,8 @@ def test_context_parallelism_splits_activations_and_shards_zero_over_dp_times_cp
     assert ring.activations < min(gathered.activations, ulysses.activations)
     # and no probabilities: at twice the sequence their activations double (but for the
     # fixed reorder indices), where s² probabilities would quadruple
-    longer = [*CP_MODEL[: CP_MODEL.index("--seq-length")], "--seq-length", "2048", *CP_MODEL[-2:]]
     for kind, kept in (("all_gather", gathered), ("a2a", ulysses)):
-        doubled = memory(longer, cp=2, cp_comm_type=kind).activations
+        doubled = memory(_cp_model(2048), cp=2, cp_comm_type=kind).activations
         assert doubled == pytest.approx(2 * kept.activations, rel=1e-4), kind
     # scores are materialized per block, where the single-process kernel works in tiles
     assert ring.working > one.working

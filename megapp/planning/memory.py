@@ -27,8 +27,9 @@ Every term is a count of the tensors megapp's layers create (measured, on CPU, b
 Under context parallelism every rank holds ``s/cp`` tokens of each sequence: the
 activation and working terms are those of ``s/cp`` tokens, with attention's own
 (:func:`~megapp.planning.activations.context_parallel_attention_bytes` held,
-:func:`attention_working_bytes` while it runs); weights are replicated over the cp ranks
-and ZeRO shards over the ``dp × cp`` ranks that reduce the gradients.
+:func:`~megapp.planning.attention_working.attention_working_bytes` while it runs);
+weights are replicated over the cp ranks and ZeRO shards over the ``dp × cp`` ranks that
+reduce the gradients.
 
 A mixture-of-experts model's experts shard their optimizer states over the expert-data-
 parallel ranks (world / (etp·ep·pp)); its layers keep the routed rows' activations
@@ -49,15 +50,14 @@ from megapp.pipeline_parallel.asynchronous import stash_profile
 from megapp.pipeline_parallel.catalog import asynchronous_run
 from megapp.pipeline_parallel.schedules import Op, Schedule
 from megapp.planning.activations import (
-    compute_width,
     context_parallel_attention_bytes,
     full_recompute_layer_bytes,
     layer_activation_bytes,
     moe_activation_bytes,
     moe_routed_rows,
-    qkv_elements,
     rotary_bytes,
 )
+from megapp.planning.attention_working import attention_working_bytes
 from megapp.planning.model_state import (
     ModelState,
     chunk_expert_parameters,
@@ -142,8 +142,9 @@ def layer_backward_bytes(config: GPTConfig, seq_length: int, mbs: int) -> int:
     one weight gradient (``f`` its width on the rank: with GeLU two of ``f``, one of its
     input and the weight's; with SwiGLU the gate-and-up output's ``2f``, the
     activation's ``f`` and the weight's), or, where it is larger, context-parallel
-    attention's backward (:func:`attention_working_bytes`; with selective recompute it
-    first rebuilds what attention keeps)."""
+    attention's backward
+    (:func:`~megapp.planning.attention_working.attention_working_bytes`; with selective
+    recompute it first rebuilds what attention keeps)."""
     s, b, h, w = seq_length, mbs, config.hidden_size, config.params_dtype.itemsize
     f = config.ffn_hidden_size // config.tensor_model_parallel_size
     if config.activation == "swiglu":
@@ -158,100 +159,6 @@ def layer_backward_bytes(config: GPTConfig, seq_length: int, mbs: int) -> int:
         attention += context_parallel_attention_bytes(rerun, s, b)
         attention -= context_parallel_attention_bytes(config, s, b)
     return max(mlp, attention)
-
-
-def attention_working_bytes(config: GPTConfig, seq_length: int, mbs: int, backward: bool) -> int:
-    """Bytes context-parallel attention's forward (or ``backward``) has alive at its peak
-    beyond what the layer keeps, on one tensor- and context-parallel rank of
-    ``seq_length`` = ``n`` = ``s/cp`` tokens (0 without context parallelism: the
-    ``sdpa`` kernel works in tiles). Every mechanism attends in tiles of ``n/2`` on a side
-    (:func:`tiled_attention_working_bytes`):
-
-    - ``p2p``: the rank's ``n`` queries against the ``n`` keys it holds at a step, with
-      the keys and values held and the next ones arriving, and in the backward the
-      gradient accumulator on its way;
-    - ``all_gather``: the rank's ``n`` queries against the whole sequence, with the
-      storages of the local k and v that q's does not hold, until attention returns;
-    - ``a2a``: the whole sequence for ``a/cp`` heads, with the local q, k and v, which
-      nothing keeps, until attention returns, and in the backward the output's gradient
-      the reverse all-to-all and reorder made.
-
-    The ring's and the all-gather's output is attention's own from its start, and its
-    gradient is there twice in the backward (as the projection gives it and as attention
-    takes it, made contiguous). The count is above the layer's held bytes, of which
-    attention's successors (the second norm's input, the output, the MLP's) do not exist
-    yet in its forward: they are taken off, but for the second norm's input, whose size
-    the first norm's output has, alive until attention returns. In the backward the MLP's
-    are freed, the second norm's input too but for the residual's gradient in its place
-    (an all-to-all's output is freed for its gradient), and the output projection's
-    weight gradient is alive.
-    """
-    cp = config.context_parallel_size
-    if cp == 1:
-        return 0
-    n, b, s = seq_length, mbs, seq_length * config.context_parallel_size
-    tp, d, h = config.tensor_model_parallel_size, config.kv_channels, config.hidden_size
-    a, g = config.num_attention_heads // tp, config.num_query_groups // tp
-    w, c = config.params_dtype.itemsize, compute_width(config)
-    kind = config.cp_comm_type
-    fc1 = config.ffn_hidden_size * (2 if config.activation == "swiglu" else 1) // tp
-    successors = n * b * (a * d + fc1) * w
-    if kind == "p2p":
-        work = tiled_attention_working_bytes(b, a, g, d, n, n, n // 2, w, c, backward)
-        work += 2 * (2 * n * b * g * d * w)  # the keys and values held and the next ones
-        if backward:  # the gradient accumulator on its way
-            work += 2 * n * b * g * d * max(w, 4)
-        work += (2 if backward else 1) * n * b * a * d * w  # the output (and its gradient)
-    elif kind == "all_gather":
-        work = tiled_attention_working_bytes(b, a, g, d, n, s, n // 2, w, c, backward)
-        work += (2 if backward else 1) * n * b * a * d * w
-        if not backward:  # the local k and v's storages, which it does not keep
-            local = qkv_elements(config, expand_kv=False) - qkv_elements(config, keep=("q",))
-            work += n * b * local * w
-    else:
-        from megapp.context_parallel.a2a import kv_repeats
-
-        heads, kv_heads = a // cp, g * kv_repeats(g, cp) // cp
-        work = tiled_attention_working_bytes(b, heads, kv_heads, d, s, s, n // 2, w, c, backward)
-        if backward:
-            work += s * b * heads * d * w
-        else:
-            work += n * b * qkv_elements(config, expand_kv=False) * w
-    if backward:
-        return max(0, work + h * a * d * w - n * b * fc1 * w)
-    return max(0, work - successors)
-
-
-def tiled_attention_working_bytes(
-    b: int, heads: int, kv_heads: int, d: int, rows: int, keys: int, tile: int, w: int, c: int,
-    backward: bool,
-) -> int:  # fmt: skip
-    """Bytes :func:`~megapp.context_parallel.blocks.attend_in_tiles` has alive at its peak
-    beyond what it keeps, for ``rows`` queries of ``heads`` heads against ``keys`` keys of
-    ``kv_heads`` heads in tiles of ``tile × tile`` scores (``w``/``c``: bytes per element of
-    the inputs and of the arithmetic). With ``T = b·heads·tile²·c`` a tile's scores:
-
-    - forward: ``3T`` (the scores, their shift by the log-sum-exp and its exponentials),
-      the keys and values of the tile repeated to the query heads or converted to ``c``,
-      the previous tile's output and log-sum-exp and this one's, and the output
-      accumulated in ``c`` beyond the ``w`` it is kept in;
-    - backward: ``4T`` (probabilities, their gradient, the softmax backward's two
-      intermediates) and a tile's output-sized product, the tile's keys and values (and q)
-      repeated or converted, the previous tile's gradients, and the gradients of q, k and
-      v accumulated over the tiles in ``c``, with ``rowsum(dO·O)`` (and dO converted).
-    """
-    scores = b * heads * tile * tile * c
-    q_tile = b * heads * tile * d * c
-    widened = heads > kv_heads or w != c
-    kv_tile = 2 * b * (heads if heads > kv_heads else kv_heads) * tile * d * c if widened else 0
-    narrow = w != c
-    if not backward:
-        accumulated = b * heads * rows * d * (c - w)  # wider than the output it becomes
-        return 3 * scores + kv_tile + b * heads * tile * (d + 2) * c + accumulated
-    previous = q_tile + 2 * b * kv_heads * tile * d * c
-    grads = b * heads * rows * (d + 1) * c + 2 * b * kv_heads * keys * d * c
-    converted = q_tile + b * heads * rows * d * c if narrow else 0
-    return 4 * scores + q_tile + kv_tile + previous + grads + converted
 
 
 def chunk_working_bytes(
