@@ -90,8 +90,9 @@ def test_layout_rejects_bad_input():
 # ----- the blockwise arithmetic (one process) --------------------------------------
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "materialized"])
 @pytest.mark.parametrize("causal", [True, False])
-def test_blocks_merge_and_backward_equal_full_attention(causal):
+def test_blocks_merge_and_backward_equal_full_attention(causal, fused):
     heads, kv_heads, s = 4, 2, 12
     q = _randn(B, heads, s, D, seed=1)
     k, v = _randn(B, kv_heads, s, D, seed=2), _randn(B, kv_heads, s, D, seed=3)
@@ -104,8 +105,9 @@ def test_blocks_merge_and_backward_equal_full_attention(causal):
     rows, cuts = slice(8, 12), [(0, 5), (5, 8), (8, 12)]
     out = lse = None
     for lo, hi in cuts:
+        diagonal = causal and hi == 12
         part = blocks.forward_with_lse(
-            q[..., rows, :], k[..., lo:hi, :], v[..., lo:hi, :], scale, causal and hi == 12
+            q[..., rows, :], k[..., lo:hi, :], v[..., lo:hi, :], scale, diagonal, fused
         )
         if out is None:
             out, lse = part
@@ -114,15 +116,20 @@ def test_blocks_merge_and_backward_equal_full_attention(causal):
     torch.testing.assert_close(out, expected[..., rows, :], **TOL)
     torch.testing.assert_close(blocks.attend(q, k, v, scale, causal), expected, **TOL)
     # the backward of one whole-key block from the final lse is autograd's
-    delta = (grad_out * expected.detach()).sum(-1)
-    _, full_lse = blocks.forward_with_lse(q, k, v, scale, causal)
-    dq, dk, dv = blocks.backward_from_lse(q, k, v, grad_out, full_lse, delta, scale, causal)
+    full_out, full_lse = blocks.forward_with_lse(q, k, v, scale, causal, fused)
+    dq, dk, dv = blocks.backward_from_lse(
+        q, k, v, grad_out, full_out, full_lse, scale, causal, fused
+    )
     for got, t in zip((dq, dk, dv), full, strict=True):
         torch.testing.assert_close(got, t.grad, **TOL)
+    if fused:  # the kernel's causal mask sits at the top-left corner: only squares
+        with pytest.raises(ValueError, match="fused causal block must be square"):
+            blocks.forward_with_lse(q[..., rows, :], k, v, scale, True, fused)
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "materialized"])
 @pytest.mark.parametrize("causal", [True, False])
-def test_attention_in_tiles_equals_full_attention_and_keeps_no_probabilities(causal):
+def test_attention_in_tiles_equals_full_attention_and_keeps_no_probabilities(causal, fused):
     """Queries cut into segments that each see the keys up to their own end (the
     all-gather's two chunks), in tiles of 3 rows and keys: the output and dQ/dK/dV of the
     segments' full attention, and for backward it keeps q, the keys and values, the
@@ -132,7 +139,7 @@ def test_attention_in_tiles_equals_full_attention_and_keeps_no_probabilities(cau
     kv = _randn(2, B, kv_heads, s, D, seed=2).requires_grad_()
     grad_out = _randn(B, heads, 8, D, seed=3)
     ends = (6, 16)  # segment 0 sees keys 0..5, segment 1 all 16, causal at its corner
-    out = blocks.attend_in_tiles(q, kv, 0.3, causal, 3, ends)
+    out = blocks.attend_in_tiles(q, kv, 0.3, causal, 3, ends, fused)
     saved = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
              for t in out.grad_fn.saved_tensors}  # fmt: skip
     lse = B * heads * 8 * 8  # float64

@@ -109,3 +109,40 @@ def test_a_layer_backward_works_in_the_predicted_bytes(activation, bias):
             y.backward(grad)
     working = layer_backward_bytes(config, s, 1)
     assert memory.peak - memory.start == pytest.approx(working, rel=0.005)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (8, 2)])
+@pytest.mark.parametrize("ends", [None, (32, 128), (96, 128)], ids=["square", "ag0", "ag1"])
+def test_fused_attention_blocks_work_in_the_predicted_bytes(dtype, heads, kv_heads, ends):
+    """Context-parallel attention in fused blocks, as a CPU runs it: a2a's one causal
+    square, or the all-gather's two query chunks each seeing the keys up to its end. Its
+    forward peaks above the start by the planner's working bytes, the output and the
+    log-sum-exp, and its backward by the working bytes, to the byte."""
+    from megapp.context_parallel.blocks import attend_in_tiles
+    from megapp.planning.attention_working import fused_attention_working_bytes
+
+    b, d = 2, 16
+    sq, sk = (128, 128) if ends is None else (64, 128)
+    q = torch.randn(b, heads, sq, d, dtype=dtype, requires_grad=True)
+    kv = torch.randn(2, b, kv_heads, sk, d, dtype=dtype, requires_grad=True)
+    grad = torch.randn(b, heads, sq, d, dtype=dtype)
+    with LiveTensorMemory() as forward:
+        out = attend_in_tiles(q, kv, 0.25, True, 8, ends, fused=True)
+    with LiveTensorMemory() as backward:
+        out.backward(grad)
+    if ends is None:
+        calls = [(sq, sk, False)]
+    else:  # each chunk's keys before its diagonal, then the diagonal merged into them
+        chunk = sq // 2
+        calls = []
+        for end in ends:
+            before = [(chunk, end - chunk, False)] if end > chunk else []
+            calls += [*before, (chunk, chunk, bool(before))]
+    w, c = dtype.itemsize, 4
+    shape = (b, heads, kv_heads, d, w, c)
+    lse = b * heads * sq * c
+    working = fused_attention_working_bytes(*shape, False, sq, sk, [calls])
+    assert forward.peak - forward.start == working + out.nbytes + lse
+    working = fused_attention_working_bytes(*shape, True, sq, sk, [calls])
+    assert backward.peak - backward.start == working

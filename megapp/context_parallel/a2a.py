@@ -2,7 +2,7 @@
 
 Before attention, one all-to-all turns every cp rank's ``[b, heads, s/cp, d]``
 into ``[b, heads/cp, s, d]``: a whole sequence for a cp-th of the heads. Each
-rank then runs ordinary attention (heads are independent), in tiles that keep
+rank then runs ordinary attention (heads are independent), block by block, keeping
 no probabilities (:func:`~megapp.context_parallel.blocks.attend_in_tiles`), and a second
 all-to-all turns the output back into ``[b, heads, s/cp, d]``. The backward of an
 all-to-all is the opposite all-to-all. Query heads must be divisible by cp.

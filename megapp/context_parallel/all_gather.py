@@ -8,8 +8,9 @@ to the keys up to its own end, with the diagonal block masked: chunk ``c`` of
 rank under the load-balanced layout. The gather is the sequence-parallel mapping
 over the cp group, so the backward reduce-scatters dK/dV to their owners.
 
-The attention runs in tiles of one chunk's queries against one chunk's keys
-(:func:`~megapp.context_parallel.blocks.attend_in_tiles`) and keeps, beside the
+The attention runs block by block (fused: each chunk's keys before its diagonal, then
+the diagonal; materialized: tiles of one chunk's queries against one chunk's keys;
+:func:`~megapp.context_parallel.blocks.attend_in_tiles`) and keeps, beside the
 gathered keys and values, only q, its output and the log-sum-exp. The gather
 cannot overlap the attention it feeds; in exchange it is one collective instead
 of ``cp − 1`` point-to-point steps. Tensors as in

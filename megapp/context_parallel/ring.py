@@ -6,7 +6,7 @@ to rank ``i + 1`` and receives the next from rank ``i − 1``, the transfer post
 before the step's attention so that the two overlap. Partial results over
 different keys are combined exactly by their log-sum-exp
 (:func:`~megapp.context_parallel.blocks.merge_into`), and each step attends in
-tiles of half a slice on a side
+one fused block or in materialized tiles of half a slice on a side
 (:func:`~megapp.context_parallel.blocks.forward_in_tiles`).
 
 Causal, with the load-balanced layout (rank ``i`` holds chunks ``i`` and
@@ -121,8 +121,7 @@ class _RingAttention(torch.autograd.Function):
         cp, me = comm.world_size(group), comm.rank(group)
         ring = _Shift(group)
         dtype = blocks.compute_dtype(q.dtype)
-        grad_out = grad_out.to(dtype)
-        delta = (grad_out * out.to(dtype)).sum(dim=-1)
+        grad_out, out = grad_out.to(dtype), out.to(dtype)
         grad_q = torch.zeros(q.shape, dtype=dtype, device=q.device)
         kv, tile = torch.stack([k, v]), q.shape[2] // 2
         accumulator = None  # the gradient of the keys held last step, on its way here
@@ -131,8 +130,8 @@ class _RingAttention(torch.autograd.Function):
             rows, keys, block_causal = _block(step, me, cp, causal, q.shape[2])
             grad_kv = torch.zeros(kv.shape, dtype=dtype, device=kv.device)
             blocks.backward_in_tiles(
-                q[..., rows, :], kv[..., keys, :], grad_out[..., rows, :], lse[..., rows],
-                delta[..., rows], scale, block_causal, tile, grad_q[..., rows, :],
+                q[..., rows, :], kv[..., keys, :], grad_out[..., rows, :], out[..., rows, :],
+                lse[..., rows], scale, block_causal, tile, grad_q[..., rows, :],
                 grad_kv[..., keys, :],
             )  # fmt: skip
             if accumulator is not None:

@@ -156,7 +156,7 @@ def context_parallel_attention_bytes(
       a2a.kv_repeats`), the attention's output and log-sum-exp for them, and the three
       reorders' indices.
 
-    Neither keeps probabilities: both attend in tiles
+    Neither keeps probabilities: both attend block by block
     (:func:`~megapp.context_parallel.blocks.attend_in_tiles`).
     With selective recompute only q, k and v are kept (attention is rerun).
     """

@@ -20,7 +20,8 @@ and the peak is the state plus the largest held + working sum over the rank's ac
 on gloo (CPU), the optimizer step's temporaries after the backward where they are larger
 (:func:`optimizer_step_bytes`; the fused CUDA optimizer allocates none). Which transport a
 run uses is the hardware profile's for a plan, else the config's
-(:func:`runs_on_gloo`).
+(:func:`runs_on_gloo`); a run on gloo runs on CPUs, where context-parallel attention's
+blocks are fused.
 Every term is a count of the tensors megapp's layers create (measured, on CPU, by
 :class:`~megapp.training.live_memory.LiveTensorMemory`; see docs/planning.md).
 
@@ -137,14 +138,17 @@ def chunk_activation_bytes(
     return held
 
 
-def layer_backward_bytes(config: GPTConfig, seq_length: int, mbs: int) -> int:
+def layer_backward_bytes(
+    config: GPTConfig, seq_length: int, mbs: int, fused_attention: bool = False
+) -> int:
     """Working bytes of one layer's backward above what it held: the MLP's gradients and
     one weight gradient (``f`` its width on the rank: with GeLU two of ``f``, one of its
     input and the weight's; with SwiGLU the gate-and-up output's ``2f``, the
     activation's ``f`` and the weight's), or, where it is larger, context-parallel
     attention's backward
     (:func:`~megapp.planning.attention_working.attention_working_bytes`; with selective
-    recompute it first rebuilds what attention keeps)."""
+    recompute it first rebuilds what attention keeps; ``fused_attention``: its blocks run
+    in the fused kernel, as on a CPU)."""
     s, b, h, w = seq_length, mbs, config.hidden_size, config.params_dtype.itemsize
     f = config.ffn_hidden_size // config.tensor_model_parallel_size
     if config.activation == "swiglu":
@@ -153,7 +157,7 @@ def layer_backward_bytes(config: GPTConfig, seq_length: int, mbs: int) -> int:
         mlp = (2 * s * b * f + s * b * h + h * f) * w
     if config.context_parallel_size == 1:
         return mlp
-    attention = attention_working_bytes(config, s, b, backward=True)
+    attention = attention_working_bytes(config, s, b, True, fused_attention)
     if config.recompute_granularity == "selective":  # the rerun forward's kept tensors
         rerun = dataclasses.replace(config, recompute_granularity=None)
         attention += context_parallel_attention_bytes(rerun, s, b)
@@ -162,20 +166,28 @@ def layer_backward_bytes(config: GPTConfig, seq_length: int, mbs: int) -> int:
 
 
 def chunk_working_bytes(
-    config: GPTConfig, num_layers: int, last: bool, op: Op, seq_length: int, mbs: int
+    config: GPTConfig,
+    num_layers: int,
+    last: bool,
+    op: Op,
+    seq_length: int,
+    mbs: int,
+    fused_attention: bool = False,
 ) -> int:
     """Working bytes of ``op`` on a chunk above what the rank holds before it (``F``: the
     temporaries of the widest layer op and the output until sent; ``B``/``I``/``W``: the
-    incoming gradient and one layer's backward, or the output layer's logit gradients)."""
+    incoming gradient and one layer's backward, or the output layer's logit gradients).
+    ``fused_attention``: context-parallel attention's blocks run in the fused kernel (on a
+    CPU: :func:`~megapp.context_parallel.blocks.fused_kernel`)."""
     s, b, h, w = seq_length, mbs, config.hidden_size, config.params_dtype.itemsize
     tp, sp = config.tensor_model_parallel_size, config.sequence_parallel
     tokens = s * b // (tp if sp else 1)
     fc1 = config.ffn_hidden_size * (2 if config.activation == "swiglu" else 1) // tp
-    layer = layer_backward_bytes(config, s, mbs)
+    layer = layer_backward_bytes(config, s, mbs, fused_attention)
     if config.recompute_granularity == "full":
         layer += layer_activation_bytes(config, s, mbs)  # the layer rebuilt for its backward
     if op is Op.FORWARD:
-        attention = attention_working_bytes(config, s, b, backward=False)
+        attention = attention_working_bytes(config, s, b, False, fused_attention)
         work = max(s * b * fc1 * w, attention) if num_layers else 0
         if config.num_moe_experts is not None and num_layers:  # dispatch's send and receive
             work = max(work, 2 * moe_routed_rows(config, s, b) * h * w)
@@ -283,7 +295,7 @@ def predict_memory(config, vocab_size: int, transport: str | None = None) -> lis
             last = stage == num_stages - 1
             if (stage, action.op) not in working:  # the same for every microbatch
                 working[(stage, action.op)] = chunk_working_bytes(
-                    model, layers[stage], last, action.op, s, b
+                    model, layers[stage], last, action.op, s, b, fused_attention=gloo
                 )
             work = buffers + working[(stage, action.op)]
             if action.op is Op.FORWARD:

@@ -177,8 +177,11 @@ class Planner:
                 self._memo(chunk_activation_bytes, gpt, layers[st], st == 0, st == last, s, b)
                 for st in row
             ]
+            fused = self.hardware.transport == "gloo"  # on CPUs
             working = [
-                self._memo(chunk_working_bytes, gpt, layers[st], st == last, Op.FORWARD, s, b)
+                self._memo(
+                    chunk_working_bytes, gpt, layers[st], st == last, Op.FORWARD, s, b, fused
+                )
                 for st in row
             ]
             floor = max(floor, states[rank] + held.floor(sizes, working))
