@@ -142,7 +142,7 @@ def test_fused_attention_blocks_work_in_the_predicted_bytes(dtype, heads, kv_hea
     w, c = dtype.itemsize, 4
     shape = (b, heads, kv_heads, d, w, c)
     lse = b * heads * sq * c
-    working = fused_attention_working_bytes(*shape, False, sq, sk, [calls])
+    working = fused_attention_working_bytes(*shape, False, sq, sk, calls)
     assert forward.peak - forward.start == working + out.nbytes + lse
-    working = fused_attention_working_bytes(*shape, True, sq, sk, [calls])
+    working = fused_attention_working_bytes(*shape, True, sq, sk, calls)
     assert backward.peak - backward.start == working

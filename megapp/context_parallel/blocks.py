@@ -101,8 +101,8 @@ def fused_kernel(device: torch.device) -> bool:
 
 
 def _runs_fused(fused: bool | None, q: torch.Tensor, k: torch.Tensor, causal: bool) -> bool:
-    if fused is None:
-        fused = fused_kernel(q.device)
+    """``fused``, or the device's default where None; a fused causal block must be square."""
+    fused = fused_kernel(q.device) if fused is None else fused
     if fused and causal and q.shape[-2] != k.shape[-2]:
         sq, sk = q.shape[-2], k.shape[-2]
         raise ValueError(f"a fused causal block must be square, got {sq} queries and {sk} keys")
@@ -119,7 +119,8 @@ def forward_with_lse(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One block's output ``[b, heads, sq, d]`` and log-sum-exp ``[b, heads, sq]``, both in the
     compute dtype. Every query row must see at least one key (true of every block the
-    context-parallel mechanisms compute)."""
+    context-parallel mechanisms compute). ``fused``: as the module docstring says (None:
+    :func:`fused_kernel` of q's device)."""
     dtype = compute_dtype(q.dtype)
     k, v = (expand_kv(t.to(dtype), q.shape[1]) for t in (k, v))
     if _runs_fused(fused, q, k, causal):
@@ -157,7 +158,7 @@ def backward_from_lse(
     ``out`` ``[b, heads, sq, d]`` and ``lse`` ``[b, heads, sq]`` are the final output and
     log-sum-exp of these query rows over all keys (compute dtype), so the block's
     probabilities and the softmax's backward (through ``rowsum(grad_out · out)``) are
-    exact without the other blocks.
+    exact without the other blocks. ``fused`` as :func:`forward_with_lse` takes it.
     """
     dtype = compute_dtype(q.dtype)
     kv_heads, heads = k.shape[1], q.shape[1]
@@ -206,8 +207,7 @@ def _tiles(
 def _tile(q: torch.Tensor, kv: torch.Tensor, block: int, fused: bool | None) -> int:
     """The tile side: ``block`` for materialized blocks; a fused kernel tiles by itself, so
     it takes each segment whole (its keys before the diagonal, then the diagonal)."""
-    if fused is None:
-        fused = fused_kernel(q.device)
+    fused = fused_kernel(q.device) if fused is None else fused
     return max(q.shape[2], kv.shape[3]) if fused else block
 
 

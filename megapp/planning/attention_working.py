@@ -56,9 +56,9 @@ def attention_working_bytes(
     if kind == "p2p":
         if fused:  # a step: all n queries against the rank's own keys, or half of either
             work = max(
-                fused_attention_working_bytes(*shape, n, n, [[(n, n, False)]]),
-                fused_attention_working_bytes(*shape, n, n, [[(n, n // 2, True)]]),
-                fused_attention_working_bytes(*shape, n, n, [[(n // 2, n, True)]]),
+                fused_attention_working_bytes(*shape, n, n, [(n, n, False)]),
+                fused_attention_working_bytes(*shape, n, n, [(n, n // 2, True)]),
+                fused_attention_working_bytes(*shape, n, n, [(n // 2, n, True)]),
             )
         else:
             work = tiled_attention_working_bytes(b, a, g, d, n, n, n // 2, w, c, backward)
@@ -70,7 +70,7 @@ def attention_working_bytes(
         if fused:  # the first chunk's diagonal, then the last's keys before it and its own
             half = n // 2
             calls = [(half, half, False), (half, s - half, False), (half, half, True)]
-            work = fused_attention_working_bytes(*shape, n, s, [calls])
+            work = fused_attention_working_bytes(*shape, n, s, calls)
         else:
             work = tiled_attention_working_bytes(b, a, g, d, n, s, n // 2, w, c, backward)
         kept = qkv_elements(config, keep=("q",))
@@ -80,7 +80,7 @@ def attention_working_bytes(
         heads, kv_heads = a // cp, g * kv_repeats(g, cp) // cp
         if fused:  # the whole sequence's square in one block
             shape = (b, heads, kv_heads, d, w, c, backward)
-            work = fused_attention_working_bytes(*shape, s, s, [[(s, s, False)]])
+            work = fused_attention_working_bytes(*shape, s, s, [(s, s, False)])
         else:
             work = tiled_attention_working_bytes(
                 b, heads, kv_heads, d, s, s, n // 2, w, c, backward
@@ -131,16 +131,16 @@ def tiled_attention_working_bytes(
 
 def fused_attention_working_bytes(
     b: int, heads: int, kv_heads: int, d: int, w: int, c: int, backward: bool,
-    rows: int, keys: int, calls: list[list[tuple[int, int, bool]]],
+    rows: int, keys: int, calls: list[tuple[int, int, bool]],
 ) -> int:  # fmt: skip
     """Bytes :func:`~megapp.context_parallel.blocks.attend_in_tiles` (or one ring step's
     :func:`~megapp.context_parallel.blocks.forward_in_tiles`) has alive at its peak beyond
     what it keeps, its blocks run in the fused kernel: ``rows`` queries of ``heads`` heads
     against ``keys`` keys of ``kv_heads`` heads (``w``/``c``: bytes per element of the inputs
-    and of the arithmetic), in ``calls``: per loop over the blocks, each block's
-    ``(query rows, keys, merged)`` in order. A block's results stay alive until the next
-    block's are returned. Where the heads differ or ``w < c``, each block's keys and values
-    are repeated to the query heads or converted to ``c`` (and its queries converted):
+    and of the arithmetic), in ``calls``: each block's ``(query rows, keys, merged)`` in
+    order. A block's results stay alive until the next block's are returned. Where the
+    heads differ or ``w < c``, each block's keys and values are repeated to the query heads
+    or converted to ``c`` (and its queries converted):
 
     - forward: a block's output and log-sum-exp beside the previous block's, or, merging
       into the running output, its output-sized product and two row statistics; and the
@@ -153,23 +153,21 @@ def fused_attention_working_bytes(
     widened = 2 * b * (heads if grouped else kv_heads) * d * c if grouped or narrow else 0
     convert_v = b * kv_heads * d * c if grouped and narrow else 0  # per key, while repeating
     q_row = b * heads * d * c if narrow else 0  # a query row converted
-    peak = 0
-    for loop in calls:
-        previous = 0
-        for r, k, merged in loop:
-            inputs = previous + k * widened + r * q_row
-            if not backward:
-                part = b * heads * r * (d + 1) * c
-                peak = max(peak, previous + k * (widened + convert_v), inputs + part)
-                if merged:
-                    peak = max(peak, part + b * heads * r * (d + 2) * c)
-                previous = part
-                continue
-            part = b * heads * r * d * c + 2 * b * kv_heads * k * d * c  # dq, dk, dv
-            at_heads = k * widened if grouped else 0  # dk and dv before the sum to kv heads
-            peak = max(peak, previous + k * (widened + convert_v) + r * q_row)
-            peak = max(peak, inputs + at_heads + part)
+    peak = previous = 0
+    for r, k, merged in calls:
+        inputs = previous + k * widened + r * q_row
+        if not backward:
+            part = b * heads * r * (d + 1) * c
+            peak = max(peak, previous + k * (widened + convert_v), inputs + part)
+            if merged:
+                peak = max(peak, part + b * heads * r * (d + 2) * c)
             previous = part
+            continue
+        part = b * heads * r * d * c + 2 * b * kv_heads * k * d * c  # dq, dk, dv
+        at_heads = k * widened if grouped else 0  # dk and dv before the sum to kv heads
+        peak = max(peak, previous + k * (widened + convert_v) + r * q_row)
+        peak = max(peak, inputs + at_heads + part)
+        previous = part
     if not backward:
         return peak + b * heads * rows * d * (c - w)
     grads = b * heads * rows * d * c + 2 * b * kv_heads * keys * d * c
