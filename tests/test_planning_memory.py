@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from megapp.models import GPTConfig, build_gpt_chunks
+from megapp.pipeline_parallel.schedules import Op
 from megapp.planning.layout import Layout, pretrain_config
-from megapp.planning.memory import chunk_activation_bytes, predict_memory
+from megapp.planning.memory import chunk_activation_bytes, chunk_working_bytes, predict_memory
 from megapp.planning.model_state import model_state, rank_parameters
 from megapp.tensor_parallel.random import model_parallel_manual_seed
 from megapp.training.live_memory import LiveTensorMemory
@@ -73,6 +74,42 @@ def test_a_chunk_holds_what_the_model_predicts(pp_rank, pp, settings):
     layers = 6 // pp
     predicted = chunk_activation_bytes(config, layers, chunk.pre_process, chunk.post_process, s, b)
     assert held == predicted
+
+
+@pytest.mark.parametrize(
+    "seq, vocab, pp, moment",
+    [
+        (512, 257, 1, "the loss's backward: the logits' gradient"),
+        (64, 2000, 2, "the output layer's: its input and weight gradients, logits freed"),
+        (64, 257, 2, "the last layer's MLP"),
+        (64, 257, 1, "the last layer's MLP, beside the tied output weight's gradient"),
+    ],
+)
+def test_the_last_chunk_backward_works_in_the_predicted_bytes(seq, vocab, pp, moment):
+    """The last chunk's backward peaks above what it held by the planner's working bytes,
+    whichever moment is its peak (``moment``). Counted on a second step, the weights'
+    gradients accumulated in place as into a data-parallel gradient buffer."""
+    config = GPTConfig(
+        num_layers=2 * pp, hidden_size=64, num_attention_heads=4, vocab_size=vocab,
+        max_position_embeddings=seq, hidden_dropout=0.0, attention_dropout=0.0,
+        params_dtype=torch.float32, make_vocab_size_divisible_by=128,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model_parallel_manual_seed(0)
+    (chunk,) = build_gpt_chunks(config, pp_rank=pp - 1, pp_size=pp)
+    ids, labels = torch.randint(0, vocab, (1, seq)), torch.randint(0, vocab, (1, seq))
+    for _ in range(2):
+        received = None if chunk.pre_process else torch.randn(seq, 1, 64, requires_grad=True)
+        batch = ids.clone() if chunk.pre_process else None
+        loss = chunk(input_ids=batch, hidden_states=received, labels=labels).sum()
+        with LiveTensorMemory() as memory:
+            loss.backward()
+        for p in chunk.parameters():
+            p.grad.zero_()
+    first = chunk.pre_process
+    predicted = chunk_working_bytes(config, 2, True, Op.BACKWARD, seq, 1, first=first)
+    # beyond the count: the loss's scalar gradients and the biases' (under 1 KiB here)
+    assert memory.peak - memory.start == pytest.approx(predicted, abs=1024)
 
 
 @pytest.mark.parametrize("schedule, expected", [("gpipe", [8, 8, 8, 8]), ("1f1b", [4, 3, 2, 1])])
@@ -162,9 +199,10 @@ def test_context_parallelism_splits_activations_and_shards_zero_over_dp_times_cp
 @pytest.mark.slow  # trains a 2-rank job three times
 @pytest.mark.parametrize("comm_type", ["p2p", "all_gather", "a2a"])
 def test_context_parallel_peak_is_predicted(comm_type, tmp_path):
-    """pretrain_gpt.py at cp = 2 on 1024-token sequences, where attention's scores dominate
-    the peak: every rank's measured peak within 5% of the prediction for cp rank 0 (the
-    fullest: under the all-gather its second query chunk sees the whole sequence)."""
+    """pretrain_gpt.py at cp = 2 on 1024-token sequences: every rank's measured peak
+    within 1% of the prediction for cp rank 0 (the fullest: under the all-gather its
+    second query chunk sees the whole sequence). Its peak is the loss's backward, holding
+    the logits' gradient alone."""
     from megapp.testing.pretrain_world import run_pretrain_in_world
     from megapp.training.metrics import read_records
 
@@ -177,5 +215,5 @@ def test_context_parallel_peak_is_predicted(comm_type, tmp_path):
     (profile,) = read_records(tmp_path / "m.jsonl", "profile")
     predicted = predict_memory(pretrain_config(layout, CP_MODEL, 2), VOCAB)[0].total
     peaks = [rank["peak_bytes"] for rank in profile["ranks"]]
-    assert max(peaks) == pytest.approx(predicted, rel=0.05)
+    assert max(peaks) == pytest.approx(predicted, rel=0.01)
     assert all(peak <= predicted * 1.01 for peak in peaks)

@@ -173,12 +173,14 @@ def chunk_working_bytes(
     seq_length: int,
     mbs: int,
     fused_attention: bool = False,
+    first: bool = False,
 ) -> int:
     """Working bytes of ``op`` on a chunk above what the rank holds before it (``F``: the
     temporaries of the widest layer op and the output until sent; ``B``/``I``/``W``: the
     incoming gradient and one layer's backward, or the output layer's logit gradients).
     ``fused_attention``: context-parallel attention's blocks run in the fused kernel (on a
-    CPU: :func:`~megapp.context_parallel.blocks.fused_kernel`)."""
+    CPU: :func:`~megapp.context_parallel.blocks.fused_kernel`); ``first``: the chunk is
+    also the first virtual stage (it holds the word embedding)."""
     s, b, h, w = seq_length, mbs, config.hidden_size, config.params_dtype.itemsize
     tp, sp = config.tensor_model_parallel_size, config.sequence_parallel
     tokens = s * b // (tp if sp else 1)
@@ -198,11 +200,18 @@ def chunk_working_bytes(
     if op is Op.WEIGHT_GRAD:
         return max(h * fc1 * w, output_layer)
     if last:
-        head = s * b * _vocab_shard(config) * w + s * b * h * w  # logit and input gradients
-        head += 0 if op is Op.INPUT_GRAD else output_layer
-        # then the last layer's backward, the head's activations and logit gradients freed
+        # the loss's backward makes the logits' gradient; the output layer's then makes its
+        # input's and weight's, once the loss has freed the logits and statistics it kept
+        logits = s * b * _vocab_shard(config) * w
+        head = s * b * h * w + (0 if op is Op.INPUT_GRAD else output_layer)
+        head = max(logits, head - LOSS_BYTES_PER_TOKEN * s * b)
+        # then the last layer's backward, the head's activations and logit gradients freed;
+        # a chunk that also embeds the tokens keeps the output layer's weight gradient until
+        # the embedding's, for the weight they share, meets it at the end of the backward
         freed = chunk_activation_bytes(config, 0, False, True, s, mbs)
-        return max(head, layer - freed + tokens * h * w) if num_layers else head
+        tied = first and op is Op.BACKWARD and config.share_embeddings_and_output_weights
+        layers = layer - freed + tokens * h * w + (output_layer if tied else 0)
+        return max(head, layers) if num_layers else head
     return tokens * h * w + layer  # the gradient received, and one layer's backward
 
 
@@ -295,7 +304,7 @@ def predict_memory(config, vocab_size: int, transport: str | None = None) -> lis
             last = stage == num_stages - 1
             if (stage, action.op) not in working:  # the same for every microbatch
                 working[(stage, action.op)] = chunk_working_bytes(
-                    model, layers[stage], last, action.op, s, b, fused_attention=gloo
+                    model, layers[stage], last, action.op, s, b, gloo, first=stage == 0
                 )
             work = buffers + working[(stage, action.op)]
             if action.op is Op.FORWARD:
