@@ -204,11 +204,12 @@ def _tiles(
     return out
 
 
-def _tile(q: torch.Tensor, kv: torch.Tensor, block: int, fused: bool | None) -> int:
-    """The tile side: ``block`` for materialized blocks; a fused kernel tiles by itself, so
-    it takes each segment whole (its keys before the diagonal, then the diagonal)."""
+def _way(q: torch.Tensor, kv: torch.Tensor, block: int, fused: bool | None) -> tuple[bool, int]:
+    """Whether the blocks run fused (``fused``, or the device's default where None), and
+    the tile side: ``block`` for materialized blocks; a fused kernel tiles by itself, so it
+    takes each segment whole (its keys before the diagonal, then the diagonal)."""
     fused = fused_kernel(q.device) if fused is None else fused
-    return max(q.shape[2], kv.shape[3]) if fused else block
+    return fused, max(q.shape[2], kv.shape[3]) if fused else block
 
 
 def forward_in_tiles(
@@ -229,7 +230,7 @@ def forward_in_tiles(
     (compute dtype, views allowed): written (``merge=False``) or merged with what they hold
     over other keys (:func:`merge_into`)."""
     ends = key_ends if key_ends is not None else (kv.shape[3],)
-    tile = _tile(q, kv, block, fused)
+    fused, tile = _way(q, kv, block, fused)  # resolved once for all the blocks
     for rows, keys in _tiles(q.shape[2], ends, causal, tile):
         for n, (cols, diagonal) in enumerate(keys):
             part = forward_with_lse(
@@ -260,7 +261,7 @@ def backward_in_tiles(
     :func:`backward_from_lse`), added into ``grad_q`` and ``grad_kv`` (compute dtype, views
     allowed)."""
     ends = key_ends if key_ends is not None else (kv.shape[3],)
-    tile = _tile(q, kv, block, fused)
+    fused, tile = _way(q, kv, block, fused)  # resolved once for all the blocks
     for rows, keys in _tiles(q.shape[2], ends, causal, tile):
         for cols, diagonal in keys:
             dq, dk, dv = backward_from_lse(

@@ -210,8 +210,8 @@ def chunk_working_bytes(
         # the embedding's, for the weight they share, meets it at the end of the backward
         freed = chunk_activation_bytes(config, 0, False, True, s, mbs)
         tied = first and op is Op.BACKWARD and config.share_embeddings_and_output_weights
-        layers = layer - freed + tokens * h * w + (output_layer if tied else 0)
-        return max(head, layers) if num_layers else head
+        last_layer = layer - freed + tokens * h * w + (output_layer if tied else 0)
+        return max(head, last_layer) if num_layers else head
     return tokens * h * w + layer  # the gradient received, and one layer's backward
 
 
