@@ -121,11 +121,15 @@ def _balance(scores, k, coeff):
     return coeff * E * sum(counts[e] / (t * k) * scores[:, e].mean() for e in range(E))
 
 
-def reference(x, w, config, bias=None):
-    """(out [s, b, h], losses with coefficients) of tokens x [s, b, h] and weights w."""
+def reference(x, w, config, bias=None, routed_by=None):
+    """(out [s, b, h], losses with coefficients) of tokens x [s, b, h] and weights w.
+    ``routed_by``: logits [s·b, E] that route in place of the router's, which receive their
+    gradient."""
     s, b, h = x.shape
     tokens = x.reshape(s * b, h)
     logits = tokens @ w["router"].t()
+    if routed_by is not None:
+        logits = routed_by + (logits - logits.detach())
     choices = _drop([_choose(z, config, bias) for z in logits], config)
     rows = []
     for t, chosen in enumerate(choices):
@@ -268,6 +272,51 @@ def test_layer_equals_the_reference_forward_and_backward(case):
     if config.moe_expert_capacity_factor is not None:  # the case really drops pairs
         routing = layer.router(x.detach().reshape(-1, H), B)
         assert 0 < int((~routing.kept).sum()) < routing.kept.numel()
+
+
+def test_forced_balance_routes_by_random_logits_and_trains_the_router_through_them():
+    """moe_router_force_load_balancing routes by standard normal logits from the tracker's
+    tensor-parallel stream; the reference routes by the same draws and hands their gradient
+    to the router's logits. Outputs, losses and every gradient agree."""
+    from megapp.tensor_parallel.random import get_rng_tracker, model_parallel_manual_seed
+
+    model_parallel_manual_seed(11)
+    config = _config(moe_router_force_load_balancing=True, moe_z_loss_coeff=0.1)
+    layer = _layer(config)
+    x = _randn(S, B, H, seed=1).requires_grad_()
+    grad_out = _randn(S, B, H, seed=2)
+    states = get_rng_tracker().get_states()
+    out, _ = layer(x)
+    (out * grad_out).sum().backward()
+
+    get_rng_tracker().set_states(states)
+    with get_rng_tracker().fork():
+        drawn = torch.randn(S * B, E, dtype=F64)
+    own = x.detach().reshape(-1, H) @ layer.router.weight.detach().t()
+    assert not torch.equal(drawn.topk(2).indices, own.topk(2).indices)  # routes otherwise
+    w = weights_of(layer)
+    x_ref = x.detach().clone().requires_grad_()
+    out_ref, losses_ref = reference(x_ref, w, config, routed_by=drawn)
+    ((out_ref * grad_out).sum() + sum(losses_ref.values())).backward()
+    torch.testing.assert_close(out, out_ref, **TOL)
+    torch.testing.assert_close(x.grad, x_ref.grad, **TOL)
+    torch.testing.assert_close(layer.router.weight.grad, w["router"].grad, **TOL)
+    assert layer.router.weight.grad.abs().sum() > 0
+
+
+def test_forced_balance_gives_every_expert_its_share():
+    """Over 4096 tokens choosing 2 of 4 experts each expert gets 2048 pairs give or take
+    five standard deviations (about 28 each), whatever the router's weights prefer."""
+    from megapp.tensor_parallel.random import model_parallel_manual_seed
+
+    model_parallel_manual_seed(0)
+    skewed = _layer(_config(moe_router_force_load_balancing=True))
+    with torch.no_grad():
+        skewed.router.weight.zero_()
+        skewed.router.weight[0] = 10.0  # every token would choose expert 0
+    x = _randn(4096, 1, H, seed=4).abs()
+    counts = torch.bincount(skewed.router(x.reshape(-1, H)).experts.reshape(-1), minlength=E)
+    assert (counts - 2048).abs().max() < 5 * 28, counts
 
 
 def test_losses_leave_the_output_and_only_add_gradients():

@@ -192,3 +192,28 @@ def test_model_flops_count_the_chosen_experts_and_the_router():
     h, f = dense.hidden_size, dense.ffn_hidden_size
     extra = 3 * 10 * (2 * h * 8 + 4 * h * f)  # one MoE layer: a second MLP and the router
     assert gpt_training_flops(moe, 8, 10) - gpt_training_flops(dense, 8, 10) == extra
+
+
+def test_forced_balance_recomputes_the_same_routing():
+    """With the router's logits replaced by random ones (moe_router_force_load_balancing),
+    full recompute draws the same logits again in backward: loss and every gradient equal
+    the run that keeps its activations, and differ from the router's own routing."""
+    from megapp.tensor_parallel.random import model_parallel_manual_seed
+
+    tokens, labels, _ = global_batch(0, 1)[0]
+
+    def run(**overrides) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        torch.manual_seed(SEED)
+        model = GPTModel(gpt_config(**MOE, **overrides))
+        model_parallel_manual_seed(SEED)
+        loss = model(input_ids=tokens, labels=labels).mean()
+        loss.backward()
+        return loss.detach(), [p.grad for p in model.parameters()]
+
+    forced = {"moe_router_force_load_balancing": True}
+    kept, recomputed = run(**forced), run(**forced, **FULL_RECOMPUTE)
+    torch.testing.assert_close(recomputed[0], kept[0], rtol=0, atol=0)
+    for a, b in zip(kept[1], recomputed[1], strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7)
+    routed_by_the_router = run()[0]
+    assert not torch.equal(routed_by_the_router, kept[0])

@@ -67,7 +67,7 @@ EXPERTS = shlex.split(
 """Mixture-of-experts flags that move every expert field off its default but one."""
 SIGMOID_ROUTER = shlex.split(
     "--moe-router-score-function sigmoid --moe-router-enable-expert-bias "
-    "--moe-router-bias-update-rate 0.01 "
+    "--moe-router-bias-update-rate 0.01 --moe-router-force-load-balancing "
     "--moe-token-dispatcher-type hierarchical --moe-dispatch-node-size 2"
 )
 """DeepSeek-V3's router, which takes no pre-softmax, and its expert bias, and the

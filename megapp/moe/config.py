@@ -49,6 +49,11 @@ class MoEConfig:
     each step towards balance (DeepSeek-V3's auxiliary-loss-free balancing)."""
     moe_router_bias_update_rate: float = 1e-3
     """Step of the expert bias update: ``bias += rate · sign(mean load − load)``."""
+    moe_router_force_load_balancing: bool = False
+    """For benchmarks: route by random normal logits (the tensor-parallel RNG stream, so a
+    recomputed forward routes alike) instead of the router's, which balances every expert's
+    load in expectation; their gradient reaches the router's logits unchanged (Megatron-Core's
+    ``--moe-router-force-load-balancing``)."""
     moe_router_load_balancing_type: str = "aux_loss"
     """``aux_loss`` (Switch/GShard, over this rank's tokens), ``seq_aux_loss`` (the same per
     sequence, averaged over sequences; DeepSeek-V3) or ``none``."""

@@ -13,7 +13,9 @@ Score functions (``moe_router_score_function``, ``moe_router_pre_softmax``,
   the weights; the chosen ``σ(z)`` are divided by their sum when ``k > 1``.
 
 The weights are then multiplied by ``moe_router_topk_scaling_factor`` if set, and pairs past
-an expert's capacity are dropped (:mod:`~megapp.moe.capacity`). Logits and scores are
+an expert's capacity are dropped (:mod:`~megapp.moe.capacity`). With
+``moe_router_force_load_balancing`` (for benchmarks) random normal logits replace the router's
+before all of this (:func:`random_logits`). Logits and scores are
 computed in float32 (float64 stays float64) whatever the parameters' dtype. The auxiliary
 losses (:mod:`~megapp.moe.aux_losses`) are attached while training with gradients on, as
 Megatron-Core does: the z-loss to the logits, the load-balancing loss to the weights.
@@ -32,8 +34,9 @@ from megapp.comm import Group
 from megapp.moe import aux_losses
 from megapp.moe.capacity import expert_capacity, kept_pairs
 from megapp.moe.config import MoEConfig
+from megapp.tensor_parallel.random import get_rng_tracker
 
-__all__ = ["Router", "Routing", "choose_experts", "scores_for_aux_loss"]
+__all__ = ["Router", "Routing", "choose_experts", "random_logits", "scores_for_aux_loss"]
 
 
 @dataclass
@@ -77,6 +80,29 @@ def choose_experts(
     if config.moe_router_topk_scaling_factor is not None:
         probs = probs * config.moe_router_topk_scaling_factor
     return probs, experts
+
+
+class _RandomLogits(torch.autograd.Function):
+    """Random normal values in place of the logits; their gradient passes through unchanged
+    (a straight-through estimator)."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor) -> torch.Tensor:
+        with get_rng_tracker().fork():
+            return torch.randn_like(logits)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+def random_logits(logits: torch.Tensor) -> torch.Tensor:
+    """``logits``' shape filled from the standard normal, drawn from the tracker's
+    tensor-parallel stream (different on every tensor-parallel rank and pipeline stage, and
+    replayed by a recomputed forward); backward hands the gradient to ``logits`` as it is.
+    Every expert is then chosen equally often in expectation: what benchmarks of balanced
+    experts route by (Megatron-Core's ``--moe-router-force-load-balancing``)."""
+    return _RandomLogits.apply(logits)
 
 
 def scores_for_aux_loss(logits: torch.Tensor, score_function: str) -> torch.Tensor:
@@ -130,6 +156,8 @@ class Router(nn.Module):
         count tokens. ``loss_scale``: the gradient the auxiliary losses receive."""
         config = self.config
         logits = self.logits(x)
+        if config.moe_router_force_load_balancing:
+            logits = random_logits(logits)
         losses: dict[str, torch.Tensor] = {}
         with_losses = self.training and torch.is_grad_enabled()
         if with_losses and config.moe_z_loss_coeff:

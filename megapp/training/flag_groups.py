@@ -120,6 +120,11 @@ class ModelArgs:
     moe_router_bias_update_rate: float = arg(
         1e-3, "step of the expert bias: bias += rate · sign(mean load − load)"
     )
+    moe_router_force_load_balancing: bool = arg(
+        False,
+        "for benchmarks: route by random logits, which balance the experts' load in "
+        "expectation (their gradient reaches the router's logits unchanged)",
+    )
     moe_router_load_balancing_type: str = arg(
         "aux_loss",
         "aux_loss (Switch/GShard), seq_aux_loss (per sequence, DeepSeek-V3) or none",

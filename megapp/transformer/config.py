@@ -118,6 +118,9 @@ class TransformerConfig:
     balance (DeepSeek-V3's auxiliary-loss-free balancing; a buffer, saved, not trained)."""
     moe_router_bias_update_rate: float = 1e-3
     """Step of the expert bias update: ``bias += rate · sign(mean load − load)``."""
+    moe_router_force_load_balancing: bool = False
+    """For benchmarks: route by random logits, balanced in expectation (the gradient reaches
+    the router's logits as if they had routed)."""
     moe_router_load_balancing_type: str = "aux_loss"
     """``aux_loss``, ``seq_aux_loss`` or ``none``."""
     moe_aux_loss_coeff: float = 0.0
