@@ -27,9 +27,13 @@ from megapp.training.launch import run_pretrain
 from megapp.training.metrics import read_records
 
 MODEL = [*MODELS["tiny"].flags, "--hidden-dropout", "0", "--attention-dropout", "0"]
-EXPERTS = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "256"]
+EXPERTS = [
+    *("--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "256"),
+    "--moe-router-force-load-balancing",
+]
 """A layout with ep > 1 runs the model with these experts in every layer (4 of width 256, 2
-per token, the all-to-all dispatcher)."""
+per token, the all-to-all dispatcher), routed by random logits: balanced, as the planner prices
+them (an untrained router sends most pairs to one rank's experts here)."""
 GLOBAL_BATCH = 16
 TIMEOUT_S = 900.0
 LAYOUTS = (

@@ -138,20 +138,59 @@ def chunk_activation_bytes(
     return held
 
 
+def moe_backward_bytes(config: GPTConfig, seq_length: int, mbs: int) -> int:
+    """Working bytes of a mixture-of-experts layer's backward above what it held, the most
+    of four moments (``R`` routed rows of ``T`` tokens in pair order, ``M = etp·R`` rows on
+    the experts, ``L`` local experts of width ``f`` on the rank, ``n·f`` of it out of their
+    first matmul, ``c`` the wider of the weights' dtype and the router's float32):
+
+    - the weighted sum's: the rows' gradient ``R·h`` in their dtype and its product with
+      the rows ``R·h`` in ``c``, the gradients of the ``[T, k]`` weights, and for 16-bit
+      weights the output's gradient widened, ``T·h`` in ``c``;
+    - the second matmul's: the activation rebuilt and its gradient (``M·f`` each), and the
+      local experts' weight gradient ``L·f·h`` (one grouped matmul for them all);
+    - the first matmul's: its weight gradient ``L·h·n·f`` (its input gradient takes the
+      place of the held rows');
+    - the activation's: its gradient ``M·f`` and its input's ``M·n·f``, the rows' output
+      ``R·h`` freed.
+
+    Each equals what megapp's layer allocates, on one rank with ``R`` rows, to within the
+    routing's ``[T, k]`` tensors (``tests/test_live_memory.py``)."""
+    s, b, h, w = seq_length, mbs, config.hidden_size, config.params_dtype.itemsize
+    moe = config.moe_config()
+    etp = moe.expert_tensor_parallel_size
+    rows = moe_routed_rows(config, s, b)
+    tokens, on_experts = rows // moe.moe_router_topk, etp * rows
+    f, fc1, local = moe.moe_ffn_hidden_size // etp, moe.fc1_width // etp, moe.num_local_experts
+    wide = max(w, 4)
+    weighted_sum = rows * h * (w + wide) + rows * 4 + (tokens * h * wide if w < wide else 0)
+    second = (2 * on_experts * f + local * f * h) * w
+    first = local * h * fc1 * w
+    activation = (on_experts * (f + fc1) - rows * h) * w
+    return max(weighted_sum, second, first, activation)
+
+
 def layer_backward_bytes(
-    config: GPTConfig, seq_length: int, mbs: int, fused_attention: bool = False
+    config: GPTConfig,
+    seq_length: int,
+    mbs: int,
+    fused_attention: bool = False,
+    experts: bool = False,
 ) -> int:
     """Working bytes of one layer's backward above what it held: the MLP's gradients and
     one weight gradient (``f`` its width on the rank: with GeLU two of ``f``, one of its
     input and the weight's; with SwiGLU the gate-and-up output's ``2f``, the
-    activation's ``f`` and the weight's), or, where it is larger, context-parallel
+    activation's ``f`` and the weight's), or a mixture-of-experts layer's
+    (``experts``: :func:`moe_backward_bytes`), or, where it is larger, context-parallel
     attention's backward
     (:func:`~megapp.planning.attention_working.attention_working_bytes`; with selective
     recompute it first rebuilds what attention keeps; ``fused_attention``: its blocks run
     in the fused kernel, as on a CPU)."""
     s, b, h, w = seq_length, mbs, config.hidden_size, config.params_dtype.itemsize
     f = config.ffn_hidden_size // config.tensor_model_parallel_size
-    if config.activation == "swiglu":
+    if experts:
+        mlp = moe_backward_bytes(config, s, b)
+    elif config.activation == "swiglu":
         mlp = (3 * s * b * f + h * f) * w
     else:
         mlp = (2 * s * b * f + s * b * h + h * f) * w
@@ -185,9 +224,7 @@ def chunk_working_bytes(
     tp, sp = config.tensor_model_parallel_size, config.sequence_parallel
     tokens = s * b // (tp if sp else 1)
     fc1 = config.ffn_hidden_size * (2 if config.activation == "swiglu" else 1) // tp
-    layer = layer_backward_bytes(config, s, mbs, fused_attention)
-    if config.recompute_granularity == "full":
-        layer += layer_activation_bytes(config, s, mbs)  # the layer rebuilt for its backward
+    layer = _widest_layer_backward(config, num_layers, s, mbs, fused_attention)
     if op is Op.FORWARD:
         attention = attention_working_bytes(config, s, b, False, fused_attention)
         work = max(s * b * fc1 * w, attention) if num_layers else 0
@@ -198,6 +235,9 @@ def chunk_working_bytes(
         return work + tokens * h * w  # the output until its send completes
     output_layer = h * _vocab_shard(config) * w if last else 0  # its weight gradient
     if op is Op.WEIGHT_GRAD:
+        if moe_layer_count(config, num_layers):  # the local experts' in one grouped matmul
+            moe = config.moe_config()
+            fc1 = max(fc1, moe.num_local_experts * moe.fc1_width // moe.expert_tensor_parallel_size)
         return max(h * fc1 * w, output_layer)
     if last:
         # the loss's backward makes the logits' gradient; the output layer's then makes its
@@ -213,6 +253,25 @@ def chunk_working_bytes(
         last_layer = layer - freed + tokens * h * w + (output_layer if tied else 0)
         return max(head, last_layer) if num_layers else head
     return tokens * h * w + layer  # the gradient received, and one layer's backward
+
+
+def _widest_layer_backward(
+    config: GPTConfig, num_layers: int, s: int, mbs: int, fused_attention: bool
+) -> int:
+    """The most one of a chunk's layers works with in its backward: a dense layer's or a
+    mixture-of-experts layer's, whichever the chunk has; with full recompute the layer
+    first rebuilds what it keeps."""
+    moe_layers = moe_layer_count(config, num_layers)
+    widest = 0
+    # a chunk without layers (the embedding's or the loss's alone) is priced as a dense one
+    for experts, count in ((False, num_layers - moe_layers or not num_layers), (True, moe_layers)):
+        if count:
+            layer = layer_backward_bytes(config, s, mbs, fused_attention, experts)
+            if config.recompute_granularity == "full":  # the layer rebuilt for its backward
+                layer += layer_activation_bytes(config, s, mbs)
+                layer += moe_activation_bytes(config, s, mbs) if experts else 0
+            widest = max(widest, layer)
+    return widest
 
 
 def weight_grad_store_bytes(
