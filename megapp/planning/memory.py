@@ -56,6 +56,7 @@ from megapp.planning.activations import (
     layer_activation_bytes,
     moe_activation_bytes,
     moe_routed_rows,
+    qkv_elements,
     rotary_bytes,
 )
 from megapp.planning.attention_working import attention_working_bytes
@@ -170,6 +171,45 @@ def moe_backward_bytes(config: GPTConfig, seq_length: int, mbs: int) -> int:
     return max(weighted_sum, second, first, activation)
 
 
+def dense_backward_bytes(config: GPTConfig, seq_length: int, mbs: int) -> int:
+    """Working bytes of a dense layer's backward above what it held, the most of five
+    moments (``t = s·b`` rows, ``f`` the MLP's width on the rank, ``n·f`` out of its first
+    matmul; the weights' gradients added into buffers that exist, as into a data-parallel
+    gradient buffer):
+
+    - the second MLP matmul's: the gradient of the MLP's output ``t·h``, the activation
+      rebuilt and its gradient (``t·f`` each) and the weight's gradient ``h·f``;
+    - SwiGLU's: its gradient ``t·f`` and its input's ``2·t·f`` (GeLU's two ``t·f`` stay
+      below the second matmul's moment);
+    - the first matmul's: its weight gradient ``h·n·f`` and its input's ``t·h``, beside the
+      norm's output rebuilt for it ``t·h``;
+    - the attention projection's: its weight gradient, its input's and its output's
+      ``t·h`` each, the MLP's kept output freed (the peak with a single key/value group,
+      whose QKV weight is small);
+    - the QKV matmul's: its weight gradient, beside its input's and the fused q, k, v
+      gradient, once the MLP's kept output and attention's kept q, k, v are freed; the
+      peak where the tokens are few against the width (not counted under context
+      parallelism, whose attention keeps other tensors and has a moment of its own).
+
+    Counted on one rank: each equals what a layer allocates to within 0.7%
+    (``tests/test_live_memory.py``: GeLU and SwiGLU, grouped queries, RoPE, selective
+    recompute, biases, bfloat16)."""
+    t, h, w = seq_length * mbs, config.hidden_size, config.params_dtype.itemsize
+    tp, d = config.tensor_model_parallel_size, config.kv_channels
+    f = config.ffn_hidden_size // tp
+    n = 2 if config.activation == "swiglu" else 1
+    qkv_width = (config.num_attention_heads + 2 * config.num_query_groups) // tp * d
+    second = t * h + 2 * t * f + h * f
+    activation = 3 * t * f if n == 2 else 0
+    first = h * n * f + 2 * t * h
+    projection = h * config.num_attention_heads // tp * d + 2 * t * h - n * t * f
+    qkv = 0
+    if config.context_parallel_size == 1:
+        kept = t * qkv_elements(config) + n * t * f  # freed by the QKV matmul's moment
+        qkv = h * qkv_width + t * h + t * qkv_width - kept
+    return max(second, activation, first, projection, qkv) * w
+
+
 def layer_backward_bytes(
     config: GPTConfig,
     seq_length: int,
@@ -177,23 +217,14 @@ def layer_backward_bytes(
     fused_attention: bool = False,
     experts: bool = False,
 ) -> int:
-    """Working bytes of one layer's backward above what it held: the MLP's gradients and
-    one weight gradient (``f`` its width on the rank: with GeLU two of ``f``, one of its
-    input and the weight's; with SwiGLU the gate-and-up output's ``2f``, the
-    activation's ``f`` and the weight's), or a mixture-of-experts layer's
-    (``experts``: :func:`moe_backward_bytes`), or, where it is larger, context-parallel
-    attention's backward
-    (:func:`~megapp.planning.attention_working.attention_working_bytes`; with selective
-    recompute it first rebuilds what attention keeps; ``fused_attention``: its blocks run
-    in the fused kernel, as on a CPU)."""
-    s, b, h, w = seq_length, mbs, config.hidden_size, config.params_dtype.itemsize
-    f = config.ffn_hidden_size // config.tensor_model_parallel_size
-    if experts:
-        mlp = moe_backward_bytes(config, s, b)
-    elif config.activation == "swiglu":
-        mlp = (3 * s * b * f + h * f) * w
-    else:
-        mlp = (2 * s * b * f + s * b * h + h * f) * w
+    """Working bytes of one layer's backward above what it held: a dense layer's
+    (:func:`dense_backward_bytes`) or a mixture-of-experts layer's (``experts``:
+    :func:`moe_backward_bytes`), or, where it is larger, context-parallel attention's
+    backward (:func:`~megapp.planning.attention_working.attention_working_bytes`; with
+    selective recompute it first rebuilds what attention keeps; ``fused_attention``: its
+    blocks run in the fused kernel, as on a CPU)."""
+    s, b = seq_length, mbs
+    mlp = (moe_backward_bytes if experts else dense_backward_bytes)(config, s, b)
     if config.context_parallel_size == 1:
         return mlp
     attention = attention_working_bytes(config, s, b, True, fused_attention)
