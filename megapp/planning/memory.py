@@ -291,17 +291,20 @@ def _widest_layer_backward(
 ) -> int:
     """The most one of a chunk's layers works with in its backward: a dense layer's or a
     mixture-of-experts layer's, whichever the chunk has; with full recompute the layer
-    first rebuilds what it keeps."""
+    first rebuilds what it keeps, and the rebuilt output lives through its backward."""
+    tp, sp = config.tensor_model_parallel_size, config.sequence_parallel
+    output = s * mbs // (tp if sp else 1) * config.hidden_size * config.params_dtype.itemsize
     moe_layers = moe_layer_count(config, num_layers)
+    kinds = [True] if moe_layers else []
+    if moe_layers < num_layers or not num_layers:  # a chunk of no layers is priced as dense
+        kinds.append(False)
     widest = 0
-    # a chunk without layers (the embedding's or the loss's alone) is priced as a dense one
-    for experts, count in ((False, num_layers - moe_layers or not num_layers), (True, moe_layers)):
-        if count:
-            layer = layer_backward_bytes(config, s, mbs, fused_attention, experts)
-            if config.recompute_granularity == "full":  # the layer rebuilt for its backward
-                layer += layer_activation_bytes(config, s, mbs)
-                layer += moe_activation_bytes(config, s, mbs) if experts else 0
-            widest = max(widest, layer)
+    for experts in kinds:
+        layer = layer_backward_bytes(config, s, mbs, fused_attention, experts)
+        if config.recompute_granularity == "full":  # the layer rebuilt for its backward
+            layer += layer_activation_bytes(config, s, mbs) + output
+            layer += moe_activation_bytes(config, s, mbs) if experts else 0
+        widest = max(widest, layer)
     return widest
 
 
