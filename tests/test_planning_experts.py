@@ -378,3 +378,35 @@ def test_a_moe_forward_holds_no_more_at_once_than_its_priced_working_memory():
     priced = 2 * moe_routed_rows(gpt, tokens, 1) * h * w + tokens * h * w
     # within 1%: the routing's [T, k] and [T, E] tensors are left out of the price
     assert 0 < held <= 1.01 * priced, (held, priced)
+
+
+def test_the_experts_biases_add_into_their_rows_in_the_priced_working_memory():
+    """With biases, a SwiGLU expert layer's forward peaks when the first bias, repeated to
+    the rows, is added into the first matmul's output: the priced forward working memory
+    (that copy, less the pair-order rows and the output, which are made after it) equals
+    the peak above what the forward leaves held, within 1% (the routing's [T, k] tensors).
+    Adding a bias to a copy of the rows, as before, took one more [R, 2f] at that moment."""
+    import gc
+
+    from megapp.moe.layer import MoELayer
+    from megapp.pipeline_parallel.schedules import Op
+    from megapp.planning.memory import chunk_working_bytes
+    from megapp.training.live_memory import LiveTensorMemory
+
+    gpt = GPTConfig(**dict(MOE, hidden_size=128, moe_ffn_hidden_size=256, moe_layer_freq=1))
+    torch.manual_seed(5)
+    layer = MoELayer(gpt.moe_config())
+    tokens = 256
+    for _ in range(2):  # the second forward, once every lazy buffer exists
+        x = torch.randn(tokens, 1, gpt.hidden_size, requires_grad=True)
+        gc.collect()
+        alive = [t for t in gc.get_objects() if isinstance(t, torch.Tensor)]
+        with LiveTensorMemory() as memory:
+            out, _ = layer(x)
+            gc.collect()
+            memory.sweep()
+        del alive
+        out.sum().backward()
+    priced = chunk_working_bytes(gpt, 1, False, Op.FORWARD, tokens, 1)
+    # the layer's output is the last thing made: the peak came before it existed
+    assert memory.peak - memory.current() + out.nbytes == pytest.approx(priced, rel=0.01)

@@ -112,18 +112,32 @@ def test_the_last_chunk_backward_works_in_the_predicted_bytes(seq, vocab, pp, mo
     assert memory.peak - memory.start == pytest.approx(predicted, abs=1024)
 
 
-@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+MOE_SWIGLU = {
+    "activation": "swiglu", "num_moe_experts": 4, "moe_router_topk": 2,
+    "moe_ffn_hidden_size": 256, "moe_router_force_load_balancing": True,
+}  # fmt: skip
+"""Four SwiGLU experts with biases, two per token, every layer; routed by random logits so a
+rank's rows are the balanced count the model prices."""
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [{"activation": "gelu"}, {"activation": "swiglu"}, MOE_SWIGLU],
+    ids=["gelu", "swiglu", "experts"],
+)
 @pytest.mark.parametrize("last", [True, False], ids=["last", "middle"])
-def test_a_fully_recomputed_chunk_backward_works_in_the_predicted_bytes(last, activation):
+def test_a_fully_recomputed_chunk_backward_works_in_the_predicted_bytes(last, settings):
     """Under full recompute a layer's backward first reruns its forward: it holds what the
     layer keeps (the activation's output too: nothing is rebuilt a second time) and the
     rerun's output, which lives through the layer's backward, beside the layer's moments.
     Within 0.5% (the log-sum-exp and the norms' statistics), on a middle chunk (its output's
-    gradient handed in) and on a last one (the loss's backward first)."""
+    gradient handed in) and on a last one (the loss's backward first), dense or with experts
+    (whose rerun forward adds each expert's bias into its rows: one repeated copy of the
+    biases alive, not two)."""
     config = GPTConfig(
         num_layers=6, hidden_size=128, num_attention_heads=4, vocab_size=257,
         max_position_embeddings=128, hidden_dropout=0.0, attention_dropout=0.0,
-        params_dtype=torch.float32, make_vocab_size_divisible_by=128, activation=activation,
+        params_dtype=torch.float32, make_vocab_size_divisible_by=128, **settings,
         recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1,
     )  # fmt: skip
     torch.manual_seed(0)

@@ -73,6 +73,16 @@ def grouped_mm_supported(dtype: torch.dtype, device: torch.device, *widths: int)
     return all(w * size % 16 == 0 for w in widths)
 
 
+def _add_per_expert(
+    rows: torch.Tensor, bias: torch.Tensor, tokens_per_expert: list[int]
+) -> torch.Tensor:
+    """``rows`` ``[M, w]`` grouped by expert plus each expert's ``bias`` ``[L, w]``, added
+    into ``rows`` (a matmul's output, which its backward does not read): one ``[M, w]``
+    of repeated biases alive beside them, not two."""
+    counts = torch.tensor(tokens_per_expert, device=rows.device)
+    return rows.add_(bias.repeat_interleave(counts, dim=0))
+
+
 def _seeded_normal(shape: tuple[int, ...], seed: int, std: float) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     return torch.randn(shape, generator=generator, dtype=torch.float32) * std
@@ -139,8 +149,7 @@ class GroupedExperts(nn.Module):
         if self.fc2_bias is None:
             return out
         bias = copy_to_tensor_model_parallel_region(self.fc2_bias, self.etp_group)
-        counts = torch.tensor(tokens_per_expert, device=rows.device)
-        return out + bias.repeat_interleave(counts, dim=0)
+        return _add_per_expert(out, bias, tokens_per_expert)
 
     def _partial(self, rows: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
         """This rank's shard of every expert on ``rows`` (the whole output without etp), no
@@ -148,8 +157,7 @@ class GroupedExperts(nn.Module):
         matmul = self._grouped if self.uses_grouped_mm(rows) else self._looped
         inner = matmul(rows, self.fc1, tokens_per_expert)
         if self.fc1_bias is not None:
-            counts = torch.tensor(tokens_per_expert, device=rows.device)
-            inner = inner + self.fc1_bias.repeat_interleave(counts, dim=0)
+            inner = _add_per_expert(inner, self.fc1_bias, tokens_per_expert)
         hidden = activation(inner, self.config.activation)
         if not self.recompute_saved_inputs:
             return matmul(hidden, self.fc2, tokens_per_expert)

@@ -260,7 +260,12 @@ def chunk_working_bytes(
         attention = attention_working_bytes(config, s, b, False, fused_attention)
         work = max(s * b * fc1 * w, attention) if num_layers else 0
         if config.num_moe_experts is not None and num_layers:  # dispatch's send and receive
-            work = max(work, 2 * moe_routed_rows(config, s, b) * h * w)
+            rows = moe_routed_rows(config, s, b)
+            work = max(work, 2 * rows * h * w)
+            if config.add_bias_linear:  # the experts' first bias repeated to their rows,
+                moe = config.moe_config()  # before the pair-order rows and the output exist
+                made_later = rows * h + rows // moe.moe_router_topk * h
+                work = max(work, (rows * moe.fc1_width - made_later) * w)
         if last:
             work = max(work, s * b * _vocab_shard(config) * w // 4)
         return work + tokens * h * w  # the output until its send completes
