@@ -41,15 +41,18 @@ memory includes the dispatch's send and receive buffers of the routed rows.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from megapp.models.gpt import GPTConfig, placement_layer_ranges
 from megapp.pipeline_parallel.asynchronous import stash_profile
 from megapp.pipeline_parallel.catalog import asynchronous_run
-from megapp.pipeline_parallel.schedules import Op, Schedule
+from megapp.pipeline_parallel.messages import communication_plan, delivered_sends, incoming
+from megapp.pipeline_parallel.schedules import Action, Op, Schedule
 from megapp.planning.activations import (
     context_parallel_attention_bytes,
     full_recompute_layer_bytes,
@@ -108,15 +111,12 @@ def chunk_activation_bytes(
     last: bool,
     seq_length: int,
     mbs: int,
-    *,
-    keeps_sent_output: bool = False,
 ) -> int:
     """Bytes one microbatch's forward through a chunk of ``num_layers`` layers leaves held
     until its backward, on one tensor-parallel rank. The chunk's input is the first
-    layer's norm input (counted with the layers). A sent output is freed once the send
-    is known to be done: at once where sends report completion (NCCL); on gloo when the
-    plan proves it delivered, in practice when its gradient comes back
-    (``keeps_sent_output``)."""
+    layer's norm input (counted with the layers). Its sent output is not: NCCL reports a
+    send done at once, and what gloo keeps until the plan proves a send delivered is
+    :func:`kept_sends`'."""
     s, b, h, w = seq_length, mbs, config.hidden_size, config.params_dtype.itemsize
     tp, sp = config.tensor_model_parallel_size, config.sequence_parallel
     if config.recompute_granularity == "full":
@@ -129,8 +129,6 @@ def chunk_activation_bytes(
         held += 8 * s * b  # the token ids the embedding's backward reads
         if config.position_embedding_type == "learned_absolute":
             held += 8 * s  # the position ids
-    if keeps_sent_output and not last:
-        held += s * b * h * w // (tp if sp else 1)
     if last:
         held += s * b * h * w // (tp if sp else 1)  # the final norm's input
         held += s * b * h * w  # the output layer's input, gathered under sequence parallelism
@@ -341,6 +339,45 @@ def zero3_gathered_bytes(config: GPTConfig, dp: int, outer_parameters: int) -> f
     return whole * config.params_dtype.itemsize * (1 - 1 / dp)
 
 
+class Messages(NamedTuple):
+    """Pipeline messages of one rank alive while one of its actions runs, beyond the input
+    it consumes (counted with what the chunk holds or works with): ``kept``, sends gloo
+    still holds; ``waiting``, receives posted or arrived for a later action."""
+
+    kept: int
+    waiting: int
+
+
+@functools.lru_cache(maxsize=64)
+def pipeline_messages(schedule: Schedule) -> tuple[dict[Action, Messages], ...]:
+    """Per rank, the pipeline messages alive while each of its actions runs, read off the
+    plan the runner walks (:func:`~megapp.pipeline_parallel.messages.communication_plan`).
+
+    - A send: gloo reports a send done only once it is waited for, so the runner keeps
+      the sent tensor until the plan proves it delivered
+      (:func:`~megapp.pipeline_parallel.messages.delivered_sends`), from the step that
+      posts it to the step whose receives prove it arrived, which frees it before its
+      action. Activations sent forward and gradients sent back alike; NCCL keeps none.
+    - A receive: the runner posts a step's receives one step early (its buffers exist
+      from then), and a message that arrives with an earlier one of its channel waits in
+      the inbox until the action that uses it."""
+    plan = [list(steps) for steps in communication_plan(schedule)]
+    out = []
+    for rank, (steps, proven) in enumerate(zip(plan, delivered_sends(plan), strict=True)):
+        kept, posted, used, at = 0, len(steps[0].recvs), 0, {}
+        for index, (step, done) in enumerate(zip(steps, proven, strict=True)):
+            kept += len(step.sends) - len(done)
+            if index + 1 < len(steps):  # the next step's receives, posted ahead
+                posted += len(steps[index + 1].recvs)
+            if step.action is None:
+                continue
+            needs = incoming(schedule, rank, step.action)
+            used += needs is not None and not needs.local  # received, now this action's
+            at[step.action] = Messages(kept, posted - used)
+        out.append(at)
+    return tuple(out)
+
+
 def runs_on_gloo(config, transport: str | None = None) -> bool:
     """Whether the run ``config`` moves its tensors with gloo on CPU (``transport``, a
     hardware profile's: ``gloo`` or ``nccl``; None: the config's backend, or where it names
@@ -378,6 +415,9 @@ def predict_memory(config, vocab_size: int, transport: str | None = None) -> lis
     edp = expert_data_parallel_size(
         model, config.world_size, config.parallel.pipeline_model_parallel_size
     )
+    tp, sp = config.parallel.tensor_model_parallel_size, config.parallel.sequence_parallel
+    message = s * b // (tp if sp else 1) * model.hidden_size * model.params_dtype.itemsize
+    messages = pipeline_messages(schedule)
     out = []
     for rank, stages in enumerate(schedule.placement):
         params = sum(chunk_parameters(model, st, num_stages, layers[st]) for st in stages)
@@ -386,11 +426,7 @@ def predict_memory(config, vocab_size: int, transport: str | None = None) -> lis
         sizes, stores = [], []  # per chunk: held after F, kept from I to W
         for stage in stages:
             first, last = stage == 0, stage == num_stages - 1
-            sizes.append(
-                chunk_activation_bytes(
-                    model, layers[stage], first, last, s, b, keeps_sent_output=gloo
-                )
-            )
+            sizes.append(chunk_activation_bytes(model, layers[stage], first, last, s, b))
             stores.append(weight_grad_store_bytes(model, layers[stage], last, s, b))
         held, in_flight, peak = 0.0, 0.0, (0.0, 0.0, 0.0)
         working: dict[tuple[int, Op], float] = {}
@@ -407,8 +443,10 @@ def predict_memory(config, vocab_size: int, transport: str | None = None) -> lis
             work = buffers + working[(stage, action.op)]
             if action.op is Op.FORWARD:
                 held, in_flight = held + size, in_flight + 1
-            if held + work > peak[0] + peak[1]:
-                peak = (held, work, in_flight)
+            alive = messages[rank][action]
+            transport = ((alive.kept if gloo else 0) + alive.waiting) * message
+            if held + transport + work > peak[0] + peak[1]:
+                peak = (held + transport, work, in_flight)
             if action.op is Op.INPUT_GRAD:  # W keeps its matmuls' inputs and gradients
                 held += store - size
             elif action.op is Op.WEIGHT_GRAD:
@@ -510,13 +548,10 @@ def _embedding_parameters(model: GPTConfig, stages: Sequence[int], num_stages: i
 
 
 def _buffer_bytes(model, params, stages, layers, dp, zero, s, b, chunks) -> float:
-    """Bytes that live through the backward whatever the action: the receive posted for
-    the next step (pipelines), ZeRO-2's whole-gradient scratch per bucket (kept from a
-    microbatch's backward to the next use), ZeRO-3's gathered weights."""
-    tp, sp = model.tensor_model_parallel_size, model.sequence_parallel
+    """Bytes that live through the backward whatever the action: ZeRO-2's whole-gradient
+    scratch per bucket (kept from a microbatch's backward to the next use), ZeRO-3's
+    gathered weights."""
     total = 0.0
-    if len(layers) > 1:
-        total += s * b // (tp if sp else 1) * model.hidden_size * model.params_dtype.itemsize
     if zero >= 2 and dp > 1:  # two microbatches' scratch meet at the next one's first gradient
         total += 2 * 4 * params * (1 - 1 / dp)
     if zero == 3 and dp > 1:
