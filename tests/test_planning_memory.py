@@ -264,3 +264,21 @@ def test_context_parallel_peak_is_predicted(comm_type, tmp_path):
     peaks = [rank["peak_bytes"] for rank in profile["ranks"]]
     assert max(peaks) == pytest.approx(predicted, rel=0.01)
     assert all(peak <= predicted * 1.01 for peak in peaks)
+
+
+def test_pipeline_messages_follow_the_plan():
+    """1F1B on two stages with two microbatches, rank 0 (F0 F1 B0 B1): the activation of
+    F0, posted before F1, stays kept until the gradient of microbatch 0 arrives and proves
+    it delivered (the peer sent that gradient after receiving it); that of F1 until the
+    last gradient does. The gradient B0 needs is posted a step early, before F1 runs, and
+    B1's before B0 runs."""
+    from megapp.pipeline_parallel.catalog import build_schedule
+    from megapp.planning.memory import Messages, pipeline_messages
+
+    rank0 = pipeline_messages(build_schedule("1f1b", 2, 2))[0]
+    assert [(str(a), m) for a, m in rank0.items()] == [
+        ("F0", Messages(kept=0, waiting=0)),
+        ("F1", Messages(kept=1, waiting=1)),
+        ("B0", Messages(kept=1, waiting=1)),
+        ("B1", Messages(kept=0, waiting=0)),
+    ]
