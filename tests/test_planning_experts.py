@@ -337,6 +337,24 @@ def test_expert_parallelism_keeps_no_more_than_one_rank():
     assert priced == pytest.approx(_kept_bytes(gpt, 1024, dist.group.WORLD), rel=0.02)
 
 
+def _forward_transient(layer, x: torch.Tensor) -> tuple[int, torch.Tensor]:
+    """The MoE layer's forward peak less what is live at its end, and its output. Every
+    tensor alive before is held until the window closes (one freed inside it would count
+    as transient)."""
+    import gc
+
+    from megapp.training.live_memory import LiveTensorMemory
+
+    gc.collect()
+    alive = [t for t in gc.get_objects() if isinstance(t, torch.Tensor)]
+    with LiveTensorMemory() as memory:
+        output, _ = layer(x)
+        gc.collect()
+        memory.sweep()
+    del alive
+    return memory.peak - memory.current(), output
+
+
 @distributed(world_size=2)
 def test_a_moe_forward_holds_no_more_at_once_than_its_priced_working_memory():
     """Beyond what the layer keeps, a MoE layer's forward at ep 2 holds at most the
@@ -344,13 +362,11 @@ def test_a_moe_forward_holds_no_more_at_once_than_its_priced_working_memory():
     layer's output): each buffer of the dispatch and the combine is freed once the next is
     made (before, the sent rows, the received and returned buffers and the experts' output
     lived to the end of the layer: 3 R·h·w more)."""
-    import gc
 
     import torch.distributed as dist
 
     from megapp.moe.layer import MoELayer
     from megapp.planning.activations import moe_routed_rows
-    from megapp.training.live_memory import LiveTensorMemory
 
     gpt = GPTConfig(**dict(MOE_PASSES, moe_router_topk=2, expert_model_parallel_size=2))
     torch.manual_seed(5)
@@ -359,17 +375,9 @@ def test_a_moe_forward_holds_no_more_at_once_than_its_priced_working_memory():
     x = torch.randn(tokens, 1, h, dtype=gpt.params_dtype, requires_grad=True)
 
     def transient() -> int:
-        """The forward's peak less what is live at its end. Every tensor alive before is
-        held until the window closes (one freed inside it would count as transient)."""
-        gc.collect()
-        alive = [t for t in gc.get_objects() if isinstance(t, torch.Tensor)]
-        with LiveTensorMemory() as memory:
-            output, _ = layer(x)
-            gc.collect()
-            memory.sweep()
-        del alive
+        held, output = _forward_transient(layer, x)
         assert output.shape == x.shape
-        return memory.peak - memory.current()
+        return held
 
     # gloo's worker thread may hold a finished all-to-all's buffers a moment after the
     # call returns, so one forward can count a buffer the layer has let go: the least of
@@ -386,12 +394,10 @@ def test_the_experts_biases_add_into_their_rows_in_the_priced_working_memory():
     (that copy, less the pair-order rows and the output, which are made after it) equals
     the peak above what the forward leaves held, within 1% (the routing's [T, k] tensors).
     Adding a bias to a copy of the rows, as before, took one more [R, 2f] at that moment."""
-    import gc
 
     from megapp.moe.layer import MoELayer
     from megapp.pipeline_parallel.schedules import Op
     from megapp.planning.memory import chunk_working_bytes
-    from megapp.training.live_memory import LiveTensorMemory
 
     gpt = GPTConfig(**dict(MOE, hidden_size=128, moe_ffn_hidden_size=256, moe_layer_freq=1))
     torch.manual_seed(5)
@@ -399,14 +405,8 @@ def test_the_experts_biases_add_into_their_rows_in_the_priced_working_memory():
     tokens = 256
     for _ in range(2):  # the second forward, once every lazy buffer exists
         x = torch.randn(tokens, 1, gpt.hidden_size, requires_grad=True)
-        gc.collect()
-        alive = [t for t in gc.get_objects() if isinstance(t, torch.Tensor)]
-        with LiveTensorMemory() as memory:
-            out, _ = layer(x)
-            gc.collect()
-            memory.sweep()
-        del alive
+        transient, out = _forward_transient(layer, x)
         out.sum().backward()
     priced = chunk_working_bytes(gpt, 1, False, Op.FORWARD, tokens, 1)
     # the layer's output is the last thing made: the peak came before it existed
-    assert memory.peak - memory.current() + out.nbytes == pytest.approx(priced, rel=0.01)
+    assert transient + out.nbytes == pytest.approx(priced, rel=0.01)
