@@ -108,7 +108,7 @@ def test_a_layer_backward_works_in_the_predicted_bytes(
     whichever of its moments is the peak (``moment``): within 0.7%, the norms' statistics
     and the attention's log-sum-exp it frees on the way. Counted on a second step, the
     weights' gradients added into buffers that exist, as into a data-parallel buffer."""
-    from megapp.planning.memory import dense_backward_bytes
+    from megapp.planning.layer_working import dense_backward_bytes
 
     config = TransformerConfig(
         num_layers=1, hidden_size=hidden, num_attention_heads=4, num_query_groups=groups,
@@ -154,7 +154,7 @@ def test_a_moe_layer_backward_works_in_the_predicted_bytes(
     weights' gradients added into buffers that exist, as into a data-parallel buffer."""
     from megapp.models import GPTConfig
     from megapp.moe.layer import MoELayer
-    from megapp.planning.memory import moe_backward_bytes
+    from megapp.planning.layer_working import moe_backward_bytes
 
     config = GPTConfig(
         num_layers=1, hidden_size=hidden, num_attention_heads=4, vocab_size=257,

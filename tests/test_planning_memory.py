@@ -273,7 +273,7 @@ def test_pipeline_messages_follow_the_plan():
     last gradient does. The gradient B0 needs is posted a step early, before F1 runs, and
     B1's before B0 runs."""
     from megapp.pipeline_parallel.catalog import build_schedule
-    from megapp.planning.memory import Messages, pipeline_messages
+    from megapp.planning.message_buffers import Messages, pipeline_messages
 
     rank0 = pipeline_messages(build_schedule("1f1b", 2, 2))[0]
     assert [(str(a), m) for a, m in rank0.items()] == [

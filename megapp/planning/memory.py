@@ -13,8 +13,12 @@ For each pipeline rank (tensor- and data-parallel ranks of one stage hold the sa
   a split backward's ``I`` and ``W`` remove theirs in two parts;
 - **working memory** of the action running at that moment (:func:`chunk_working_bytes`):
   a forward's temporaries and the output waiting to be sent, a backward's gradients of one
-  layer's activations and weights, the output layer's logit gradients; ZeRO-3 adds the
-  weights gathered for the layer in use and the one prefetched;
+  layer's activations and weights (:mod:`megapp.planning.layer_working`), the output
+  layer's logit gradients; ZeRO-3 adds the weights gathered for the layer in use and the
+  one prefetched;
+- **pipeline messages** alive during the action, read off the runner's plan
+  (:mod:`megapp.planning.message_buffers`): receives posted ahead or waiting, and on gloo
+  the sends kept until proven delivered;
 
 and the peak is the state plus the largest held + working sum over the rank's actions, or,
 on gloo (CPU), the optimizer step's temporaries after the backward where they are larger
@@ -40,29 +44,25 @@ memory includes the dispatch's send and receive buffers of the routed rows.
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 
 from megapp.models.gpt import GPTConfig, placement_layer_ranges
 from megapp.pipeline_parallel.asynchronous import stash_profile
 from megapp.pipeline_parallel.catalog import asynchronous_run
-from megapp.pipeline_parallel.messages import communication_plan, delivered_sends, incoming
-from megapp.pipeline_parallel.schedules import Action, Op, Schedule
+from megapp.pipeline_parallel.schedules import Op, Schedule
 from megapp.planning.activations import (
-    context_parallel_attention_bytes,
     full_recompute_layer_bytes,
     layer_activation_bytes,
     moe_activation_bytes,
     moe_routed_rows,
-    qkv_elements,
     rotary_bytes,
 )
 from megapp.planning.attention_working import attention_working_bytes
+from megapp.planning.layer_working import layer_backward_bytes
+from megapp.planning.message_buffers import pipeline_messages
 from megapp.planning.model_state import (
     ModelState,
     chunk_expert_parameters,
@@ -100,6 +100,15 @@ class RankMemory:
         return self.state + self.activations + self.working
 
 
+def hidden_state_bytes(config: GPTConfig, seq_length: int, mbs: int) -> int:
+    """Bytes of one ``[s, b, h]`` hidden state on a tensor-parallel rank (``s/tp`` rows of it
+    under sequence parallelism): a layer's output, its gradient, a pipeline message."""
+    tokens = seq_length * mbs
+    if config.sequence_parallel:
+        tokens //= config.tensor_model_parallel_size
+    return tokens * config.hidden_size * config.params_dtype.itemsize
+
+
 def _vocab_shard(config: GPTConfig) -> int:
     return config.padded_vocab_size // config.tensor_model_parallel_size
 
@@ -116,9 +125,8 @@ def chunk_activation_bytes(
     until its backward, on one tensor-parallel rank. The chunk's input is the first
     layer's norm input (counted with the layers). Its sent output is not: NCCL reports a
     send done at once, and what gloo keeps until the plan proves a send delivered is
-    :func:`kept_sends`'."""
+    :func:`~megapp.planning.message_buffers.pipeline_messages`'."""
     s, b, h, w = seq_length, mbs, config.hidden_size, config.params_dtype.itemsize
-    tp, sp = config.tensor_model_parallel_size, config.sequence_parallel
     if config.recompute_granularity == "full":
         held = num_layers * full_recompute_layer_bytes(config, s, b)
     else:
@@ -130,107 +138,11 @@ def chunk_activation_bytes(
         if config.position_embedding_type == "learned_absolute":
             held += 8 * s  # the position ids
     if last:
-        held += s * b * h * w // (tp if sp else 1)  # the final norm's input
+        held += hidden_state_bytes(config, s, b)  # the final norm's input
         held += s * b * h * w  # the output layer's input, gathered under sequence parallelism
         held += s * b * _vocab_shard(config) * w  # the logits the loss keeps
         held += LOSS_BYTES_PER_TOKEN * s * b
     return held
-
-
-def moe_backward_bytes(config: GPTConfig, seq_length: int, mbs: int) -> int:
-    """Working bytes of a mixture-of-experts layer's backward above what it held, the most
-    of four moments (``R`` routed rows of ``T`` tokens in pair order, ``M = etp·R`` rows on
-    the experts, ``L`` local experts of width ``f`` on the rank, ``n·f`` of it out of their
-    first matmul, ``c`` the wider of the weights' dtype and the router's float32):
-
-    - the weighted sum's: the rows' gradient ``R·h`` in their dtype and its product with
-      the rows ``R·h`` in ``c``, the gradients of the ``[T, k]`` weights, and for 16-bit
-      weights the output's gradient widened, ``T·h`` in ``c``;
-    - the second matmul's: the activation rebuilt and its gradient (``M·f`` each), and the
-      local experts' weight gradient ``L·f·h`` (one grouped matmul for them all);
-    - the first matmul's: its weight gradient ``L·h·n·f`` (its input gradient takes the
-      place of the held rows');
-    - the activation's: its gradient ``M·f`` and its input's ``M·n·f``, the rows' output
-      ``R·h`` freed.
-
-    Each equals what megapp's layer allocates, on one rank with ``R`` rows, to within the
-    routing's ``[T, k]`` tensors (``tests/test_live_memory.py``)."""
-    s, b, h, w = seq_length, mbs, config.hidden_size, config.params_dtype.itemsize
-    moe = config.moe_config()
-    etp = moe.expert_tensor_parallel_size
-    rows = moe_routed_rows(config, s, b)
-    tokens, on_experts = rows // moe.moe_router_topk, etp * rows
-    f, fc1, local = moe.moe_ffn_hidden_size // etp, moe.fc1_width // etp, moe.num_local_experts
-    wide = max(w, 4)
-    weighted_sum = rows * h * (w + wide) + rows * 4 + (tokens * h * wide if w < wide else 0)
-    second = (2 * on_experts * f + local * f * h) * w
-    first = local * h * fc1 * w
-    activation = (on_experts * (f + fc1) - rows * h) * w
-    return max(weighted_sum, second, first, activation)
-
-
-def dense_backward_bytes(config: GPTConfig, seq_length: int, mbs: int) -> int:
-    """Working bytes of a dense layer's backward above what it held, the most of five
-    moments (``t = s·b`` rows, ``f`` the MLP's width on the rank, ``n·f`` out of its first
-    matmul; the weights' gradients added into buffers that exist, as into a data-parallel
-    gradient buffer):
-
-    - the second MLP matmul's: the gradient of the MLP's output ``t·h``, the activation
-      rebuilt and its gradient (``t·f`` each) and the weight's gradient ``h·f``;
-    - SwiGLU's: its gradient ``t·f`` and its input's ``2·t·f`` (GeLU's two ``t·f`` stay
-      below the second matmul's moment);
-    - the first matmul's: its weight gradient ``h·n·f`` and its input's ``t·h``, beside the
-      norm's output rebuilt for it ``t·h``;
-    - the attention projection's: its weight gradient, its input's and its output's
-      ``t·h`` each, the MLP's kept output freed (the peak with a single key/value group,
-      whose QKV weight is small);
-    - the QKV matmul's: its weight gradient, beside its input's and the fused q, k, v
-      gradient, once the MLP's kept output and attention's kept q, k, v are freed; the
-      peak where the tokens are few against the width (not counted under context
-      parallelism, whose attention keeps other tensors and has a moment of its own).
-
-    Counted on one rank: each equals what a layer allocates to within 0.7%
-    (``tests/test_live_memory.py``: GeLU and SwiGLU, grouped queries, RoPE, selective
-    recompute, biases, bfloat16)."""
-    t, h, w = seq_length * mbs, config.hidden_size, config.params_dtype.itemsize
-    tp, d = config.tensor_model_parallel_size, config.kv_channels
-    f = config.ffn_hidden_size // tp
-    n = 2 if config.activation == "swiglu" else 1
-    qkv_width = (config.num_attention_heads + 2 * config.num_query_groups) // tp * d
-    second = t * h + 2 * t * f + h * f
-    activation = 3 * t * f if n == 2 else 0
-    first = h * n * f + 2 * t * h
-    projection = h * config.num_attention_heads // tp * d + 2 * t * h - n * t * f
-    qkv = 0
-    if config.context_parallel_size == 1:
-        kept = t * qkv_elements(config) + n * t * f  # freed by the QKV matmul's moment
-        qkv = h * qkv_width + t * h + t * qkv_width - kept
-    return max(second, activation, first, projection, qkv) * w
-
-
-def layer_backward_bytes(
-    config: GPTConfig,
-    seq_length: int,
-    mbs: int,
-    fused_attention: bool = False,
-    experts: bool = False,
-) -> int:
-    """Working bytes of one layer's backward above what it held: a dense layer's
-    (:func:`dense_backward_bytes`) or a mixture-of-experts layer's (``experts``:
-    :func:`moe_backward_bytes`), or, where it is larger, context-parallel attention's
-    backward (:func:`~megapp.planning.attention_working.attention_working_bytes`; with
-    selective recompute it first rebuilds what attention keeps; ``fused_attention``: its
-    blocks run in the fused kernel, as on a CPU)."""
-    s, b = seq_length, mbs
-    mlp = (moe_backward_bytes if experts else dense_backward_bytes)(config, s, b)
-    if config.context_parallel_size == 1:
-        return mlp
-    attention = attention_working_bytes(config, s, b, True, fused_attention)
-    if config.recompute_granularity == "selective":  # the rerun forward's kept tensors
-        rerun = dataclasses.replace(config, recompute_granularity=None)
-        attention += context_parallel_attention_bytes(rerun, s, b)
-        attention -= context_parallel_attention_bytes(config, s, b)
-    return max(mlp, attention)
 
 
 def chunk_working_bytes(
@@ -250,8 +162,7 @@ def chunk_working_bytes(
     CPU: :func:`~megapp.context_parallel.blocks.fused_kernel`); ``first``: the chunk is
     also the first virtual stage (it holds the word embedding)."""
     s, b, h, w = seq_length, mbs, config.hidden_size, config.params_dtype.itemsize
-    tp, sp = config.tensor_model_parallel_size, config.sequence_parallel
-    tokens = s * b // (tp if sp else 1)
+    tp, hidden = config.tensor_model_parallel_size, hidden_state_bytes(config, s, b)
     fc1 = config.ffn_hidden_size * (2 if config.activation == "swiglu" else 1) // tp
     layer = _widest_layer_backward(config, num_layers, s, mbs, fused_attention)
     if op is Op.FORWARD:
@@ -266,7 +177,7 @@ def chunk_working_bytes(
                 work = max(work, (rows * moe.fc1_width - made_later) * w)
         if last:
             work = max(work, s * b * _vocab_shard(config) * w // 4)
-        return work + tokens * h * w  # the output until its send completes
+        return work + hidden  # the output until its send completes
     output_layer = h * _vocab_shard(config) * w if last else 0  # its weight gradient
     if op is Op.WEIGHT_GRAD:
         if moe_layer_count(config, num_layers):  # the local experts' in one grouped matmul
@@ -284,9 +195,9 @@ def chunk_working_bytes(
         # the embedding's, for the weight they share, meets it at the end of the backward
         freed = chunk_activation_bytes(config, 0, False, True, s, mbs)
         tied = first and op is Op.BACKWARD and config.share_embeddings_and_output_weights
-        last_layer = layer - freed + tokens * h * w + (output_layer if tied else 0)
+        last_layer = layer - freed + hidden + (output_layer if tied else 0)
         return max(head, last_layer) if num_layers else head
-    return tokens * h * w + layer  # the gradient received, and one layer's backward
+    return hidden + layer  # the gradient received, and one layer's backward
 
 
 def _widest_layer_backward(
@@ -295,8 +206,7 @@ def _widest_layer_backward(
     """The most one of a chunk's layers works with in its backward: a dense layer's or a
     mixture-of-experts layer's, whichever the chunk has; with full recompute the layer
     first rebuilds what it keeps, and the rebuilt output lives through its backward."""
-    tp, sp = config.tensor_model_parallel_size, config.sequence_parallel
-    output = s * mbs // (tp if sp else 1) * config.hidden_size * config.params_dtype.itemsize
+    output = hidden_state_bytes(config, s, mbs)
     moe_layers = moe_layer_count(config, num_layers)
     kinds = [True] if moe_layers else []
     if moe_layers < num_layers or not num_layers:  # a chunk of no layers is priced as dense
@@ -339,45 +249,6 @@ def zero3_gathered_bytes(config: GPTConfig, dp: int, outer_parameters: int) -> f
     return whole * config.params_dtype.itemsize * (1 - 1 / dp)
 
 
-class Messages(NamedTuple):
-    """Pipeline messages of one rank alive while one of its actions runs, beyond the input
-    it consumes (counted with what the chunk holds or works with): ``kept``, sends gloo
-    still holds; ``waiting``, receives posted or arrived for a later action."""
-
-    kept: int
-    waiting: int
-
-
-@functools.lru_cache(maxsize=64)
-def pipeline_messages(schedule: Schedule) -> tuple[dict[Action, Messages], ...]:
-    """Per rank, the pipeline messages alive while each of its actions runs, read off the
-    plan the runner walks (:func:`~megapp.pipeline_parallel.messages.communication_plan`).
-
-    - A send: gloo reports a send done only once it is waited for, so the runner keeps
-      the sent tensor until the plan proves it delivered
-      (:func:`~megapp.pipeline_parallel.messages.delivered_sends`), from the step that
-      posts it to the step whose receives prove it arrived, which frees it before its
-      action. Activations sent forward and gradients sent back alike; NCCL keeps none.
-    - A receive: the runner posts a step's receives one step early (its buffers exist
-      from then), and a message that arrives with an earlier one of its channel waits in
-      the inbox until the action that uses it."""
-    plan = [list(steps) for steps in communication_plan(schedule)]
-    out = []
-    for rank, (steps, proven) in enumerate(zip(plan, delivered_sends(plan), strict=True)):
-        kept, posted, used, at = 0, len(steps[0].recvs), 0, {}
-        for index, (step, done) in enumerate(zip(steps, proven, strict=True)):
-            kept += len(step.sends) - len(done)
-            if index + 1 < len(steps):  # the next step's receives, posted ahead
-                posted += len(steps[index + 1].recvs)
-            if step.action is None:
-                continue
-            needs = incoming(schedule, rank, step.action)
-            used += needs is not None and not needs.local  # received, now this action's
-            at[step.action] = Messages(kept, posted - used)
-        out.append(at)
-    return tuple(out)
-
-
 def runs_on_gloo(config, transport: str | None = None) -> bool:
     """Whether the run ``config`` moves its tensors with gloo on CPU (``transport``, a
     hardware profile's: ``gloo`` or ``nccl``; None: the config's backend, or where it names
@@ -415,8 +286,7 @@ def predict_memory(config, vocab_size: int, transport: str | None = None) -> lis
     edp = expert_data_parallel_size(
         model, config.world_size, config.parallel.pipeline_model_parallel_size
     )
-    tp, sp = config.parallel.tensor_model_parallel_size, config.parallel.sequence_parallel
-    message = s * b // (tp if sp else 1) * model.hidden_size * model.params_dtype.itemsize
+    message = hidden_state_bytes(model, s, b)
     messages = pipeline_messages(schedule)
     out = []
     for rank, stages in enumerate(schedule.placement):

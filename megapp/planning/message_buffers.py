@@ -1,0 +1,53 @@
+"""The pipeline messages a rank has alive while each of its actions runs, read off the
+plan the runner walks: receives posted ahead or waiting for a later action, and the sends
+gloo keeps until the plan proves them delivered. :mod:`megapp.planning.memory` adds them,
+one hidden state each, to what the rank holds."""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+from megapp.pipeline_parallel.messages import communication_plan, delivered_sends, incoming
+from megapp.pipeline_parallel.schedules import Action, Schedule
+
+__all__ = ["Messages", "pipeline_messages"]
+
+
+class Messages(NamedTuple):
+    """Pipeline messages of one rank alive while one of its actions runs, beyond the input
+    it consumes (counted with what the chunk holds or works with): ``kept``, sends gloo
+    still holds; ``waiting``, receives posted or arrived for a later action."""
+
+    kept: int
+    waiting: int
+
+
+@functools.lru_cache(maxsize=64)
+def pipeline_messages(schedule: Schedule) -> tuple[dict[Action, Messages], ...]:
+    """Per rank, the pipeline messages alive while each of its actions runs, read off the
+    plan the runner walks (:func:`~megapp.pipeline_parallel.messages.communication_plan`).
+
+    - A send: gloo reports a send done only once it is waited for, so the runner keeps
+      the sent tensor until the plan proves it delivered
+      (:func:`~megapp.pipeline_parallel.messages.delivered_sends`), from the step that
+      posts it to the step whose receives prove it arrived, which frees it before its
+      action. Activations sent forward and gradients sent back alike; NCCL keeps none.
+    - A receive: the runner posts a step's receives one step early (its buffers exist
+      from then), and a message that arrives with an earlier one of its channel waits in
+      the inbox until the action that uses it."""
+    plan = [list(steps) for steps in communication_plan(schedule)]
+    out = []
+    for rank, (steps, proven) in enumerate(zip(plan, delivered_sends(plan), strict=True)):
+        kept, posted, used, at = 0, len(steps[0].recvs), 0, {}
+        for index, (step, done) in enumerate(zip(steps, proven, strict=True)):
+            kept += len(step.sends) - len(done)
+            if index + 1 < len(steps):  # the next step's receives, posted ahead
+                posted += len(steps[index + 1].recvs)
+            if step.action is None:
+                continue
+            needs = incoming(schedule, rank, step.action)
+            used += needs is not None and not needs.local  # received, now this action's
+            at[step.action] = Messages(kept, posted - used)
+        out.append(at)
+    return tuple(out)
