@@ -14,8 +14,10 @@ For each pipeline rank (tensor- and data-parallel ranks of one stage hold the sa
 - **working memory** of the action running at that moment (:func:`chunk_working_bytes`):
   a forward's temporaries and the output waiting to be sent, a backward's gradients of one
   layer's activations and weights (:mod:`megapp.planning.layer_working`), the output
-  layer's logit gradients; ZeRO-3 adds the weights gathered for the layer in use and the
-  one prefetched;
+  layer's logit gradients;
+- **ZeRO-2/3 buffers** (:mod:`megapp.planning.zero_buffers`): each chunk's whole gradients
+  from its first backward on, with their reductions in flight (and, at a backward's first
+  gradient, gloo's copy of the reduction it waits for), ZeRO-3's gathered weights;
 - **pipeline messages** alive during the action, read off the runner's plan
   (:mod:`megapp.planning.message_buffers`): receives posted ahead or waiting, and on gloo
   the sends kept until proven delivered;
@@ -67,11 +69,11 @@ from megapp.planning.model_state import (
     ModelState,
     chunk_expert_parameters,
     chunk_parameters,
-    layer_parameters,
     model_state,
     moe_layer_count,
     optimizer_bytes_per_parameter,
 )
+from megapp.planning.zero_buffers import GRAD_BYTES, chunk_zero_buffers, late_parameters
 
 LOSS_BYTES_PER_TOKEN = 28
 """The loss's per-token tensors on the last stage: the labels' int64 copy, the row maxima,
@@ -241,14 +243,6 @@ def weight_grad_store_bytes(
     return total
 
 
-def zero3_gathered_bytes(config: GPTConfig, dp: int, outer_parameters: int) -> float:
-    """ZeRO-3's gathered weights at a layer's backward: the chunk's non-layer weights (kept
-    whole from forward to backward), the layer in use and the one prefetched, less this
-    rank's slices of them (already counted in the state)."""
-    whole = outer_parameters + 2 * layer_parameters(config)
-    return whole * config.params_dtype.itemsize * (1 - 1 / dp)
-
-
 def runs_on_gloo(config, transport: str | None = None) -> bool:
     """Whether the run ``config`` moves its tensors with gloo on CPU (``transport``, a
     hardware profile's: ``gloo`` or ``nccl``; None: the config's backend, or where it names
@@ -290,42 +284,75 @@ def predict_memory(config, vocab_size: int, transport: str | None = None) -> lis
     messages = pipeline_messages(schedule)
     out = []
     for rank, stages in enumerate(schedule.placement):
-        params = sum(chunk_parameters(model, st, num_stages, layers[st]) for st in stages)
         state = rank_state(model, stages, layers, dp, zero, edp)
-        buffers = _buffer_bytes(model, params, stages, layers, dp, zero, s, b, len(stages))
+        zeros = [
+            chunk_zero_buffers(
+                model,
+                st,
+                num_stages,
+                layers[st],
+                dp=dp,
+                edp=edp,
+                zero=zero,
+                gloo=gloo,
+                bucket_size=config.parallel.ddp_bucket_size,
+            )
+            for st in stages
+        ]
         sizes, stores = [], []  # per chunk: held after F, kept from I to W
         for stage in stages:
             first, last = stage == 0, stage == num_stages - 1
             sizes.append(chunk_activation_bytes(model, layers[stage], first, last, s, b))
             stores.append(weight_grad_store_bytes(model, layers[stage], last, s, b))
         held, in_flight, peak = 0.0, 0.0, (0.0, 0.0, 0.0)
+        reduced = [False] * len(stages)  # the chunk's gradient buckets exist (ZeRO-2/3)
+        forwarded = [0] * len(stages)  # its microbatches between forward and backward
         working: dict[tuple[int, Op], float] = {}
         for action in schedule.actions[rank]:
             if action.op is Op.UPDATE:
                 continue
-            stage = stages[action.chunk]
-            size, store = sizes[action.chunk], stores[action.chunk]
+            chunk, op = action.chunk, action.op
+            stage = stages[chunk]
+            size, store = sizes[chunk], stores[chunk]
             last = stage == num_stages - 1
-            if (stage, action.op) not in working:  # the same for every microbatch
-                working[(stage, action.op)] = chunk_working_bytes(
-                    model, layers[stage], last, action.op, s, b, gloo, first=stage == 0
+            if (stage, op) not in working:  # the same for every microbatch
+                working[(stage, op)] = chunk_working_bytes(
+                    model, layers[stage], last, op, s, b, gloo, first=stage == 0
                 )
-            work = buffers + working[(stage, action.op)]
-            if action.op is Op.FORWARD:
+            buffers = sum(z.reducing for z, r in zip(zeros, reduced, strict=True) if r)
+            buffers += sum(
+                z.gathered_kept for i, z in enumerate(zeros) if forwarded[i] and i != chunk
+            )
+            z = zeros[chunk]
+            buffers += z.gathered_forward if op is Op.FORWARD else z.gathered_backward
+            if op is Op.FORWARD:
                 held, in_flight = held + size, in_flight + 1
+                forwarded[chunk] += 1
             alive = messages[rank][action]
             transport = ((alive.kept if gloo else 0) + alive.waiting) * message
+            moments = [buffers + working[(stage, op)]]
+            if reduced[chunk] and z.waited and op in (Op.BACKWARD, Op.WEIGHT_GRAD):
+                # a bucket's first gradient waits for its reduction of the microbatch before
+                settle = working[(stage, op)] if op is Op.WEIGHT_GRAD else 2 * message
+                if last and op is Op.BACKWARD:  # after the head's backward freed its tensors
+                    settle -= chunk_activation_bytes(model, 0, False, True, s, b)
+                moments.append(buffers + z.waited + settle)
+            work = max(moments)
             if held + transport + work > peak[0] + peak[1]:
                 peak = (held + transport, work, in_flight)
-            if action.op is Op.INPUT_GRAD:  # W keeps its matmuls' inputs and gradients
+            if op is Op.INPUT_GRAD:  # W keeps its matmuls' inputs and gradients
                 held += store - size
-            elif action.op is Op.WEIGHT_GRAD:
+                forwarded[chunk] -= 1
+            elif op is Op.WEIGHT_GRAD:
                 held, in_flight = held - store, in_flight - 1
-            elif action.op is Op.BACKWARD:
+                reduced[chunk] = True
+            elif op is Op.BACKWARD:
                 held, in_flight = held - size, in_flight - 1
+                forwarded[chunk] -= 1
+                reduced[chunk] = True
         step = optimizer_step_bytes(state, model.params_dtype) if gloo else 0.0
-        if buffers + step > peak[0] + peak[1]:  # the step, after every backward
-            peak = (0.0, buffers + step, 0.0)
+        if step > peak[0] + peak[1]:  # the step, after every backward freed the buffers
+            peak = (0.0, step, 0.0)
         copies = stash_profile(run, rank)[1] if run is not None else 0
         out.append(
             RankMemory(
@@ -361,9 +388,9 @@ def rank_state(
     state = model_state(params - experts, model.params_dtype, dp, zero)
     if experts:
         state += model_state(experts, model.params_dtype, edp, zero)
-    if zero >= 2 and dp > 1:  # embedding gradients are summed over stages first: whole
-        late = _embedding_parameters(model, stages, num_stages)
-        state = ModelState(state.weights, state.grads + 4 * late * (1 - 1 / dp), state.optimizer)
+    if zero >= 2 and dp > 1:  # the tied embedding's whole for the step, beside its slice
+        late = sum(late_parameters(model, st, num_stages) for st in stages)
+        state = ModelState(state.weights, state.grads + GRAD_BYTES * late, state.optimizer)
     return state
 
 
@@ -403,31 +430,6 @@ def held_counts(schedule: Schedule, rank: int) -> HeldCounts:
         elif action.op in (Op.INPUT_GRAD, Op.BACKWARD):
             counts[action.chunk] -= 1
     return HeldCounts(most, tuple(each))
-
-
-def _embedding_parameters(model: GPTConfig, stages: Sequence[int], num_stages: int) -> int:
-    """Embedding and output-layer parameters on a rank's stages (ZeRO-2 keeps their
-    gradients whole for the step: they are summed over another group first)."""
-    total = 0
-    for stage in stages:
-        if stage == 0 or stage == num_stages - 1:
-            total += _vocab_shard(model) * model.hidden_size
-            if model.position_embedding_type == "learned_absolute":
-                total += model.max_position_embeddings * model.hidden_size
-    return total
-
-
-def _buffer_bytes(model, params, stages, layers, dp, zero, s, b, chunks) -> float:
-    """Bytes that live through the backward whatever the action: ZeRO-2's whole-gradient
-    scratch per bucket (kept from a microbatch's backward to the next use), ZeRO-3's
-    gathered weights."""
-    total = 0.0
-    if zero >= 2 and dp > 1:  # two microbatches' scratch meet at the next one's first gradient
-        total += 2 * 4 * params * (1 - 1 / dp)
-    if zero == 3 and dp > 1:
-        outer = params - sum(layers[st] for st in stages) * layer_parameters(model)
-        total += zero3_gathered_bytes(model, dp, outer)
-    return total
 
 
 def peak_bytes(memories: Sequence[RankMemory]) -> float:
