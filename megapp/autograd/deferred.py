@@ -163,8 +163,9 @@ class _DeferrableLinear(torch.autograd.Function):
         grad_x = grad.matmul(weight) if needs_x else None
         grad_b = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.has_bias and needs_b else None
         grad_w = None
+        kept = x.detach()  # without its graph, which would keep the chunk's input until W
         if needs_w and not defer_weight_grad(
-            ctx.param, lambda: weight_grad_of_linear(grad, x), grad, x
+            ctx.param, lambda: weight_grad_of_linear(grad, kept), grad, kept
         ):
             grad_w = weight_grad_of_linear(grad, x)
         return grad_x, grad_w, grad_b

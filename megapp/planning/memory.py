@@ -185,7 +185,8 @@ def chunk_working_bytes(
         if moe_layer_count(config, num_layers):  # the local experts' in one grouped matmul
             moe = config.moe_config()
             fc1 = max(fc1, moe.num_local_experts * moe.fc1_width // moe.expert_tensor_parallel_size)
-        return max(h * fc1 * w, output_layer)
+        # a weight's gradient, and autograd's copy of it for the parameter's hooks
+        return 2 * max(h * fc1 * w, output_layer)
     if last:
         # the loss's backward makes the logits' gradient; the output layer's then makes its
         # input's and weight's, once the loss has freed the logits and statistics it kept
@@ -228,7 +229,9 @@ def weight_grad_store_bytes(
 ) -> int:
     """What a split backward keeps from its ``I`` to its ``W``: the input and the output
     gradient of every weight matmul (QKV, projection, the two MLP matmuls; the output
-    layer on the last stage), on one tensor-parallel rank."""
+    layer on the last stage), on one tensor-parallel rank. Norms, biases and embeddings
+    get their gradients in ``I``, and the kept inputs hold no graph, so the chunk's input
+    and its gradient are freed at ``I``."""
     s, b, h, w = seq_length, mbs, config.hidden_size, config.params_dtype.itemsize
     tp, sp = config.tensor_model_parallel_size, config.sequence_parallel
     heads, groups, d = config.num_attention_heads, config.num_query_groups, config.kv_channels
@@ -236,10 +239,9 @@ def weight_grad_store_bytes(
     gathered = h  # the column-parallel inputs, re-gathered at W under sequence parallelism
     inputs = 2 * gathered // (1 if not sp else tp) + heads * d // tp + config.ffn_hidden_size // tp
     grads = (heads + 2 * groups) * d // tp + h + fc1 + h
-    norms = 2 * h // (tp if sp else 1)  # the norms' weight gradients wait for W too
-    total = num_layers * s * b * (inputs + grads + norms) * w
-    if last:
-        total += s * b * (2 * h + _vocab_shard(config)) * w
+    total = num_layers * s * b * (inputs + grads) * w
+    if last:  # the output layer's input and the logits' gradient
+        total += s * b * (h + _vocab_shard(config)) * w
     return total
 
 

@@ -139,14 +139,19 @@ class _ColumnParallelMatmul(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         group, sequence_parallel = ctx.group, ctx.sequence_parallel
 
+        kept = x.detach()  # without its graph, which would keep the chunk's input until W
+
         def gathered_input() -> torch.Tensor:
-            return gather_first(x, group) if sequence_parallel else x
+            return gather_first(kept, group) if sequence_parallel else kept
 
         later = (
             ctx.deferrable
             and ctx.needs_input_grad[1]
             and deferred.defer_weight_grad(
-                ctx.param, lambda: deferred.weight_grad_of_linear(grad, gathered_input()), grad, x
+                ctx.param,
+                lambda: deferred.weight_grad_of_linear(grad, gathered_input()),
+                grad,
+                kept,
             )
         )
         gathering = None
