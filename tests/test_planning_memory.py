@@ -291,6 +291,21 @@ def test_zero_buffers_peak_is_predicted(zero, tmp_path):
         assert rank["peak_bytes"] == pytest.approx(predicted[rank["pp"]].total, rel=0.01), rank
 
 
+def test_pipeline_messages_count_the_turn_of_a_v():
+    """ZB-V on two ranks: rank 1 holds stages 1 and 2, and the gradient its I of stage 2
+    leaves for its I of stage 1 waits in the inbox in between. At W0.1 (stage 2's first W)
+    two messages wait: that gradient, and the receive posted ahead for F2 (stage 0's
+    output); F0.1 consumes stage 1's output from the inbox and waits only for the receive
+    posted for F1."""
+    from megapp.pipeline_parallel.catalog import build_schedule
+    from megapp.planning.message_buffers import pipeline_messages
+
+    rank1 = {str(a): m for a, m in pipeline_messages(build_schedule("zb-v", 2, 4, 2))[1].items()}
+    assert rank1["W0.1"].waiting == 2
+    assert rank1["F0.1"].waiting == 1
+    assert rank1["I0"].waiting == rank1["W0.1"].waiting - 1  # the gradient, used by I0
+
+
 def test_pipeline_messages_follow_the_plan():
     """1F1B on two stages with two microbatches, rank 0 (F0 F1 B0 B1): the activation of
     F0, posted before F1, stays kept until the gradient of microbatch 0 arrives and proves

@@ -8,7 +8,12 @@ from __future__ import annotations
 import functools
 from typing import NamedTuple
 
-from megapp.pipeline_parallel.messages import communication_plan, delivered_sends, incoming
+from megapp.pipeline_parallel.messages import (
+    communication_plan,
+    delivered_sends,
+    incoming,
+    outgoing,
+)
 from megapp.pipeline_parallel.schedules import Action, Schedule
 
 __all__ = ["Messages", "pipeline_messages"]
@@ -17,7 +22,8 @@ __all__ = ["Messages", "pipeline_messages"]
 class Messages(NamedTuple):
     """Pipeline messages of one rank alive while one of its actions runs, beyond the input
     it consumes (counted with what the chunk holds or works with): ``kept``, sends gloo
-    still holds; ``waiting``, receives posted or arrived for a later action."""
+    still holds; ``waiting``, receives posted or arrived for a later action, and messages
+    between the rank's own chunks not yet used."""
 
     kept: int
     waiting: int
@@ -35,11 +41,13 @@ def pipeline_messages(schedule: Schedule) -> tuple[dict[Action, Messages], ...]:
       action. Activations sent forward and gradients sent back alike; NCCL keeps none.
     - A receive: the runner posts a step's receives one step early (its buffers exist
       from then), and a message that arrives with an earlier one of its channel waits in
-      the inbox until the action that uses it."""
+      the inbox until the action that uses it.
+    - A message between two chunks of the same rank (the turn of a V) waits in the inbox
+      from the action that makes it to the one that uses it."""
     plan = [list(steps) for steps in communication_plan(schedule)]
     out = []
     for rank, (steps, proven) in enumerate(zip(plan, delivered_sends(plan), strict=True)):
-        kept, posted, used, at = 0, len(steps[0].recvs), 0, {}
+        kept, posted, used, local, at = 0, len(steps[0].recvs), 0, 0, {}
         for index, (step, done) in enumerate(zip(steps, proven, strict=True)):
             kept += len(step.sends) - len(done)
             if index + 1 < len(steps):  # the next step's receives, posted ahead
@@ -47,7 +55,11 @@ def pipeline_messages(schedule: Schedule) -> tuple[dict[Action, Messages], ...]:
             if step.action is None:
                 continue
             needs = incoming(schedule, rank, step.action)
-            used += needs is not None and not needs.local  # received, now this action's
-            at[step.action] = Messages(kept, posted - used)
+            if needs is not None:  # received (or left by this rank's other chunk): now its
+                used += not needs.local
+                local -= needs.local
+            at[step.action] = Messages(kept, posted - used + local)
+            made = outgoing(schedule, rank, step.action)
+            local += made is not None and made.local  # for this rank's other chunk, later
         out.append(at)
     return tuple(out)
