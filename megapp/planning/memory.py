@@ -309,6 +309,7 @@ def predict_memory(config, vocab_size: int, transport: str | None = None) -> lis
         held, in_flight, peak = 0.0, 0.0, (0.0, 0.0, 0.0)
         reduced = [False] * len(stages)  # the chunk's gradient buckets exist (ZeRO-2/3)
         forwarded = [0] * len(stages)  # its microbatches between forward and backward
+        reducing = kept = 0.0  # those buckets' bytes; the gathered weights kept meanwhile
         working: dict[tuple[int, Op], float] = {}
         for action in schedule.actions[rank]:
             if action.op is Op.UPDATE:
@@ -321,14 +322,13 @@ def predict_memory(config, vocab_size: int, transport: str | None = None) -> lis
                 working[(stage, op)] = chunk_working_bytes(
                     model, layers[stage], last, op, s, b, gloo, first=stage == 0
                 )
-            buffers = sum(z.reducing for z, r in zip(zeros, reduced, strict=True) if r)
-            buffers += sum(
-                z.gathered_kept for i, z in enumerate(zeros) if forwarded[i] and i != chunk
-            )
             z = zeros[chunk]
+            others = kept - (z.gathered_kept if forwarded[chunk] else 0.0)  # not this chunk's
+            buffers = reducing + others
             buffers += z.gathered_forward if op is Op.FORWARD else z.gathered_backward
             if op is Op.FORWARD:
                 held, in_flight = held + size, in_flight + 1
+                kept += z.gathered_kept if not forwarded[chunk] else 0.0
                 forwarded[chunk] += 1
             alive = messages[rank][action]
             transport = ((alive.kept if gloo else 0) + alive.waiting) * message
@@ -344,14 +344,16 @@ def predict_memory(config, vocab_size: int, transport: str | None = None) -> lis
                 peak = (held + transport, work, in_flight)
             if op is Op.INPUT_GRAD:  # W keeps its matmuls' inputs and gradients
                 held += store - size
-                forwarded[chunk] -= 1
             elif op is Op.WEIGHT_GRAD:
                 held, in_flight = held - store, in_flight - 1
-                reduced[chunk] = True
             elif op is Op.BACKWARD:
                 held, in_flight = held - size, in_flight - 1
+            if op in (Op.INPUT_GRAD, Op.BACKWARD):
                 forwarded[chunk] -= 1
+                kept -= z.gathered_kept if not forwarded[chunk] else 0.0
+            if op in (Op.WEIGHT_GRAD, Op.BACKWARD) and not reduced[chunk]:
                 reduced[chunk] = True
+                reducing += z.reducing
         step = optimizer_step_bytes(state, model.params_dtype) if gloo else 0.0
         if step > peak[0] + peak[1]:  # the step, after every backward freed the buffers
             peak = (0.0, step, 0.0)

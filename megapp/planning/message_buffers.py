@@ -8,12 +8,7 @@ from __future__ import annotations
 import functools
 from typing import NamedTuple
 
-from megapp.pipeline_parallel.messages import (
-    communication_plan,
-    delivered_sends,
-    incoming,
-    outgoing,
-)
+from megapp.pipeline_parallel.messages import action_links, communication_plan, delivered_sends
 from megapp.pipeline_parallel.schedules import Action, Schedule
 
 __all__ = ["Messages", "pipeline_messages"]
@@ -45,8 +40,10 @@ def pipeline_messages(schedule: Schedule) -> tuple[dict[Action, Messages], ...]:
     - A message between two chunks of the same rank (the turn of a V) waits in the inbox
       from the action that makes it to the one that uses it."""
     plan = [list(steps) for steps in communication_plan(schedule)]
+    links = action_links(schedule)
     out = []
     for rank, (steps, proven) in enumerate(zip(plan, delivered_sends(plan), strict=True)):
+        link = dict(zip(schedule.actions[rank], links[rank], strict=True))  # (in, out)
         kept, posted, used, local, at = 0, len(steps[0].recvs), 0, 0, {}
         for index, (step, done) in enumerate(zip(steps, proven, strict=True)):
             kept += len(step.sends) - len(done)
@@ -54,12 +51,11 @@ def pipeline_messages(schedule: Schedule) -> tuple[dict[Action, Messages], ...]:
                 posted += len(steps[index + 1].recvs)
             if step.action is None:
                 continue
-            needs = incoming(schedule, rank, step.action)
+            needs, made = link[step.action]
             if needs is not None:  # received (or left by this rank's other chunk): now its
                 used += not needs.local
                 local -= needs.local
             at[step.action] = Messages(kept, posted - used + local)
-            made = outgoing(schedule, rank, step.action)
             local += made is not None and made.local  # for this rank's other chunk, later
         out.append(at)
     return tuple(out)
