@@ -159,6 +159,73 @@ def test_a_fully_recomputed_chunk_backward_works_in_the_predicted_bytes(last, se
     assert memory.peak - memory.start == pytest.approx(predicted, rel=0.005)
 
 
+LLAMA = {
+    "activation": "swiglu", "num_query_groups": 2, "position_embedding_type": "rope",
+    "normalization": "RMSNorm",
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "settings, last",
+    [
+        ({}, False),
+        (LLAMA, True),
+        pytest.param({"attention_backend": "fused_softmax"}, False, marks=pytest.mark.slow),
+        pytest.param(
+            {"recompute_granularity": "full", "recompute_method": "uniform",
+             "recompute_num_layers": 1}, False, marks=pytest.mark.slow,
+        ),
+        pytest.param(MOE_SWIGLU, True, marks=pytest.mark.slow),
+    ],
+    ids=["gelu middle", "llama last", "scores middle", "full recompute middle", "experts last"],
+)  # fmt: skip
+def test_a_split_backward_works_in_the_predicted_bytes(settings, last):
+    """A split backward's ``I`` keeps what ``W`` reads as it goes through the chunk's
+    layers, so its peak is one layer's moments above what the layers before it left; ``W``
+    works with a weight's gradient and autograd's copy of it while its store shrinks. Both
+    within 0.5% (the norms' statistics, the log-sum-exp), with the weights' gradients
+    handed to a buffer by a post-accumulate hook, as data parallelism does, on a middle
+    chunk (its output's gradient received) and on a last one (the loss's backward first)."""
+    from megapp.autograd.deferred import DeferredWeightGrads, collect_weight_grads, split_forward
+
+    config = GPTConfig(
+        num_layers=6, hidden_size=128, num_attention_heads=4, vocab_size=257,
+        max_position_embeddings=128, hidden_dropout=0.0, attention_dropout=0.0,
+        params_dtype=torch.float32, make_vocab_size_divisible_by=128, **settings,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model_parallel_manual_seed(0)
+    (chunk,) = build_gpt_chunks(config, pp_rank=2 if last else 1, pp_size=3)
+    s, b = 128, 2
+    labels = torch.randint(0, 257, (b, s))
+
+    def into_buffer(p):
+        if p.grad is not None:
+            p.main_grad.add_(p.grad)
+            p.grad = None
+
+    for p in chunk.parameters():
+        p.main_grad = torch.zeros_like(p)
+        p.register_post_accumulate_grad_hook(into_buffer)
+    for _ in range(2):
+        received = torch.randn(s, b, 128, requires_grad=True)
+        with split_forward():
+            out = chunk(hidden_states=received, labels=labels if last else None)
+        grad = None if last else torch.randn_like(out)  # received before the backward
+        store = DeferredWeightGrads()
+        with LiveTensorMemory() as input_half, split_forward(), collect_weight_grads(store):
+            out.sum().backward() if last else out.backward(grad)
+        del out, grad
+        with LiveTensorMemory() as weight_half:
+            store.run()
+    predicted = chunk_working_bytes(config, 2, last, Op.INPUT_GRAD, s, b)
+    if not last:
+        predicted -= s * b * 128 * 4  # the received gradient, live before the count began
+    assert input_half.peak - input_half.start == pytest.approx(predicted, rel=0.005)
+    predicted = chunk_working_bytes(config, 2, last, Op.WEIGHT_GRAD, s, b)
+    assert weight_half.peak - weight_half.start == pytest.approx(predicted, rel=0.005)
+
+
 @pytest.mark.parametrize("schedule, expected", [("gpipe", [8, 8, 8, 8]), ("1f1b", [4, 3, 2, 1])])
 def test_in_flight_follows_the_schedule(schedule, expected):
     """On NCCL (no optimizer temporaries that could outgrow one microbatch's activations)."""

@@ -133,12 +133,17 @@ class DeferredWeightGrads:
     def run(self) -> None:
         """Compute every weight gradient, in the order ``I`` produced them (the same on
         every tensor-parallel rank, so gathers inside match), and accumulate each through
-        autograd: hooks fire as in a whole backward."""
-        entries, self.entries = self.entries, []
-        for weight, compute, _ in entries:
+        autograd: hooks fire as in a whole backward. Each closure, with the tensors it
+        holds, is dropped once its gradient is made, and each gradient once accumulated:
+        ``W`` works with one weight's gradient at a time while its store shrinks."""
+        entries, self.entries = self.entries[::-1], []
+        while entries:
+            weight, compute, _ = entries.pop()
             with torch.no_grad():  # as inside backward
                 grad = compute()
+            del compute
             torch.autograd.backward(weight, grad)
+            del grad
 
 
 def weight_grad_of_linear(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

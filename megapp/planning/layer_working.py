@@ -16,7 +16,12 @@ from megapp.planning.activations import (
 )
 from megapp.planning.attention_working import attention_working_bytes
 
-__all__ = ["dense_backward_bytes", "layer_backward_bytes", "moe_backward_bytes"]
+__all__ = [
+    "dense_backward_bytes",
+    "dense_input_grad_bytes",
+    "layer_backward_bytes",
+    "moe_backward_bytes",
+]
 
 
 def moe_backward_bytes(config: GPTConfig, seq_length: int, mbs: int) -> int:
@@ -90,21 +95,73 @@ def dense_backward_bytes(config: GPTConfig, seq_length: int, mbs: int) -> int:
     return max(second, activation, first, projection, qkv) * w
 
 
+def dense_input_grad_bytes(config: GPTConfig, seq_length: int, mbs: int, incoming: bool) -> int:
+    """Working bytes of a dense layer's input half of a split backward (``I``) above what
+    it held, the most of four moments (``t = s·b`` rows, ``f`` the MLP's width on the rank,
+    ``n·f`` out of its first matmul, ``a`` attention's width, ``q`` the elements per token
+    of attention's q, k and v). ``I`` defers the weights' gradients, and the store that
+    ``W`` will read keeps what a whole backward frees as it goes: the MLP's output gradient,
+    the activation and the second norm's output rebuilt, the first matmul's output
+    gradient (``2·h + f + n·f`` per row), while the first matmul's input ``n·f`` is freed:
+
+    - the activation's: the MLP's output gradient ``t·h``, the activation rebuilt, its
+      gradient and its input's (``t·f``, ``t·f``, ``n·t·f``);
+    - the second norm's: those the store keeps, the norm's output rebuilt and its
+      gradient through the first matmul, the norm's input gradient (``4·t·h + t·f``);
+    - attention's: the attention block's input gradient beside the MLP's store
+      (``3·t·h + t·f``), the projection's input gradient ``t·a`` and q, k and v's ``t·q``
+      (with the scores materialized, the larger of those and the softmax's output and
+      input gradients, ``2·s`` per token and head);
+    - the first norm's: the MLP's store and the fused QKV gradient in place of q, k and v,
+      the norm's output rebuilt, its gradient through the QKV matmul and the norm's input
+      gradient (``6·t·h + t·f``).
+
+    ``incoming``: the layer's output gradient is a tensor of this backward (the layer is
+    not the chunk's last), alive through the MLP's moments. Counted on one rank, as
+    :func:`dense_backward_bytes`."""
+    t, h, w = seq_length * mbs, config.hidden_size, config.params_dtype.itemsize
+    tp, d = config.tensor_model_parallel_size, config.kv_channels
+    f = config.ffn_hidden_size // tp
+    n = 2 if config.activation == "swiglu" else 1
+    a = config.num_attention_heads // tp * d
+    given = h if incoming else 0
+    activation = given + h + 2 * f + n * f
+    second_norm = given + 4 * h + f
+    grads = qkv_elements(config)  # q, k and v's gradients, or the scores' and their input's
+    if config.attention_backend == "fused_softmax" and config.context_parallel_size == 1:
+        grads = max(grads, 2 * seq_length * config.num_attention_heads // tp)
+    attention = 3 * h + f + a + grads
+    first_norm = 6 * h + f
+    return max(activation, second_norm, attention, first_norm) * t * w
+
+
 def layer_backward_bytes(
     config: GPTConfig,
     seq_length: int,
     mbs: int,
     fused_attention: bool = False,
     experts: bool = False,
+    input_half: bool = False,
+    incoming: bool = False,
 ) -> int:
     """Working bytes of one layer's backward above what it held: a dense layer's
-    (:func:`dense_backward_bytes`) or a mixture-of-experts layer's (``experts``:
-    :func:`moe_backward_bytes`), or, where it is larger, context-parallel attention's
-    backward (:func:`~megapp.planning.attention_working.attention_working_bytes`; with
-    selective recompute it first rebuilds what attention keeps; ``fused_attention``: its
-    blocks run in the fused kernel, as on a CPU)."""
+    (:func:`dense_backward_bytes`, or for the input half of a split backward
+    :func:`dense_input_grad_bytes` with ``incoming``) or a mixture-of-experts layer's
+    (``experts``: :func:`moe_backward_bytes`, whole or split), or, where it is larger,
+    context-parallel attention's backward
+    (:func:`~megapp.planning.attention_working.attention_working_bytes`; with selective
+    recompute it first rebuilds what attention keeps; ``fused_attention``: its blocks run
+    in the fused kernel, as on a CPU)."""
     s, b = seq_length, mbs
-    mlp = (moe_backward_bytes if experts else dense_backward_bytes)(config, s, b)
+    if experts:  # the routed experts' weight gradients are not deferred: I works as B
+        mlp = moe_backward_bytes(config, s, b)
+        if input_half and incoming:  # beside the layer's output gradient
+            tp = config.tensor_model_parallel_size if config.sequence_parallel else 1
+            mlp += s * b // tp * config.hidden_size * config.params_dtype.itemsize
+    elif input_half:
+        mlp = dense_input_grad_bytes(config, s, b, incoming)
+    else:
+        mlp = dense_backward_bytes(config, s, b)
     if config.context_parallel_size == 1:
         return mlp
     attention = attention_working_bytes(config, s, b, True, fused_attention)

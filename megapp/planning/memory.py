@@ -73,6 +73,7 @@ from megapp.planning.model_state import (
     moe_layer_count,
     optimizer_bytes_per_parameter,
 )
+from megapp.planning.weight_grad_store import weight_grad_store_bytes, weight_grad_working_bytes
 from megapp.planning.zero_buffers import GRAD_BYTES, chunk_zero_buffers, late_parameters
 
 LOSS_BYTES_PER_TOKEN = 28
@@ -166,7 +167,10 @@ def chunk_working_bytes(
     s, b, h, w = seq_length, mbs, config.hidden_size, config.params_dtype.itemsize
     tp, hidden = config.tensor_model_parallel_size, hidden_state_bytes(config, s, b)
     fc1 = config.ffn_hidden_size * (2 if config.activation == "swiglu" else 1) // tp
-    layer = _widest_layer_backward(config, num_layers, s, mbs, fused_attention)
+    if op is Op.INPUT_GRAD:
+        layer = _input_half_layers(config, num_layers, s, mbs, fused_attention, last)
+    else:
+        layer = _widest_layer_backward(config, num_layers, s, mbs, fused_attention)
     if op is Op.FORWARD:
         attention = attention_working_bytes(config, s, b, False, fused_attention)
         work = max(s * b * fc1 * w, attention) if num_layers else 0
@@ -180,13 +184,9 @@ def chunk_working_bytes(
         if last:
             work = max(work, s * b * _vocab_shard(config) * w // 4)
         return work + hidden  # the output until its send completes
-    output_layer = h * _vocab_shard(config) * w if last else 0  # its weight gradient
     if op is Op.WEIGHT_GRAD:
-        if moe_layer_count(config, num_layers):  # the local experts' in one grouped matmul
-            moe = config.moe_config()
-            fc1 = max(fc1, moe.num_local_experts * moe.fc1_width // moe.expert_tensor_parallel_size)
-        # a weight's gradient, and autograd's copy of it for the parameter's hooks
-        return 2 * max(h * fc1 * w, output_layer)
+        return weight_grad_working_bytes(config, num_layers, last, s, b)
+    output_layer = h * _vocab_shard(config) * w if last else 0  # its weight gradient
     if last:
         # the loss's backward makes the logits' gradient; the output layer's then makes its
         # input's and weight's, once the loss has freed the logits and statistics it kept
@@ -197,18 +197,50 @@ def chunk_working_bytes(
         # a chunk that also embeds the tokens keeps the output layer's weight gradient until
         # the embedding's, for the weight they share, meets it at the end of the backward
         freed = chunk_activation_bytes(config, 0, False, True, s, mbs)
-        tied = first and op is Op.BACKWARD and config.share_embeddings_and_output_weights
-        last_layer = layer - freed + hidden + (output_layer if tied else 0)
+        if op is Op.INPUT_GRAD:  # the output layer's input and the logits' gradient kept
+            last_layer = layer - freed + s * b * (h + _vocab_shard(config)) * w
+        else:
+            tied = first and op is Op.BACKWARD and config.share_embeddings_and_output_weights
+            last_layer = layer - freed + hidden + (output_layer if tied else 0)
         return max(head, last_layer) if num_layers else head
     return hidden + layer  # the gradient received, and one layer's backward
 
 
+def _input_half_layers(
+    config: GPTConfig, num_layers: int, s: int, mbs: int, fused_attention: bool, last: bool
+) -> int:
+    """The most a chunk's layers work with in the input half of a split backward (``I``)
+    above what the chunk held: each layer it has been through leaves what ``W`` reads less
+    what the layer held (:func:`weight_grad_store_bytes` against its activations), so the
+    peak is one layer's moments after all the others' (or the first layer's, where a layer
+    frees more than it leaves). A layer's output gradient is a tensor of this backward but
+    for the chunk's last layer's, received (on the last stage: made by the head's
+    backward)."""
+    if not num_layers:
+        return _widest_layer_backward(config, num_layers, s, mbs, fused_attention)
+    held = chunk_activation_bytes(config, num_layers, False, False, s, mbs)
+    held -= rotary_bytes(config, s)
+    left = (weight_grad_store_bytes(config, num_layers, False, s, mbs) - held) // num_layers
+    given = _widest_layer_backward(config, num_layers, s, mbs, fused_attention, incoming=True)
+    if last:
+        return (num_layers - 1) * max(left, 0) + given
+    first = _widest_layer_backward(config, num_layers, s, mbs, fused_attention, incoming=False)
+    return max(first, (num_layers - 1) * left + given) if num_layers > 1 else first
+
+
 def _widest_layer_backward(
-    config: GPTConfig, num_layers: int, s: int, mbs: int, fused_attention: bool
+    config: GPTConfig,
+    num_layers: int,
+    s: int,
+    mbs: int,
+    fused_attention: bool,
+    incoming: bool | None = None,
 ) -> int:
     """The most one of a chunk's layers works with in its backward: a dense layer's or a
     mixture-of-experts layer's, whichever the chunk has; with full recompute the layer
-    first rebuilds what it keeps, and the rebuilt output lives through its backward."""
+    first rebuilds what it keeps, and the rebuilt output lives through its backward.
+    ``incoming``: the input half of a split backward, the layer's output gradient made by
+    this backward (True) or received (False); None: a whole backward."""
     output = hidden_state_bytes(config, s, mbs)
     moe_layers = moe_layer_count(config, num_layers)
     kinds = [True] if moe_layers else []
@@ -216,33 +248,14 @@ def _widest_layer_backward(
         kinds.append(False)
     widest = 0
     for experts in kinds:
-        layer = layer_backward_bytes(config, s, mbs, fused_attention, experts)
+        layer = layer_backward_bytes(
+            config, s, mbs, fused_attention, experts, incoming is not None, bool(incoming)
+        )
         if config.recompute_granularity == "full":  # the layer rebuilt for its backward
             layer += layer_activation_bytes(config, s, mbs) + output
             layer += moe_activation_bytes(config, s, mbs) if experts else 0
         widest = max(widest, layer)
     return widest
-
-
-def weight_grad_store_bytes(
-    config: GPTConfig, num_layers: int, last: bool, seq_length: int, mbs: int
-) -> int:
-    """What a split backward keeps from its ``I`` to its ``W``: the input and the output
-    gradient of every weight matmul (QKV, projection, the two MLP matmuls; the output
-    layer on the last stage), on one tensor-parallel rank. Norms, biases and embeddings
-    get their gradients in ``I``, and the kept inputs hold no graph, so the chunk's input
-    and its gradient are freed at ``I``."""
-    s, b, h, w = seq_length, mbs, config.hidden_size, config.params_dtype.itemsize
-    tp, sp = config.tensor_model_parallel_size, config.sequence_parallel
-    heads, groups, d = config.num_attention_heads, config.num_query_groups, config.kv_channels
-    fc1 = config.ffn_hidden_size * (2 if config.activation == "swiglu" else 1) // tp
-    gathered = h  # the column-parallel inputs, re-gathered at W under sequence parallelism
-    inputs = 2 * gathered // (1 if not sp else tp) + heads * d // tp + config.ffn_hidden_size // tp
-    grads = (heads + 2 * groups) * d // tp + h + fc1 + h
-    total = num_layers * s * b * (inputs + grads) * w
-    if last:  # the output layer's input and the logits' gradient
-        total += s * b * (h + _vocab_shard(config)) * w
-    return total
 
 
 def runs_on_gloo(config, transport: str | None = None) -> bool:
