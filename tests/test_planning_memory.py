@@ -333,18 +333,22 @@ def test_context_parallel_peak_is_predicted(comm_type, tmp_path):
     assert all(peak <= predicted * 1.01 for peak in peaks)
 
 
-@pytest.mark.slow  # trains a 4-rank job twice
-@pytest.mark.parametrize("zero", [2, 3])
-def test_zero_buffers_peak_is_predicted(zero, tmp_path):
+@pytest.mark.slow  # trains a 4-rank job each
+@pytest.mark.parametrize(
+    "zero, schedule", [(2, "1f1b"), (3, "1f1b"), (2, "zb-h1")], ids=["z2", "z3", "z2 zb-h1"]
+)
+def test_zero_buffers_peak_is_predicted(zero, schedule, tmp_path):
     """pretrain_gpt.py at pp 2 × dp 2 under ZeRO-2 and ZeRO-3: every rank's measured peak
-    within 1% of the prediction for its stage. The peak is where a bucket's next first
-    gradient waits for its reduction: every bucket's whole gradient and reduce-scatter
-    output alive, gloo's copy of the waited bucket, and under ZeRO-3 the gathered layers
-    (the embedding's chunk also its embedding, the last chunk not its output layer)."""
+    against the prediction for its stage. Under 1F1B a backward settles its reductions
+    before it ends, so its buckets are whole only within it: ZeRO-2 within 1%; ZeRO-3,
+    whose buckets are a layer each, at most 5% over and never under (a layer's bucket is
+    counted beside the whole of the layer's working memory, which peaks at its first weight
+    gradient, before the bucket exists). Under ZB-H1 a chunk's buckets are whole from its
+    first backward on, and the end of a ``W`` waits for the slices: within 1%."""
     from megapp.testing.pretrain_world import run_pretrain_in_world
     from megapp.training.metrics import read_records
 
-    layout = Layout(pp=2, dp=2, zero_stage=zero)
+    layout = Layout(pp=2, dp=2, zero_stage=zero, schedule=schedule)
     model = ["--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4"]
     model += ["--seq-length", "64", "--hidden-dropout", "0", "--attention-dropout", "0"]
     flags = [*model, *layout.flags(4), "--global-batch-size", "8", "--lr", "1e-3"]
@@ -355,7 +359,11 @@ def test_zero_buffers_peak_is_predicted(zero, tmp_path):
     (profile,) = read_records(tmp_path / "m.jsonl", "profile")
     predicted = predict_memory(pretrain_config(layout, model, 8), VOCAB)
     for rank in profile["ranks"]:
-        assert rank["peak_bytes"] == pytest.approx(predicted[rank["pp"]].total, rel=0.01), rank
+        measured, model_peak = rank["peak_bytes"], predicted[rank["pp"]].total
+        if zero == 3:
+            assert measured <= model_peak <= 1.05 * measured, rank
+        else:
+            assert measured == pytest.approx(model_peak, rel=0.01), rank
 
 
 def test_pipeline_messages_count_the_turn_of_a_v():

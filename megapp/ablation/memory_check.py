@@ -46,6 +46,7 @@ LAYOUTS = (
     Layout(pp=2, vpp=3, embedding_in_split=True, loss_in_split=True),  # chunks of 0 and 1 layer
     Layout(tp=2, pp=2, dp=2, vpp=2, schedule="zb-v"),
     Layout(tp=2, pp=4, schedule="zb-h1"),
+    Layout(pp=2, dp=2, schedule="zb-h1"),  # two layers a chunk: I's store grows through them
     Layout(tp=2, pp=2, dp=2, sequence_parallel=True, recompute="selective"),
     Layout(tp=2, pp=2, dp=2, recompute="full"),
     Layout(pp=2, dp=4, zero_stage=2),

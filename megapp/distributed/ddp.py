@@ -211,6 +211,13 @@ class DistributedDataParallel(nn.Module):
         """Enable reduction for the backward passes that follow (the last microbatch)."""
         self.grad_sync = enabled
 
+    def settle_grads(self) -> None:
+        """After a backward: under ZeRO-2/3 wait for the reductions it started and free
+        their whole gradients, so none outlives the backward (a no-op otherwise)."""
+        for _, sharded in self._grad_stores():
+            if sharded is not None:
+                sharded.settle()
+
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accumulate gradients without reducing them."""

@@ -3,11 +3,13 @@
 With ZeRO-1 every rank accumulates whole gradients over the microbatches and
 reduce-scatters them once per step: ``Φ`` fp32 gradient elements per rank. Here a
 bucket's gradients exist whole only while one microbatch's backward fills them (a
-scratch tensor per bucket); when the bucket is complete it is reduce-scattered at once,
-and on its next use (the next microbatch's first gradient for it, or the end of the
-step) this rank's slice of the sum is added into a persistent slice store of ``Φ/dp``
-elements and the scratch is freed. The price is one reduce-scatter per microbatch
-instead of one per step.
+scratch tensor per bucket); when the bucket is complete it is reduce-scattered at once.
+The reduction is settled (waited on, this rank's slice of the sum added into a
+persistent slice store of ``Φ/dp`` elements, the scratch freed) when the next bucket's
+starts, so one runs at a time, and at the latest when the backward that filled it ends
+(:meth:`ShardedGrads.settle`): outside a backward no whole gradient is alive, and within
+one, the bucket filling and the one reducing. The price is one reduce-scatter per
+microbatch instead of one per step.
 
 Buckets marked late (gradients that must first be summed over another group: tied
 embedding copies, sequence-parallel replicas) keep whole gradients for the step, as
@@ -52,6 +54,7 @@ class ShardedGrads:
         self.divide_by = self.dp_size if divide_by is None else divide_by
         device = buffer.params[0].device
         self.offsets: dict[int, int] = {}  # id(bucket) -> start in the slice store
+        self._buckets = {id(bucket): bucket for bucket in buffer.buckets}
         size = 0
         for bucket in buffer.buckets:
             self.offsets[id(bucket)] = size
@@ -96,6 +99,7 @@ class ShardedGrads:
             self._start(bucket)
 
     def _start(self, bucket: Bucket) -> None:
+        self.settle()  # one reduction at a time: the scratch behind it is freed
         scratch = self.scratch[id(bucket)]
         scratch.div_(self.divide_by)  # the data-parallel mean
         out = torch.empty_like(self.owned(bucket))
@@ -111,6 +115,11 @@ class ShardedGrads:
         self.owned(bucket).add_(out)
         if not bucket.late:
             self._free(bucket)
+
+    def settle(self) -> None:
+        """Settle every reduction in flight (the end of a backward: its last bucket's)."""
+        for key in list(self.in_flight):
+            self._settle(self._buckets[key])
 
     # ----- end of the step -------------------------------------------------
     def finish(self, late: bool) -> None:

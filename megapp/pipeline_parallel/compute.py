@@ -44,6 +44,8 @@ class PipelineHooks:
     before_backward(chunk, is_last): runs before every backward action (``B``, ``I``
         or ``W``); ``is_last`` is True when data-parallel gradient reduction should be
         enabled for the action that follows (see :func:`sync_actions`).
+    after_backward(chunk): runs after every backward action (``B``, ``I`` or ``W``),
+        e.g. to settle the data-parallel reductions it started.
     post_backward(): runs once after every backward of the iteration, e.g. to
         all-reduce the tied embedding's gradient between first and last stage.
     update(step): an asynchronous schedule's optimizer step ``step`` of this rank
@@ -51,8 +53,12 @@ class PipelineHooks:
     """
 
     before_backward: Callable[[int, bool], None] | None = None
+    after_backward: Callable[[int], None] | None = None
     post_backward: Callable[[], None] | None = None
     update: Callable[[int], None] | None = None
+
+
+_BACKWARDS = frozenset((Op.BACKWARD, Op.INPUT_GRAD, Op.WEIGHT_GRAD))
 
 
 @dataclass
@@ -176,6 +182,8 @@ class StageCompute:
         """Run ``action``: what it receives must be in :attr:`inbox`; what it sends is left
         in :attr:`outbox`."""
         self.handlers[action.op](action)
+        if action.op in _BACKWARDS and self.hooks.after_backward is not None:
+            self.hooks.after_backward(action.chunk)
 
     def finish(self) -> None:
         """The iteration's last action has run."""

@@ -15,9 +15,10 @@ For each pipeline rank (tensor- and data-parallel ranks of one stage hold the sa
   a forward's temporaries and the output waiting to be sent, a backward's gradients of one
   layer's activations and weights (:mod:`megapp.planning.layer_working`), the output
   layer's logit gradients;
-- **ZeRO-2/3 buffers** (:mod:`megapp.planning.zero_buffers`): each chunk's whole gradients
-  from its first backward on, with their reductions in flight (and, at a backward's first
-  gradient, gloo's copy of the reduction it waits for), ZeRO-3's gathered weights;
+- **ZeRO-2/3 buffers** (:mod:`megapp.planning.zero_buffers`): a chunk's buckets filling
+  and reducing during its backward, and where it ends gloo's copy of the reduction it
+  waits for; under a split backward each chunk's whole gradients from its first backward
+  on (and at a backward's first gradient the waited copy); ZeRO-3's gathered weights;
 - **pipeline messages** alive during the action, read off the runner's plan
   (:mod:`megapp.planning.message_buffers`): receives posted ahead or waiting, and on gloo
   the sends kept until proven delivered;
@@ -320,8 +321,10 @@ def predict_memory(config, vocab_size: int, transport: str | None = None) -> lis
             sizes.append(chunk_activation_bytes(model, layers[stage], first, last, s, b))
             stores.append(weight_grad_store_bytes(model, layers[stage], last, s, b))
         held, in_flight, peak = 0.0, 0.0, (0.0, 0.0, 0.0)
-        reduced = [False] * len(stages)  # the chunk's gradient buckets exist (ZeRO-2/3)
+        split = any(a.op is Op.INPUT_GRAD for a in schedule.actions[rank])
+        reduced = [False] * len(stages)  # split: the chunk's gradient buckets exist (ZeRO-2/3)
         forwarded = [0] * len(stages)  # its microbatches between forward and backward
+        deferred = [0] * len(stages)  # and between I and W
         reducing = kept = 0.0  # those buckets' bytes; the gathered weights kept meanwhile
         working: dict[tuple[int, Op], float] = {}
         for action in schedule.actions[rank]:
@@ -337,21 +340,32 @@ def predict_memory(config, vocab_size: int, transport: str | None = None) -> lis
                 )
             z = zeros[chunk]
             others = kept - (z.gathered_kept if forwarded[chunk] else 0.0)  # not this chunk's
+            others -= z.gathered_split if deferred[chunk] else 0.0
             buffers = reducing + others
-            buffers += z.gathered_forward if op is Op.FORWARD else z.gathered_backward
+            if op is Op.FORWARD:
+                buffers += z.gathered_forward
+            elif op is Op.BACKWARD:
+                buffers += z.gathered_backward
+            else:  # I and W: the chunk's weights stay gathered from I to W
+                buffers += max(z.gathered_backward, z.gathered_split)
             if op is Op.FORWARD:
                 held, in_flight = held + size, in_flight + 1
                 kept += z.gathered_kept if not forwarded[chunk] else 0.0
                 forwarded[chunk] += 1
             alive = messages[rank][action]
             transport = ((alive.kept if gloo else 0) + alive.waiting) * message
-            moments = [buffers + working[(stage, op)]]
-            if reduced[chunk] and z.waited and op in (Op.BACKWARD, Op.WEIGHT_GRAD):
-                # a bucket's first gradient waits for its reduction of the microbatch before
-                settle = working[(stage, op)] if op is Op.WEIGHT_GRAD else 2 * message
-                if last and op is Op.BACKWARD:  # after the head's backward freed its tensors
-                    settle -= chunk_activation_bytes(model, 0, False, True, s, b)
-                moments.append(buffers + z.waited + settle)
+            if op is Op.BACKWARD and not split:  # its buckets fill, reduce and settle in it
+                moments = [others + z.during + working[(stage, op)]]
+                # a reduction waited for between two buckets (a layer's input gradient and
+                # the next one's first alive) or at the end, its activations freed
+                settle = 2 * message if z.settles_inside else -size
+                moments.append(others + z.settled + settle)
+            else:
+                moments = [buffers + working[(stage, op)]]
+            if split and reduced[chunk] and z.waited and op in (Op.BACKWARD, Op.WEIGHT_GRAD):
+                # its end waits for the reduction it started, what it kept freed
+                freed = store if op is Op.WEIGHT_GRAD else size
+                moments.append(buffers + z.slices + z.waited - freed)
             work = max(moments)
             if held + transport + work > peak[0] + peak[1]:
                 peak = (held + transport, work, in_flight)
@@ -364,7 +378,13 @@ def predict_memory(config, vocab_size: int, transport: str | None = None) -> lis
             if op in (Op.INPUT_GRAD, Op.BACKWARD):
                 forwarded[chunk] -= 1
                 kept -= z.gathered_kept if not forwarded[chunk] else 0.0
-            if op in (Op.WEIGHT_GRAD, Op.BACKWARD) and not reduced[chunk]:
+            if op is Op.INPUT_GRAD:
+                kept += z.gathered_split if not deferred[chunk] else 0.0
+                deferred[chunk] += 1
+            elif op is Op.WEIGHT_GRAD:
+                deferred[chunk] -= 1
+                kept -= z.gathered_split if not deferred[chunk] else 0.0
+            if split and op in (Op.WEIGHT_GRAD, Op.BACKWARD) and not reduced[chunk]:
                 reduced[chunk] = True
                 reducing += z.reducing
         step = optimizer_step_bytes(state, model.params_dtype) if gloo else 0.0

@@ -276,16 +276,18 @@ def action_costs(gpt: GPTConfig, shape: Shape, hardware: Hardware) -> ActionCost
         w_s = layers * one.weight_grad + output.weight_grad * last + fixed
         w_s += moe * (moe_one.weight_grad - one.weight_grad)
         # ZeRO-3 gathers the chunk before its forward and the layers before backward;
-        # ZeRO-2/3 reduce-scatter the chunk's fp32 gradients after every backward.
-        gather_f = gather_b = scatter = 0.0
+        # ZeRO-2/3 reduce-scatter the chunk's fp32 gradients bucket by bucket in every
+        # backward, which waits for the last bucket's (started once its gradients are in)
+        gather_f = gather_b = scatter = tail = 0.0
         if shape.zero_stage == 3:
             gather_f = dp_link.all_gather(width * chunk_params, dp)
             gather_b = gather_f * layers * layer_params / max(chunk_params, 1)
         if shape.zero_stage >= 2:
             scatter = dp_link.all_gather(4 * chunk_params, dp)
+            tail = scatter * min(1.0, shape.bucket_size / max(chunk_params, 1))
         f_s = _with_transfer(f_s, gather_f, hardware)
         i_s = _with_transfer(i_s, gather_b, hardware)
-        w_s = _with_transfer(w_s, scatter, hardware)
+        w_s = _with_transfer(w_s, scatter - tail, hardware) + tail
         b_s = i_s + w_s - fixed  # one action, not two
         cp_seconds = (layers * cp_f, layers * cp_b, layers * cp_calls_f, layers * cp_calls_b)
         values = (f_s, i_s, w_s, b_s, f, i, w, tp_f, tp_b, calls_f, calls_b, *cp_seconds)

@@ -195,7 +195,10 @@ def train_step(
     # the microbatches; a sequence's ranks' losses add up to the sequence's, and the dp × cp
     # mean divides by cp, which the factor cp undoes.
     set_aux_loss_scale(chunks, scale * comm.world_size(groups.cp) / num_microbatches)
-    hooks = PipelineHooks(before_backward=lambda c, is_last: chunks[c].set_grad_sync(is_last))
+    hooks = PipelineHooks(
+        before_backward=lambda c, is_last: chunks[c].set_grad_sync(is_last),
+        after_backward=lambda c: chunks[c].settle_grads(),
+    )
     result = forward_backward(
         step_func,
         data_iterators,
