@@ -16,9 +16,9 @@ For each pipeline rank (tensor- and data-parallel ranks of one stage hold the sa
   layer's activations and weights (:mod:`megapp.planning.layer_working`), the output
   layer's logit gradients;
 - **ZeRO-2/3 buffers** (:mod:`megapp.planning.zero_buffers`): a chunk's buckets filling
-  and reducing during its backward, and where it ends gloo's copy of the reduction it
-  waits for; under a split backward each chunk's whole gradients from its first backward
-  on (and at a backward's first gradient the waited copy); ZeRO-3's gathered weights;
+  and reducing during its backward, and where it waits for a reduction gloo's copy of the
+  bucket; under a split backward each chunk's whole gradients from its first backward
+  on (and at the end of a ``W`` the slices and the copy); ZeRO-3's gathered weights;
 - **pipeline messages** alive during the action, read off the runner's plan
   (:mod:`megapp.planning.message_buffers`): receives posted ahead or waiting, and on gloo
   the sends kept until proven delivered;
