@@ -84,7 +84,8 @@ def brute_force(hardware, gbs, gpus):
             step = predict_step_time(config, MODEL.vocab_size, hardware)
         except (ArgumentsError, ValueError, ScheduleError):
             continue
-        memory = max(r.total for r in predict_memory(config, MODEL.vocab_size))
+        predicted = predict_memory(config, MODEL.vocab_size, hardware.transport)
+        memory = max(r.total for r in predicted)
         if memory <= hardware.usable_memory:
             timed.append((step.seconds, layout))
     return sorted(timed, key=lambda item: item[0])
