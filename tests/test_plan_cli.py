@@ -101,7 +101,7 @@ def test_pruning_finds_what_brute_force_finds():
     got = [planned.step.seconds for planned in result.best]
     assert got == pytest.approx([seconds for seconds, _ in everything[:3]], rel=1e-12)
     assert result.timed < len(everything)  # it did prune
-    # many layouts do not fit here (644): the memory floor drops over half of them (347)
+    # many layouts do not fit here: the memory floor drops over half of them
     # without a config built or a memory predicted (a floor: the backward's working memory
     # is not in it, and at 0.5 GB that is often the peak)
     planner, over, floored = Planner(MODEL, hardware, 8, 4), 0, 0
@@ -110,7 +110,8 @@ def test_pruning_finds_what_brute_force_finds():
             config = pretrain_config(layout, FLAGS, 8)
         except (ArgumentsError, ValueError):
             continue
-        if max(r.total for r in predict_memory(config, MODEL.vocab_size)) > hardware.usable_memory:
+        predicted = predict_memory(config, MODEL.vocab_size, hardware.transport)
+        if max(r.total for r in predicted) > hardware.usable_memory:
             over += 1
             floor = planner.memory_floor(layout, planner.gpt(layout), planner.schedule(layout))
             floored += floor > hardware.usable_memory
