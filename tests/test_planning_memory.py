@@ -112,6 +112,20 @@ def test_the_last_chunk_backward_works_in_the_predicted_bytes(seq, vocab, pp, mo
     assert memory.peak - memory.start == pytest.approx(predicted, abs=1024)
 
 
+def _two_layer_chunk(settings: dict, last: bool):
+    """The middle or the last of three two-layer GPT chunks (128 wide, 257 tokens), with
+    labels for two sequences of 128."""
+    config = GPTConfig(
+        num_layers=6, hidden_size=128, num_attention_heads=4, vocab_size=257,
+        max_position_embeddings=128, hidden_dropout=0.0, attention_dropout=0.0,
+        params_dtype=torch.float32, make_vocab_size_divisible_by=128, **settings,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model_parallel_manual_seed(0)
+    (chunk,) = build_gpt_chunks(config, pp_rank=2 if last else 1, pp_size=3)
+    return config, chunk, torch.randint(0, 257, (2, 128))
+
+
 MOE_SWIGLU = {
     "activation": "swiglu", "num_moe_experts": 4, "moe_router_topk": 2,
     "moe_ffn_hidden_size": 256, "moe_router_force_load_balancing": True,
@@ -134,17 +148,9 @@ def test_a_fully_recomputed_chunk_backward_works_in_the_predicted_bytes(last, se
     gradient handed in) and on a last one (the loss's backward first), dense or with experts
     (whose rerun forward adds each expert's bias into its rows: one repeated copy of the
     biases alive, not two)."""
-    config = GPTConfig(
-        num_layers=6, hidden_size=128, num_attention_heads=4, vocab_size=257,
-        max_position_embeddings=128, hidden_dropout=0.0, attention_dropout=0.0,
-        params_dtype=torch.float32, make_vocab_size_divisible_by=128, **settings,
-        recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model_parallel_manual_seed(0)
-    (chunk,) = build_gpt_chunks(config, pp_rank=2 if last else 1, pp_size=3)
+    full = {"recompute_granularity": "full", "recompute_method": "uniform"}
+    config, chunk, labels = _two_layer_chunk({**settings, **full, "recompute_num_layers": 1}, last)
     s, b = 128, 2
-    labels = torch.randint(0, 257, (b, s))
     for p in chunk.parameters():
         p.grad = torch.zeros_like(p)  # added into, as into a data-parallel buffer
     for _ in range(2):
@@ -188,16 +194,8 @@ def test_a_split_backward_works_in_the_predicted_bytes(settings, last):
     chunk (its output's gradient received) and on a last one (the loss's backward first)."""
     from megapp.autograd.deferred import DeferredWeightGrads, collect_weight_grads, split_forward
 
-    config = GPTConfig(
-        num_layers=6, hidden_size=128, num_attention_heads=4, vocab_size=257,
-        max_position_embeddings=128, hidden_dropout=0.0, attention_dropout=0.0,
-        params_dtype=torch.float32, make_vocab_size_divisible_by=128, **settings,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model_parallel_manual_seed(0)
-    (chunk,) = build_gpt_chunks(config, pp_rank=2 if last else 1, pp_size=3)
+    config, chunk, labels = _two_layer_chunk(settings, last)
     s, b = 128, 2
-    labels = torch.randint(0, 257, (b, s))
 
     def into_buffer(p):
         if p.grad is not None:
