@@ -141,13 +141,14 @@ def layer_backward_bytes(
     mbs: int,
     fused_attention: bool = False,
     experts: bool = False,
-    input_half: bool = False,
-    incoming: bool = False,
+    incoming: bool | None = None,
 ) -> int:
     """Working bytes of one layer's backward above what it held: a dense layer's
-    (:func:`dense_backward_bytes`, or for the input half of a split backward
-    :func:`dense_input_grad_bytes` with ``incoming``) or a mixture-of-experts layer's
-    (``experts``: :func:`moe_backward_bytes`, whole or split), or, where it is larger,
+    (:func:`dense_backward_bytes`, or for the input half of a split backward, where
+    ``incoming`` says whether the layer's output gradient is made by this backward or
+    received, :func:`dense_input_grad_bytes`; None: a whole backward) or a
+    mixture-of-experts layer's (``experts``: :func:`moe_backward_bytes`, whole or split),
+    or, where it is larger,
     context-parallel attention's backward
     (:func:`~megapp.planning.attention_working.attention_working_bytes`; with selective
     recompute it first rebuilds what attention keeps; ``fused_attention``: its blocks run
@@ -155,10 +156,10 @@ def layer_backward_bytes(
     s, b = seq_length, mbs
     if experts:  # the routed experts' weight gradients are not deferred: I works as B
         mlp = moe_backward_bytes(config, s, b)
-        if input_half and incoming:  # beside the layer's output gradient
+        if incoming:  # beside the layer's output gradient
             tp = config.tensor_model_parallel_size if config.sequence_parallel else 1
             mlp += s * b // tp * config.hidden_size * config.params_dtype.itemsize
-    elif input_half:
+    elif incoming is not None:
         mlp = dense_input_grad_bytes(config, s, b, incoming)
     else:
         mlp = dense_backward_bytes(config, s, b)

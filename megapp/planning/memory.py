@@ -249,9 +249,7 @@ def _widest_layer_backward(
         kinds.append(False)
     widest = 0
     for experts in kinds:
-        layer = layer_backward_bytes(
-            config, s, mbs, fused_attention, experts, incoming is not None, bool(incoming)
-        )
+        layer = layer_backward_bytes(config, s, mbs, fused_attention, experts, incoming)
         if config.recompute_granularity == "full":  # the layer rebuilt for its backward
             layer += layer_activation_bytes(config, s, mbs) + output
             layer += moe_activation_bytes(config, s, mbs) if experts else 0
@@ -347,7 +345,7 @@ def predict_memory(config, vocab_size: int, transport: str | None = None) -> lis
             elif op is Op.BACKWARD:
                 buffers += z.gathered_backward
             else:  # I and W: the chunk's weights stay gathered from I to W
-                buffers += max(z.gathered_backward, z.gathered_split)
+                buffers += z.gathered_split
             if op is Op.FORWARD:
                 held, in_flight = held + size, in_flight + 1
                 kept += z.gathered_kept if not forwarded[chunk] else 0.0
