@@ -22,6 +22,7 @@ weight matmuls); :class:`~megapp.pipeline_parallel.simulate.CostModel`'s
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict, deque
 from collections.abc import Sequence
 
@@ -86,6 +87,16 @@ def greedy(
     from_next = [[latency(r, s + 1) for s in row] for r, row in enumerate(placement)]
     forward_memory = [[costs.memory(r, Action(F, 0, c)) for c in range(v)] for r in range(p)]
     weight_time = [[costs.time(r, Action(W, 0, c)) for c in range(v)] for r in range(p)]
+    # every action's time and change in held memory, per op, [rank][chunk] (the same for
+    # every microbatch)
+    priced = {
+        op: (
+            [[costs.time(r, Action(op, 0, c)) for c in range(v)] for r in range(p)],
+            [[costs.memory(r, Action(op, 0, c)) for c in range(v)] for r in range(p)],
+        )
+        for op in (F, backward, W)
+        if split_backward or op is not W
+    }
 
     def ready_at(rank: int, op: Op, chunk: int) -> float | None:
         """When the next ``op`` of ``chunk`` on ``rank`` has its input, if known."""
@@ -107,33 +118,38 @@ def greedy(
         t = done.get((1, mb, stage + 1))
         return None if t is None else t + from_next[rank][chunk]
 
+    # a proposal's priorities per [rank][chunk]: the first stage's input gradient feeds no
+    # one, so forwards go first there; among forwards the deepest stage first
+    urgency = [[2 if stage == 0 else 0 for stage in row] for row in placement]
+    depth = [[-stage for stage in row] for row in placement]
+    chunks = range(v)
+
     def proposal(rank: int) -> tuple[float, Op, int] | None:
         """What ``rank`` would start next and when, from what is known now."""
         work = []  # (start, priority, tiebreak, op, chunk)
-        memory_blocked = False
-        now = clock[rank]
-        for chunk in range(v):
-            t = ready[rank][chunk][1]
-            if t is not None:
-                # the first stage's input gradient feeds no one: forwards go first there
-                urgency = 2 if placement[rank][chunk] == 0 else 0
-                work.append((max(t, now), urgency, next_b[rank][chunk], backward, chunk))
-            t = ready[rank][chunk][0]
-            if t is not None:
-                if held[rank] + forward_memory[rank][chunk] <= memory_limit[rank] + 1e-9:
-                    work.append((max(t, now), 1, -placement[rank][chunk], F, chunk))
+        memory_blocked = backward_now = False
+        soonest = math.inf
+        now, ready_now, holding = clock[rank], ready[rank], held[rank]
+        limit = memory_limit[rank] + 1e-9
+        for chunk in chunks:
+            t_forward, t_backward = ready_now[chunk]
+            if t_backward is not None:
+                start = t_backward if t_backward > now else now
+                work.append((start, urgency[rank][chunk], next_b[rank][chunk], backward, chunk))
+                soonest = min(soonest, start)
+                backward_now = backward_now or start <= now
+            if t_forward is not None:
+                if holding + forward_memory[rank][chunk] <= limit:
+                    start = t_forward if t_forward > now else now
+                    work.append((start, 1, depth[rank][chunk], F, chunk))
+                    soonest = min(soonest, start)
                 else:
                     memory_blocked = True
         if deferred[rank]:
             chunk = deferred[rank][0].chunk
-            soonest = min((w[0] for w in work), default=None)
-            backward_now = any(w[3] is not F and w[0] <= now for w in work)
-            # a W fills a gap it fits in, or frees memory a forward waits for
-            if (
-                soonest is None
-                or soonest >= now + weight_time[rank][chunk]
-                or (memory_blocked and not backward_now)
-            ):
+            # a W fills a gap it fits in (or nothing else is ready), or frees memory a
+            # forward waits for
+            if soonest >= now + weight_time[rank][chunk] or (memory_blocked and not backward_now):
                 return now, W, chunk
         if not work:
             return None
@@ -151,17 +167,17 @@ def greedy(
     ready = [[readiness(r, c) for c in range(v)] for r in range(p)]
     chunk_of = {stage: c for row in placement for c, stage in enumerate(row)}
     proposals = [proposal(rank) for rank in range(p)]
+    # when each rank's proposal starts (infinite: none), the earliest lowest rank first
+    starts = [math.inf if found is None else found[0] for found in proposals]
+    ranks = range(p)
     for _ in range(total):
-        best = None
-        for rank, found in enumerate(proposals):
-            if found is not None and (best is None or found[0] < best[0]):
-                best = (found[0], rank, found)
-        if best is None:
+        rank = min(ranks, key=starts.__getitem__)
+        if proposals[rank] is None:
             raise ValueError(
                 f"{name}: no rank can run anything under activation limits {list(memory_limit)}; "
                 "a limit must allow at least one forward beyond what the pipeline needs"
             )
-        start, rank, (_, op, chunk) = best
+        start, op, chunk = proposals[rank]
         stage = placement[rank][chunk]
         if op is W:
             action = deferred[rank].popleft()
@@ -171,7 +187,8 @@ def greedy(
             counter[rank][chunk] += 1
             if op is I:
                 deferred[rank].append(Action(W, action.microbatch, chunk))
-        end = start + costs.time(rank, action)
+        seconds, memory = priced[op]
+        end = start + seconds[rank][chunk]
         if op is not W:  # its own next action of the chunk, and the stage it feeds
             done[(int(op is not F), action.microbatch, stage)] = end
             ready[rank][chunk] = readiness(rank, chunk)
@@ -180,11 +197,12 @@ def greedy(
                 peer, peer_chunk = where[fed], chunk_of[fed]
                 ready[peer][peer_chunk][op is not F] = ready_at(peer, op, peer_chunk)
         clock[rank] = end
-        held[rank] += costs.memory(rank, action)
+        held[rank] += memory[rank][chunk]
         actions[rank].append(action)
         neighbours = (where[s] for s in (stage - 1, stage + 1) if 0 <= s <= last)
         for changed in {rank, *neighbours}:
-            proposals[changed] = proposal(changed)
+            found = proposals[changed] = proposal(changed)
+            starts[changed] = math.inf if found is None else found[0]
     return Schedule(name, p, m, v, tuple(map(tuple, actions)), placement=placement)
 
 

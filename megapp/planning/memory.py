@@ -47,6 +47,7 @@ memory includes the dispatch's send and receive buffers of the routed rows.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -429,42 +430,46 @@ def rank_state(
     return state
 
 
+_HELD_CODES = {Op.FORWARD: 0, Op.INPUT_GRAD: 1, Op.WEIGHT_GRAD: 2, Op.BACKWARD: 3}
+
+
 @dataclass(frozen=True)
-class HeldCounts:
-    """How many microbatches a rank's chunks hold for backward at once (forwarded, their
-    input gradient not yet run): ``most``, all chunks together at any moment, and
-    ``each[c]``, chunk ``c`` alone."""
+class HeldWalk:
+    """A rank's actions as :func:`predict_memory` walks them for what they hold: each
+    action's code (``4·chunk`` + 0 for a forward, 1 for ``I``, 2 for ``W``, 3 for a whole
+    backward), and per chunk the positions of its forwards."""
 
-    most: int
-    each: tuple[int, ...]
+    codes: tuple[int, ...]
+    forwards: tuple[tuple[int, ...], ...]
 
-    def floor(self, sizes: Sequence[float], working: Sequence[float]) -> float:
+    def floor(
+        self, sizes: Sequence[float], stores: Sequence[float], working: Sequence[float]
+    ) -> float:
         """A floor on the rank's peak of held and working bytes when a microbatch of chunk
-        ``c`` holds ``sizes[c]`` and its forward works with ``working[c]``: each count is
-        reached just after a forward, which works with at least the smallest; at the moment
-        of ``most`` each microbatch holds at least the smallest size, at chunk ``c``'s own
-        peak its ``each[c]`` hold ``sizes[c]`` (what a split backward keeps from ``I`` to
-        ``W`` only adds)."""
-        alone = max(
-            (n * size + work for n, size, work in zip(self.each, sizes, working, strict=True)),
-            default=0,
-        )
-        return max(self.most * min(sizes, default=0) + min(working, default=0), alone)
+        ``c`` holds ``sizes[c]`` from its forward to its input gradient, ``stores[c]`` from
+        there to its ``W``, and its forward works with at least ``working[c]``: what it
+        holds after every action but the last (at most what the next action's moment
+        holds), and just after each forward with that forward's working memory."""
+        deltas: list[float] = []
+        for size, store in zip(sizes, stores, strict=True):
+            deltas += [size, store - size, -store, -size]  # as predict_memory adds them
+        held = list(itertools.accumulate(map(deltas.__getitem__, self.codes)))
+        top = max(held[:-1], default=0.0)
+        for positions, work in zip(self.forwards, working, strict=True):
+            if positions:
+                top = max(top, max(map(held.__getitem__, positions)) + work)
+        return max(top, 0.0)
 
 
-def held_counts(schedule: Schedule, rank: int) -> HeldCounts:
-    """:class:`HeldCounts` of ``rank`` under ``schedule``, whose actions it walks as
-    :func:`predict_memory` does."""
-    counts = [0] * len(schedule.placement[rank])
-    each, most = list(counts), 0
-    for action in schedule.actions[rank]:
+def held_walk(schedule: Schedule, rank: int) -> HeldWalk:
+    """:class:`HeldWalk` of ``rank`` under ``schedule``."""
+    actions = [a for a in schedule.actions[rank] if a.op is not Op.UPDATE]
+    codes = tuple(4 * a.chunk + _HELD_CODES[a.op] for a in actions)
+    forwards: list[list[int]] = [[] for _ in schedule.placement[rank]]
+    for position, action in enumerate(actions):
         if action.op is Op.FORWARD:
-            counts[action.chunk] += 1
-            each[action.chunk] = max(each[action.chunk], counts[action.chunk])
-            most = max(most, sum(counts))
-        elif action.op in (Op.INPUT_GRAD, Op.BACKWARD):
-            counts[action.chunk] -= 1
-    return HeldCounts(most, tuple(each))
+            forwards[action.chunk].append(position)
+    return HeldWalk(codes, tuple(map(tuple, forwards)))
 
 
 def peak_bytes(memories: Sequence[RankMemory]) -> float:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import math
+import operator
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,17 +34,19 @@ from megapp.planning.memory import (
     chunk_activation_bytes,
     chunk_working_bytes,
     expert_data_parallel_size,
-    held_counts,
+    held_walk,
     predict_memory,
     rank_state,
 )
 from megapp.planning.models import ModelPreset
 from megapp.planning.profiles import time_model
+from megapp.planning.weight_grad_store import weight_grad_store_bytes
 from megapp.training.config import PretrainConfig
 from megapp.training.flag_groups import ArgumentsError
 from megapp.training.parallel_flags import ParallelArgs
 
 _GIB = 2**30
+_UNPRICED = object()  # a layout's costs not yet asked for (None: its state overflows)
 _BUCKET = ParallelArgs().ddp_bucket_size
 _COUNTED = {
     "slower": "timed",
@@ -86,6 +89,13 @@ class PlanResult:
 MODEL_FIELDS = ("tp", "sequence_parallel", "recompute", "cp", "cp_comm_type", "ep", "etp")
 MODEL_FIELDS += ("embedding_in_split", "loss_in_split", "tp_comm_overlap")
 """The fields of a :class:`Layout` that reach the model ``pretrain_gpt.py`` builds."""
+_model_key = operator.attrgetter(*MODEL_FIELDS)
+# what a layout's action costs depend on besides its schedule's shape: all but the schedule
+_costs_key = operator.attrgetter(
+    *("tp", "pp", "dp", "vpp", "micro_batch_size", "sequence_parallel", "recompute"),
+    *("zero_stage", "cp", "cp_comm_type", "ep", "etp", "embedding_in_split", "loss_in_split"),
+    "tp_comm_overlap",
+)
 
 
 class Planner:
@@ -108,6 +118,7 @@ class Planner:
         self._memos: dict[tuple, object] = {}
         self._bounds: dict[tuple, float] = {}
         self._schedules: dict[tuple, Schedule | str] = {}
+        self._placements: dict[tuple, tuple[tuple[int, ...], ...]] = {}
         # per schedule, the first costs simulated with it and every rank's last event then
         self._references: dict[tuple, tuple[timing.ActionCosts, list[float]]] = {}
         # of the layouts fast enough to be checked after simulating: how many fitted, how
@@ -120,7 +131,7 @@ class Planner:
         and the layout's settings that reach the model (tensor and context parallelism,
         sequence parallelism, recompute, expert parallelism); None where its rules refuse
         them."""
-        key = tuple(getattr(layout, name) for name in MODEL_FIELDS)
+        key = _model_key(layout)
         if key not in self._gpts:
             # enough data-parallel ranks for one copy of the expert grid
             model_only = Layout(
@@ -156,7 +167,14 @@ class Planner:
 
     def _rank_totals(self, gpt: GPTConfig, placement, dp: int, zero: int, edp: int) -> list[float]:
         layers = self._stage_layers(gpt, placement)
-        return [rank_state(gpt, row, layers, dp, zero, edp).total for row in placement]
+        last = len(layers) - 1
+        # a rank's state depends only on its chunks' layers and which hold an end of the model
+        kinds = [tuple([(layers[st], st == 0, st == last) for st in row]) for row in placement]
+        totals: dict[tuple, float] = {}
+        for key, row in zip(kinds, placement, strict=True):
+            if key not in totals:
+                totals[key] = rank_state(gpt, row, layers, dp, zero, edp).total
+        return [totals[key] for key in kinds]
 
     def state_fits(self, layout: Layout, gpt: GPTConfig, placement) -> bool:
         """Whether every rank's model state alone fits in memory (a bound on the total)."""
@@ -164,18 +182,22 @@ class Planner:
 
     def memory_floor(self, layout: Layout, gpt: GPTConfig, schedule: Schedule) -> float:
         """A floor on ``layout``'s predicted peak memory (:func:`predict_memory`, which needs
-        the checked config): the worst rank's model state and the activations its schedule
-        holds at once, with the least working memory of a forward."""
+        the checked config): the worst rank's model state and what its schedule holds at
+        once (activations, and what a split backward keeps from ``I`` to ``W``), with a
+        forward's working memory just after each forward."""
         placement = schedule.placement
         layers = self._stage_layers(gpt, placement)
         states = self.rank_states(layout, gpt, placement)
         s, b, last = self.model.seq_length // layout.cp, layout.micro_batch_size, len(layers) - 1
         floor = 0.0
         for rank, row in enumerate(placement):
-            held = self._memo(held_counts, schedule, rank)
+            held = self._memo(held_walk, schedule, rank)
             sizes = [
                 self._memo(chunk_activation_bytes, gpt, layers[st], st == 0, st == last, s, b)
                 for st in row
+            ]
+            stores = [
+                self._memo(weight_grad_store_bytes, gpt, layers[st], st == last, s, b) for st in row
             ]
             fused = self.hardware.transport == "gloo"  # on CPUs
             working = [
@@ -184,29 +206,25 @@ class Planner:
                 )
                 for st in row
             ]
-            floor = max(floor, states[rank] + held.floor(sizes, working))
+            floor = max(floor, states[rank] + held.floor(sizes, stores, working))
         return floor
 
     @staticmethod
     def _key(layout: Layout) -> tuple:
         """What a layout's action costs depend on: all but the schedule, save its shape."""
-        return (
-            *(layout.tp, layout.pp, layout.dp, layout.vpp, layout.micro_batch_size),
-            *(layout.sequence_parallel, layout.recompute, layout.zero_stage),
-            *(layout.cp, layout.cp_comm_type, layout.ep, layout.etp),
-            *(layout.embedding_in_split, layout.loss_in_split, layout.tp_comm_overlap),
-            _kind(layout).v_shaped,
-        )
+        return (*_costs_key(layout), _kind(layout).v_shaped)
 
     def costs(self, layout: Layout) -> timing.ActionCosts | None:
         """Action costs of ``layout`` (None when its model state alone overflows memory),
         shared by every schedule with the same placement."""
-        key = self._key(layout)
-        v_shaped = key[-1]
-        if key in self._costs:
-            return self._costs[key]
+        return self._keyed_costs(layout, self._key(layout))
+
+    def _keyed_costs(self, layout: Layout, key: tuple) -> timing.ActionCosts | None:
+        costs = self._costs.get(key, _UNPRICED)
+        if costs is not _UNPRICED:
+            return costs
         gpt = self.gpt(layout)
-        placement = v_placement(layout.pp) if v_shaped else looped_placement(layout.pp, layout.vpp)
+        placement = self._placement(layout.pp, layout.vpp, v_shaped=key[-1])
         costs = None
         if gpt is not None and self.state_fits(layout, gpt, placement):
             mbs, dp, seq = layout.micro_batch_size, layout.dp, self.model.seq_length
@@ -219,11 +237,20 @@ class Planner:
         self._costs[key] = costs
         return costs
 
+    def _placement(self, pp: int, vpp: int, v_shaped: bool) -> tuple[tuple[int, ...], ...]:
+        """The virtual stages of every pipeline rank, in a V or looped (built once per
+        shape)."""
+        key = (pp, vpp, v_shaped)
+        if key not in self._placements:
+            self._placements[key] = v_placement(pp) if v_shaped else looped_placement(pp, vpp)
+        return self._placements[key]
+
     def bound(self, layout: Layout) -> float | None:
         """The lower bound on ``layout``'s time; None when it overflows memory."""
-        if self.costs(layout) is None:
+        key = self._key(layout)
+        if self._keyed_costs(layout, key) is None:
             return None
-        return self._bounds[(*self._key(layout), _kind(layout).split_backward)]
+        return self._bounds[(*key, _kind(layout).split_backward)]
 
     def _schedule_key(self, layout: Layout) -> tuple:
         """What ``layout``'s schedule is built from: its name, p, m and v."""

@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -93,7 +94,7 @@ from megapp.planning.operations import LayerSeconds
 from megapp.planning.step_time import StepTime, step_time
 from megapp.training.config import PretrainConfig
 
-Table = list[list[float]]
+Table = list[Sequence[float]]  # [rank][chunk]; ranks whose chunks cost the same share a row
 
 
 @dataclass(frozen=True)
@@ -153,10 +154,11 @@ class ActionCosts:
     def busy(self, rank: int, num_microbatches: int, split_backward: bool = True) -> float:
         """Seconds rank ``rank`` computes in one iteration, its backwards split into ``I``
         and ``W`` or not."""
-        backward = self.input_grad[rank] + self.weight_grad[rank]
-        if not split_backward:
-            backward = self.whole_backward[rank]
-        return num_microbatches * (sum(self.forward[rank]) + sum(backward))
+        if split_backward:  # the sum of I then W, as of their rows joined
+            backward = sum(self.weight_grad[rank], sum(self.input_grad[rank]))
+        else:
+            backward = sum(self.whole_backward[rank])
+        return num_microbatches * (sum(self.forward[rank]) + backward)
 
     def lower_bounds(
         self, num_microbatches: int, step_overhead: float = 0.0
@@ -170,10 +172,10 @@ class ActionCosts:
         runs through every stage below it. Every step between stages on two ranks costs a
         pipeline message (``p2p``) on the way: its receiver starts no sooner."""
         p, m = len(self.forward), num_microbatches
-        where = {
-            stage: (r, c) for r, row in enumerate(self.placement) for c, stage in enumerate(row)
-        }
-        order = [where[stage] for stage in range(len(where))]
+        order: list[tuple[int, int]] = [(0, 0)] * sum(len(row) for row in self.placement)
+        for r, row in enumerate(self.placement):
+            for c, stage in enumerate(row):
+                order[stage] = (r, c)
         f = [self.forward[r][c] for r, c in order]
         i = [self.input_grad[r][c] for r, c in order]
         b = [self.whole_backward[r][c] for r, c in order]
@@ -186,20 +188,129 @@ class ActionCosts:
         first_rank, first_chunk = order[0]
         chain = m * f[0] + sum(f[1:]) + sum(i) + self.weight_grad[first_rank][first_chunk]
         chain += 2 * sum(hop) + self.tail[first_rank]
-        lowest = [min(row) for row in self.placement]
-        # when each rank's first input can arrive: the forwards and hops before its lowest stage
-        start = [f_before[s] + hops_to[s] for s in lowest]
-        results = []
-        for split_backward in (False, True):
-            bounds = [chain]
-            for rank in range(p):
-                done = start[rank] + self.busy(rank, m, split_backward)
-                bounds.append(done + self.tail[rank])
-                if not split_backward and lowest[rank] > 0:
-                    down = b_before[lowest[rank]] + hops_to[lowest[rank]]
-                    bounds.append(done + down + self.tail[first_rank])
-            results.append(step_overhead + max(bounds))
+        whole, split = [chain], [chain]
+        for rank in range(p):
+            lowest = min(self.placement[rank])
+            # when its first input can arrive: the forwards and hops before its lowest stage
+            start = f_before[lowest] + hops_to[lowest]
+            forward = sum(self.forward[rank])
+            done = start + m * (forward + sum(self.whole_backward[rank]))
+            whole.append(done + self.tail[rank])
+            if lowest > 0:
+                down = b_before[lowest] + hops_to[lowest]
+                whole.append(done + down + self.tail[first_rank])
+            backward = sum(self.weight_grad[rank], sum(self.input_grad[rank]))
+            done = start + m * (forward + backward)
+            split.append(done + self.tail[rank])
+        results = [step_overhead + max(whole), step_overhead + max(split)]
         return results[0], results[1]
+
+
+class ChunkPrices:
+    """What one microbatch costs through a chunk of ``gpt``'s layers on ``hardware``,
+    whatever the placement, the data-parallel size and the ZeRO stage: every layer's
+    prices are computed once, and each kind of chunk (its layers, and whether it holds
+    the embedding or the output layer and the loss) when first asked for."""
+
+    def __init__(
+        self, gpt: GPTConfig, seq_length: int, micro_batch_size: int, hardware: Hardware
+    ) -> None:
+        self.gpt, self.seq_length, self.hardware = gpt, seq_length, hardware
+        self.micro_batch_size = micro_batch_size
+        s, b = seq_length, micro_batch_size
+        tokens = s // gpt.context_parallel_size * b
+        vocab, tp = gpt.padded_vocab_size, gpt.tensor_model_parallel_size
+        self.logits = 2.0 * tokens * gpt.hidden_size * vocab / tp
+        self.loss_seconds = 5 * 4 * tokens * vocab / tp / hardware.memory_bandwidth  # fp32
+        self.lin, self.core = lin, core = layer_flops(gpt, s, b)
+        self.rerun = {"full": lin + core, "selective": core}.get(gpt.recompute_granularity, 0.0)
+        self.one, self.output = compute_seconds(gpt, s, b, vocab, hardware)
+        self.rerun_s = rerun_seconds(gpt, self.one)
+        cp_f, cp_b, cp_calls_f, cp_calls_b = context_parallel_seconds(
+            gpt, s, b, hardware, self.one.core_forward
+        )
+        if gpt.recompute_granularity in ("full", "selective"):  # the rerun moves them again
+            cp_b, cp_calls_b = cp_b + cp_f, cp_calls_b + cp_calls_f
+        self.cp = (cp_f, cp_b, cp_calls_f, cp_calls_b)
+        self.moe_lin, self.a2a, self.moe_mem_f, self.moe_mem_b = 0.0, 0.0, 0.0, 0.0
+        self.moe_one, self.moe_rerun_s = self.one, self.rerun_s  # an expert layer's compute
+        if gpt.num_moe_experts is not None:
+            self.moe_lin, self.a2a = moe_layer_seconds(gpt, s, b, hardware)
+            self.moe_mem_f, self.moe_mem_b = moe_memory_seconds(gpt, s, b, hardware)
+            self.moe_one = moe_compute_seconds(gpt, s, b, hardware, self.one)
+            self.moe_rerun_s = rerun_seconds(gpt, self.moe_one)
+        self.moe_rerun = self.moe_lin if gpt.recompute_granularity == "full" else 0.0
+        if gpt.recompute_granularity == "full":  # the rerun forward's passes, in the backward
+            self.moe_mem_b += self.moe_mem_f
+        self._chunks: dict[tuple[int, bool, bool], tuple[int, tuple[float, ...]]] = {}
+        self._layers: dict[tuple[tuple[int, ...], ...], list[int]] = {}
+
+    def stage_layers(self, placement: tuple[tuple[int, ...], ...]) -> list[int]:
+        """Every virtual stage's layer count under ``placement``, as megapp builds it."""
+        if placement not in self._layers:
+            ranges = placement_layer_ranges(self.gpt, placement)
+            self._layers[placement] = [len(r) for r in ranges]
+        return self._layers[placement]
+
+    def chunk(self, layers: int, first: bool, last: bool) -> tuple[int, tuple[float, ...]]:
+        """Parameters and (F, I, W seconds, the fixed cost of an action, F, I, W FLOPs, tp
+        seconds in F, in I, tp calls in F, in I, cp seconds in F, in I, cp transfers in F,
+        in I) of one chunk, before ZeRO's transfers."""
+        key = (layers, first, last)
+        if key not in self._chunks:
+            self._chunks[key] = self._price(layers, first, last)
+        return self._chunks[key]
+
+    def _price(self, layers: int, first: bool, last: bool) -> tuple[int, tuple[float, ...]]:
+        gpt, hardware = self.gpt, self.hardware
+        lin, core, rerun, logits = self.lin, self.core, self.rerun, self.logits
+        one, output, rerun_s = self.one, self.output, self.rerun_s
+        moe_one, moe_lin, moe_rerun_s, a2a = self.moe_one, self.moe_lin, self.moe_rerun_s, self.a2a
+        cp_f, cp_b, cp_calls_f, cp_calls_b = self.cp
+        # stage 0 holds the embedding, the last stage the output layer and the loss
+        num_stages = 2 - first + (not last)
+        chunk_params = chunk_parameters(gpt, 0 if first else 1, num_stages, layers)
+        moe = moe_layer_count(gpt, layers)
+        f = layers * (lin + core) + moe * moe_lin + logits * last
+        i = layers * (lin + 2 * core + rerun) + moe * (moe_lin + self.moe_rerun) + logits * last
+        w = layers * lin + moe * moe_lin + logits * last
+        tp_f, tp_b, calls_f, calls_b = tensor_parallel_seconds(
+            gpt, self.seq_length, self.micro_batch_size, layers, first, last, hardware
+        )
+        fixed = hardware.action_overhead + layers * hardware.layer_overhead
+        loss = self.loss_seconds * last
+        f_s = layers * one.forward + output.forward * last
+        f_s += moe * (moe_one.forward - one.forward + self.moe_mem_f)
+        f_s += fixed + tp_f + layers * cp_f + 3 / 5 * loss + moe * a2a
+        rerun_passes = (
+            layers * hardware.layer_overhead if gpt.recompute_granularity == "full" else 0
+        )
+        i_s = layers * (one.input_grad + rerun_s) + output.input_grad * last
+        i_s += moe * (moe_one.input_grad - one.input_grad + moe_rerun_s - rerun_s + self.moe_mem_b)
+        i_s += fixed + rerun_passes + tp_b + layers * cp_b
+        i_s += 2 / 5 * loss + moe * a2a * (2 if gpt.recompute_granularity == "full" else 1)
+        w_s = layers * one.weight_grad + output.weight_grad * last + fixed
+        w_s += moe * (moe_one.weight_grad - one.weight_grad)
+        cp_seconds = (layers * cp_f, layers * cp_b, layers * cp_calls_f, layers * cp_calls_b)
+        values = (f_s, i_s, w_s, fixed, f, i, w, tp_f, tp_b, calls_f, calls_b, *cp_seconds)
+        return chunk_params, values
+
+
+_PRICES: dict[tuple, ChunkPrices] = {}
+
+
+def chunk_prices(
+    gpt: GPTConfig, seq_length: int, micro_batch_size: int, hardware: Hardware
+) -> ChunkPrices:
+    """The :class:`ChunkPrices` of ``gpt`` on ``hardware``, kept for the configs a search
+    asks for again (known by identity: a search keeps its configs and profile)."""
+    key = (id(gpt), seq_length, micro_batch_size, id(hardware))
+    prices = _PRICES.get(key)
+    if prices is None or prices.gpt is not gpt or prices.hardware is not hardware:
+        if len(_PRICES) >= 1024:
+            _PRICES.clear()
+        prices = _PRICES[key] = ChunkPrices(gpt, seq_length, micro_batch_size, hardware)
+    return prices
 
 
 def action_costs(gpt: GPTConfig, shape: Shape, hardware: Hardware) -> ActionCosts:
@@ -210,71 +321,25 @@ def action_costs(gpt: GPTConfig, shape: Shape, hardware: Hardware) -> ActionCost
     dp = shape.dp * cp  # the ranks that reduce the gradients and share ZeRO's shards
     dp_link = group_link(hardware, tp * dp)
     pp_link = group_link(hardware, tp * dp * p)
-    ranges = placement_layer_ranges(gpt, shape.placement)
     tokens = shape.seq_length // cp * shape.micro_batch_size
     width = gpt.params_dtype.itemsize
     vocab = gpt.padded_vocab_size
-    logits = 2.0 * tokens * gpt.hidden_size * vocab / tp
-    loss_seconds = 5 * 4 * tokens * vocab / tp / hardware.memory_bandwidth  # fp32 passes
-    lin, core = layer_flops(gpt, shape.seq_length, shape.micro_batch_size)
-    rerun = {"full": lin + core, "selective": core}.get(gpt.recompute_granularity, 0.0)
-    one, output = compute_seconds(gpt, shape.seq_length, shape.micro_batch_size, vocab, hardware)
-    rerun_s = rerun_seconds(gpt, one)
-    cp_f, cp_b, cp_calls_f, cp_calls_b = context_parallel_seconds(
-        gpt, shape.seq_length, shape.micro_batch_size, hardware, one.core_forward
-    )
-    if gpt.recompute_granularity in ("full", "selective"):  # the rerun moves them again
-        cp_b, cp_calls_b = cp_b + cp_f, cp_calls_b + cp_calls_f
+    prices = chunk_prices(gpt, shape.seq_length, shape.micro_batch_size, hardware)
+    layers = prices.stage_layers(shape.placement)
     names = ("f", "i", "w", "b", "ff", "fi", "fw", "tpf", "tpb", "cf", "cb")
     names += ("cpf", "cpb", "ccf", "ccb")
-    tables: dict[str, Table] = {k: [] for k in names}
-    params: list[float] = []
+    tables: dict[str, Table] = {}
     layer_params = layer_parameters(gpt)
-    moe_lin, a2a, moe_mem_f, moe_mem_b = 0.0, 0.0, 0.0, 0.0
-    moe_one, moe_rerun_s = one, rerun_s  # a mixture-of-experts layer's compute
-    if gpt.num_moe_experts is not None:
-        moe_lin, a2a = moe_layer_seconds(gpt, shape.seq_length, shape.micro_batch_size, hardware)
-        moe_mem_f, moe_mem_b = moe_memory_seconds(
-            gpt, shape.seq_length, shape.micro_batch_size, hardware
-        )
-        moe_one = moe_compute_seconds(gpt, shape.seq_length, shape.micro_batch_size, hardware, one)
-        moe_rerun_s = rerun_seconds(gpt, moe_one)
-    moe_rerun = moe_lin if gpt.recompute_granularity == "full" else 0.0
-    if gpt.recompute_granularity == "full":  # the rerun forward's passes, in the backward
-        moe_mem_b += moe_mem_f
     chunks: dict[tuple[int, bool, bool], tuple[int, tuple[float, ...]]] = {}
+    # what a chunk's costs depend on: its layers, and whether it is the first or the last
+    # stage (chunks of one kind cost the same)
+    kinds = [(layers[s], s == 0, s == num_stages - 1) for s in range(num_stages)]
 
-    def kind(stage: int) -> tuple[int, bool, bool]:
-        """What a chunk's costs depend on: its layers, and whether it is the first or the
-        last stage (chunks of one kind cost the same)."""
-        return len(ranges[stage]), stage == 0, stage == num_stages - 1
-
-    def chunk(stage: int) -> tuple[int, tuple[float, ...]]:
+    def chunk(kind: tuple[int, bool, bool]) -> tuple[int, tuple[float, ...]]:
         """Parameters and (F, I, W, B seconds, F, I, W FLOPs, tp seconds in F, in I, tp
         calls in F, in I, cp seconds in F, in I, cp transfers in F, in I) of one chunk."""
-        layers, first, last = kind(stage)
-        chunk_params = chunk_parameters(gpt, stage, num_stages, layers)
-        moe = moe_layer_count(gpt, layers)
-        f = layers * (lin + core) + moe * moe_lin + logits * last
-        i = layers * (lin + 2 * core + rerun) + moe * (moe_lin + moe_rerun) + logits * last
-        w = layers * lin + moe * moe_lin + logits * last
-        tp_f, tp_b, calls_f, calls_b = tensor_parallel_seconds(
-            gpt, shape.seq_length, shape.micro_batch_size, layers, first, last, hardware
-        )
-        fixed = hardware.action_overhead + layers * hardware.layer_overhead
-        loss = loss_seconds * last
-        f_s = layers * one.forward + output.forward * last
-        f_s += moe * (moe_one.forward - one.forward + moe_mem_f)
-        f_s += fixed + tp_f + layers * cp_f + 3 / 5 * loss + moe * a2a
-        rerun_passes = (
-            layers * hardware.layer_overhead if gpt.recompute_granularity == "full" else 0
-        )
-        i_s = layers * (one.input_grad + rerun_s) + output.input_grad * last
-        i_s += moe * (moe_one.input_grad - one.input_grad + moe_rerun_s - rerun_s + moe_mem_b)
-        i_s += fixed + rerun_passes + tp_b + layers * cp_b
-        i_s += 2 / 5 * loss + moe * a2a * (2 if gpt.recompute_granularity == "full" else 1)
-        w_s = layers * one.weight_grad + output.weight_grad * last + fixed
-        w_s += moe * (moe_one.weight_grad - one.weight_grad)
+        layers = kind[0]
+        chunk_params, (f_s, i_s, w_s, fixed, *rest) = prices.chunk(*kind)
         # ZeRO-3 gathers the chunk before its forward and the layers before backward;
         # ZeRO-2/3 reduce-scatter the chunk's fp32 gradients bucket by bucket in every
         # backward, which waits for the last bucket's (started once its gradients are in)
@@ -289,9 +354,7 @@ def action_costs(gpt: GPTConfig, shape: Shape, hardware: Hardware) -> ActionCost
         i_s = _with_transfer(i_s, gather_b, hardware)
         w_s = _with_transfer(w_s, scatter - tail, hardware) + tail
         b_s = i_s + w_s - fixed  # one action, not two
-        cp_seconds = (layers * cp_f, layers * cp_b, layers * cp_calls_f, layers * cp_calls_b)
-        values = (f_s, i_s, w_s, b_s, f, i, w, tp_f, tp_b, calls_f, calls_b, *cp_seconds)
-        return chunk_params, values
+        return chunk_params, (f_s, i_s, w_s, b_s, *rest)
 
     sp = gpt.sequence_parallel
     p2p = pp_link.message(tokens * gpt.hidden_size * width / (tp if sp else 1))
@@ -305,12 +368,12 @@ def action_costs(gpt: GPTConfig, shape: Shape, hardware: Hardware) -> ActionCost
         """A rank's rows of the tables and its (parameters, end-of-step reduction, tail,
         optimizer step, embedding sum), from the stages of its chunks."""
         for stage in stages:
-            if kind(stage) not in chunks:
-                chunks[kind(stage)] = chunk(stage)
-        held = [chunks[kind(stage)] for stage in stages]
-        rows = [list(row) for row in zip(*(values for _, values in held), strict=True)]
+            if kinds[stage] not in chunks:
+                chunks[kinds[stage]] = chunk(kinds[stage])
+        held = [chunks[kinds[stage]] for stage in stages]
+        rows = list(zip(*(values for _, values in held), strict=True))
         rank_params = sum(n for n, _ in held)
-        experts = sum(chunk_expert_parameters(gpt, len(ranges[stage])) for stage in stages)
+        experts = sum(chunk_expert_parameters(gpt, layers[stage]) for stage in stages)
         dense = rank_params - experts
         # every bucket's collective beyond one pays its ring steps
         calls = sum(max(1, math.ceil(n / shape.bucket_size)) for n, _ in held) - 1
@@ -337,22 +400,22 @@ def action_costs(gpt: GPTConfig, shape: Shape, hardware: Hardware) -> ActionCost
         summed = embedding_sum * ends
         return rows, rank_params, end, exposed + gather + step + summed, step, summed
 
-    columns = list(tables.values())
-    reduce, tail, optimizer, sums = [], [], [], []
-    ranks: dict[tuple, tuple] = {}  # ranks whose chunks are of the same kinds cost the same
-    for rank in range(p):
-        stages, ends = shape.placement[rank], rank in (0, p - 1)
-        key = (tuple(map(kind, stages)), ends)
+    # ranks whose chunks are of the same kinds cost the same
+    rank_keys = [
+        (tuple([kinds[stage] for stage in stages]), rank in (0, p - 1))
+        for rank, stages in enumerate(shape.placement)
+    ]
+    ranks: dict[tuple, tuple] = {}
+    for key, stages in zip(rank_keys, shape.placement, strict=True):
         if key not in ranks:
-            ranks[key] = rank_costs(stages, ends)
-        rows, rank_params, end, rank_tail, step, summed = ranks[key]
-        for column, row in zip(columns, rows, strict=True):
-            column.append(list(row))
-        params.append(rank_params)
-        reduce.append(end)
-        tail.append(rank_tail)
-        optimizer.append(step)
-        sums.append(summed)
+            ranks[key] = rank_costs(stages, key[1])
+    per_rank = [ranks[key] for key in rank_keys]
+    for column, name in enumerate(names):
+        tables[name] = [costs[0][column] for costs in per_rank]
+    reduce = [costs[2] for costs in per_rank]
+    tail = [costs[3] for costs in per_rank]
+    optimizer = [costs[4] for costs in per_rank]
+    sums = [costs[5] for costs in per_rank]
     return ActionCosts(
         placement=shape.placement,
         forward=tables["f"],
