@@ -22,6 +22,7 @@ weight matmuls); :class:`~megapp.pipeline_parallel.simulate.CostModel`'s
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections import defaultdict, deque
 from collections.abc import Sequence
@@ -167,16 +168,19 @@ def greedy(
     ready = [[readiness(r, c) for c in range(v)] for r in range(p)]
     chunk_of = {stage: c for row in placement for c, stage in enumerate(row)}
     proposals = [proposal(rank) for rank in range(p)]
-    # when each rank's proposal starts (infinite: none), the earliest lowest rank first
-    starts = [math.inf if found is None else found[0] for found in proposals]
-    ranks = range(p)
+    # the proposals by start, the lowest rank first among equal starts; an entry is stale
+    # once its rank has proposed again
+    queue = [(found[0], rank) for rank, found in enumerate(proposals) if found is not None]
+    heapq.heapify(queue)
     for _ in range(total):
-        rank = min(ranks, key=starts.__getitem__)
-        if proposals[rank] is None:
+        while queue and (proposals[queue[0][1]] or (None,))[0] != queue[0][0]:
+            heapq.heappop(queue)
+        if not queue:
             raise ValueError(
                 f"{name}: no rank can run anything under activation limits {list(memory_limit)}; "
                 "a limit must allow at least one forward beyond what the pipeline needs"
             )
+        rank = heapq.heappop(queue)[1]
         start, op, chunk = proposals[rank]
         stage = placement[rank][chunk]
         if op is W:
@@ -202,7 +206,8 @@ def greedy(
         neighbours = (where[s] for s in (stage - 1, stage + 1) if 0 <= s <= last)
         for changed in {rank, *neighbours}:
             found = proposals[changed] = proposal(changed)
-            starts[changed] = math.inf if found is None else found[0]
+            if found is not None:
+                heapq.heappush(queue, (found[0], changed))
     return Schedule(name, p, m, v, tuple(map(tuple, actions)), placement=placement)
 
 

@@ -64,10 +64,11 @@ def expert_parameters(config: GPTConfig) -> int:
     experts, each an MLP of ``moe_ffn_hidden_size`` split over etp (0 for a dense model)."""
     if config.num_moe_experts is None:
         return 0
-    moe = config.moe_config()
-    return moe.num_local_experts * _mlp_parameters(
-        config, moe.moe_ffn_hidden_size, moe.expert_tensor_parallel_size
-    )
+    # the config's own fields (its checks filled in etp and the experts' width): a search
+    # asks this for every chunk, where building its MoEConfig would cost more than the sum
+    local = config.num_moe_experts // config.expert_model_parallel_size
+    width = config.moe_ffn_hidden_size
+    return local * _mlp_parameters(config, width, config.expert_tensor_parallel_size)
 
 
 def moe_layer_count(config: GPTConfig, num_layers: int) -> int:
