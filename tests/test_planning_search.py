@@ -59,6 +59,25 @@ def test_the_bound_is_never_above_the_simulated_time():
     assert checked > 30
 
 
+@pytest.mark.parametrize("gpu", ["h100", "h100-ops"])
+def test_the_busy_floor_is_never_above_the_bound(gpu):
+    """Every layout of a space (every schedule, recompute, ZeRO stage and overlap), priced
+    at one rate and by operation: the floor the search visits layouts by before it prices
+    their bound is at most that bound, and close to it for some (it spares pricing)."""
+    hardware = load_hardware(gpu).with_gpus_per_node(4)
+    planner = Planner(MODEL, hardware, 16, 8)
+    space = Space(max_micro_batch_size=2)
+    ratios = []
+    for layout in layouts(planner.base, 8, 4, 16, space, seq_length=MODEL.seq_length):
+        gpt = planner.gpt(layout)
+        if gpt is None or (bound := planner.bound(layout)) is None:
+            continue
+        floor = planner.busy_floor(layout, gpt, planner.costs(layout).placement)
+        assert 0 < floor <= bound * (1 + 1e-12), layout.name
+        ratios.append(floor / bound)
+    assert len(ratios) > 300 and max(ratios) > 0.9
+
+
 def test_layers_that_do_not_divide_are_split_with_the_embedding_and_the_loss_counted():
     """Six layers do not divide over four pipeline stages; six and the embedding and the
     loss do: the search lays out pp 4 that way alone (one chunk per rank, 1, 2, 2, 1

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import heapq
 import math
 import operator
 import time
@@ -245,6 +246,36 @@ class Planner:
             self._placements[key] = v_placement(pp) if v_shaped else looped_placement(pp, vpp)
         return self._placements[key]
 
+    def busy_floor(self, layout: Layout, gpt: GPTConfig, placement) -> float:
+        """A floor on ``layout``'s time below its :meth:`bound` and cheaper, from its
+        chunks' compute alone (a transfer never shortens an action): its microbatches'
+        forwards and backwards spread evenly over its pipeline ranks (the busiest computes
+        at least the average), and the first stage's ``m`` forwards, then the last
+        microbatch's way down the pipeline and back and the first stage's ``W`` (the
+        bound's chain without its messages and tail). ``-inf`` for a time model other
+        than devices of their own."""
+        if not isinstance(self.time, timing.Devices):
+            return -math.inf
+        mbs = layout.micro_batch_size
+        total, first, chain = self._memo(self._compute_seconds, gpt, mbs, placement)
+        m = self.gbs // (mbs * layout.dp)
+        return self.hardware.step_overhead + max(m * total / layout.pp, (m - 1) * first + chain)
+
+    def _compute_seconds(self, gpt: GPTConfig, mbs: int, placement) -> tuple[float, float, float]:
+        """One microbatch's forward and whole backward through every chunk of
+        ``placement``, the first stage's forward, and the way through every forward and
+        input gradient then the first stage's ``W``, before transfers."""
+        prices = timing.chunk_prices(gpt, self.model.seq_length, mbs, self.hardware)
+        layers = prices.stage_layers(placement)
+        last = len(layers) - 1
+        total = chain = 0.0
+        for stage, n in enumerate(layers):
+            f, i, w = prices.seconds(n, stage == 0, stage == last)
+            total += f + i + w
+            chain += f + i
+        first_f, _, first_w = prices.seconds(layers[0], True, last == 0)
+        return total, first_f, chain + first_w
+
     def bound(self, layout: Layout) -> float | None:
         """The lower bound on ``layout``'s time; None when it overflows memory."""
         key = self._key(layout)
@@ -399,32 +430,46 @@ class Planner:
     ) -> PlanResult:
         start = time.perf_counter()
         result = PlanResult(best=[])
-        bounded: list[tuple[float, int, Layout]] = []
         seq = self.model.seq_length
         if not self.hardware.overlap_communication:  # --tp-comm-overlap would hide nothing
             space = dataclasses.replace(space, tp_comm_overlap=False)
         found = layouts(self.base, self.gpus, gpus_per_node, self.gbs, space, seq_length=seq)
-        for layout in found:
+        floored: list[tuple[float, int, Layout]] = []
+        for index, layout in enumerate(found):
             result.enumerated += 1
             if progress is not None:
                 progress("bounded")
-            if self.gpt(layout) is None:  # the model's own rules refuse it
+            gpt = self.gpt(layout)
+            if gpt is None:  # the model's own rules refuse it
                 result.invalid += 1
                 continue
-            bound = self.bound(layout)
-            if bound is None:
+            placement = self._placement(layout.pp, layout.vpp, _kind(layout).v_shaped)
+            if not self.state_fits(layout, gpt, placement):
                 result.over_memory += 1
                 continue
-            bounded.append((bound, len(bounded), layout))
-        bounded.sort(key=lambda item: (item[0], item[1]))
+            floored.append((self.busy_floor(layout, gpt, placement), index, layout))
+        floored.sort(key=lambda item: (item[0], item[1]))
+        # Layouts are visited in order of their bound, which is priced only once every
+        # layout of a lower floor has been: a bound is never below its floor
+        bounded: list[tuple[float, int, Layout]] = []  # a heap
+        pending = iter(floored)
+        upcoming = next(pending, None)
         checked_before = self._checked_first
-        for bound, _, layout in bounded:
-            if len(result.best) >= top_k and bound >= result.best[top_k - 1].step.seconds:
+        while bounded or upcoming is not None:
+            kth = result.best[top_k - 1].step.seconds if len(result.best) >= top_k else math.inf
+            if upcoming is not None and (not bounded or upcoming[:2] < bounded[0][:2]):
+                if upcoming[0] >= kth:  # every later bound is at least this floor
+                    break
+                _, index, layout = upcoming
+                heapq.heappush(bounded, (self.bound(layout), index, layout))
+                upcoming = next(pending, None)
+                continue
+            bound, _, layout = heapq.heappop(bounded)
+            if bound >= kth:
                 break
             if progress is not None:
                 progress("simulated")
-            cutoff = result.best[-1].step.seconds if len(result.best) >= top_k else math.inf
-            outcome = self.evaluate(layout, self.costs(layout), cutoff)
+            outcome = self.evaluate(layout, self.costs(layout), kth)
             if isinstance(outcome, str):
                 counter = _COUNTED[outcome]
                 setattr(result, counter, getattr(result, counter) + 1)

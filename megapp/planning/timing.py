@@ -261,6 +261,13 @@ class ChunkPrices:
             self._chunks[key] = self._price(layers, first, last)
         return self._chunks[key]
 
+    def seconds(self, layers: int, first: bool, last: bool) -> tuple[float, float, float]:
+        """Seconds of one microbatch's forward, input gradient and weight gradients through
+        a chunk, before ZeRO's transfers (which only lengthen them); a whole backward is
+        the two less one action's fixed cost."""
+        _, (f_s, i_s, w_s, fixed, *_) = self.chunk(layers, first, last)
+        return f_s, i_s, w_s - fixed
+
     def _price(self, layers: int, first: bool, last: bool) -> tuple[int, tuple[float, ...]]:
         gpt, hardware = self.gpt, self.hardware
         lin, core, rerun, logits = self.lin, self.core, self.rerun, self.logits
