@@ -127,6 +127,13 @@ class Schedule:
         default_factory=dict, init=False, repr=False, compare=False, hash=False
     )
 
+    def __hash__(self) -> int:
+        """By its name and sizes alone: schedules key caches (their communication plans,
+        their messages), and hashing every action on each lookup cost more than the lookup
+        saved. Equal schedules hash alike; those of one name and size differ by ``==``."""
+        sizes = (self.num_stages, self.num_microbatches, self.num_chunks, self.iterations)
+        return hash((self.name, *sizes, self.update_interval, self.forward_only))
+
     def __post_init__(self) -> None:
         p, v = self.num_stages, self.num_chunks
         if not self.placement:
