@@ -243,13 +243,13 @@ class ChunkPrices:
         if gpt.recompute_granularity == "full":  # the rerun forward's passes, in the backward
             self.moe_mem_b += self.moe_mem_f
         self._chunks: dict[tuple[int, bool, bool], tuple[int, tuple[float, ...]]] = {}
-        self._layers: dict[tuple[tuple[int, ...], ...], list[int]] = {}
+        self._layers: dict[tuple[tuple[int, ...], ...], tuple[int, ...]] = {}
 
-    def stage_layers(self, placement: tuple[tuple[int, ...], ...]) -> list[int]:
+    def stage_layers(self, placement: tuple[tuple[int, ...], ...]) -> tuple[int, ...]:
         """Every virtual stage's layer count under ``placement``, as megapp builds it."""
         if placement not in self._layers:
             ranges = placement_layer_ranges(self.gpt, placement)
-            self._layers[placement] = [len(r) for r in ranges]
+            self._layers[placement] = tuple(len(r) for r in ranges)
         return self._layers[placement]
 
     def chunk(self, layers: int, first: bool, last: bool) -> tuple[int, tuple[float, ...]]:
@@ -345,7 +345,7 @@ def action_costs(gpt: GPTConfig, shape: Shape, hardware: Hardware) -> ActionCost
     def chunk(kind: tuple[int, bool, bool]) -> tuple[int, tuple[float, ...]]:
         """Parameters and (F, I, W, B seconds, F, I, W FLOPs, tp seconds in F, in I, tp
         calls in F, in I, cp seconds in F, in I, cp transfers in F, in I) of one chunk."""
-        layers = kind[0]
+        count = kind[0]  # its layers
         chunk_params, (f_s, i_s, w_s, fixed, *rest) = prices.chunk(*kind)
         # ZeRO-3 gathers the chunk before its forward and the layers before backward;
         # ZeRO-2/3 reduce-scatter the chunk's fp32 gradients bucket by bucket in every
@@ -353,7 +353,7 @@ def action_costs(gpt: GPTConfig, shape: Shape, hardware: Hardware) -> ActionCost
         gather_f = gather_b = scatter = tail = 0.0
         if shape.zero_stage == 3:
             gather_f = dp_link.all_gather(width * chunk_params, dp)
-            gather_b = gather_f * layers * layer_params / max(chunk_params, 1)
+            gather_b = gather_f * count * layer_params / max(chunk_params, 1)
         if shape.zero_stage >= 2:
             scatter = dp_link.all_gather(4 * chunk_params, dp)
             tail = scatter * min(1.0, shape.bucket_size / max(chunk_params, 1))
