@@ -4,6 +4,7 @@ and its errors."""
 from __future__ import annotations
 
 import dataclasses
+import re
 import shlex
 
 import pytest
@@ -244,24 +245,21 @@ def _fails_in_one_line(argv, message, capsys) -> None:
 
 
 def test_nothing_fits_says_so(tmp_path, capsys):
+    """Nothing fits: said so in one line, with what else refused layouts where any did
+    (GPT-2's 12 layers do not split over 8 pipeline ranks)."""
     tiny = dataclasses.replace(H100, name="tiny", memory_bytes=1e6)
     tiny.save(tmp_path / "tiny.json")
-    code = main(
-        [
-            "--model",
-            "gpt2",
-            "--gpus",
-            "8",
-            "--global-batch-size",
-            "8",
-            "--gpu",
-            str(tmp_path / "tiny.json"),
-        ]
-    )
-    assert code == 1
-    assert (
-        capsys.readouterr().err.strip() == "python -m megapp.plan: error: no layout fits in memory"
-    )
+    argv = ["--model", "gpt2", "--global-batch-size", "8", "--gpu", str(tmp_path / "tiny.json")]
+    assert main([*argv, "--gpus", "4"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == "python -m megapp.plan: error: no layout fits in memory"
+    assert main([*argv, "--gpus", "8"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert re.fullmatch(
+        r"python -m megapp.plan: error: no layout can run: \d+ over memory, [1-9]\d* refused "
+        r"by pretrain_gpt.py's checks, 0 deadlock on this transport",
+        err,
+    ), err
 
 
 @pytest.mark.parametrize(

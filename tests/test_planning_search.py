@@ -78,6 +78,30 @@ def test_the_busy_floor_is_never_above_the_bound(gpu):
     assert len(ratios) > 300 and max(ratios) > 0.9
 
 
+def test_a_pipeline_the_layers_do_not_split_over_is_refused_unpriced(monkeypatch):
+    """The enumeration lays out every pipeline size, refused ones included, to count them:
+    12 layers over 8 ranks (nor 13 or 14 with the loss or the embedding counted) are
+    refused by pretrain_gpt.py, and the search counts them so without pricing one."""
+    flags = ("--num-layers", "12", *FLAGS[2:])
+    planner = Planner(ModelPreset(flags, 32000, "12 layers"), load_hardware("h100"), 16, 8)
+    space = Space(max_micro_batch_size=2)
+    found = list(layouts(planner.base, 8, 8, 16, space, seq_length=MODEL.seq_length))
+    refused = [layout for layout in found if layout.pp == 8]
+    assert refused and all(layout.vpp == 1 for layout in refused)
+    with pytest.raises(ValueError, match="not divisible"):
+        pretrain_config(refused[0], flags, 16)
+    priced = []
+
+    def action_costs(gpt, shape, hardware, price=timing.action_costs):
+        priced.append(len(shape.placement))
+        return price(gpt, shape, hardware)
+
+    monkeypatch.setattr(timing, "action_costs", action_costs)
+    result = planner.plan(8, 3, space)
+    assert result.invalid >= len(refused) and result.best
+    assert priced and 8 not in priced  # pipeline sizes priced: never the refused one
+
+
 def test_layers_that_do_not_divide_are_split_with_the_embedding_and_the_loss_counted():
     """Six layers do not divide over four pipeline stages; six and the embedding and the
     loss do: the search lays out pp 4 that way alone (one chunk per rank, 1, 2, 2, 1

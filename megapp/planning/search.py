@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from megapp.models.gpt import GPTConfig, placement_layer_ranges
 from megapp.pipeline_parallel.catalog import build_schedule, default_schedule, schedule_kind
 from megapp.pipeline_parallel.messages import ScheduleError
+from megapp.pipeline_parallel.partition import check_layer_split
 from megapp.pipeline_parallel.schedules import Op, Schedule, looped_placement, v_placement
 from megapp.pipeline_parallel.simulate import finish_times
 from megapp.planning import step_time, timing
@@ -238,6 +239,25 @@ class Planner:
         self._costs[key] = costs
         return costs
 
+    @staticmethod
+    def _splits(gpt: GPTConfig, pp: int, vpp: int) -> bool:
+        """Whether ``pretrain_gpt.py`` splits ``gpt``'s layers over ``pp`` ranks of ``vpp``
+        chunks (Megatron's rules: :func:`check_layer_split`). The enumeration lays out the
+        sizes it refuses too, to count them; the search drops them unpriced."""
+        try:
+            check_layer_split(
+                gpt.num_layers,
+                pp,
+                vpp if vpp != 1 else None,
+                first=gpt.num_layers_in_first_pipeline_stage,
+                last=gpt.num_layers_in_last_pipeline_stage,
+                embedding=gpt.account_for_embedding_in_pipeline_split,
+                loss=gpt.account_for_loss_in_pipeline_split,
+            )
+        except ValueError:
+            return False
+        return True
+
     def _placement(self, pp: int, vpp: int, v_shaped: bool) -> tuple[tuple[int, ...], ...]:
         """The virtual stages of every pipeline rank, in a V or looped (built once per
         shape)."""
@@ -440,7 +460,8 @@ class Planner:
             if progress is not None:
                 progress("bounded")
             gpt = self.gpt(layout)
-            if gpt is None:  # the model's own rules refuse it
+            # the model's own rules refuse it, or its layers' split over the pipeline
+            if gpt is None or not self._memo(self._splits, gpt, layout.pp, layout.vpp):
                 result.invalid += 1
                 continue
             placement = self._placement(layout.pp, layout.vpp, _kind(layout).v_shaped)
