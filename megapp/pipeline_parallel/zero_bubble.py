@@ -83,21 +83,19 @@ def greedy(
         return 0.0 if where.get(peer_stage, rank) == rank else costs.p2p_latency
 
     # what a proposal reads, per [rank][chunk]: the latency of a message from the stage
-    # before and after (none from its own rank), a forward's activations, a W's time
+    # before and after (none from its own rank)
     from_prev = [[latency(r, s - 1) for s in row] for r, row in enumerate(placement)]
     from_next = [[latency(r, s + 1) for s in row] for r, row in enumerate(placement)]
-    forward_memory = [[costs.memory(r, Action(F, 0, c)) for c in range(v)] for r in range(p)]
-    weight_time = [[costs.time(r, Action(W, 0, c)) for c in range(v)] for r in range(p)]
     # every action's time and change in held memory, per op, [rank][chunk] (the same for
-    # every microbatch)
+    # every microbatch): what a proposal reads of a forward's activations and a W's time
     priced = {
         op: (
             [[costs.time(r, Action(op, 0, c)) for c in range(v)] for r in range(p)],
             [[costs.memory(r, Action(op, 0, c)) for c in range(v)] for r in range(p)],
         )
         for op in (F, backward, W)
-        if split_backward or op is not W
     }
+    forward_memory, weight_time = priced[F][1], priced[W][0]
 
     def ready_at(rank: int, op: Op, chunk: int) -> float | None:
         """When the next ``op`` of ``chunk`` on ``rank`` has its input, if known."""
@@ -173,7 +171,11 @@ def greedy(
     queue = [(found[0], rank) for rank, found in enumerate(proposals) if found is not None]
     heapq.heapify(queue)
     for _ in range(total):
-        while queue and (proposals[queue[0][1]] or (None,))[0] != queue[0][0]:
+        while queue:  # drop the stale entries on top
+            start, rank = queue[0]
+            found = proposals[rank]
+            if found is not None and found[0] == start:
+                break
             heapq.heappop(queue)
         if not queue:
             raise ValueError(

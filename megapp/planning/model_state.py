@@ -88,9 +88,14 @@ def chunk_expert_parameters(config: GPTConfig, num_layers: int) -> int:
 def chunk_parameters(config: GPTConfig, stage: int, num_stages: int, num_layers: int) -> int:
     """Parameters of virtual stage ``stage`` of ``num_stages`` holding ``num_layers``
     layers, on one tensor-parallel rank."""
+    return end_chunk_parameters(config, num_layers, stage == 0, stage == num_stages - 1)
+
+
+def end_chunk_parameters(config: GPTConfig, num_layers: int, first: bool, last: bool) -> int:
+    """Parameters of a chunk of ``num_layers`` layers on one tensor-parallel rank, with the
+    embedding where it is the ``first`` stage, the output layer where the ``last``."""
     tp, h = config.tensor_model_parallel_size, config.hidden_size
     vocab = config.padded_vocab_size
-    first, last = stage == 0, stage == num_stages - 1
     moe = moe_layer_count(config, num_layers)
     total = (num_layers - moe) * layer_parameters(config, False)
     total += moe * layer_parameters(config, True) if moe else 0

@@ -120,7 +120,6 @@ class Planner:
         self._memos: dict[tuple, object] = {}
         self._bounds: dict[tuple, float] = {}
         self._schedules: dict[tuple, Schedule | str] = {}
-        self._placements: dict[tuple, tuple[tuple[int, ...], ...]] = {}
         # per schedule, the first costs simulated with it and every rank's last event then
         self._references: dict[tuple, tuple[timing.ActionCosts, list[float]]] = {}
         # of the layouts fast enough to be checked after simulating: how many fitted, how
@@ -261,10 +260,7 @@ class Planner:
     def _placement(self, pp: int, vpp: int, v_shaped: bool) -> tuple[tuple[int, ...], ...]:
         """The virtual stages of every pipeline rank, in a V or looped (built once per
         shape)."""
-        key = (pp, vpp, v_shaped)
-        if key not in self._placements:
-            self._placements[key] = v_placement(pp) if v_shaped else looped_placement(pp, vpp)
-        return self._placements[key]
+        return self._memo(v_placement, pp) if v_shaped else self._memo(looped_placement, pp, vpp)
 
     def busy_floor(self, layout: Layout, gpt: GPTConfig, placement) -> float:
         """A floor on ``layout``'s time below its :meth:`bound` and cheaper, from its
@@ -288,13 +284,10 @@ class Planner:
         prices = timing.chunk_prices(gpt, self.model.seq_length, mbs, self.hardware)
         layers = prices.stage_layers(placement)
         last = len(layers) - 1
-        total = chain = 0.0
-        for stage, n in enumerate(layers):
-            f, i, w = prices.seconds(n, stage == 0, stage == last)
-            total += f + i + w
-            chain += f + i
-        first_f, _, first_w = prices.seconds(layers[0], True, last == 0)
-        return total, first_f, chain + first_w
+        seconds = [prices.seconds(n, stage == 0, stage == last) for stage, n in enumerate(layers)]
+        first_f, _, first_w = seconds[0]
+        total = sum(f + i + w for f, i, w in seconds)
+        return total, first_f, sum(f + i for f, i, _ in seconds) + first_w
 
     def bound(self, layout: Layout) -> float | None:
         """The lower bound on ``layout``'s time; None when it overflows memory."""

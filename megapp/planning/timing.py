@@ -86,7 +86,7 @@ from megapp.planning.layer_costs import (
 )
 from megapp.planning.model_state import (
     chunk_expert_parameters,
-    chunk_parameters,
+    end_chunk_parameters,
     layer_parameters,
     moe_layer_count,
 )
@@ -193,17 +193,13 @@ class ActionCosts:
             lowest = min(self.placement[rank])
             # when its first input can arrive: the forwards and hops before its lowest stage
             start = f_before[lowest] + hops_to[lowest]
-            forward = sum(self.forward[rank])
-            done = start + m * (forward + sum(self.whole_backward[rank]))
+            done = start + self.busy(rank, m, split_backward=False)
             whole.append(done + self.tail[rank])
             if lowest > 0:
                 down = b_before[lowest] + hops_to[lowest]
                 whole.append(done + down + self.tail[first_rank])
-            backward = sum(self.weight_grad[rank], sum(self.input_grad[rank]))
-            done = start + m * (forward + backward)
-            split.append(done + self.tail[rank])
-        results = [step_overhead + max(whole), step_overhead + max(split)]
-        return results[0], results[1]
+            split.append(start + self.busy(rank, m) + self.tail[rank])
+        return step_overhead + max(whole), step_overhead + max(split)
 
 
 class ChunkPrices:
@@ -274,9 +270,7 @@ class ChunkPrices:
         one, output, rerun_s = self.one, self.output, self.rerun_s
         moe_one, moe_lin, moe_rerun_s, a2a = self.moe_one, self.moe_lin, self.moe_rerun_s, self.a2a
         cp_f, cp_b, cp_calls_f, cp_calls_b = self.cp
-        # stage 0 holds the embedding, the last stage the output layer and the loss
-        num_stages = 2 - first + (not last)
-        chunk_params = chunk_parameters(gpt, 0 if first else 1, num_stages, layers)
+        chunk_params = end_chunk_parameters(gpt, layers, first, last)
         moe = moe_layer_count(gpt, layers)
         f = layers * (lin + core) + moe * moe_lin + logits * last
         i = layers * (lin + 2 * core + rerun) + moe * (moe_lin + self.moe_rerun) + logits * last
@@ -372,8 +366,8 @@ def action_costs(gpt: GPTConfig, shape: Shape, hardware: Hardware) -> ActionCost
     edp = tp * dp // (gpt.expert_tensor_parallel_size * gpt.expert_model_parallel_size)
 
     def rank_costs(stages: tuple[int, ...], ends: bool) -> tuple:
-        """A rank's rows of the tables and its (parameters, end-of-step reduction, tail,
-        optimizer step, embedding sum), from the stages of its chunks."""
+        """A rank's rows of the tables and its (end-of-step reduction, tail, optimizer step,
+        embedding sum), from the stages of its chunks."""
         for stage in stages:
             if kinds[stage] not in chunks:
                 chunks[kinds[stage]] = chunk(kinds[stage])
@@ -405,7 +399,7 @@ def action_costs(gpt: GPTConfig, shape: Shape, hardware: Hardware) -> ActionCost
         held_grads = rank_params if shape.zero_stage < 2 else owned  # zeroed every step
         step = (owned * _optimizer_bytes(width) + 4 * held_grads) / hardware.memory_bandwidth
         summed = embedding_sum * ends
-        return rows, rank_params, end, exposed + gather + step + summed, step, summed
+        return rows, end, exposed + gather + step + summed, step, summed
 
     # ranks whose chunks are of the same kinds cost the same
     rank_keys = [
@@ -419,10 +413,7 @@ def action_costs(gpt: GPTConfig, shape: Shape, hardware: Hardware) -> ActionCost
     per_rank = [ranks[key] for key in rank_keys]
     for column, name in enumerate(names):
         tables[name] = [costs[0][column] for costs in per_rank]
-    reduce = [costs[2] for costs in per_rank]
-    tail = [costs[3] for costs in per_rank]
-    optimizer = [costs[4] for costs in per_rank]
-    sums = [costs[5] for costs in per_rank]
+    reduce, tail, optimizer, sums = ([costs[k] for costs in per_rank] for k in range(1, 5))
     return ActionCosts(
         placement=shape.placement,
         forward=tables["f"],
