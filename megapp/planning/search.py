@@ -29,6 +29,7 @@ from megapp.pipeline_parallel.partition import check_layer_split
 from megapp.pipeline_parallel.schedules import Op, Schedule, looped_placement, v_placement
 from megapp.pipeline_parallel.simulate import finish_times
 from megapp.planning import step_time, timing
+from megapp.planning.chunk_prices import chunk_prices
 from megapp.planning.hardware import Hardware
 from megapp.planning.layout import Layout, pretrain_config
 from megapp.planning.layout_space import Space, layouts
@@ -281,7 +282,7 @@ class Planner:
         """One microbatch's forward and whole backward through every chunk of
         ``placement``, the first stage's forward, and the way through every forward and
         input gradient then the first stage's ``W``, before transfers."""
-        prices = timing.chunk_prices(gpt, self.model.seq_length, mbs, self.hardware)
+        prices = chunk_prices(gpt, self.model.seq_length, mbs, self.hardware)
         layers = prices.stage_layers(placement)
         last = len(layers) - 1
         seconds = [prices.seconds(n, stage == 0, stage == last) for stage, n in enumerate(layers)]
