@@ -278,6 +278,19 @@ class Planner:
         m = self.gbs // (mbs * layout.dp)
         return self.hardware.step_overhead + max(m * total / layout.pp, (m - 1) * first + chain)
 
+    def _screen(self, layout: Layout) -> float | str:
+        """What ``layout`` is before any pricing: "invalid" (the model's own rules refuse
+        it, or its layers' split over the pipeline), "memory" (a rank's model state alone
+        overflows), else its :meth:`busy_floor`. A function of :meth:`_key`: the layouts
+        that differ only in their schedule's name share it."""
+        gpt = self.gpt(layout)
+        if gpt is None or not self._memo(self._splits, gpt, layout.pp, layout.vpp):
+            return "invalid"
+        placement = self._placement(layout.pp, layout.vpp, _kind(layout).v_shaped)
+        if not self.state_fits(layout, gpt, placement):
+            return "memory"
+        return self.busy_floor(layout, gpt, placement)
+
     def _compute_seconds(self, gpt: GPTConfig, mbs: int, placement) -> tuple[float, float, float]:
         """One microbatch's forward and whole backward through every chunk of
         ``placement``, the first stage's forward, and the way through every forward and
@@ -449,20 +462,21 @@ class Planner:
             space = dataclasses.replace(space, tp_comm_overlap=False)
         found = layouts(self.base, self.gpus, gpus_per_node, self.gbs, space, seq_length=seq)
         floored: list[tuple[float, int, Layout]] = []
+        screened: dict[tuple, float | str] = {}  # per cost key: the screen's outcome
         for index, layout in enumerate(found):
             result.enumerated += 1
             if progress is not None:
                 progress("bounded")
-            gpt = self.gpt(layout)
-            # the model's own rules refuse it, or its layers' split over the pipeline
-            if gpt is None or not self._memo(self._splits, gpt, layout.pp, layout.vpp):
+            key = self._key(layout)
+            outcome = screened.get(key)
+            if outcome is None:
+                outcome = screened[key] = self._screen(layout)
+            if outcome == "invalid":
                 result.invalid += 1
-                continue
-            placement = self._placement(layout.pp, layout.vpp, _kind(layout).v_shaped)
-            if not self.state_fits(layout, gpt, placement):
+            elif outcome == "memory":
                 result.over_memory += 1
-                continue
-            floored.append((self.busy_floor(layout, gpt, placement), index, layout))
+            else:
+                floored.append((outcome, index, layout))
         floored.sort(key=lambda item: (item[0], item[1]))
         # Layouts are visited in order of their bound, which is priced only once every
         # layout of a lower floor has been: a bound is never below its floor
