@@ -4,6 +4,7 @@ the timeline the network model gives."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import math
 import random
@@ -244,6 +245,43 @@ def test_a_schedule_simulated_once_bounds_its_other_layouts():
         assert scaled <= (finish + hardware.step_overhead) * (1 + 1e-12), layout.name
         checked += 1
     assert checked > 100
+
+
+def test_the_opening_floor_is_never_above_the_whole_schedules():
+    """ZB-H2's floor from every rank's first actions, taken before its schedule is built,
+    is at most the floor from all of them (so it refuses only what that one refuses), and
+    mostly close to it: the opening is where a rank fills up."""
+    planner = Planner(MODEL, load_hardware("h100").with_gpus_per_node(4), 64, 8)
+    found = layouts(planner.base, 8, 4, 64, Space(max_micro_batch_size=2), seq_length=512)
+    found = [lay for lay in found if lay.schedule == "zb-h2" and planner.costs(lay) is not None]
+    # every opening first: no schedule is built yet
+    openings = [planner.opening_floor(layout, planner.gpt(layout)) for layout in found]
+    ratios = []
+    for layout, opening in zip(found, openings, strict=True):
+        gpt = planner.gpt(layout)
+        schedule = planner.schedule(layout)
+        if isinstance(schedule, str):
+            continue
+        whole = planner.memory_floor(layout, gpt, schedule)
+        assert 0 < opening <= whole, layout.name
+        assert planner.opening_floor(layout, gpt) == -math.inf  # built: the whole is known
+        ratios.append(opening / whole)
+    assert len(ratios) > 20
+    assert sorted(ratios)[len(ratios) // 2] > 0.9, ratios
+    # where the opening alone is over memory, the search refuses it without building it
+    tight = load_hardware("h100").with_gpus_per_node(4)
+    tight = dataclasses.replace(
+        tight, memory_bytes=min(openings) + 0.5 * (max(openings) - min(openings))
+    )
+    planner = Planner(MODEL, tight, 64, 8)
+    refused = 0
+    for layout in found:
+        costs, gpt = planner.costs(layout), planner.gpt(layout)
+        if costs is not None and planner.opening_floor(layout, gpt) > tight.usable_memory:
+            assert planner.evaluate(layout, costs) == "memory"
+            assert planner.opening_floor(layout, gpt) > -math.inf  # still not built
+            refused += 1
+    assert refused > 10
 
 
 def test_progress_counts_every_layout_bounded_then_every_one_visited():

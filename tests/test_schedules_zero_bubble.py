@@ -8,7 +8,7 @@ from megapp.pipeline_parallel.catalog import SCHEDULES, build_schedule
 from megapp.pipeline_parallel.messages import ScheduleError
 from megapp.pipeline_parallel.schedules import Action, Op, interleaved_1f1b, looped_placement
 from megapp.pipeline_parallel.simulate import CostModel, simulate
-from megapp.pipeline_parallel.zero_bubble import greedy
+from megapp.pipeline_parallel.zero_bubble import greedy, zb_h2, zb_h2_opening
 
 F, B, I, W = Op.FORWARD, Op.BACKWARD, Op.INPUT_GRAD, Op.WEIGHT_GRAD
 CHUNKS = {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": 2, "looped-bfs": 2}
@@ -78,6 +78,30 @@ def test_greedy_keeps_to_its_memory_limit_and_refuses_an_impossible_one():
         assert max(simulate(schedule, _eager(1)).peak_in_flight) <= limit
     with pytest.raises(ValueError, match="no rank can run anything"):
         greedy("g", 4, 8, 1, placement, [0.5] * 4, _eager(1))
+
+
+@pytest.mark.parametrize("p, m, v", [(2, 3, 8), (4, 8, 1), (4, 12, 6), (8, 48, 3), (16, 96, 2)])
+def test_zb_h2_opening_is_every_ranks_first_actions(p, m, v):
+    """The opening is a prefix of every rank's list, where rank 0 already holds the most
+    microbatches between their forward and their input gradient it ever does; with many
+    microbatches a small part of the whole."""
+    whole, opening = zb_h2(p, m, v).actions, zb_h2_opening(p, m, v)
+
+    def most_in_flight(actions):
+        held = top = 0
+        for action in actions:
+            held += {F: 1, I: -1}.get(action.op, 0)
+            top = max(top, held)
+        return top
+
+    assert len(opening) == p
+    for rank in range(p):
+        assert opening[rank] == whole[rank][: len(opening[rank])]
+    assert most_in_flight(opening[0]) == most_in_flight(whole[0]) >= min(m, 2 * p - 1)
+    share = sum(map(len, opening)) / sum(map(len, whole))
+    assert share <= min(1.0, (2 * p + 2) / (3 * m)) + 1e-12
+    if m >= 4 * p:
+        assert share < 0.25
 
 
 def test_split_backward_rules_are_checked():

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from megapp.pipeline_parallel.asynchronous import pipedream, pipedream_2bw
 from megapp.pipeline_parallel.schedules import (
+    Action,
     Schedule,
     gpipe,
     interleaved_1f1b,
@@ -22,7 +23,7 @@ from megapp.pipeline_parallel.schedules import (
     one_f_one_b,
     v_placement,
 )
-from megapp.pipeline_parallel.zero_bubble import dualpipev, zb_h1, zb_h2, zb_v
+from megapp.pipeline_parallel.zero_bubble import dualpipev, zb_h1, zb_h2, zb_h2_opening, zb_v
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,10 @@ class ScheduleKind:
         grouped: it takes a microbatch group size (Megatron's
             ``microbatch_group_size_per_vp_stage``).
         vertical_sync: it can run every stage on the first stage's weights version.
+        opening: ``(p, m, v) ->`` every rank's first actions, each a prefix of its list in
+            ``build``'s schedule, for a fraction of its cost (None: nothing cheaper than
+            the whole). What a rank holds over its prefix is at most what it holds over
+            the whole, so a planner can refuse a layout on memory before building it.
     """
 
     name: str
@@ -56,6 +61,7 @@ class ScheduleKind:
     default_for: str | None = None
     grouped: bool = False
     vertical_sync: bool = False
+    opening: Callable[[int, int, int], tuple[tuple[Action, ...], ...]] | None = None
 
     @property
     def fixed_chunks(self) -> int | None:
@@ -107,7 +113,7 @@ _KINDS = (
     ),
     ScheduleKind("looped-bfs", looped_bfs),
     ScheduleKind("zb-h1", zb_h1, split_backward=True),
-    ScheduleKind("zb-h2", zb_h2, split_backward=True),
+    ScheduleKind("zb-h2", zb_h2, split_backward=True, opening=zb_h2_opening),
     ScheduleKind("zb-v", zb_v, 2, 2, v_shaped=True, split_backward=True),
     ScheduleKind("dualpipev", dualpipev, 2, 2, v_shaped=True, split_backward=True),
     ScheduleKind("pipedream", pipedream, max_chunks=1, asynchronous=True, vertical_sync=True),

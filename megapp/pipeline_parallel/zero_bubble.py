@@ -52,7 +52,28 @@ def greedy(
     costs: CostModel | None = None,
     split_backward: bool = True,
 ) -> Schedule:
-    """List-schedule every rank's actions against ``costs`` (the zero-bubble heuristic).
+    """List-schedule every rank's actions against ``costs`` (the zero-bubble heuristic):
+    :func:`greedy_actions`, all of them, as a :class:`Schedule`."""
+    placement = tuple(tuple(row) for row in placement)
+    args = (num_stages, num_microbatches, num_chunks, placement, memory_limit, costs)
+    actions = greedy_actions(name, *args, split_backward=split_backward)
+    return Schedule(name, num_stages, num_microbatches, num_chunks, actions, placement=placement)
+
+
+def greedy_actions(
+    name: str,
+    num_stages: int,
+    num_microbatches: int,
+    num_chunks: int,
+    placement: Sequence[Sequence[int]],
+    memory_limit: Sequence[float],
+    costs: CostModel | None = None,
+    split_backward: bool = True,
+    decisions: int | None = None,
+) -> tuple[tuple[Action, ...], ...]:
+    """Every rank's actions as the zero-bubble heuristic orders them against ``costs``;
+    with ``decisions``, only the first that many it decides (over all ranks), which leaves
+    each rank's list a prefix of its whole one.
 
     Time advances event by event; a rank free at time ``t`` picks, among what is ready
     then: an input gradient (or whole backward), oldest first; else a forward if its
@@ -156,6 +177,8 @@ def greedy(
         return start, op, chunk
 
     total = m * v * p * (3 if split_backward else 2)
+    if decisions is not None:
+        total = min(total, decisions)
 
     # A rank's proposal reads its own state and when its stages' neighbours finished: an
     # action changes only its own rank's and the ranks holding the next and previous stage.
@@ -210,7 +233,7 @@ def greedy(
             found = proposals[changed] = proposal(changed)
             if found is not None:
                 heapq.heappush(queue, (found[0], changed))
-    return Schedule(name, p, m, v, tuple(map(tuple, actions)), placement=placement)
+    return tuple(map(tuple, actions))
 
 
 def zb_h1(num_stages: int, num_microbatches: int, num_chunks: int = 1) -> Schedule:
@@ -260,10 +283,26 @@ def zb_h1(num_stages: int, num_microbatches: int, num_chunks: int = 1) -> Schedu
 def zb_h2(num_stages: int, num_microbatches: int, num_chunks: int = 1) -> Schedule:
     """ZB-H2: every rank may hold ``2p - 1`` microbatches (``v`` times as many
     chunk-activations), enough that the bubble nearly vanishes at uniform costs."""
+    return greedy("zb-h2", *_zb_h2_inputs(num_stages, num_microbatches, num_chunks))
+
+
+def zb_h2_opening(
+    num_stages: int, num_microbatches: int, num_chunks: int = 1
+) -> tuple[tuple[Action, ...], ...]:
+    """Every rank's first actions under :func:`zb_h2`, each a prefix of its whole list:
+    those of about the first ``2p + 2`` units of time (a unit is one microbatch's forward
+    through a rank's chunks), by which rank 0 has reached its cap of ``2p - 1``
+    microbatches and every rank its steady state. What it holds then bounds from below
+    what the whole schedule holds, at a fraction ``(2p + 2) / 3m`` of the cost."""
     p, v = num_stages, num_chunks
+    decisions = p * v * (2 * p + 2)
+    return greedy_actions("zb-h2", *_zb_h2_inputs(p, num_microbatches, v), decisions=decisions)
+
+
+def _zb_h2_inputs(p: int, m: int, v: int) -> tuple:
+    """:func:`greedy`'s sizes, placement, caps and costs for ZB-H2."""
     limits = [float(v * (2 * p - 1))] * p
-    costs = CostModel(forward=1.0 / v, backward=2.0 / v)
-    return greedy("zb-h2", p, num_microbatches, v, looped_placement(p, v), limits, costs)
+    return p, m, v, looped_placement(p, v), limits, CostModel(forward=1.0 / v, backward=2.0 / v)
 
 
 class _Counter:

@@ -56,7 +56,7 @@ import torch
 from megapp.models.gpt import GPTConfig, placement_layer_ranges
 from megapp.pipeline_parallel.asynchronous import stash_profile
 from megapp.pipeline_parallel.catalog import asynchronous_run
-from megapp.pipeline_parallel.schedules import Op, Schedule
+from megapp.pipeline_parallel.schedules import Action, Op
 from megapp.planning.activations import (
     full_recompute_layer_bytes,
     layer_activation_bytes,
@@ -461,11 +461,11 @@ class HeldWalk:
         return max(top, 0.0)
 
 
-def held_walk(schedule: Schedule, rank: int) -> HeldWalk:
-    """:class:`HeldWalk` of ``rank`` under ``schedule``."""
-    actions = [a for a in schedule.actions[rank] if a.op is not Op.UPDATE]
+def held_walk(actions: Sequence[Action], num_chunks: int) -> HeldWalk:
+    """:class:`HeldWalk` of a rank that runs ``actions`` on ``num_chunks`` model chunks."""
+    actions = [a for a in actions if a.op is not Op.UPDATE]
     codes = tuple(4 * a.chunk + _HELD_CODES[a.op] for a in actions)
-    forwards: list[list[int]] = [[] for _ in schedule.placement[rank]]
+    forwards: list[list[int]] = [[] for _ in range(num_chunks)]
     for position, action in enumerate(actions):
         if action.op is Op.FORWARD:
             forwards[action.chunk].append(position)

@@ -34,6 +34,7 @@ from megapp.planning.hardware import Hardware
 from megapp.planning.layout import Layout, pretrain_config
 from megapp.planning.layout_space import Space, layouts
 from megapp.planning.memory import (
+    HeldWalk,
     chunk_activation_bytes,
     chunk_working_bytes,
     expert_data_parallel_size,
@@ -121,6 +122,7 @@ class Planner:
         self._memos: dict[tuple, object] = {}
         self._bounds: dict[tuple, float] = {}
         self._schedules: dict[tuple, Schedule | str] = {}
+        self._openings: dict[tuple, list[HeldWalk] | None] = {}  # per schedule key
         # per schedule, the first costs simulated with it and every rank's last event then
         self._references: dict[tuple, tuple[timing.ActionCosts, list[float]]] = {}
         # of the layouts fast enough to be checked after simulating: how many fitted, how
@@ -187,13 +189,48 @@ class Planner:
         the checked config): the worst rank's model state and what its schedule holds at
         once (activations, and what a split backward keeps from ``I`` to ``W``), with a
         forward's working memory just after each forward."""
-        placement = schedule.placement
+        walks = self._memo(self._schedule_walks, schedule)
+        return self._held_floor(layout, gpt, schedule.placement, walks)
+
+    def opening_floor(self, layout: Layout, gpt: GPTConfig) -> float:
+        """A floor below :meth:`memory_floor`'s, before the schedule is built: what every
+        rank holds over its first actions (the schedule kind's ``opening``, where it has one
+        cheaper than the whole; ``-inf`` otherwise, and once the schedule is built)."""
+        key = self._schedule_key(layout)
+        opening = _kind(layout).opening
+        if opening is None or key in self._schedules:
+            return -math.inf
+        if key not in self._openings:
+            try:
+                actions = opening(*key[1:])
+            except ValueError:  # not for these sizes: building it says so
+                self._openings[key] = None
+            else:
+                self._openings[key] = self._held_walks(actions, layout.vpp)
+        walks = self._openings[key]
+        if walks is None:
+            return -math.inf
+        placement = self._placement(layout.pp, layout.vpp, _kind(layout).v_shaped)
+        return self._held_floor(layout, gpt, placement, walks)
+
+    @staticmethod
+    def _held_walks(actions, num_chunks: int) -> list[HeldWalk]:
+        return [held_walk(rank_actions, num_chunks) for rank_actions in actions]
+
+    @classmethod
+    def _schedule_walks(cls, schedule: Schedule) -> list[HeldWalk]:
+        return cls._held_walks(schedule.actions, schedule.num_chunks)
+
+    def _held_floor(
+        self, layout: Layout, gpt: GPTConfig, placement, walks: list[HeldWalk]
+    ) -> float:
+        """The worst rank's model state and the floor of ``walks[rank]``'s held bytes."""
         layers = self._stage_layers(gpt, placement)
         states = self.rank_states(layout, gpt, placement)
         s, b, last = self.model.seq_length // layout.cp, layout.micro_batch_size, len(layers) - 1
+        fused = self.hardware.transport == "gloo"  # on CPUs
         floor = 0.0
         for rank, row in enumerate(placement):
-            held = self._memo(held_walk, schedule, rank)
             sizes = [
                 self._memo(chunk_activation_bytes, gpt, layers[st], st == 0, st == last, s, b)
                 for st in row
@@ -201,14 +238,13 @@ class Planner:
             stores = [
                 self._memo(weight_grad_store_bytes, gpt, layers[st], st == last, s, b) for st in row
             ]
-            fused = self.hardware.transport == "gloo"  # on CPUs
             working = [
                 self._memo(
                     chunk_working_bytes, gpt, layers[st], st == last, Op.FORWARD, s, b, fused
                 )
                 for st in row
             ]
-            floor = max(floor, states[rank] + held.floor(sizes, stores, working))
+            floor = max(floor, states[rank] + walks[rank].floor(sizes, stores, working))
         return floor
 
     @staticmethod
@@ -339,13 +375,17 @@ class Planner:
         each is checked first instead: a few milliseconds against tens for a simulation.
         Either order gives the same prediction; only the counts of why others were dropped
         differ."""
-        schedule = self.schedule(layout)
-        if isinstance(schedule, str):
-            return schedule
         key = self._schedule_key(layout)
+        if isinstance(self._schedules.get(key), str):  # built before: invalid, or deadlocks
+            return self._schedules[key]
         if self.scaled_bound(layout, costs) >= cutoff:
             return "bounded"
         gpt = self.gpt(layout)
+        if self.opening_floor(layout, gpt) > self.hardware.usable_memory:
+            return "memory"
+        schedule = self.schedule(layout)
+        if isinstance(schedule, str):
+            return schedule
         if self.memory_floor(layout, gpt, schedule) > self.hardware.usable_memory:
             return "memory"
         checked = None
