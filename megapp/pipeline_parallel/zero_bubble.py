@@ -290,10 +290,11 @@ def zb_h2_opening(
     num_stages: int, num_microbatches: int, num_chunks: int = 1
 ) -> tuple[tuple[Action, ...], ...]:
     """Every rank's first actions under :func:`zb_h2`, each a prefix of its whole list:
-    those of about the first ``2p + 2`` units of time (a unit is one microbatch's forward
-    through a rank's chunks), by which rank 0 has reached its cap of ``2p - 1``
-    microbatches and every rank its steady state. What it holds then bounds from below
-    what the whole schedule holds, at a fraction ``(2p + 2) / 3m`` of the cost."""
+    the greedy's first ``p·v·(2p + 2)`` decisions, about the first ``2p + 2`` units of
+    time (a unit is one microbatch's forward through a rank's chunks), by which rank 0
+    holds the most microbatches between forward and input gradient it ever does (only
+    deferred ``W``s pile up later). What a rank holds over them bounds from below what it
+    holds over the whole schedule, at a fraction ``(2p + 2) / 3m`` of the cost."""
     p, v = num_stages, num_chunks
     decisions = p * v * (2 * p + 2)
     return greedy_actions("zb-h2", *_zb_h2_inputs(p, num_microbatches, v), decisions=decisions)
