@@ -346,7 +346,8 @@ def _forward_transient(layer, x: torch.Tensor) -> tuple[int, torch.Tensor]:
     from megapp.training.live_memory import LiveTensorMemory
 
     gc.collect()
-    alive = [t for t in gc.get_objects() if isinstance(t, torch.Tensor)]
+    # by type: isinstance reads __class__, which a deprecated torch.distributed alias warns on
+    alive = [t for t in gc.get_objects() if issubclass(type(t), torch.Tensor)]
     with LiveTensorMemory() as memory:
         output, _ = layer(x)
         gc.collect()
