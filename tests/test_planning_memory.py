@@ -341,7 +341,7 @@ def test_zero_buffers_peak_is_predicted(zero, schedule, tmp_path):
     before it ends, so its buckets are whole only within it: ZeRO-2 within 1%; ZeRO-3,
     whose buckets are a layer each, at most 5% over and never under (a layer's bucket is
     counted beside the whole of the layer's working memory, which peaks at its first weight
-    gradient, before the bucket exists). Under ZB-H1 a chunk's buckets are whole from its
+    gradient, while the bucket is being made). Under ZB-H1 a chunk's buckets are whole from its
     first backward on, and the end of a ``W`` waits for the slices: within 1%."""
     from megapp.testing.pretrain_world import run_pretrain_in_world
     from megapp.training.metrics import read_records
