@@ -122,7 +122,6 @@ class Planner:
         self._memos: dict[tuple, object] = {}
         self._bounds: dict[tuple, float] = {}
         self._schedules: dict[tuple, Schedule | str] = {}
-        self._openings: dict[tuple, list[HeldWalk] | None] = {}  # per schedule key
         # per schedule, the first costs simulated with it and every rank's last event then
         self._references: dict[tuple, tuple[timing.ActionCosts, list[float]]] = {}
         # of the layouts fast enough to be checked after simulating: how many fitted, how
@@ -200,18 +199,21 @@ class Planner:
         opening = _kind(layout).opening
         if opening is None or key in self._schedules:
             return -math.inf
-        if key not in self._openings:
-            try:
-                actions = opening(*key[1:])
-            except ValueError:  # not for these sizes: building it says so
-                self._openings[key] = None
-            else:
-                self._openings[key] = self._held_walks(actions, layout.vpp)
-        walks = self._openings[key]
+        walks = self._memo(self._opening_walks, opening, *key[1:])
         if walks is None:
             return -math.inf
         placement = self._placement(layout.pp, layout.vpp, _kind(layout).v_shaped)
         return self._held_floor(layout, gpt, placement, walks)
+
+    @classmethod
+    def _opening_walks(cls, opening, pp: int, m: int, vpp: int) -> list[HeldWalk] | None:
+        """Every rank's walk over ``opening(pp, m, vpp)``; None where it refuses those
+        sizes (building the schedule says why)."""
+        try:
+            actions = opening(pp, m, vpp)
+        except ValueError:
+            return None
+        return cls._held_walks(actions, vpp)
 
     @staticmethod
     def _held_walks(actions, num_chunks: int) -> list[HeldWalk]:
