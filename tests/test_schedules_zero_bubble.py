@@ -8,7 +8,7 @@ from megapp.pipeline_parallel.catalog import SCHEDULES, build_schedule
 from megapp.pipeline_parallel.messages import ScheduleError
 from megapp.pipeline_parallel.schedules import Action, Op, interleaved_1f1b, looped_placement
 from megapp.pipeline_parallel.simulate import CostModel, simulate
-from megapp.pipeline_parallel.zero_bubble import greedy, zb_h2, zb_h2_opening
+from megapp.pipeline_parallel.zero_bubble_greedy import greedy, zb_h2, zb_h2_opening
 
 F, B, I, W = Op.FORWARD, Op.BACKWARD, Op.INPUT_GRAD, Op.WEIGHT_GRAD
 CHUNKS = {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": 2, "looped-bfs": 2}

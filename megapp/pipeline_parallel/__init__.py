@@ -35,7 +35,8 @@ from megapp.pipeline_parallel.schedules import (
 )
 from megapp.pipeline_parallel.simulate import CostModel, Timeline, simulate
 from megapp.pipeline_parallel.weight_stash import WeightStash
-from megapp.pipeline_parallel.zero_bubble import dualpipev, zb_h1, zb_h2, zb_v
+from megapp.pipeline_parallel.zero_bubble import dualpipev, zb_h1, zb_v
+from megapp.pipeline_parallel.zero_bubble_greedy import zb_h2
 
 __all__ = [
     "ASYNC_SCHEDULES",

@@ -23,7 +23,8 @@ from megapp.pipeline_parallel.schedules import (
     one_f_one_b,
     v_placement,
 )
-from megapp.pipeline_parallel.zero_bubble import dualpipev, zb_h1, zb_h2, zb_h2_opening, zb_v
+from megapp.pipeline_parallel.zero_bubble import dualpipev, zb_h1, zb_v
+from megapp.pipeline_parallel.zero_bubble_greedy import zb_h2, zb_h2_opening
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ recorded iteration), a point-to-point latency and what each rank may hold, the s
 simulates every candidate and keeps the shortest iteration:
 
 - every built-in schedule that the placement allows;
-- the zero-bubble list scheduler (:func:`~megapp.pipeline_parallel.zero_bubble.greedy`)
+- the zero-bubble list scheduler (:func:`~megapp.pipeline_parallel.zero_bubble_greedy.greedy`)
   run against *these* costs, with whole and split backwards, under every activation
   cap from one microbatch-chunk up to the limit.
 
@@ -33,7 +33,7 @@ from megapp.pipeline_parallel.schedules import (
     v_placement,
 )
 from megapp.pipeline_parallel.simulate import CostModel, Event, Timeline, simulate
-from megapp.pipeline_parallel.zero_bubble import greedy
+from megapp.pipeline_parallel.zero_bubble_greedy import greedy
 
 _ACTION = re.compile(r"^([FBIW])(\d+)(?:\.(\d+))?$")
 
